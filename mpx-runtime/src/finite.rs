@@ -1,0 +1,1 @@
+//! Bit-level finiteness checks over slices and trees.

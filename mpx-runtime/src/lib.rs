@@ -1,0 +1,21 @@
+//! Runtime of [mpx](https://docs.rs/mpx): everything that runs. Use it through the `mpx` crate.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`precision`] | full (`f32`) and half (`f16`, `AMP<f16>`, emulated `bf16`) precision types |
+//! | [`policy`] | jmp-style precision policies and their strings |
+//! | [`cast`] | casting any tree between precisions |
+//! | [`scaling`] | loss scales: no-op, static, dynamic |
+//! | [`finite`] | bit-level finiteness checks |
+//! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
+//! | [`region`] | full-precision regions inside a half-precision graph |
+//! | [`mx`] | OCP Microscaling (MX) block formats |
+
+pub mod cast;
+pub mod finite;
+pub mod mx;
+pub mod policy;
+pub mod precision;
+pub mod region;
+pub mod scaling;
+pub mod step;

@@ -1,0 +1,1 @@
+//! OCP Microscaling (MX) block formats: element codecs, block quantization, packed tensors.

@@ -1,0 +1,1 @@
+//! jmp-style precision policies (param / compute / output) and their strings.

@@ -1,0 +1,235 @@
+//! Precision types: which element type a tensor is stored in, and how values are rounded into it.
+//!
+//! Full precision is [`f32`]. Half precision is a type parameter `H: HalfPrecision` with three
+//! implementations:
+//!
+//! | marker | storage (`H::Elem`) | what it is |
+//! |---|---|---|
+//! | [`f16`] | `f16` | IEEE binary16, native dfdx dtype |
+//! | [`AMP<f16>`] | `AMP<f16>` | dfdx's AMP wrapper: f16 storage, f32 accumulation in sums and optimizers |
+//! | [`bf16`] | `f32` | **emulated** bfloat16: see below |
+//!
+//! # Emulated bf16
+//! dfdx 0.13 cannot take `bf16` as a dtype (its device trait needs crate-private matmul kernels), so
+//! `bf16` is emulated: tensors stay `f32`, and every value is rounded to the nearest bf16 (ties to
+//! even) wherever mpx casts: parameters, inputs, activations at region boundaries and gradients.
+//! Emulated bf16 reproduces bf16 numerics at those points and saves **no** memory; arithmetic
+//! between casts runs in f32.
+//!
+//! # Examples
+//! ```
+//! use mpx_runtime::precision::{HalfPrecision, Precision, bf16, f16};
+//! assert_eq!(<f16 as Precision>::NAME, "float16");
+//! let mut out = [0.0f32; 2];
+//! // 1 + 2^-9 is not a bf16 value: it rounds to 1.0 (ties to even).
+//! <bf16 as Precision>::from_f32_slice(&[1.0 + 1.0 / 512.0, 3.0], &mut out);
+//! assert_eq!(out, [1.0, 3.0]);
+//! assert!(<bf16 as HalfPrecision>::EMULATED);
+//! ```
+
+pub use dfdx::dtypes::AMP;
+use half::slice::HalfFloatSliceExt;
+pub use half::{bf16, f16};
+
+/// Element types of dfdx tensors that mpx can read and write as slices. Implemented for the float
+/// elements (`f32`, `f16`, `AMP<f16>`) and, as untouched leaves, for integers and `bool`.
+pub trait Element: 'static + Copy + Send + Sync + std::fmt::Debug {
+    /// `true` for floating-point elements, which casts convert; integer and bool leaves stay as
+    /// they are.
+    const IS_FLOAT: bool;
+}
+
+/// A floating-point tensor element (`f32`, `f16` or `AMP<f16>`): the dtypes casts convert between.
+///
+/// Conversions work on whole slices (through `half`'s SIMD slice conversions), never element by
+/// element.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::{FloatElement, f16};
+/// let mut h = [f16::ZERO; 2];
+/// f16::from_f32_slice(&[1.5, 65520.0], &mut h);
+/// assert_eq!(h[0], f16::from_f32(1.5));
+/// assert!(h[1].is_infinite()); // 65520 rounds past f16's max, 65504
+/// ```
+pub trait FloatElement: Element + dfdx::shapes::Dtype {
+    /// Short name, as jmp prints it: `full` for f32, `f16`.
+    const NAME: &'static str;
+    /// Converts `src` into `dst` (same length), rounding to nearest even.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]);
+    /// Widens `src` into `dst` (same length); exact.
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
+    /// The slice as its raw IEEE bit patterns.
+    fn bits(src: &[Self]) -> FloatBits<'_>;
+}
+
+/// A float slice seen as its IEEE bit patterns, for bit-level checks (finiteness, exact compares).
+#[derive(Debug, Clone, Copy)]
+pub enum FloatBits<'a> {
+    /// binary32 bit patterns.
+    F32(&'a [u32]),
+    /// binary16 bit patterns (f16 and AMP<f16>).
+    F16(&'a [u16]),
+}
+
+/// A precision a tree can be cast to: `f32`, `f16`, `AMP<f16>` or (emulated) `bf16`.
+///
+/// `Elem` is the dfdx dtype the values are stored in; for emulated bf16 it is `f32`.
+pub trait Precision: 'static + Copy + Send + Sync + std::fmt::Debug {
+    /// The dfdx element type tensors of this precision hold.
+    type Elem: FloatElement;
+    /// jmp's long dtype name: `float32`, `float16`, `bfloat16`.
+    const NAME: &'static str;
+    /// Converts f32 values into this precision's storage, rounding to nearest even (for emulated
+    /// bf16: f32 values that are exactly bf16 values).
+    fn from_f32_slice(src: &[f32], dst: &mut [Self::Elem]);
+}
+
+/// Half precision: the compute precision of a mixed step. Implemented by [`f16`], [`AMP<f16>`]
+/// and the emulated [`bf16`].
+pub trait HalfPrecision: Precision {
+    /// `true` when values are stored in f32 and only rounded to this precision (bf16).
+    const EMULATED: bool;
+    /// Largest finite value of the half format (65504 for f16, about 3.39e38 for bf16).
+    const MAX: f32;
+}
+
+// ---- element impls -------------------------------------------------------------------------
+
+macro_rules! untouched_element {
+    ($($t:ty),*) => {$( impl Element for $t { const IS_FLOAT: bool = false; } )*};
+}
+untouched_element!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize, bool);
+
+impl Element for f32 {
+    const IS_FLOAT: bool = true;
+}
+impl Element for f16 {
+    const IS_FLOAT: bool = true;
+}
+impl Element for AMP<f16> {
+    const IS_FLOAT: bool = true;
+}
+
+impl FloatElement for f32 {
+    const NAME: &'static str = "full";
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn bits(src: &[Self]) -> FloatBits<'_> {
+        // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is valid.
+        FloatBits::F32(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u32>(), src.len()) })
+    }
+}
+
+impl FloatElement for f16 {
+    const NAME: &'static str = "f16";
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn bits(src: &[Self]) -> FloatBits<'_> {
+        FloatBits::F16(src.reinterpret_cast())
+    }
+}
+
+/// Views `AMP<f16>` values as plain `f16` (`AMP` is `#[repr(transparent)]`).
+pub fn amp_as_f16(src: &[AMP<f16>]) -> &[f16] {
+    // SAFETY: AMP<F> is #[repr(transparent)] over F.
+    unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), src.len()) }
+}
+
+/// Mutable form of [`amp_as_f16`].
+pub fn amp_as_f16_mut(src: &mut [AMP<f16>]) -> &mut [f16] {
+    // SAFETY: AMP<F> is #[repr(transparent)] over F.
+    unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast::<f16>(), src.len()) }
+}
+
+impl FloatElement for AMP<f16> {
+    const NAME: &'static str = "f16";
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        amp_as_f16_mut(dst).convert_from_f32_slice(src);
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        amp_as_f16(src).convert_to_f32_slice(dst);
+    }
+    fn bits(src: &[Self]) -> FloatBits<'_> {
+        FloatBits::F16(amp_as_f16(src).reinterpret_cast())
+    }
+}
+
+// ---- precision impls -----------------------------------------------------------------------
+
+impl Precision for f32 {
+    type Elem = f32;
+    const NAME: &'static str = "float32";
+    fn from_f32_slice(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Precision for f16 {
+    type Elem = f16;
+    const NAME: &'static str = "float16";
+    fn from_f32_slice(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+impl HalfPrecision for f16 {
+    const EMULATED: bool = false;
+    const MAX: f32 = 65504.0;
+}
+
+impl Precision for AMP<f16> {
+    type Elem = AMP<f16>;
+    const NAME: &'static str = "float16";
+    fn from_f32_slice(src: &[f32], dst: &mut [AMP<f16>]) {
+        amp_as_f16_mut(dst).convert_from_f32_slice(src);
+    }
+}
+impl HalfPrecision for AMP<f16> {
+    const EMULATED: bool = false;
+    const MAX: f32 = 65504.0;
+}
+
+impl Precision for bf16 {
+    type Elem = f32;
+    const NAME: &'static str = "bfloat16";
+    fn from_f32_slice(src: &[f32], dst: &mut [f32]) {
+        round_to_bf16(src, dst);
+    }
+}
+impl HalfPrecision for bf16 {
+    const EMULATED: bool = true;
+    const MAX: f32 = 3.389_531_4e38;
+}
+
+/// Rounds f32 values to the nearest bf16 value (ties to even), keeping f32 storage. NaN stays NaN
+/// and values past bf16's max round to infinity, as `half::bf16::from_f32` does.
+///
+/// # Examples
+/// ```
+/// let mut out = [0.0f32; 1];
+/// mpx_runtime::precision::round_to_bf16(&[1.0 + 3.0 / 256.0], &mut out);
+/// assert_eq!(out[0], 1.0 + 4.0 / 256.0);
+/// ```
+pub fn round_to_bf16(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "round_to_bf16: slices differ in length"
+    );
+    // Bit-level round-to-nearest-even on the upper 16 bits; branch-free so it vectorises.
+    for (d, s) in dst.iter_mut().zip(src) {
+        let b = s.to_bits();
+        let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+        let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+        let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;
+        *d = f32::from_bits(if is_nan { quiet_nan } else { rounded });
+    }
+}

@@ -1,0 +1,12 @@
+//! # mpx: mixed-precision training for dfdx
+//!
+//! The facade crate: depend on `mpx` alone. It re-exports the runtime ([`mpx_runtime`]) and the
+//! attribute macros ([`mpx_macros`]).
+
+pub use mpx_runtime::*;
+
+#[doc(hidden)]
+/// Paths used by macro-generated code. Not a public API.
+pub mod __private {
+    pub use mpx_runtime;
+}
