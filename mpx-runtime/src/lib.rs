@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`precision`] | full (`f32`) and half (`f16`, `AMP<f16>`, emulated `bf16`) precision types |
 //! | [`policy`] | jmp-style precision policies and their strings |
+//! | [`boundary`] | compile-time precision boundaries (trait bounds with clear errors) |
 //! | [`cast`] | casting any tree between precisions |
 //! | [`scaling`] | loss scales: no-op, static, dynamic |
 //! | [`finite`] | bit-level finiteness checks |
@@ -11,6 +12,7 @@
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
 
+pub mod boundary;
 pub mod cast;
 pub mod finite;
 pub mod mx;
