@@ -1,1 +1,375 @@
 //! Full-precision regions: f32 computations inside a half-precision graph, gradients flowing through.
+//!
+//! mpx (JAX) writes these as `mpx.force_full_precision(fn, return_dtype)`; PyTorch AMP as a region
+//! with `autocast(enabled=False)` and explicit `.float()` casts. Here a region is
+//! [`FullPrecision::<H>::run`] (tensors only) or [`FullPrecision::<H>::run_with`] (tensors and a
+//! module whose parameters are used inside, such as a `LayerNorm1D`'s gamma and beta); the
+//! [`full_precision`](https://docs.rs/mpx/latest/mpx/attr.full_precision.html) attribute rewrites a
+//! function body into a call of these.
+//!
+//! # How gradients cross the boundary
+//! dfdx tapes are typed per dtype and `to_dtype` drops the tape, so a region is a bridge:
+//! 1. the tape is split off the half inputs, f32 copies are made and traced on their own f32 tape;
+//! 2. the region runs on the f32 copies (and on an f32 copy of the parameters);
+//! 3. its result is cast back to the **caller's** half type `H` (f16, `AMP<f16>`, or f32 storage
+//!    rounded to bf16 for emulated bf16; mpx always returns f16, a trap in bf16 mode);
+//! 4. one backward op on the outer tape casts the output's gradient to f32, runs the region's
+//!    backward as the vector-Jacobian product `sum(y32 * g32)`, and writes the gradients of the
+//!    inputs and parameters back, cast to `H`.
+//!
+//! Gradients that already reached an input or a parameter before the region's backward ran are
+//! carried into the f32 accumulation and rounded once, so with `H = f32` a region's gradients are
+//! bit-identical to the same computation without it.
+//!
+//! CPU only (the bridge reads and writes gradient buffers directly).
+//!
+//! # Examples
+//! ```
+//! use dfdx::prelude::*;
+//! use mpx_runtime::precision::f16;
+//! use mpx_runtime::region::FullPrecision;
+//!
+//! let dev = Cpu::default();
+//! // Rows whose sum is past f16's max (65504): a plain f16 softmax/LayerNorm overflows here.
+//! let x: Tensor<Rank2<2, 4>, f16, Cpu> =
+//!     dev.tensor([[30000.0, 30000.0, 30000.0, 1.0], [1.0, 2.0, 3.0, 4.0]]).to_dtype::<f16>();
+//! let y = FullPrecision::<f16>::run(x.leaky_trace(), |x| x.normalize::<Axis<1>>(1e-5));
+//! assert!(y.as_vec().iter().all(|v| v.is_finite()));
+//! let g = y.sum().backward();
+//! assert!(g.get(&x).as_vec().iter().all(|v| v.is_finite()));
+//! ```
+
+use std::marker::PhantomData;
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
+use dfdx::tensor::{
+    Cpu, CpuError, Gradients, Merge, OwnedTape, PutTape, SplitTape, Tape, Tensor, TensorFromVec,
+    Trace,
+};
+use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
+
+use crate::precision::{FloatElement, Precision};
+
+/// A flattened handle on a contiguous tensor: same id (so the same gradient entry), shape `(n,)`.
+type Flat<E> = Tensor<(usize,), E, Cpu>;
+
+/// The leaves of a region: each outer (half) tensor whose gradient the region produces, paired
+/// with its f32 copy inside the region. Opaque; filled by [`RegionInput::enter`].
+#[derive(Debug)]
+pub struct Leaves<E: Dtype> {
+    outer: Vec<Flat<E>>,
+    inner: Vec<Flat<f32>>,
+}
+
+impl<E: Dtype> Leaves<E> {
+    fn new() -> Self {
+        Self {
+            outer: Vec::new(),
+            inner: Vec::new(),
+        }
+    }
+}
+
+/// Converts a half tensor's values to an f32 tensor of the same shape (exact widening).
+fn widen<S: Shape, E: FloatElement, T>(
+    x: &Tensor<S, E, Cpu, T>,
+) -> Result<Tensor<S, f32, Cpu>, CpuError> {
+    let n = x.shape().num_elements();
+    let mut h = vec![E::default(); n];
+    x.copy_into(&mut h);
+    let mut v = vec![0.0f32; n];
+    E::to_f32_slice(&h, &mut v);
+    x.device().try_tensor_from_vec(v, *x.shape())
+}
+
+/// One or more half-precision tensors entering a region: a tensor, or a tuple (nested as deep as
+/// you like) of tensors. Each tensor may carry its own tape; the tapes are merged into the first
+/// one's, as dfdx's binary operations do.
+pub trait RegionInput<E: Dtype> {
+    /// The same tensors as f32, traced on the region's own tape.
+    type Full;
+    /// The outer tape the region's output carries.
+    type Tape: Tape<E, Cpu>;
+    /// Splits the tapes off, makes the f32 copies and records the leaves.
+    fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError>;
+}
+
+impl<S: Shape, E: FloatElement, T: Tape<E, Cpu>> RegionInput<E> for Tensor<S, E, Cpu, T> {
+    type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
+    type Tape = T;
+    fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, T), CpuError> {
+        // A permuted or broadcast input is first made contiguous inside the outer graph, so that
+        // its gradient buffer and its logical values line up.
+        let (x, tape) = self.try_contiguous()?.split_tape();
+        let n = x.shape().num_elements();
+        let x32 = widen(&x)?;
+        leaves.outer.push(x.try_reshape_like(&(n,))?);
+        leaves.inner.push(x32.clone().try_reshape_like(&(n,))?);
+        Ok((x32.leaky_traced(), tape))
+    }
+}
+
+macro_rules! tuple_input {
+    ($first:ident $(, $rest:ident)*) => {
+        impl<E: Dtype, $first: RegionInput<E> $(, $rest: RegionInput<E>)*> RegionInput<E>
+            for ($first, $($rest,)*)
+        where
+            $($first::Tape: Merge<$rest::Tape>,)*
+        {
+            type Full = ($first::Full, $($rest::Full,)*);
+            type Tape = $first::Tape;
+            #[allow(non_snake_case)]
+            fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError> {
+                let ($first, $($rest,)*) = self;
+                let ($first, tape) = $first.enter(leaves)?;
+                $(
+                    let ($rest, t) = $rest.enter(leaves)?;
+                    let tape = tape.merge(t);
+                )*
+                Ok((($first, $($rest,)*), tape))
+            }
+        }
+    };
+}
+tuple_input!(A);
+tuple_input!(A, B);
+tuple_input!(A, B, C);
+tuple_input!(A, B, C, D);
+tuple_input!(A, B, C, D, F);
+tuple_input!(A, B, C, D, F, G);
+
+/// Walks a half module: builds its f32 copy and records each trainable parameter as a leaf.
+struct Widen<'a, E: Dtype> {
+    leaves: &'a mut Leaves<E>,
+}
+
+impl<E: FloatElement> TensorVisitor<E, Cpu> for Widen<'_, E>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        let t32 = widen(t)?;
+        if opts.do_gradient_update {
+            let n = t.shape().num_elements();
+            self.leaves.outer.push(t.clone().try_reshape_like(&(n,))?);
+            self.leaves.inner.push(t32.clone().try_reshape_like(&(n,))?);
+        }
+        Ok(Some(t32))
+    }
+}
+
+/// Runs computations in f32 inside a graph of half type `H`: see the [module docs](self).
+///
+/// `H` is the caller's precision (`f16`, `AMP<f16>`, `bf16`, or `f32` for an identity bridge);
+/// the region's output is rounded to it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FullPrecision<H>(PhantomData<H>);
+
+impl<H: Precision> FullPrecision<H> {
+    /// Runs `f` on f32 copies of `x` (a tensor or a tuple of tensors) and returns its result in
+    /// `H`, with the outer tape of `x`. Panics on a device error (allocation), as dfdx's
+    /// infallible operations do; see [`FullPrecision::try_run`].
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, region::FullPrecision};
+    /// let dev = Cpu::default();
+    /// let a: Tensor<Rank1<3>, f16, Cpu> = dev.tensor([1.0, 2.0, 3.0]).to_dtype::<f16>();
+    /// let b: Tensor<Rank1<3>, f16, Cpu> = dev.tensor([4.0, 5.0, 6.0]).to_dtype::<f16>();
+    /// // Two inputs as a tuple; the closure sees them as f32.
+    /// let y = FullPrecision::<f16>::run((a.leaky_trace(), b.clone()), |(a, b)| a * b);
+    /// let g = y.sum().backward();
+    /// assert_eq!(g.get(&a).array(), [4.0, 5.0, 6.0].map(f16::from_f32));
+    /// ```
+    pub fn run<X, S, F>(x: X, f: F) -> Tensor<S, H::Elem, Cpu, X::Tape>
+    where
+        X: RegionInput<H::Elem>,
+        S: Shape,
+        F: FnOnce(X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    {
+        Self::try_run(x, f).unwrap()
+    }
+
+    /// Fallible form of [`FullPrecision::run`].
+    pub fn try_run<X, S, F>(x: X, f: F) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, CpuError>
+    where
+        X: RegionInput<H::Elem>,
+        S: Shape,
+        F: FnOnce(X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    {
+        let mut leaves = Leaves::new();
+        let (x32, tape) = x.enter(&mut leaves)?;
+        let y32 = f(x32);
+        Self::bridge(leaves, tape, y32)
+    }
+
+    /// Like [`FullPrecision::run`], with a module (or any dfdx tensor collection) whose
+    /// parameters the region uses: `f` receives an f32 copy of `params`, and the gradients of
+    /// that copy's parameters are written to `params`' own gradient entries, in `H`.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, region::FullPrecision};
+    /// let dev = Cpu::default();
+    /// let ln = dev.build_module::<LayerNorm1D<4>, f16>();
+    /// let x: Tensor<Rank2<2, 4>, f16, Cpu> =
+    ///     dev.tensor([[40000.0, 40000.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0]]).to_dtype::<f16>();
+    /// let mut grads = ln.alloc_grads();
+    /// let y = FullPrecision::<f16>::run_with(&ln, x.traced(grads), |ln, x| ln.forward(x));
+    /// grads = (y * y.retaped::<NoneTape>()).sum().backward();
+    /// assert!(grads.get(&ln.gamma).as_vec().iter().all(|g| g.is_finite()));
+    /// assert!(grads.get(&ln.beta).as_vec().iter().any(|g| g.to_f32() != 0.0));
+    /// ```
+    pub fn run_with<M, X, S, F>(params: &M, x: X, f: F) -> Tensor<S, H::Elem, Cpu, X::Tape>
+    where
+        Cpu: Device<H::Elem>,
+        M: TensorCollection<H::Elem, Cpu>,
+        X: RegionInput<H::Elem>,
+        S: Shape,
+        F: FnOnce(&M::To<f32, Cpu>, X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    {
+        Self::try_run_with(params, x, f).unwrap()
+    }
+
+    /// Fallible form of [`FullPrecision::run_with`].
+    pub fn try_run_with<M, X, S, F>(
+        params: &M,
+        x: X,
+        f: F,
+    ) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, CpuError>
+    where
+        Cpu: Device<H::Elem>,
+        M: TensorCollection<H::Elem, Cpu>,
+        X: RegionInput<H::Elem>,
+        S: Shape,
+        F: FnOnce(&M::To<f32, Cpu>, X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    {
+        let mut leaves = Leaves::new();
+        let (x32, tape) = x.enter(&mut leaves)?;
+        let p32 = M::iter_tensors(&mut RecursiveWalker {
+            m: params,
+            f: &mut Widen {
+                leaves: &mut leaves,
+            },
+        })?;
+        // The walker returns `None` only for visitors that build nothing; ours always builds.
+        let p32 = p32.expect("Widen builds every tensor");
+        let y32 = f(&p32, x32);
+        Self::bridge(leaves, tape, y32)
+    }
+
+    /// Casts the region's f32 result back to `H` and registers the backward bridge on `tape`.
+    fn bridge<S: Shape, T: Tape<H::Elem, Cpu>>(
+        leaves: Leaves<H::Elem>,
+        mut tape: T,
+        y32: Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Result<Tensor<S, H::Elem, Cpu, T>, CpuError> {
+        let (y32, inner_tape) = y32.try_contiguous()?.split_tape();
+        let dev = y32.device().clone();
+        let shape = *y32.shape();
+        let n = shape.num_elements();
+        let mut v = vec![0.0f32; n];
+        y32.copy_into(&mut v);
+        let mut h = vec![H::Elem::default(); n];
+        H::from_f32_slice(&v, &mut h);
+        let y: Tensor<S, H::Elem, Cpu> = dev.try_tensor_from_vec(h, shape)?;
+        if !T::OWNS_TAPE {
+            return Ok(y.put_tape(tape));
+        }
+        let y_flat = y.clone().try_reshape_like(&(n,))?;
+        let y32_flat = y32.try_reshape_like(&(n,))?;
+        tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
+            Self::backward(grads, &leaves, y_flat, y32_flat, inner_tape)
+        });
+        Ok(y.put_tape(tape))
+    }
+
+    /// The region's backward op on the outer tape.
+    fn backward(
+        grads: &mut Gradients<H::Elem, Cpu>,
+        leaves: &Leaves<H::Elem>,
+        y: Flat<H::Elem>,
+        y32: Flat<f32>,
+        mut inner_tape: OwnedTape<f32, Cpu>,
+    ) -> Result<(), CpuError> {
+        let dev = y32.device().clone();
+        let n = y.shape().num_elements();
+        // Output gradient, widened to f32.
+        let mut g32 = vec![0.0f32; n];
+        H::Elem::to_f32_slice(grads.get_or_alloc_mut(&y)?, &mut g32);
+        let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
+
+        // What each leaf's gradient holds already (widened). A tensor passed twice shares one
+        // gradient entry: only its first occurrence carries that value, the others add to it.
+        let mut first_of = Vec::with_capacity(leaves.outer.len());
+        let mut buffers: Vec<*const H::Elem> = Vec::with_capacity(leaves.outer.len());
+        let mut seeds: Vec<Option<Vec<f32>>> = Vec::with_capacity(leaves.outer.len());
+        for (i, leaf) in leaves.outer.iter().enumerate() {
+            let buf = grads.get_or_alloc_mut(leaf)?;
+            let ptr = buf.as_ptr();
+            match buffers.iter().position(|p| *p == ptr && !buf.is_empty()) {
+                Some(j) => {
+                    first_of.push(first_of[j]);
+                    seeds.push(None);
+                }
+                None => {
+                    first_of.push(i);
+                    let mut s = vec![0.0f32; buf.len()];
+                    H::Elem::to_f32_slice(buf, &mut s);
+                    seeds.push(Some(s));
+                }
+            }
+            buffers.push(ptr);
+        }
+
+        // The seed op is added last, so it runs first of the region's own ops (after the VJP's
+        // mul and sum): accumulation inside the region continues from the outer values.
+        let inner_leaves = leaves.inner.clone();
+        inner_tape.add_backward_op(move |g: &mut Gradients<f32, Cpu>| {
+            for (leaf, seed) in inner_leaves.iter().zip(seeds) {
+                if let Some(seed) = seed {
+                    let buf = g.get_or_alloc_mut(leaf)?;
+                    for (b, s) in buf.iter_mut().zip(seed) {
+                        *b += s;
+                    }
+                }
+            }
+            Ok(())
+        });
+        let vjp: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>> =
+            y32.put_tape(inner_tape).try_mul(g32)?.try_sum()?;
+        let mut inner = vjp.try_backward()?;
+
+        // Sum per gradient entry in f32, then round once into the outer buffer.
+        let mut sums: Vec<Option<Vec<f32>>> = vec![None; leaves.inner.len()];
+        for (i, leaf) in leaves.inner.iter().enumerate() {
+            let g = inner.get_or_alloc_mut(leaf)?;
+            let j = first_of[i];
+            match &mut sums[j] {
+                Some(acc) => acc.iter_mut().zip(g.iter()).for_each(|(a, b)| *a += *b),
+                None => sums[j] = Some(g.to_vec()),
+            }
+        }
+        for (leaf, sum) in leaves.outer.iter().zip(sums) {
+            if let Some(sum) = sum {
+                let buf = grads.get_or_alloc_mut(leaf)?;
+                H::from_f32_slice(&sum, buf);
+            }
+        }
+        Ok(())
+    }
+}

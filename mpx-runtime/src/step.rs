@@ -1,1 +1,0 @@
-//! The mixed-precision step: mixed gradients (`filter_value_and_grad`) and skip-on-overflow updates.
