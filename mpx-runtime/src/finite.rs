@@ -1,1 +1,307 @@
-//! Bit-level finiteness checks over slices and trees.
+//! Bit-level finiteness checks over slices and trees: mpx's and jmp's `all_finite`.
+//!
+//! A value is non-finite (NaN or ±inf) exactly when its exponent bits are all ones. Instead of
+//! testing element by element (`iter().all(|x| x.is_finite())`, which branches on every value),
+//! the checks here walk a slice in chunks of [`CHUNK`] elements, fold each chunk with a
+//! branch-free OR of `(bits & !SIGN) + (1 << mantissa_bits)` (bit 31 of that sum, or bit 15 for f16,
+//! is set exactly when the exponent field is all ones), and look at the folded value once per
+//! chunk, leaving early when a chunk holds a non-finite value. The inner loop uses only
+//! and/add/or, so the compiler vectorises it even for baseline x86-64 (SSE2).
+//! `cargo run --release --example bench_finite` compares it with a memcpy of the same bytes.
+//!
+//! | function | what it checks |
+//! |---|---|
+//! | [`all_finite`] | every float leaf of a tree ([`FloatLeaves`]); integer leaves count as finite |
+//! | [`all_finite_f32`], [`all_finite_f16`], [`all_finite_slice`] | one slice |
+//! | [`bits_finite`] | one leaf, given as [`FloatBits`] |
+//! | [`unscale_into_checked`] | fused: unscale half/f32 gradients into f32 and check them in one pass |
+//! | [`unscale_in_place_checked`] | fused: unscale f32 values in place and check them in one pass |
+//!
+//! # Examples
+//! ```
+//! use mpx_runtime::finite::{all_finite_f16, all_finite_f32};
+//! use half::f16;
+//! assert!(all_finite_f32(&[0.0, -1.5, f32::MAX, f32::MIN_POSITIVE / 4.0]));
+//! assert!(!all_finite_f32(&[1.0, f32::NAN]));
+//! assert!(!all_finite_f16(&[f16::ONE, f16::INFINITY]));
+//! assert!(all_finite_f32(&[])); // empty: finite, as in jmp and mpx
+//! ```
+
+use crate::cast::FloatLeaves;
+use crate::precision::{FloatBits, FloatElement};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
+pub const CHUNK: usize = 4096;
+
+/// Why a fused unscale could not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FiniteError {
+    /// Source and destination slices of different lengths.
+    #[error(
+        "slice lengths differ: source has {src} elements, destination has {dst}; they must be equal"
+    )]
+    LengthMismatch {
+        /// Length of the source slice.
+        src: usize,
+        /// Length of the destination slice.
+        dst: usize,
+    },
+}
+
+/// `true` when no element of `bits` (binary32 patterns) is NaN or infinite.
+#[inline]
+fn finite_u32(bits: &[u32]) -> bool {
+    let mut chunks = bits.chunks_exact(CHUNK);
+    for chunk in &mut chunks {
+        if fold_u32(chunk) & 0x8000_0000 != 0 {
+            return false;
+        }
+    }
+    fold_u32(chunks.remainder()) & 0x8000_0000 == 0
+}
+
+/// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk: bit 31 ends up set iff some exponent is 0xff.
+#[inline]
+fn fold_u32(chunk: &[u32]) -> u32 {
+    chunk.iter().fold(0u32, |acc, &b| {
+        acc | (b & 0x7fff_ffff).wrapping_add(0x0080_0000)
+    })
+}
+
+/// `true` when no element of `bits` (binary16 patterns) is NaN or infinite.
+#[inline]
+fn finite_u16(bits: &[u16]) -> bool {
+    let mut chunks = bits.chunks_exact(CHUNK);
+    for chunk in &mut chunks {
+        if fold_u16(chunk) & 0x8000 != 0 {
+            return false;
+        }
+    }
+    fold_u16(chunks.remainder()) & 0x8000 == 0
+}
+
+/// ORs `(b & 0x7fff) + 0x0400` over a chunk: bit 15 ends up set iff some exponent is 0x1f.
+#[inline]
+fn fold_u16(chunk: &[u16]) -> u16 {
+    chunk
+        .iter()
+        .fold(0u16, |acc, &b| acc | (b & 0x7fff).wrapping_add(0x0400))
+}
+
+/// `true` when the leaf `bits` holds no NaN or infinity.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::{finite::bits_finite, precision::FloatElement};
+/// assert!(bits_finite(f32::bits(&[1.0, 2.0])));
+/// assert!(!bits_finite(f32::bits(&[1.0, f32::NEG_INFINITY])));
+/// ```
+pub fn bits_finite(bits: FloatBits<'_>) -> bool {
+    match bits {
+        FloatBits::F32(b) => finite_u32(b),
+        FloatBits::F16(b) => finite_u16(b),
+    }
+}
+
+/// `true` when no element of `values` is NaN or infinite (bit-level, chunked; see the module docs).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::finite::all_finite_f32;
+/// assert!(all_finite_f32(&[1.0, -0.0, 1e-45]));
+/// assert!(!all_finite_f32(&[1.0, f32::INFINITY]));
+/// ```
+pub fn all_finite_f32(values: &[f32]) -> bool {
+    bits_finite(f32::bits(values))
+}
+
+/// `true` when no element of `values` is NaN or infinite (bit-level, chunked; see the module docs).
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_runtime::finite::all_finite_f16;
+/// assert!(all_finite_f16(&[f16::MAX, f16::MIN_POSITIVE_SUBNORMAL]));
+/// assert!(!all_finite_f16(&[f16::NAN]));
+/// ```
+pub fn all_finite_f16(values: &[f16]) -> bool {
+    bits_finite(f16::bits(values))
+}
+
+/// `true` when no element of `values` is NaN or infinite, for any float element (`f32`, `f16`,
+/// `AMP<f16>`).
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_runtime::{finite::all_finite_slice, precision::AMP};
+/// assert!(all_finite_slice(&[AMP(f16::ONE)]));
+/// assert!(!all_finite_slice(&[0.0f32, f32::NAN]));
+/// ```
+pub fn all_finite_slice<E: FloatElement>(values: &[E]) -> bool {
+    bits_finite(E::bits(values))
+}
+
+/// `true` when every floating-point leaf of `tree` is free of NaN and infinity: mpx's and jmp's
+/// `all_finite`.
+///
+/// Integer and bool leaves count as finite, and a tree without float leaves is finite (as in jmp
+/// and mpx). Stops at the first leaf (and the first chunk) that holds a non-finite value.
+pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
+    tree.visit_float_bits(&mut |bits| bits_finite(bits))
+}
+
+/// Fused unscale and check: writes `src[i] * inv_scale` (computed in f32, after widening `src`
+/// exactly to f32) into `dst[i]`, and returns whether every **source** value was finite.
+///
+/// This is the one pass a mixed step needs after backward: it reads the scaled half-precision (or
+/// f32) gradients once, checks them as mpx does (on the scaled values, before unscaling), and
+/// writes the unscaled f32 gradients. It works chunk by chunk, so each chunk is widened,
+/// checked and multiplied while it sits in cache. `dst` is written in full even when a value is not
+/// finite. With `inv_scale == 1.0` values are copied unchanged.
+///
+/// # Errors
+/// [`FiniteError::LengthMismatch`] when `src` and `dst` differ in length (nothing is written).
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_runtime::finite::unscale_into_checked;
+/// let grads = [f16::from_f32(1024.0), f16::from_f32(-2048.0)];
+/// let mut out = [0.0f32; 2];
+/// assert_eq!(unscale_into_checked(&grads, 1.0 / 1024.0, &mut out), Ok(true));
+/// assert_eq!(out, [1.0, -2.0]);
+/// let overflowed = [f16::INFINITY, f16::ONE];
+/// assert_eq!(unscale_into_checked(&overflowed, 0.5, &mut out), Ok(false));
+/// ```
+pub fn unscale_into_checked<E: FloatElement>(
+    src: &[E],
+    inv_scale: f32,
+    dst: &mut [f32],
+) -> Result<bool, FiniteError> {
+    if src.len() != dst.len() {
+        return Err(FiniteError::LengthMismatch {
+            src: src.len(),
+            dst: dst.len(),
+        });
+    }
+    let mut acc = 0u32;
+    for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
+        E::to_f32_slice(s, d);
+        acc |= unscale_chunk(d, inv_scale);
+    }
+    Ok(acc & 0x8000_0000 == 0)
+}
+
+/// Fused unscale and check in place: multiplies every value by `inv_scale` (in f32) and returns
+/// whether every value was finite **before** the multiply. One pass; see [`unscale_into_checked`].
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::finite::unscale_in_place_checked;
+/// let mut grads = [4096.0f32, 8.0];
+/// assert!(unscale_in_place_checked(&mut grads, 1.0 / 4096.0));
+/// assert_eq!(grads, [1.0, 8.0 / 4096.0]);
+/// ```
+pub fn unscale_in_place_checked(values: &mut [f32], inv_scale: f32) -> bool {
+    let mut acc = 0u32;
+    for chunk in values.chunks_mut(CHUNK) {
+        acc |= unscale_chunk(chunk, inv_scale);
+    }
+    acc & 0x8000_0000 == 0
+}
+
+/// Fused unscale and check for f16 values in place: widens each chunk to f32, multiplies by
+/// `inv_scale`, rounds back to f16 (nearest even). Returns whether every value was finite before.
+pub(crate) fn unscale_f16_in_place_checked(values: &mut [f16], inv_scale: f32) -> bool {
+    let mut buf = vec![0.0f32; CHUNK.min(values.len())];
+    let mut acc = 0u32;
+    for chunk in values.chunks_mut(CHUNK) {
+        let tmp = &mut buf[..chunk.len()];
+        chunk.convert_to_f32_slice(tmp);
+        acc |= unscale_chunk(tmp, inv_scale);
+        chunk.convert_from_f32_slice(tmp);
+    }
+    acc & 0x8000_0000 == 0
+}
+
+/// Multiplies a chunk by `inv` (skipped when `inv == 1`) and returns its finiteness fold (bit 31
+/// set iff a value before the multiply was non-finite).
+#[inline]
+fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
+    if inv == 1.0 {
+        return fold_u32(f32_bits(chunk));
+    }
+    let mut acc = 0u32;
+    for x in chunk.iter_mut() {
+        acc |= (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
+        *x *= inv;
+    }
+    acc
+}
+
+#[inline]
+fn f32_bits(values: &[f32]) -> &[u32] {
+    match f32::bits(values) {
+        FloatBits::F32(b) => b,
+        // f32::bits always returns the F32 view.
+        FloatBits::F16(_) => &[],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exponent_boundaries_f32() {
+        // Largest finite, smallest inf, NaN with every payload bit, negative forms.
+        assert!(finite_u32(&[
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x0000_0001,
+            0x8000_0000
+        ]));
+        for bad in [
+            0x7f80_0000u32,
+            0xff80_0000,
+            0x7fc0_0000,
+            0x7f80_0001,
+            0xffff_ffff,
+        ] {
+            let mut v = vec![0u32; 3 * CHUNK + 7];
+            for i in [0, CHUNK - 1, CHUNK, 3 * CHUNK + 6] {
+                v[i] = bad;
+                assert!(!finite_u32(&v), "{bad:#x} at {i}");
+                v[i] = 0;
+            }
+            assert!(finite_u32(&v));
+        }
+    }
+
+    #[test]
+    fn exponent_boundaries_f16() {
+        assert!(finite_u16(&[0x7bff, 0xfbff, 0x0001, 0x8000]));
+        for bad in [0x7c00u16, 0xfc00, 0x7e00, 0x7c01, 0xffff] {
+            let mut v = vec![0u16; 2 * CHUNK + 3];
+            for i in [0, CHUNK, 2 * CHUNK + 2] {
+                v[i] = bad;
+                assert!(!finite_u16(&v), "{bad:#x} at {i}");
+                v[i] = 0;
+            }
+        }
+    }
+
+    #[test]
+    fn fused_checks_before_unscaling() {
+        // 2 * f32::MAX overflows only after an inv_scale > 1; the check is on the source values.
+        let mut v = vec![f32::MAX; CHUNK + 1];
+        assert!(unscale_in_place_checked(&mut v, 2.0));
+        assert!(v.iter().all(|x| x.is_infinite()));
+        let mut h = [f16::MAX, f16::NAN];
+        assert!(!unscale_f16_in_place_checked(&mut h, 0.5));
+        assert_eq!(h[0], f16::from_f32(32752.0));
+    }
+}
