@@ -27,7 +27,11 @@
 //! assert!(<bf16 as HalfPrecision>::EMULATED);
 //! ```
 
+use crate::cast::FloatSliceMut;
 pub use dfdx::dtypes::AMP;
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, Tensor};
+use dfdx::tensor_ops::ReshapeTo;
 use half::slice::HalfFloatSliceExt;
 pub use half::{bf16, f16};
 
@@ -61,6 +65,62 @@ pub trait FloatElement: Element + dfdx::shapes::Dtype {
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// The slice as its raw IEEE bit patterns.
     fn bits(src: &[Self]) -> FloatBits<'_>;
+
+    /// Reads a CPU tensor's values, in logical order, into `dst` as f32 (exact widening).
+    /// `dst.len()` must be the tensor's element count; `tmp16` is reused scratch for 16-bit reads.
+    ///
+    /// dfdx 0.13 lends no slice of a tensor's storage outside the crate, so this is one memcpy
+    /// (`copy_into`) plus, for 16-bit elements, one slice conversion.
+    fn read_tensor_f32<S: Shape>(t: &Tensor<S, Self, Cpu>, dst: &mut [f32], tmp16: &mut Vec<f16>);
+
+    /// Overwrites a CPU tensor's values with `src` converted to precision `P` (slice conversion,
+    /// then one `copy_from`). `src.len()` must be the tensor's element count. `tmp32` and
+    /// `tmp16` are reused scratch buffers: nothing is allocated once they are large enough.
+    fn write_tensor_from_f32<P: Precision<Elem = Self>, S: Shape>(
+        t: &mut Tensor<S, Self, Cpu>,
+        src: &[f32],
+        tmp32: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+    );
+
+    /// Copies a CPU tensor's values into scratch and returns their bit patterns.
+    fn read_tensor_bits<'a, S: Shape>(
+        t: &Tensor<S, Self, Cpu>,
+        tmp32: &'a mut Vec<f32>,
+        tmp16: &'a mut Vec<f16>,
+    ) -> FloatBits<'a>;
+
+    /// Lets `visit` change a CPU tensor's values in place (copied out to scratch, then back).
+    fn update_tensor<S: Shape>(
+        t: &mut Tensor<S, Self, Cpu>,
+        tmp32: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+        visit: &mut dyn FnMut(FloatSliceMut<'_>),
+    );
+}
+
+/// A contiguous view of the tensor (shares storage when it already is contiguous), so that its
+/// physical storage has exactly `num_elements` values in logical order.
+fn contiguous<S: Shape, E: dfdx::shapes::Dtype>(t: &Tensor<S, E, Cpu>) -> Tensor<S, E, Cpu> {
+    t.clone().contiguous()
+}
+
+/// Makes `t` contiguous in place (a no-op for tensors that already are).
+fn make_contiguous<S: Shape, E: dfdx::shapes::Dtype>(t: &mut Tensor<S, E, Cpu>) {
+    let c = t.clone().contiguous();
+    *t = c;
+}
+
+/// Resizes a scratch buffer to `n` values (never shrinks its capacity) and returns it.
+pub(crate) fn sized<T: Copy + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
+    buf.resize(n, T::default());
+    &mut buf[..n]
+}
+
+/// `true` when casting f32 or `P::Elem` values to `P` changes nothing (f32, f16, `AMP<f16>`; not the
+/// emulated bf16, whose storage type differs from the precision).
+pub(crate) fn is_identity<P: Precision>() -> bool {
+    std::any::TypeId::of::<P>() == std::any::TypeId::of::<P::Elem>()
 }
 
 /// A float slice seen as its IEEE bit patterns, for bit-level checks (finiteness, exact compares).
@@ -123,6 +183,45 @@ impl FloatElement for f32 {
         // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is valid.
         FloatBits::F32(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u32>(), src.len()) })
     }
+    fn read_tensor_f32<S: Shape>(t: &Tensor<S, f32, Cpu>, dst: &mut [f32], _: &mut Vec<f16>) {
+        contiguous(t).copy_into(dst);
+    }
+    fn write_tensor_from_f32<P: Precision<Elem = f32>, S: Shape>(
+        t: &mut Tensor<S, f32, Cpu>,
+        src: &[f32],
+        tmp32: &mut Vec<f32>,
+        _: &mut Vec<f16>,
+    ) {
+        make_contiguous(t);
+        if is_identity::<P>() {
+            t.copy_from(src);
+        } else {
+            let buf = sized(tmp32, src.len());
+            P::from_f32_slice(src, buf);
+            t.copy_from(buf);
+        }
+    }
+    fn read_tensor_bits<'a, S: Shape>(
+        t: &Tensor<S, f32, Cpu>,
+        tmp32: &'a mut Vec<f32>,
+        _: &'a mut Vec<f16>,
+    ) -> FloatBits<'a> {
+        let buf = sized(tmp32, t.shape().num_elements());
+        contiguous(t).copy_into(buf);
+        f32::bits(buf)
+    }
+    fn update_tensor<S: Shape>(
+        t: &mut Tensor<S, f32, Cpu>,
+        tmp32: &mut Vec<f32>,
+        _: &mut Vec<f16>,
+        visit: &mut dyn FnMut(FloatSliceMut<'_>),
+    ) {
+        make_contiguous(t);
+        let buf = sized(tmp32, t.shape().num_elements());
+        t.copy_into(buf);
+        visit(FloatSliceMut::F32(buf));
+        t.copy_from(buf);
+    }
 }
 
 impl FloatElement for f16 {
@@ -135,6 +234,43 @@ impl FloatElement for f16 {
     }
     fn bits(src: &[Self]) -> FloatBits<'_> {
         FloatBits::F16(src.reinterpret_cast())
+    }
+    fn read_tensor_f32<S: Shape>(t: &Tensor<S, f16, Cpu>, dst: &mut [f32], tmp16: &mut Vec<f16>) {
+        let buf = sized(tmp16, dst.len());
+        contiguous(t).copy_into(buf);
+        buf.convert_to_f32_slice(dst);
+    }
+    fn write_tensor_from_f32<P: Precision<Elem = f16>, S: Shape>(
+        t: &mut Tensor<S, f16, Cpu>,
+        src: &[f32],
+        _: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+    ) {
+        make_contiguous(t);
+        let buf = sized(tmp16, src.len());
+        P::from_f32_slice(src, buf);
+        t.copy_from(buf);
+    }
+    fn read_tensor_bits<'a, S: Shape>(
+        t: &Tensor<S, f16, Cpu>,
+        _: &'a mut Vec<f32>,
+        tmp16: &'a mut Vec<f16>,
+    ) -> FloatBits<'a> {
+        let buf = sized(tmp16, t.shape().num_elements());
+        contiguous(t).copy_into(buf);
+        f16::bits(buf)
+    }
+    fn update_tensor<S: Shape>(
+        t: &mut Tensor<S, f16, Cpu>,
+        _: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+        visit: &mut dyn FnMut(FloatSliceMut<'_>),
+    ) {
+        make_contiguous(t);
+        let buf = sized(tmp16, t.shape().num_elements());
+        t.copy_into(buf);
+        visit(FloatSliceMut::F16(buf));
+        t.copy_from(buf);
     }
 }
 
@@ -150,6 +286,12 @@ pub fn amp_as_f16_mut(src: &mut [AMP<f16>]) -> &mut [f16] {
     unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast::<f16>(), src.len()) }
 }
 
+/// Views plain `f16` values as `AMP<f16>` (the inverse of [`amp_as_f16_mut`]).
+pub fn f16_as_amp_mut(src: &mut [f16]) -> &mut [AMP<f16>] {
+    // SAFETY: AMP<F> is #[repr(transparent)] over F.
+    unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast::<AMP<f16>>(), src.len()) }
+}
+
 impl FloatElement for AMP<f16> {
     const NAME: &'static str = "f16";
     fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
@@ -160,6 +302,47 @@ impl FloatElement for AMP<f16> {
     }
     fn bits(src: &[Self]) -> FloatBits<'_> {
         FloatBits::F16(amp_as_f16(src).reinterpret_cast())
+    }
+    fn read_tensor_f32<S: Shape>(
+        t: &Tensor<S, AMP<f16>, Cpu>,
+        dst: &mut [f32],
+        tmp16: &mut Vec<f16>,
+    ) {
+        let buf = sized(tmp16, dst.len());
+        contiguous(t).copy_into(f16_as_amp_mut(buf));
+        buf.convert_to_f32_slice(dst);
+    }
+    fn write_tensor_from_f32<P: Precision<Elem = AMP<f16>>, S: Shape>(
+        t: &mut Tensor<S, AMP<f16>, Cpu>,
+        src: &[f32],
+        _: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+    ) {
+        make_contiguous(t);
+        let buf = f16_as_amp_mut(sized(tmp16, src.len()));
+        P::from_f32_slice(src, buf);
+        t.copy_from(buf);
+    }
+    fn read_tensor_bits<'a, S: Shape>(
+        t: &Tensor<S, AMP<f16>, Cpu>,
+        _: &'a mut Vec<f32>,
+        tmp16: &'a mut Vec<f16>,
+    ) -> FloatBits<'a> {
+        let buf = sized(tmp16, t.shape().num_elements());
+        contiguous(t).copy_into(f16_as_amp_mut(buf));
+        f16::bits(buf)
+    }
+    fn update_tensor<S: Shape>(
+        t: &mut Tensor<S, AMP<f16>, Cpu>,
+        _: &mut Vec<f32>,
+        tmp16: &mut Vec<f16>,
+        visit: &mut dyn FnMut(FloatSliceMut<'_>),
+    ) {
+        make_contiguous(t);
+        let buf = sized(tmp16, t.shape().num_elements());
+        t.copy_into(f16_as_amp_mut(buf));
+        visit(FloatSliceMut::F16(buf));
+        t.copy_from(f16_as_amp_mut(buf));
     }
 }
 

@@ -1,0 +1,410 @@
+//! dfdx modules, walked through `TensorCollection`: a fresh cast ([`cast_module`]) and an
+//! in-place one for the per-step working copy ([`cast_module_into`]).
+
+use std::marker::PhantomData;
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
+};
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, Tensor};
+use dfdx::tensor_ops::Device;
+
+use super::FloatSliceMut;
+use super::leaf::{cast_tensor, with_scratch};
+use crate::precision::{FloatBits, FloatElement, Precision, f16};
+
+/// Why a module cast failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CastError {
+    /// The destination of [`cast_module_into`] does not line up with the source (a tensor with
+    /// runtime dimensions has a different size, or the tensor counts differ).
+    #[error(
+        "cast_module_into: tensor #{index} of the destination has {dst} elements but the source has {src}; the destination must be a cast of the same model (same runtime dimensions)"
+    )]
+    LengthMismatch {
+        /// Position of the tensor in visit order.
+        index: usize,
+        /// Elements in the source tensor (0 when the source has fewer tensors).
+        src: usize,
+        /// Elements in the destination tensor (0 when the destination has fewer tensors).
+        dst: usize,
+    },
+    /// A module's `TensorCollection` impl did not build its output (a third-party impl that
+    /// returns `None` for a field).
+    #[error(
+        "cast_module: the module's TensorCollection impl did not rebuild it; every field must be listed in iter_tensors"
+    )]
+    NotRebuilt,
+}
+
+/// Reused buffers for [`cast_module_into`]: after the first call with a given model nothing is
+/// allocated.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::cast::CastScratch;
+/// let scratch = CastScratch::default();
+/// assert_eq!(scratch.capacity_bytes(), 0);
+/// ```
+#[derive(Debug, Default, Clone)]
+pub struct CastScratch {
+    /// Every source value, as f32, in visit order.
+    flat: Vec<f32>,
+    /// Element count of each source tensor, in visit order.
+    lens: Vec<usize>,
+    tmp32: Vec<f32>,
+    tmp16: Vec<f16>,
+}
+
+impl CastScratch {
+    /// New, empty scratch (the same as `Default`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes held by the buffers (their capacity).
+    pub fn capacity_bytes(&self) -> usize {
+        self.flat.capacity() * 4
+            + self.lens.capacity() * std::mem::size_of::<usize>()
+            + self.tmp32.capacity() * 4
+            + self.tmp16.capacity() * 2
+    }
+}
+
+// ---- fresh casts -----------------------------------------------------------------------------
+
+struct Converter<P>(PhantomData<P>);
+
+impl<E: FloatElement, P: Precision> TensorVisitor<E, Cpu> for Converter<P>
+where
+    Cpu: Device<E> + Device<P::Elem>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CastError;
+    type E2 = P::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, P::Elem, Cpu>>, CastError> {
+        Ok(Some(cast_tensor::<P, E, S>(t)))
+    }
+}
+
+/// Casts every tensor of a dfdx module to precision `P`: mpx's `cast_to_half_precision(model)`
+/// for dfdx. Walks the module's `TensorCollection`; each tensor is converted with one slice
+/// conversion (dfdx's `to_dtype` converts element by element, about 6x slower).
+///
+/// Scalar fields (batch norm's `epsilon` and `momentum`) come back at their defaults, as with
+/// dfdx's `to_dtype`: dfdx's visitor API does not let code outside dfdx read them generically.
+/// The [`Cast`](super::Cast) impls of `BatchNorm1D`/`BatchNorm2D` copy them over.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::cast::cast_module;
+/// use mpx_runtime::precision::f16;
+///
+/// let dev = Cpu::default();
+/// let m = dev.build_module::<Linear<3, 2>, f32>();
+/// let h: dfdx::nn::modules::Linear<3, 2, f16, Cpu> = cast_module::<f16, f32, _>(&m);
+/// assert_eq!(h.weight.as_vec()[0], f16::from_f32(m.weight.as_vec()[0]));
+/// ```
+pub fn cast_module<P, E, M>(module: &M) -> M::To<P::Elem, Cpu>
+where
+    P: Precision,
+    E: FloatElement,
+    M: TensorCollection<E, Cpu>,
+    Cpu: Device<E> + Device<P::Elem>,
+{
+    match try_cast_module::<P, E, M>(module) {
+        Ok(m) => m,
+        // Only a hand-written TensorCollection that skips a field gets here.
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Fallible form of [`cast_module`]: fails only when a hand-written `TensorCollection` impl does
+/// not rebuild its module.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::cast::try_cast_module;
+/// use mpx_runtime::precision::bf16;
+///
+/// let dev = Cpu::default();
+/// let m = dev.build_module::<Linear<3, 2>, f32>();
+/// let b = try_cast_module::<bf16, f32, _>(&m).unwrap();
+/// assert_eq!(b.bias.as_vec()[0], half::bf16::from_f32(m.bias.as_vec()[0]).to_f32());
+/// ```
+pub fn try_cast_module<P, E, M>(module: &M) -> Result<M::To<P::Elem, Cpu>, CastError>
+where
+    P: Precision,
+    E: FloatElement,
+    M: TensorCollection<E, Cpu>,
+    Cpu: Device<E> + Device<P::Elem>,
+{
+    M::iter_tensors(&mut RecursiveWalker {
+        m: module,
+        f: &mut Converter::<P>(PhantomData),
+    })?
+    .ok_or(CastError::NotRebuilt)
+}
+
+// ---- in-place casts --------------------------------------------------------------------------
+
+struct Gather<'a> {
+    s: &'a mut CastScratch,
+}
+
+impl<E: FloatElement> TensorVisitor<E, Cpu> for Gather<'_>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CastError;
+    type E2 = E;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, CastError> {
+        let n = t.shape().num_elements();
+        let start = self.s.flat.len();
+        self.s.flat.resize(start + n, 0.0);
+        E::read_tensor_f32(t, &mut self.s.flat[start..], &mut self.s.tmp16);
+        self.s.lens.push(n);
+        Ok(None)
+    }
+}
+
+struct Scatter<'a, P> {
+    s: &'a mut CastScratch,
+    index: usize,
+    offset: usize,
+    p: PhantomData<P>,
+}
+
+impl<P: Precision> TensorVisitor<P::Elem, Cpu> for Scatter<'_, P>
+where
+    Cpu: Device<P::Elem>,
+{
+    type Viewer = ViewTensorMut;
+    type Err = CastError;
+    type E2 = P::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _: TensorOptions<S, P::Elem, Cpu>,
+        t: &mut Tensor<S, P::Elem, Cpu>,
+    ) -> Result<Option<Tensor<S, P::Elem, Cpu>>, CastError> {
+        let n = t.shape().num_elements();
+        let src = self.s.lens.get(self.index).copied().unwrap_or(0);
+        if src != n || self.index >= self.s.lens.len() {
+            return Err(CastError::LengthMismatch {
+                index: self.index,
+                src,
+                dst: n,
+            });
+        }
+        let vals = &self.s.flat[self.offset..self.offset + n];
+        <P::Elem as FloatElement>::write_tensor_from_f32::<P, S>(
+            t,
+            vals,
+            &mut self.s.tmp32,
+            &mut self.s.tmp16,
+        );
+        self.index += 1;
+        self.offset += n;
+        Ok(None)
+    }
+}
+
+/// Rewrites `dst` (an existing cast of `src`, e.g. last step's half working copy) with the values
+/// of `src` cast to precision `P`, without allocating new tensors: the step's `cast_to_half_precision`.
+///
+/// The source is gathered into `scratch` as f32 in visit order, then the destination is walked
+/// and each tensor overwritten with its converted chunk (`copy_from`). After the first call with a
+/// given model nothing is allocated (as long as no one else holds a clone of a destination tensor;
+/// dfdx's copy-on-write then copies that one). The reverse direction (half copy into an f32 model)
+/// is the same call with `P = f32`.
+///
+/// # Errors
+/// [`CastError::LengthMismatch`] when a tensor of `dst` has a different element count than the
+/// matching tensor of `src` (possible only with runtime dimensions).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::cast::{CastScratch, cast_module, cast_module_into};
+/// use mpx_runtime::precision::f16;
+///
+/// let dev = Cpu::default();
+/// let mut master = dev.build_module::<Linear<4, 2>, f32>();
+/// let mut work = cast_module::<f16, f32, _>(&master);
+/// let mut scratch = CastScratch::default();
+/// master.weight = master.weight.clone() * 2.0; // an optimizer step
+/// cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+/// assert_eq!(work.weight.as_vec()[3], f16::from_f32(master.weight.as_vec()[3]));
+/// // back to f32: the same function with P = f32
+/// cast_module_into::<f32, f16, _>(&work, &mut master, &mut scratch).unwrap();
+/// ```
+pub fn cast_module_into<P, E, M>(
+    src: &M,
+    dst: &mut M::To<P::Elem, Cpu>,
+    scratch: &mut CastScratch,
+) -> Result<(), CastError>
+where
+    P: Precision,
+    E: FloatElement,
+    M: TensorCollection<E, Cpu>,
+    M::To<P::Elem, Cpu>: TensorCollection<P::Elem, Cpu>,
+    Cpu: Device<E> + Device<P::Elem>,
+{
+    scratch.flat.clear();
+    scratch.lens.clear();
+    M::iter_tensors(&mut RecursiveWalker {
+        m: src,
+        f: &mut Gather { s: scratch },
+    })?;
+    let mut scatter = Scatter::<P> {
+        s: scratch,
+        index: 0,
+        offset: 0,
+        p: PhantomData,
+    };
+    <M::To<P::Elem, Cpu> as TensorCollection<P::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
+        m: dst,
+        f: &mut scatter,
+    })?;
+    if scatter.index != scatter.s.lens.len() {
+        return Err(CastError::LengthMismatch {
+            index: scatter.index,
+            src: scatter.s.lens[scatter.index],
+            dst: 0,
+        });
+    }
+    Ok(())
+}
+
+// ---- float leaves of modules -------------------------------------------------------------------
+
+struct BitsVisitor<'a, 'v> {
+    visit: &'a mut dyn FnMut(FloatBits<'_>) -> bool,
+    p: PhantomData<&'v ()>,
+}
+
+/// Stops a walk early (not an error).
+struct Stop;
+
+impl<E: FloatElement> TensorVisitor<E, Cpu> for BitsVisitor<'_, '_>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = Stop;
+    type E2 = E;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, Stop> {
+        let keep_going = with_scratch(|a, b| (self.visit)(E::read_tensor_bits(t, a, b)));
+        if keep_going { Ok(None) } else { Err(Stop) }
+    }
+}
+
+struct MutVisitor<'a> {
+    visit: &'a mut dyn FnMut(FloatSliceMut<'_>),
+}
+
+impl<E: FloatElement> TensorVisitor<E, Cpu> for MutVisitor<'_>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorMut;
+    type Err = std::convert::Infallible;
+    type E2 = E;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _: TensorOptions<S, E, Cpu>,
+        t: &mut Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, Self::Err> {
+        with_scratch(|a, b| E::update_tensor(t, a, b, self.visit));
+        Ok(None)
+    }
+}
+
+/// [`super::FloatLeaves::visit_float_bits`] for any dfdx module: visits the bits of every tensor
+/// in `TensorCollection` order, stopping when `visit` returns `false`.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::cast::module_visit_float_bits;
+/// let dev = Cpu::default();
+/// let m = dev.build_module::<Linear<3, 2>, f32>();
+/// let mut n = 0;
+/// assert!(module_visit_float_bits::<f32, _>(&m, &mut |b| { n += match b {
+///     mpx_runtime::precision::FloatBits::F32(v) => v.len(),
+///     mpx_runtime::precision::FloatBits::F16(v) => v.len(),
+/// }; true }));
+/// assert_eq!(n, 3 * 2 + 2);
+/// ```
+pub fn module_visit_float_bits<E, M>(
+    module: &M,
+    visit: &mut dyn FnMut(FloatBits<'_>) -> bool,
+) -> bool
+where
+    E: FloatElement,
+    M: TensorCollection<E, Cpu>,
+    Cpu: Device<E>,
+{
+    let mut v = BitsVisitor {
+        visit,
+        p: PhantomData,
+    };
+    M::iter_tensors(&mut RecursiveWalker {
+        m: module,
+        f: &mut v,
+    })
+    .is_ok()
+}
+
+/// [`super::FloatLeaves::visit_floats_mut`] for any dfdx module: lets `visit` rewrite every
+/// tensor's values in `TensorCollection` order.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::cast::{FloatSliceMut, module_visit_floats_mut};
+/// let dev = Cpu::default();
+/// let mut m = dev.build_module::<Linear<3, 2>, f32>();
+/// module_visit_floats_mut::<f32, _>(&mut m, &mut |s| if let FloatSliceMut::F32(v) = s {
+///     v.fill(0.5)
+/// });
+/// assert_eq!(m.bias.array(), [0.5, 0.5]);
+/// ```
+pub fn module_visit_floats_mut<E, M>(module: &mut M, visit: &mut dyn FnMut(FloatSliceMut<'_>))
+where
+    E: FloatElement,
+    M: TensorCollection<E, Cpu>,
+    Cpu: Device<E>,
+{
+    let mut v = MutVisitor { visit };
+    let _ = M::iter_tensors(&mut RecursiveWalker {
+        m: module,
+        f: &mut v,
+    });
+}

@@ -1,0 +1,181 @@
+//! Casting trees: tensors, containers, modules (fresh and in place), the derive, and the laws
+//! (integer leaves bit-identical, f16 -> f32 -> f16 identity, bf16 rounding = `half::bf16`).
+
+use dfdx::prelude::*;
+use mpx::cast::{
+    Cast, CastScratch, FloatLeaves, FloatSliceMut, cast_module, cast_module_into, cast_to_bf16,
+    cast_to_f16, cast_to_f32, cast_to_full_precision, cast_to_half_precision,
+};
+use mpx::precision::{AMP, FloatBits, f16};
+
+type Mlp = (Linear<5, 7>, ReLU, Linear<7, 3>);
+
+fn f16_bits(v: &[f16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn f32_tensor_to_f16_matches_half_rounding_and_keeps_shape() {
+    let dev = Cpu::default();
+    let vals = [1.0f32, -2.5, 65504.0, 65520.0, 1e-8, 0.1, f32::NAN, -0.0];
+    let x: Tensor<Rank2<2, 4>, f32, _> = dev.tensor([
+        [vals[0], vals[1], vals[2], vals[3]],
+        [vals[4], vals[5], vals[6], vals[7]],
+    ]);
+    let h: Tensor<Rank2<2, 4>, f16, _> = cast_to_f16(&x);
+    assert_eq!(h.shape(), x.shape());
+    let want: Vec<u16> = vals.iter().map(|v| f16::from_f32(*v).to_bits()).collect();
+    assert_eq!(f16_bits(&h.as_vec()), want);
+}
+
+#[test]
+fn integer_and_bool_tensors_and_plain_values_are_untouched() {
+    let dev = Cpu::default();
+    let labels: Tensor<Rank1<4>, usize, _> = dev.tensor([3, 1, 4, 1]);
+    let mask: Tensor<Rank1<2>, bool, _> = dev.tensor([true, false]);
+    let x64: Tensor<Rank1<2>, f64, _> = dev.tensor([0.1, 0.2]);
+    let tree = (labels, mask, x64, 7i32, String::from("s"), 0.1f64);
+    let out = cast_to_f16(&tree);
+    assert_eq!(out.0.as_vec(), vec![3, 1, 4, 1]);
+    assert_eq!(out.1.as_vec(), vec![true, false]);
+    // f64 is left alone, as mpx does
+    assert_eq!(out.2.as_vec(), vec![0.1, 0.2]);
+    assert_eq!((out.3, out.4.as_str(), out.5), (7, "s", 0.1));
+}
+
+#[test]
+fn containers_cast_their_float_leaves() {
+    let tree = (
+        vec![1.0f32 / 3.0, 2.0],
+        Some(Box::new(0.1f32)),
+        [0.2f32; 3],
+        None::<f32>,
+    );
+    let h = cast_to_half_precision::<f16, _>(&tree);
+    assert_eq!(h.0, vec![f16::from_f32(1.0 / 3.0), f16::from_f32(2.0)]);
+    assert_eq!(h.1.as_deref(), Some(&f16::from_f32(0.1)));
+    assert_eq!(h.2, [f16::from_f32(0.2); 3]);
+    assert_eq!(h.3, None);
+    let back = cast_to_full_precision(&h);
+    assert_eq!(back.0[1], 2.0);
+    let amp = cast_to_half_precision::<AMP<f16>, _>(&tree.0);
+    assert_eq!(amp[0].0, f16::from_f32(1.0 / 3.0));
+}
+
+#[test]
+fn bf16_cast_rounds_like_half_bf16_and_keeps_f32_storage() {
+    let dev = Cpu::default();
+    let vals = [
+        1.0 + 1.0 / 512.0,
+        1.0 + 3.0 / 512.0,
+        3.14159,
+        -1e30,
+        3.4e38,
+        1e-40,
+    ];
+    let x: Tensor<Rank1<6>, f32, _> = dev.tensor(vals);
+    let b: Tensor<Rank1<6>, f32, _> = cast_to_bf16(&x);
+    let want: Vec<u32> = vals
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32().to_bits())
+        .collect();
+    let got: Vec<u32> = b.as_vec().iter().map(|v| v.to_bits()).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn module_cast_keeps_shapes_and_converts_values() {
+    let dev = Cpu::default();
+    let m = dev.build_module::<Mlp, f32>();
+    let h = cast_module::<f16, f32, _>(&m);
+    let w0 = m.0.weight.as_vec();
+    let want: Vec<u16> = w0.iter().map(|v| f16::from_f32(*v).to_bits()).collect();
+    assert_eq!(f16_bits(&h.0.weight.as_vec()), want);
+    assert_eq!(h.2.bias.shape(), m.2.bias.shape());
+    let want_b: Vec<u16> =
+        m.2.bias
+            .as_vec()
+            .iter()
+            .map(|v| f16::from_f32(*v).to_bits())
+            .collect();
+    assert_eq!(f16_bits(&h.2.bias.as_vec()), want_b);
+}
+
+#[test]
+fn module_cast_into_rewrites_existing_copy_both_directions() {
+    let dev = Cpu::default();
+    let mut master = dev.build_module::<Mlp, f32>();
+    let mut work = cast_module::<f16, f32, _>(&master);
+    let mut scratch = CastScratch::new();
+    // change the master as an optimizer would
+    master.0.weight = master.0.weight.clone() * 3.0;
+    master.2.bias = master.2.bias.clone() + 1.0;
+    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+    let fresh = cast_module::<f16, f32, _>(&master);
+    assert_eq!(
+        f16_bits(&work.0.weight.as_vec()),
+        f16_bits(&fresh.0.weight.as_vec())
+    );
+    assert_eq!(
+        f16_bits(&work.2.bias.as_vec()),
+        f16_bits(&fresh.2.bias.as_vec())
+    );
+    // a second call reuses the buffers
+    let cap = scratch.capacity_bytes();
+    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+    assert_eq!(scratch.capacity_bytes(), cap);
+    // reverse: half values widened into an f32 model (exact)
+    let mut wide = dev.build_module::<Mlp, f32>();
+    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
+    let want: Vec<f32> = work.0.weight.as_vec().iter().map(|h| h.to_f32()).collect();
+    assert_eq!(wide.0.weight.as_vec(), want);
+}
+
+#[test]
+fn float_leaves_visit_tensors_in_order_and_write_back() {
+    let dev = Cpu::default();
+    let a: Tensor<Rank1<2>, f32, _> = dev.tensor([1.0, 2.0]);
+    let b: Tensor<Rank1<3>, f16, _> = dev.tensor([f16::ONE; 3]);
+    let labels: Tensor<Rank1<2>, usize, _> = dev.tensor([1, 2]);
+    let mut tree = (a, labels, b, vec![4.0f32]);
+    let mut lens = Vec::new();
+    assert!(tree.visit_float_bits(&mut |bits| {
+        lens.push(match bits {
+            FloatBits::F32(v) => (32, v.len()),
+            FloatBits::F16(v) => (16, v.len()),
+        });
+        true
+    }));
+    assert_eq!(lens, vec![(32, 2), (16, 3), (32, 1)]);
+    tree.visit_floats_mut(&mut |s| match s {
+        FloatSliceMut::F32(v) => v.iter_mut().for_each(|x| *x *= 2.0),
+        FloatSliceMut::F16(v) => v
+            .iter_mut()
+            .for_each(|x| *x = f16::from_f32(x.to_f32() * 2.0)),
+    });
+    assert_eq!(tree.0.array(), [2.0, 4.0]);
+    assert_eq!(tree.2.array(), [f16::from_f32(2.0); 3]);
+    assert_eq!(tree.3, vec![8.0]);
+    assert_eq!(tree.1.array(), [1, 2]);
+    // early stop
+    let mut calls = 0;
+    assert!(!tree.visit_float_bits(&mut |_| {
+        calls += 1;
+        false
+    }));
+    assert_eq!(calls, 1);
+}
+
+#[test]
+fn f16_to_f32_and_back_is_identity_for_every_finite_pattern() {
+    let dev = Cpu::default();
+    let all: Vec<f16> = (0..=u16::MAX)
+        .map(f16::from_bits)
+        .filter(|h| h.is_finite())
+        .collect();
+    let n = all.len();
+    let t: Tensor<(usize,), f16, _> = dev.tensor_from_vec(all.clone(), (n,));
+    let wide: Tensor<(usize,), f32, _> = cast_to_f32(&t);
+    let back: Tensor<(usize,), f16, _> = <_ as Cast<f16>>::cast(&wide);
+    assert_eq!(f16_bits(&back.as_vec()), f16_bits(&all));
+}
