@@ -593,7 +593,7 @@ proptest! {
     #[test]
     fn unscale_of_scale_is_identity_for_powers_of_two(
         k in -10i32..=20,
-        xs in prop::collection::vec(moderate_f32(), 0..300),
+        xs in prop::collection::vec(moderate_f32(), 1..300), // dfdx 0.13: as_vec() of an empty tensor panics
     ) {
         let dev: Cpu = Default::default();
         let s = StaticLossScale::new(2f32.powi(k)).unwrap();
