@@ -20,19 +20,11 @@ pub fn derive_cast(input: TokenStream) -> TokenStream {
 /// Runs the body of a function in f32 inside a half-precision graph, gradients flowing through.
 #[proc_macro_attribute]
 pub fn full_precision(args: TokenStream, item: TokenStream) -> TokenStream {
-    full_precision::expand({
-        let _ = args;
-        item.into()
-    })
-    .into()
+    full_precision::expand(args.into(), item.into()).into()
 }
 
 /// Turns an f32 dfdx training step into the mixed-precision recipe.
 #[proc_macro_attribute]
 pub fn mixed_step(args: TokenStream, item: TokenStream) -> TokenStream {
-    mixed_step::expand({
-        let _ = args;
-        item.into()
-    })
-    .into()
+    mixed_step::expand(args.into(), item.into()).into()
 }

@@ -1,0 +1,141 @@
+//! Parsing: the attribute's arguments and the annotated item.
+
+use proc_macro2::{TokenStream, TokenTree};
+use syn::parse::Parser;
+
+use super::ctxt::Ctxt;
+
+/// The valid arguments, as error messages list them.
+pub(crate) const VALID_ARGS: &str = "`half`, `params`, `inputs`, `crate`";
+
+/// `#[full_precision(half = H, params = ln, crate = "path")]`, every argument optional.
+#[derive(Default)]
+pub(crate) struct Args {
+    /// The caller's precision type (`H`, `f16`, ...); found from the generics when absent.
+    pub half: Option<syn::Type>,
+    /// The module whose parameters the body uses: an argument (`ln`) or a field (`self.ln`).
+    pub params: Option<syn::Expr>,
+    /// The arguments to cast, when the types do not say it (a type alias of a tensor):
+    /// `inputs = x` or `inputs = (x, y)`.
+    pub inputs: Option<Vec<syn::Ident>>,
+    /// Path of the `mpx` facade, when it is not `::mpx`.
+    pub krate: Option<syn::Path>,
+}
+
+/// Parses `key = value` arguments with `syn::meta::parser`, recording unknown and duplicate keys
+/// in `cx` and carrying on, so every mistake is reported at once.
+pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
+    let mut out = Args::default();
+    let parser = syn::meta::parser(|meta| {
+        let path = &meta.path;
+        let key = path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
+        match key.as_str() {
+            "half" => {
+                let v: syn::Type = meta.value()?.parse()?;
+                set_once(cx, &meta.path, &mut out.half, v, "half");
+            }
+            "params" => {
+                let v: syn::Expr = meta.value()?.parse()?;
+                set_once(cx, &meta.path, &mut out.params, v, "params");
+            }
+            "inputs" => {
+                let v: syn::Expr = meta.value()?.parse()?;
+                let names = input_names(&v)?;
+                set_once(cx, &meta.path, &mut out.inputs, names, "inputs");
+            }
+            "crate" => {
+                let lit: syn::LitStr = meta.value()?.parse()?;
+                let v: syn::Path = lit.parse()?;
+                set_once(cx, &meta.path, &mut out.krate, v, "crate");
+            }
+            _ => {
+                cx.error_spanned(
+                    &meta.path,
+                    format!("unknown argument `{key}`; expected one of {VALID_ARGS}"),
+                );
+                skip_value(meta.input)?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(err) = parser.parse2(args) {
+        cx.push(err);
+    }
+    out
+}
+
+/// Stores `value` in `slot`, or records "duplicate argument" when it is already set.
+pub(crate) fn set_once<T>(
+    cx: &mut Ctxt,
+    path: &syn::Path,
+    slot: &mut Option<T>,
+    value: T,
+    name: &str,
+) {
+    if slot.is_some() {
+        cx.error_spanned(path, format!("duplicate argument `{name}`"));
+    } else {
+        *slot = Some(value);
+    }
+}
+
+/// `x` or `(x, y, ..)`: argument names.
+fn input_names(e: &syn::Expr) -> syn::Result<Vec<syn::Ident>> {
+    let one = |e: &syn::Expr| match e {
+        syn::Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => Ok(p
+            .path
+            .get_ident()
+            .cloned()
+            .unwrap_or_else(|| unreachable!())),
+        other => Err(syn::Error::new_spanned(
+            other,
+            "`inputs` lists argument names: `inputs = x` or `inputs = (x, y)`",
+        )),
+    };
+    match e {
+        syn::Expr::Tuple(t) => t.elems.iter().map(one).collect(),
+        syn::Expr::Paren(p) => Ok(vec![one(&p.expr)?]),
+        other => Ok(vec![one(other)?]),
+    }
+}
+
+/// Skips an unknown argument's value (up to the next top-level comma).
+pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
+    while !input.is_empty() && !input.peek(syn::Token![,]) {
+        input.parse::<TokenTree>()?;
+    }
+    Ok(())
+}
+
+/// How an argument's type reads to the macro: the region casts only tensors passed by value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArgKind {
+    /// `Tensor<..>` or a tuple of them.
+    Tensor,
+    /// `&Tensor<..>` or `&mut Tensor<..>`: cannot be split off its tape.
+    TensorRef,
+    /// Anything else: captured by the body as it is.
+    Other,
+}
+
+/// Classifies a type syntactically (a type alias of a tensor reads as `Other`).
+pub(crate) fn classify(ty: &syn::Type) -> ArgKind {
+    match ty {
+        syn::Type::Path(p) if p.qself.is_none() => match p.path.segments.last() {
+            Some(seg) if seg.ident == "Tensor" => ArgKind::Tensor,
+            _ => ArgKind::Other,
+        },
+        syn::Type::Tuple(t)
+            if !t.elems.is_empty() && t.elems.iter().all(|e| classify(e) == ArgKind::Tensor) =>
+        {
+            ArgKind::Tensor
+        }
+        syn::Type::Paren(p) => classify(&p.elem),
+        syn::Type::Group(g) => classify(&g.elem),
+        syn::Type::Reference(r) if classify(&r.elem) == ArgKind::Tensor => ArgKind::TensorRef,
+        _ => ArgKind::Other,
+    }
+}
