@@ -1,0 +1,95 @@
+//! The precisions a mixed step can run its working copy in, and the per-precision slice work the
+//! step does: widening the model output to f32 and moving gradients to the master.
+
+use dfdx::dtypes::AMP;
+use dfdx::tensor::{Cpu, Storage};
+use half::f16;
+
+use crate::finite::{unscale_in_place_checked, unscale_into_checked};
+use crate::precision::{Precision, bf16, round_to_bf16};
+
+/// A precision the working copy of a mixed step can be stored in: [`f16`], [`AMP<f16>`],
+/// emulated [`bf16`], or `f32` (the last one is for checking the machinery: with scale 1 it
+/// reproduces a plain f32 step bit for bit).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::step::StepPrecision;
+/// let mut out = [0.0f32; 2];
+/// // widen the half output to f32, then unscale 2^10-scaled gradients into the master's f32
+/// <f16 as StepPrecision>::widen(&[f16::from_f32(1.5), f16::from_f32(-2.0)], &mut out);
+/// assert_eq!(out, [1.5, -2.0]);
+/// let finite = <f16 as StepPrecision>::transfer(&[f16::from_f32(1024.0), f16::INFINITY], 1.0 / 1024.0, &mut out);
+/// assert_eq!((finite, out[0]), (false, 1.0));
+/// ```
+pub trait StepPrecision: Precision {
+    /// The working copy's gradient buffer (dfdx's private CPU vector) as a slice.
+    fn grad_slice(buf: &mut <Cpu as Storage<Self::Elem>>::Vec) -> &mut [Self::Elem]
+    where
+        Cpu: Storage<Self::Elem>;
+
+    /// Widens values of this precision into f32 (exact). Emulated bf16 rounds its f32 storage to
+    /// bf16 here: this is where a real bf16 tensor would be cast.
+    fn widen(src: &[Self::Elem], dst: &mut [f32]);
+
+    /// Moves scaled working-copy gradients into f32 master gradients in one pass: widen (emulated
+    /// bf16: round to bf16 first), check finiteness on the scaled values, multiply by `inv_scale`.
+    /// Returns `true` when every value was finite. `src` and `dst` have the same length.
+    fn transfer(src: &[Self::Elem], inv_scale: f32, dst: &mut [f32]) -> bool;
+}
+
+fn checked<E: crate::precision::FloatElement>(src: &[E], inv_scale: f32, dst: &mut [f32]) -> bool {
+    // Lengths match by construction (the workspace checks them before calling); a mismatch would
+    // be reported as not finite rather than panic.
+    unscale_into_checked(src, inv_scale, dst).unwrap_or(false)
+}
+
+impl StepPrecision for f32 {
+    fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
+        buf
+    }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn transfer(src: &[f32], inv_scale: f32, dst: &mut [f32]) -> bool {
+        checked(src, inv_scale, dst)
+    }
+}
+
+impl StepPrecision for f16 {
+    fn grad_slice(buf: &mut <Cpu as Storage<f16>>::Vec) -> &mut [f16] {
+        buf
+    }
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        <f16 as crate::precision::FloatElement>::to_f32_slice(src, dst);
+    }
+    fn transfer(src: &[f16], inv_scale: f32, dst: &mut [f32]) -> bool {
+        checked(src, inv_scale, dst)
+    }
+}
+
+impl StepPrecision for AMP<f16> {
+    fn grad_slice(buf: &mut <Cpu as Storage<AMP<f16>>>::Vec) -> &mut [AMP<f16>] {
+        buf
+    }
+    fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
+        <AMP<f16> as crate::precision::FloatElement>::to_f32_slice(src, dst);
+    }
+    fn transfer(src: &[AMP<f16>], inv_scale: f32, dst: &mut [f32]) -> bool {
+        checked(src, inv_scale, dst)
+    }
+}
+
+impl StepPrecision for bf16 {
+    fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
+        buf
+    }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        round_to_bf16(src, dst);
+    }
+    fn transfer(src: &[f32], inv_scale: f32, dst: &mut [f32]) -> bool {
+        round_to_bf16(src, dst);
+        unscale_in_place_checked(dst, inv_scale)
+    }
+}

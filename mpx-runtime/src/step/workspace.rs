@@ -1,0 +1,277 @@
+//! [`MixedWorkspace`]: the buffers a mixed step reuses (half working copy, gradients, scratch).
+
+use std::cell::Cell;
+
+use dfdx::nn::ZeroGrads;
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
+use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, ZerosTensor};
+use dfdx::tensor_ops::Device;
+
+use super::StepPrecision;
+use super::error::StepError;
+use crate::boundary::MasterModel;
+use crate::cast::{CastScratch, cast_module_into, try_cast_module};
+
+/// The working copy of master model `M` in precision `H`: the same module with its float tensors
+/// stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for emulated bf16).
+pub type WorkingCopy<H, M> =
+    <M as TensorCollection<f32, Cpu>>::To<<H as crate::precision::Precision>::Elem, Cpu>;
+
+/// Hands out one master gradient buffer; built once per trainable master tensor (it holds a
+/// data-free "ghost" of the tensor, keyed by the tensor's id).
+pub(super) type GradSlot =
+    Box<dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>>;
+
+/// A gradient buffer of the f32 master, with its element count.
+pub(super) struct MasterSlot {
+    pub(super) len: usize,
+    pub(super) get: GradSlot,
+}
+
+/// Constrains a closure to the higher-ranked signature of [`GradSlot`].
+fn slot<F>(f: F) -> F
+where
+    F: for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>,
+{
+    f
+}
+
+/// The reusable state of a mixed step for master model `M` and half precision `H`: the working
+/// copy, its gradient buffers, the f32 master-shaped gradients and scratch space. Build it once
+/// from the master, pass it to every [`filter_value_and_grad`](super::filter_value_and_grad) call:
+/// no large buffer is allocated per step. (mpx has no counterpart: JAX allocates inside `jit`.)
+///
+/// It also counts skipped steps and holds the optional limit on consecutive skips (optax's
+/// `apply_if_finite(max_consecutive_errors)`, except that exceeding the limit is an error here,
+/// never a corrupting update).
+///
+/// The workspace belongs to the master it was built from (and to clones of it, which share tensor
+/// ids). A workspace built from another model returns [`StepError::WorkspaceMismatch`] or, at
+/// the update, [`StepError::Optimizer`].
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::step::MixedWorkspace;
+/// let dev: Cpu = Default::default();
+/// let master = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+/// let ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(100);
+/// assert_eq!(ws.working_copy().0.weight.array()[0][0], f16::from_f32(master.0.weight.array()[0][0]));
+/// assert_eq!(ws.skipped_steps(), 0);
+/// # Ok::<(), mpx_runtime::step::StepError>(())
+/// ```
+pub struct MixedWorkspace<H: StepPrecision, M: MasterModel>
+where
+    Cpu: Device<H::Elem>,
+{
+    pub(super) dev: Cpu,
+    pub(super) half: WorkingCopy<H, M>,
+    /// The working copy's gradients; `None` only while a step holds them on its tape.
+    pub(super) half_grads: Option<Gradients<H::Elem, Cpu>>,
+    pub(super) master_grads: Gradients<f32, Cpu>,
+    pub(super) slots: Vec<MasterSlot>,
+    /// Reused buffers of the in-place cast master -> working copy.
+    pub(super) cast_scratch: CastScratch,
+    /// Non-parameter tensors (batch-norm running statistics): their working-copy values right
+    /// after the cast, and their f32 values after the forward pass, with a changed flag.
+    pub(super) state_before: Vec<Vec<H::Elem>>,
+    pub(super) state_after: Vec<Vec<f32>>,
+    pub(super) state_changed: Vec<bool>,
+    pub(super) state_scratch: Vec<H::Elem>,
+    /// A rank-0 tensor whose tape carries the working copy's gradients into the forward pass.
+    pub(super) anchor: Tensor<Rank0, H::Elem, Cpu>,
+    pub(super) max_consecutive_skips: Option<u64>,
+    pub(super) consecutive_skips: Cell<u64>,
+    pub(super) skipped_steps: Cell<u64>,
+    pub(super) applied_steps: Cell<u64>,
+}
+
+impl<H: StepPrecision, M: MasterModel> MixedWorkspace<H, M>
+where
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu>,
+{
+    /// Builds the workspace for `master`: casts a working copy, allocates its gradients and the
+    /// f32 master-shaped gradients.
+    ///
+    /// # Errors
+    /// [`StepError::Device`] when the device cannot allocate.
+    pub fn new(master: &M) -> Result<Self, StepError> {
+        let dev: Cpu = Default::default();
+        let half = try_cast_module::<H, f32, M>(master)?;
+        let half_grads = half.try_alloc_grads()?;
+        let master_grads = master.try_alloc_grads()?;
+        let mut layout = Layout {
+            slots: Vec::new(),
+            state_lens: Vec::new(),
+        };
+        M::iter_tensors(&mut RecursiveWalker {
+            m: master,
+            f: &mut layout,
+        })?;
+        let zero = H::Elem::default();
+        let anchor = dev.try_zeros()?;
+        let mut ws = Self {
+            dev,
+            half,
+            half_grads: Some(half_grads),
+            master_grads,
+            slots: layout.slots,
+            cast_scratch: CastScratch::default(),
+            state_before: layout.state_lens.iter().map(|&n| vec![zero; n]).collect(),
+            state_after: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
+            state_changed: vec![false; layout.state_lens.len()],
+            state_scratch: vec![zero; layout.state_lens.iter().copied().max().unwrap_or(0)],
+            anchor,
+            max_consecutive_skips: None,
+            consecutive_skips: Cell::new(0),
+            skipped_steps: Cell::new(0),
+            applied_steps: Cell::new(0),
+        };
+        // The working copy is fresh; record its buffers' cast values for change detection.
+        ws.refresh(master)?;
+        Ok(ws)
+    }
+
+    /// Sets a limit on consecutive skipped steps: the `(limit + 1)`-th skip in a row makes
+    /// [`optimizer_update`](super::optimizer_update) return [`StepError::TooManySkips`] (master
+    /// and optimizer still untouched). Off by default. optax's `apply_if_finite` applies the bad
+    /// update at that point instead; mpx and PyTorch have no limit.
+    pub fn with_max_consecutive_skips(mut self, limit: u64) -> Self {
+        self.max_consecutive_skips = Some(limit);
+        self
+    }
+
+    /// The working copy as the last step left it (after its forward pass).
+    pub fn working_copy(&self) -> &WorkingCopy<H, M> {
+        &self.half
+    }
+
+    /// Steps skipped so far (non-finite gradients or loss).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps.get()
+    }
+
+    /// Skipped steps in a row, up to the last update call.
+    pub fn consecutive_skips(&self) -> u64 {
+        self.consecutive_skips.get()
+    }
+
+    /// Steps whose update was applied.
+    pub fn applied_steps(&self) -> u64 {
+        self.applied_steps.get()
+    }
+
+    /// Rewrites the working copy from the master, in place (the cast module's
+    /// `cast_module_into`, no allocation after the first step), then snapshots the working
+    /// copy's non-parameter tensors so the step can tell which ones its forward pass changed.
+    pub(super) fn refresh(&mut self, master: &M) -> Result<(), StepError> {
+        cast_module_into::<H, f32, M>(master, &mut self.half, &mut self.cast_scratch)?;
+        if self.state_before.is_empty() {
+            return Ok(());
+        }
+        let mut snap = SnapshotState::<H::Elem> {
+            before: &mut self.state_before,
+            index: 0,
+            mismatch: None,
+        };
+        <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
+            &mut RecursiveWalker {
+                m: &self.half,
+                f: &mut snap,
+            },
+        )?;
+        match snap.mismatch {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+pub(super) fn count_mismatch(expected: usize, found: usize) -> StepError {
+    StepError::WorkspaceMismatch {
+        expected: format!("{expected} tensors"),
+        found: format!("{found}"),
+    }
+}
+
+pub(super) fn len_mismatch(index: usize, expected: usize, found: usize) -> StepError {
+    StepError::WorkspaceMismatch {
+        expected: format!("{expected} elements in tensor #{index}"),
+        found: format!("{found}"),
+    }
+}
+
+// ---- visitors ------------------------------------------------------------------------------
+
+/// Records the master's layout and a gradient slot per trainable tensor.
+struct Layout {
+    slots: Vec<MasterSlot>,
+    state_lens: Vec<usize>,
+}
+
+impl TensorVisitor<f32, Cpu> for Layout {
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        let n = t.shape().num_elements();
+        if opts.do_gradient_update {
+            let ghost = t.ghost();
+            let get: GradSlot = Box::new(slot(move |g: &mut Gradients<f32, Cpu>| {
+                let buf = g.get_or_alloc_mut(&ghost)?;
+                Ok(&mut buf[..])
+            }));
+            self.slots.push(MasterSlot { len: n, get });
+        } else {
+            self.state_lens.push(n);
+        }
+        Ok(None)
+    }
+}
+
+/// Copies the working copy's non-parameter tensors (right after the cast) into `before`.
+struct SnapshotState<'a, E> {
+    before: &'a mut [Vec<E>],
+    index: usize,
+    mismatch: Option<StepError>,
+}
+
+impl<E: Dtype> TensorVisitor<E, Cpu> for SnapshotState<'_, E>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = E;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
+        if opts.do_gradient_update || self.mismatch.is_some() {
+            return Ok(None);
+        }
+        let j = self.index;
+        self.index += 1;
+        let n = t.shape().num_elements();
+        match self.before.get_mut(j) {
+            Some(buf) if buf.len() == n => t.copy_into(buf),
+            Some(buf) => self.mismatch = Some(len_mismatch(j, buf.len(), n)),
+            None => self.mismatch = Some(count_mismatch(self.before.len(), j + 1)),
+        }
+        Ok(None)
+    }
+}
