@@ -183,6 +183,47 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
         "{what}: unscale_value"
     );
 
+    // unscale of a tensor tree in the stored dtype (f16 tensors, or f32 tensors holding the bf16 or
+    // f32 values), and the fused tree form.
+    let tree_unscaled: Vec<f32> = match input["dtype"].as_str().unwrap() {
+        "float16" => {
+            let h: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+            let t = dev.tensor_from_vec(h, (n,));
+            let (checked, finite) = s.unscale_checked(&t);
+            assert_eq!(
+                finite,
+                all_finite_f32(&x),
+                "{what}: unscale_checked finiteness"
+            );
+            assert_eq!(
+                bits_of(&checked.as_vec()),
+                bits_of(&s.unscale(&t).as_vec()),
+                "{what}"
+            );
+            s.unscale(&t).as_vec()
+        }
+        _ => {
+            let t = dev.tensor_from_vec(x.clone(), (n,));
+            let (checked, finite) = s.unscale_checked(&(t.clone(),));
+            assert_eq!(
+                finite,
+                all_finite_f32(&x),
+                "{what}: unscale_checked finiteness"
+            );
+            assert_eq!(
+                bits_of(&checked.0.as_vec()),
+                bits_of(&s.unscale(&t).as_vec()),
+                "{what}"
+            );
+            s.unscale(&t).as_vec()
+        }
+    };
+    assert_eq!(
+        bits_of(&tree_unscaled),
+        expected_bits(&entry["unscaled"]),
+        "{what}: unscale(tree)"
+    );
+
     // roundtrip: unscale(scale(x)).
     let mut roundtrip = vec![0.0f32; n];
     let finite_scaled = unscale_into_checked(&scaled, s.inv_loss_scale(), &mut roundtrip).unwrap();
@@ -258,6 +299,83 @@ fn jmp_static_and_dynamic_f32_scale_unscale_cases() {
     // 9 inputs (f16/bf16/f32 x base/cast_overflow/with_nonfinite) x 8 scales x 2 impls.
     assert_eq!(checked, 9 * 8 * 2);
     assert!(nonfinite_seen > 0, "the data includes non-finite results");
+}
+
+#[test]
+fn jmp_pytree_case_unscales_float_leaves_and_keeps_integers() {
+    let data = json(SCALE_UNSCALE);
+    let case = &data["pytree_case"];
+    let dev: Cpu = Default::default();
+    let input = &case["input"];
+    let a: Vec<f16> = input["a_f16"]["bits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| f16::from_bits(hex_u32(b) as u16))
+        .collect();
+    let b: Vec<Vec<f32>> = input["b"].as_array().unwrap().iter().map(decode).collect();
+    let c: Vec<i32> = input["c_i32"]["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap() as i32)
+        .collect();
+    let tree = (
+        dev.tensor_from_vec(a, (3,)),
+        b.iter()
+            .map(|v| dev.tensor_from_vec(v.clone(), (2,)))
+            .collect::<Vec<_>>(),
+        dev.tensor_from_vec(c.clone(), (2,)),
+    );
+    let mut scales_seen = 0;
+    for (key, by_impl) in case.as_object().unwrap() {
+        let Some(sv) = key.strip_prefix("S=") else {
+            continue;
+        };
+        let sv: f32 = sv.parse().unwrap();
+        for impl_name in ["jmp_static_f32", "jmp_dynamic_f32"] {
+            let entry = &by_impl[impl_name];
+            let (ua, ub, uc) = if impl_name == "jmp_static_f32" {
+                StaticLossScale::new(sv).unwrap().unscale(&tree)
+            } else {
+                DynamicLossScale::new(sv).unwrap().unscale(&tree)
+            };
+            let un = &entry["unscaled"];
+            assert_eq!(
+                bits_of(&ua.as_vec()),
+                expected_bits(&un["a_f16"]),
+                "{impl_name} {key} a"
+            );
+            for (i, t) in ub.iter().enumerate() {
+                assert_eq!(
+                    bits_of(&t.as_vec()),
+                    expected_bits(&un["b"][i]),
+                    "{impl_name} {key} b{i}"
+                );
+            }
+            // Deviation from jmp (and mpx), which multiply integer leaves too (giving f32): only
+            // float leaves are unscaled; integer tensors pass through bit-identical.
+            assert_eq!(uc.as_vec(), c);
+            assert_eq!(expected_bits(&un["c_i32"]).len(), 2);
+
+            // all_finite of jmp's scaled tree, rebuilt from its bits.
+            let sc = &entry["scaled"];
+            let scaled_tree = (
+                dev.tensor_from_vec(decode(&sc["a_f16"]), (3,)),
+                vec![
+                    dev.tensor_from_vec(decode(&sc["b"][0]), (2,)),
+                    dev.tensor_from_vec(decode(&sc["b"][1]), (2,)),
+                ],
+                dev.tensor_from_vec(c.clone(), (2,)),
+            );
+            assert_eq!(
+                mpx::finite::all_finite(&scaled_tree),
+                entry["all_finite_scaled"].as_bool().unwrap()
+            );
+        }
+        scales_seen += 1;
+    }
+    assert_eq!(scales_seen, 2);
 }
 
 // ---- construction ----------------------------------------------------------------------
@@ -599,7 +717,13 @@ proptest! {
         let s = StaticLossScale::new(2f32.powi(k)).unwrap();
         let d = DynamicLossScale::builder().initial(2f32.powi(k)).build().unwrap();
         let n = xs.len();
-        let scaled = s.scale(dev.tensor_from_vec(xs.clone(), (n,))).as_vec();
+        let scaled_t = s.scale(dev.tensor_from_vec(xs.clone(), (n,)));
+        // The tree form: unscale(scale(x)) on the tensor itself.
+        prop_assert_eq!(bits_of(&s.unscale(&scaled_t).as_vec()), bits_of(&xs));
+        let (back_t, finite) = d.unscale_checked(&vec![scaled_t.clone()]);
+        prop_assert!(finite);
+        prop_assert_eq!(bits_of(&back_t[0].as_vec()), bits_of(&xs));
+        let scaled = scaled_t.as_vec();
         let scaled_d = d.scale(dev.tensor_from_vec(xs.clone(), (n,))).as_vec();
         prop_assert_eq!(bits_of(&scaled), bits_of(&scaled_d));
         let mut back = vec![0.0f32; n];

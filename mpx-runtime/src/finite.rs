@@ -149,6 +149,23 @@ pub fn all_finite_slice<E: FloatElement>(values: &[E]) -> bool {
 ///
 /// Integer and bool leaves count as finite, and a tree without float leaves is finite (as in jmp
 /// and mpx). Stops at the first leaf (and the first chunk) that holds a non-finite value.
+///
+/// dfdx 0.13 lends no view of a tensor's storage outside its crate, so each tensor leaf is first
+/// copied into a reused per-thread buffer and then checked; plain slices are checked in place.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use half::f16;
+/// use mpx_runtime::finite::all_finite;
+/// let dev: Cpu = Default::default();
+/// let labels: Tensor<Rank1<2>, usize, _> = dev.tensor([3, 1]);
+/// let grads = (dev.tensor([1.0f32, 2.0]), vec![f16::ONE], labels.clone());
+/// assert!(all_finite(&grads));
+/// let bad = (dev.tensor([1.0f32, f32::INFINITY]), vec![f16::ONE], labels);
+/// assert!(!all_finite(&bad));
+/// assert!(all_finite(&())); // no float leaves: finite
+/// ```
 pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
     tree.visit_float_bits(&mut |bits| bits_finite(bits))
 }
