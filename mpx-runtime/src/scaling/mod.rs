@@ -159,10 +159,18 @@ pub trait LossScale {
     ///
     /// # Examples
     /// ```
-    /// use mpx_runtime::scaling::{LossScale, StaticLossScale};
-    /// let s = StaticLossScale::new(4.0)?;
-    /// assert_eq!(s.unscale_checked(&vec![8.0f32]), (vec![2.0], true));
-    /// assert!(!s.unscale_checked(&vec![f32::NAN]).1);
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::scaling::{DynamicLossScale, LossScale};
+    /// let dev: Cpu = Default::default();
+    /// let w = dev.tensor([0.5f32, -1.0]);
+    /// let mut scaling = DynamicLossScale::builder().initial(32768.0).build()?;
+    /// let loss = (w.leaky_trace() * 3.0).sum();
+    /// let grads = scaling.scale(loss).backward();
+    /// let (g, finite) = scaling.unscale_checked(&grads.get(&w));
+    /// assert!(finite);
+    /// assert_eq!(g.array(), [3.0, 3.0]);
+    /// scaling.adjust(finite);
+    /// assert!(!scaling.unscale_checked(&vec![f32::NAN]).1);
     /// # Ok::<(), mpx_runtime::scaling::LossScaleError>(())
     /// ```
     fn unscale_checked<X>(&self, tree: &X) -> (X::Output, bool)
