@@ -179,3 +179,115 @@ fn f16_to_f32_and_back_is_identity_for_every_finite_pattern() {
     let back: Tensor<(usize,), f16, _> = <_ as Cast<f16>>::cast(&wide);
     assert_eq!(f16_bits(&back.as_vec()), f16_bits(&all));
 }
+
+// ---- #[derive(Cast)] --------------------------------------------------------------------------
+
+/// A training batch: float inputs, integer labels, a Vec of float tensors and a skipped field.
+#[derive(mpx::Cast, Clone, Debug)]
+struct Batch<E: Dtype> {
+    x: Tensor<Rank2<2, 3>, E, Cpu>,
+    labels: Tensor<Rank1<2>, usize, Cpu>,
+    extras: Vec<Tensor<Rank1<3>, E, Cpu>>,
+    #[cast(skip)]
+    note: String,
+}
+
+/// A model as a user writes it, dfdx modules inside.
+#[derive(mpx::Cast)]
+struct Net<E: Dtype> {
+    l1: dfdx::nn::modules::Linear<3, 4, E, Cpu>,
+    act: dfdx::nn::modules::ReLU,
+    norm: dfdx::nn::modules::LayerNorm1D<4, E, Cpu>,
+    l2: dfdx::nn::modules::Linear<4, 2, E, Cpu>,
+    steps: u64,
+}
+
+/// A tuple struct with no type parameter casts to itself.
+#[derive(mpx::Cast)]
+struct Labels(Tensor<Rank1<3>, i32, Cpu>, #[cast(skip)] f32);
+
+#[test]
+fn derived_batch_casts_float_fields_and_leaves_the_rest() {
+    let dev = Cpu::default();
+    let b = Batch::<f32> {
+        x: dev.tensor([[0.1, 0.2, 0.3], [65520.0, -1.0, 1e-8]]),
+        labels: dev.tensor([4, 9]),
+        extras: vec![dev.tensor([1.0 / 3.0, 2.0, 3.0])],
+        note: "batch 0".into(),
+    };
+    let h: Batch<f16> = cast_to_f16(&b);
+    let want: Vec<u16> =
+        b.x.as_vec()
+            .iter()
+            .map(|v| f16::from_f32(*v).to_bits())
+            .collect();
+    assert_eq!(f16_bits(&h.x.as_vec()), want);
+    assert_eq!(h.labels.array(), [4, 9]);
+    assert_eq!(h.extras[0].array()[0], f16::from_f32(1.0 / 3.0));
+    assert_eq!(h.note, "batch 0");
+    // emulated bf16: same type as the source, values rounded
+    let r: Batch<f32> = cast_to_bf16(&b);
+    assert_eq!(
+        r.x.array()[0][0].to_bits(),
+        half::bf16::from_f32(0.1).to_f32().to_bits()
+    );
+    // the derived FloatLeaves visits x and extras, not the labels
+    let mut seen = Vec::new();
+    h.visit_float_bits(&mut |bits| {
+        seen.push(match bits {
+            FloatBits::F16(v) => v.len(),
+            FloatBits::F32(v) => v.len() + 1000,
+        });
+        true
+    });
+    assert_eq!(seen, vec![6, 3]);
+}
+
+#[test]
+fn derived_model_casts_dfdx_modules_keeping_scalars() {
+    let dev = Cpu::default();
+    let mut norm = dev.build_module::<dfdx::nn::builders::LayerNorm1D<4>, f32>();
+    norm.epsilon = 1e-3;
+    let net = Net::<f32> {
+        l1: dev.build_module::<dfdx::nn::builders::Linear<3, 4>, f32>(),
+        act: Default::default(),
+        norm,
+        l2: dev.build_module::<dfdx::nn::builders::Linear<4, 2>, f32>(),
+        steps: 12,
+    };
+    let h: Net<f16> = cast_to_half_precision::<f16, _>(&net);
+    assert_eq!(h.l2.bias.array()[1], f16::from_f32(net.l2.bias.array()[1]));
+    assert_eq!(h.norm.epsilon, 1e-3);
+    assert_eq!(h.steps, 12);
+    let back: Net<f32> = cast_to_f32(&h);
+    assert_eq!(
+        back.l1.weight.array()[2][1],
+        h.l1.weight.array()[2][1].to_f32()
+    );
+}
+
+#[test]
+fn derived_struct_without_dtype_casts_to_itself() {
+    let dev = Cpu::default();
+    let l = Labels(dev.tensor([1, -2, 3]), 0.1);
+    let same: Labels = cast_to_f16(&l);
+    assert_eq!(same.0.array(), [1, -2, 3]);
+    assert_eq!(same.1, 0.1);
+}
+
+#[test]
+fn batch_norm_running_stats_are_float_leaves_and_scalars_survive() {
+    let dev = Cpu::default();
+    let mut bn = dev.build_module::<dfdx::nn::builders::BatchNorm1D<3>, f32>();
+    bn.running_mean = dev.tensor([0.1, 0.2, 0.3]);
+    bn.momentum = 0.25;
+    let h = cast_to_f16(&bn);
+    assert_eq!(h.running_mean.array(), [0.1, 0.2, 0.3].map(f16::from_f32));
+    assert_eq!(h.momentum, 0.25);
+    let mut count = 0;
+    h.visit_float_bits(&mut |_| {
+        count += 1;
+        true
+    });
+    assert_eq!(count, 4); // scale, bias, running_mean, running_var
+}

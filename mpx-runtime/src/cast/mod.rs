@@ -47,6 +47,7 @@
 //! ```
 
 mod containers;
+mod dfdx_modules;
 mod leaf;
 mod module;
 
