@@ -1,1 +1,452 @@
 //! jmp-style precision policies (param / compute / output) and their strings.
+//!
+//! Two forms:
+//! - [`PolicySpec`]: a runtime value of three [`DType`]s, parsed from jmp's policy strings
+//!   (`"params=float32,compute=float16,output=float32"`, `"p=f32,c=bf16,o=f32"`, `"half"`, ...).
+//! - [`Policy<P, C, O>`]: the same policy as types (zero-sized), which casts trees:
+//!   [`Policy::cast_to_param`], [`Policy::cast_to_compute`], [`Policy::cast_to_output`].
+//!
+//! # Strings
+//! The grammar is jmp's `get_policy`: either one dtype name for all three precisions, or
+//! comma-separated `key=dtype` pairs with keys `p`/`params`, `c`/`compute`, `o`/`output`.
+//! Missing keys take jmp's defaults: params = f32, compute = params, output = compute.
+//! Dtype names are jmp's, case-sensitive: `full`/`f32`/`float32`, `half`/`f16`/`float16`,
+//! `bf16`/`bfloat16`, `f64`/`float64`. `half` means f16 (jmp's choice on CPU and GPU; jmp picks
+//! bf16 only on TPU).
+//!
+//! Where jmp is sloppy we are strict, and say why:
+//! - spaces around keys and values are allowed (`"p=f32, c=f16"`; jmp rejects the key `" c"`);
+//! - a repeated key is an error (jmp lets the last one win: `"c=f16,c=bf16"`);
+//! - unknown keys and dtypes are errors that list the valid choices; Keras names such as
+//!   `mixed_float16` point to the preset constructors.
+//!
+//! # Examples
+//! ```
+//! use mpx_runtime::policy::{DType, Policy, PolicySpec};
+//! use mpx_runtime::precision::f16;
+//!
+//! let spec: PolicySpec = "params=float32,compute=float16,output=float32".parse().unwrap();
+//! assert_eq!(spec.compute, DType::Float16);
+//! assert_eq!(spec.to_string(), "p=full,c=f16,o=full");
+//!
+//! let policy = Policy::mixed_float16();
+//! assert_eq!(policy.spec(), spec);
+//! let h: Vec<f16> = policy.cast_to_compute(&vec![0.5f32]);
+//! assert_eq!(h, vec![f16::from_f32(0.5)]);
+//! ```
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::str::FromStr;
+
+use crate::cast::Cast;
+use crate::precision::{Precision, bf16, f16};
+
+/// Every dtype name the parser accepts, for error messages.
+const DTYPE_CHOICES: &str = "full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64";
+/// Every key the parser accepts, for error messages.
+const KEY_CHOICES: &str = "p, params, c, compute, o, output";
+
+/// Why a policy string or a typed policy was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// A dtype name that is not one of jmp's.
+    #[error("unknown dtype `{value}` in policy `{policy}`; expected one of {DTYPE_CHOICES}")]
+    UnknownDType {
+        /// The rejected name (after trimming spaces).
+        value: String,
+        /// The whole policy string.
+        policy: String,
+    },
+    /// A Keras policy name, which is not a jmp policy string.
+    #[error(
+        "`{value}` is a Keras policy name, not a jmp policy string; use `{constructor}` or the string `{equivalent}`"
+    )]
+    KerasName {
+        /// The Keras name given.
+        value: String,
+        /// The preset constructor to call instead.
+        constructor: &'static str,
+        /// The jmp string with the same precisions.
+        equivalent: &'static str,
+    },
+    /// A key other than `p`/`params`, `c`/`compute`, `o`/`output`.
+    #[error("unknown key `{key}` in policy `{policy}`; expected one of {KEY_CHOICES}")]
+    UnknownKey {
+        /// The rejected key (after trimming spaces).
+        key: String,
+        /// The whole policy string.
+        policy: String,
+    },
+    /// A key given twice (jmp silently keeps the last one).
+    #[error(
+        "key `{key}` appears twice in policy `{policy}`; give each of params, compute, output at most once"
+    )]
+    DuplicateKey {
+        /// The long name of the repeated key (`params`, `compute` or `output`).
+        key: &'static str,
+        /// The whole policy string.
+        policy: String,
+    },
+    /// A comma-separated part that is not `key=dtype` (empty, or with several `=`).
+    #[error("`{part}` in policy `{policy}` is not of the form `key=dtype`")]
+    MalformedPart {
+        /// The offending part.
+        part: String,
+        /// The whole policy string.
+        policy: String,
+    },
+    /// A string parsed as a typed [`Policy`] names other precisions than the type.
+    #[error("policy `{found}` does not match the type's precisions `{expected}`")]
+    Mismatch {
+        /// What the type `Policy<P, C, O>` stands for.
+        expected: PolicySpec,
+        /// What the string said.
+        found: PolicySpec,
+    },
+}
+
+/// A floating-point dtype a policy can name: jmp's four.
+///
+/// `Float64` exists because jmp accepts it in policy strings; no mpx cast produces f64 (mpx
+/// leaves f64 alone), so a typed [`Policy`] cannot hold it.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::policy::DType;
+/// assert_eq!("bfloat16".parse::<DType>(), Ok(DType::BFloat16));
+/// assert_eq!(DType::Float32.to_string(), "full");
+/// assert_eq!(DType::Float16.name(), "float16");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary16 (`f16`, `half`).
+    Float16,
+    /// bfloat16 (emulated in mpx: see [`crate::precision`]).
+    BFloat16,
+    /// IEEE binary32 (`full`).
+    Float32,
+    /// IEEE binary64.
+    Float64,
+}
+
+impl DType {
+    /// jmp's long name: `float16`, `bfloat16`, `float32`, `float64`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Float16 => "float16",
+            DType::BFloat16 => "bfloat16",
+            DType::Float32 => "float32",
+            DType::Float64 => "float64",
+        }
+    }
+
+    /// jmp's short name, as its `str(policy)` prints it: `f16`, `bf16`, `full`, `f64`.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            DType::Float16 => "f16",
+            DType::BFloat16 => "bf16",
+            DType::Float32 => "full",
+            DType::Float64 => "f64",
+        }
+    }
+
+    /// The dtype a precision type stores or emulates (`AMP<f16>` is `Float16`).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::policy::DType;
+    /// use mpx_runtime::precision::{AMP, bf16, f16};
+    /// assert_eq!(DType::of::<AMP<f16>>(), DType::Float16);
+    /// assert_eq!(DType::of::<bf16>(), DType::BFloat16);
+    /// ```
+    pub fn of<P: Precision>() -> DType {
+        match P::NAME {
+            "float16" => DType::Float16,
+            "bfloat16" => DType::BFloat16,
+            "float64" => DType::Float64,
+            _ => DType::Float32,
+        }
+    }
+
+    /// Parses one jmp dtype name (exact, case-sensitive); `None` if unknown.
+    fn from_jmp_name(s: &str) -> Option<DType> {
+        Some(match s {
+            "bf16" | "bfloat16" => DType::BFloat16,
+            "f16" | "float16" | "half" => DType::Float16,
+            "full" | "f32" | "float32" => DType::Float32,
+            "f64" | "float64" => DType::Float64,
+            _ => return None,
+        })
+    }
+
+    /// Parses a dtype name inside `policy` (for the error message), after trimming spaces.
+    fn parse_in(value: &str, policy: &str) -> Result<DType, PolicyError> {
+        let v = value.trim();
+        if let Some(d) = DType::from_jmp_name(v) {
+            return Ok(d);
+        }
+        let keras = match v {
+            "mixed_float16" => Some(("PolicySpec::mixed_float16()", "p=f32,c=f16,o=f32")),
+            "mixed_bfloat16" => Some(("PolicySpec::mixed_bfloat16()", "p=f32,c=bf16,o=f32")),
+            _ => None,
+        };
+        Err(match keras {
+            Some((constructor, equivalent)) => PolicyError::KerasName {
+                value: v.to_string(),
+                constructor,
+                equivalent,
+            },
+            None => PolicyError::UnknownDType {
+                value: v.to_string(),
+                policy: policy.to_string(),
+            },
+        })
+    }
+}
+
+impl fmt::Display for DType {
+    /// jmp's short name (`full`, `f16`, `bf16`, `f64`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.short_name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        DType::parse_in(s, s)
+    }
+}
+
+/// A precision policy as runtime values: jmp's `Policy(param_dtype, compute_dtype,
+/// output_dtype)`, parsed from jmp's strings.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::policy::{DType, PolicySpec};
+/// // jmp's defaults: compute = params, output = compute
+/// let s: PolicySpec = "c=bf16".parse().unwrap();
+/// assert_eq!((s.param, s.compute, s.output), (DType::Float32, DType::BFloat16, DType::BFloat16));
+/// // Display is jmp's short form and parses back to the same policy
+/// assert_eq!(s.to_string().parse::<PolicySpec>(), Ok(s));
+/// // stricter than jmp: a repeated key is an error
+/// assert!("c=f16,c=bf16".parse::<PolicySpec>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PolicySpec {
+    /// Precision parameters are stored in (jmp's `param_dtype`).
+    pub param: DType,
+    /// Precision the forward pass computes in.
+    pub compute: DType,
+    /// Precision outputs are returned in.
+    pub output: DType,
+}
+
+impl PolicySpec {
+    /// A policy from its three dtypes.
+    pub const fn new(param: DType, compute: DType, output: DType) -> Self {
+        Self {
+            param,
+            compute,
+            output,
+        }
+    }
+
+    /// Everything in f32 (Keras' `float32`).
+    pub const fn float32() -> Self {
+        Self::new(DType::Float32, DType::Float32, DType::Float32)
+    }
+
+    /// Keras' `mixed_float16`: f32 parameters and outputs, f16 compute.
+    pub const fn mixed_float16() -> Self {
+        Self::new(DType::Float32, DType::Float16, DType::Float32)
+    }
+
+    /// Keras' `mixed_bfloat16`: f32 parameters and outputs, bf16 compute.
+    pub const fn mixed_bfloat16() -> Self {
+        Self::new(DType::Float32, DType::BFloat16, DType::Float32)
+    }
+
+    /// Parses a jmp policy string (jmp's `get_policy`); see the [module docs](self) for the
+    /// grammar and where we are stricter than jmp.
+    ///
+    /// # Errors
+    /// [`PolicyError`] naming the offending key, dtype or part and the valid choices.
+    pub fn parse(policy: &str) -> Result<Self, PolicyError> {
+        if !policy.contains('=') {
+            let d = DType::parse_in(policy, policy)?;
+            return Ok(Self::new(d, d, d));
+        }
+        let mut slots: [Option<DType>; 3] = [None; 3];
+        const NAMES: [&str; 3] = ["params", "compute", "output"];
+        for part in policy.split(',') {
+            let mut kv = part.split('=');
+            let (Some(key), Some(value), None) = (kv.next(), kv.next(), kv.next()) else {
+                return Err(PolicyError::MalformedPart {
+                    part: part.to_string(),
+                    policy: policy.to_string(),
+                });
+            };
+            let slot = match key.trim() {
+                "p" | "params" => 0,
+                "c" | "compute" => 1,
+                "o" | "output" => 2,
+                other => {
+                    return Err(PolicyError::UnknownKey {
+                        key: other.to_string(),
+                        policy: policy.to_string(),
+                    });
+                }
+            };
+            let d = DType::parse_in(value, policy)?;
+            if slots[slot].replace(d).is_some() {
+                return Err(PolicyError::DuplicateKey {
+                    key: NAMES[slot],
+                    policy: policy.to_string(),
+                });
+            }
+        }
+        let param = slots[0].unwrap_or(DType::Float32);
+        let compute = slots[1].unwrap_or(param);
+        let output = slots[2].unwrap_or(compute);
+        Ok(Self::new(param, compute, output))
+    }
+}
+
+impl fmt::Display for PolicySpec {
+    /// jmp's `str(policy)`: `p=full,c=f16,o=full`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "p={},c={},o={}", self.param, self.compute, self.output)
+    }
+}
+
+impl FromStr for PolicySpec {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+/// A precision policy as types: parameters in `P`, compute in `C`, outputs in `O` (each `f32`,
+/// `f16`, `AMP<f16>` or emulated `bf16`). Zero-sized; its methods cast any [`Cast`] tree. jmp's
+/// `Policy`, with the dtypes checked at compile time.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::policy::Policy;
+/// use mpx_runtime::precision::{bf16, f16};
+///
+/// let dev = Cpu::default();
+/// let policy: Policy<f32, f16, f32> = "p=f32,c=f16,o=f32".parse().unwrap();
+/// let x: Tensor<Rank1<2>, f32, _> = dev.tensor([0.1, 2.0]);
+/// let xh: Tensor<Rank1<2>, f16, _> = policy.cast_to_compute(&x);
+/// let y: Tensor<Rank1<2>, f32, _> = policy.cast_to_output(&xh);
+/// assert_eq!(y.array(), [f16::from_f32(0.1).to_f32(), 2.0]);
+///
+/// // a string that names other precisions than the type is an error
+/// assert!("p=f32,c=bf16,o=f32".parse::<Policy<f32, f16, f32>>().is_err());
+/// assert_eq!(Policy::mixed_bfloat16().to_string(), "p=full,c=bf16,o=full");
+/// let _: Policy<f32, bf16, f32> = Policy::mixed_bfloat16();
+/// ```
+pub struct Policy<P: Precision, C: Precision, O: Precision> {
+    _p: PhantomData<fn() -> (P, C, O)>,
+}
+
+impl<P: Precision, C: Precision, O: Precision> Policy<P, C, O> {
+    /// The policy of these three types.
+    pub const fn new() -> Self {
+        Self { _p: PhantomData }
+    }
+
+    /// The policy as runtime values.
+    pub fn spec(&self) -> PolicySpec {
+        PolicySpec::new(DType::of::<P>(), DType::of::<C>(), DType::of::<O>())
+    }
+
+    /// Casts the float leaves of `tree` to the parameter precision `P` (jmp's `cast_to_param`).
+    pub fn cast_to_param<T: Cast<P> + ?Sized>(&self, tree: &T) -> T::Output {
+        tree.cast()
+    }
+
+    /// Casts the float leaves of `tree` to the compute precision `C` (jmp's `cast_to_compute`).
+    pub fn cast_to_compute<T: Cast<C> + ?Sized>(&self, tree: &T) -> T::Output {
+        tree.cast()
+    }
+
+    /// Casts the float leaves of `tree` to the output precision `O` (jmp's `cast_to_output`).
+    pub fn cast_to_output<T: Cast<O> + ?Sized>(&self, tree: &T) -> T::Output {
+        tree.cast()
+    }
+
+    /// The same policy with another output precision (jmp's `with_output_dtype`).
+    pub const fn with_output<O2: Precision>(&self) -> Policy<P, C, O2> {
+        Policy::new()
+    }
+}
+
+impl Policy<f32, f32, f32> {
+    /// Everything in f32 (Keras' `float32`).
+    pub const fn float32() -> Self {
+        Self::new()
+    }
+}
+
+impl Policy<f32, f16, f32> {
+    /// Keras' `mixed_float16`: f32 parameters and outputs, f16 compute.
+    pub const fn mixed_float16() -> Self {
+        Self::new()
+    }
+}
+
+impl Policy<f32, bf16, f32> {
+    /// Keras' `mixed_bfloat16`: f32 parameters and outputs, (emulated) bf16 compute.
+    pub const fn mixed_bfloat16() -> Self {
+        Self::new()
+    }
+}
+
+impl<P: Precision, C: Precision, O: Precision> Clone for Policy<P, C, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P: Precision, C: Precision, O: Precision> Copy for Policy<P, C, O> {}
+impl<P: Precision, C: Precision, O: Precision> Default for Policy<P, C, O> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+impl<P: Precision, C: Precision, O: Precision> PartialEq for Policy<P, C, O> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl<P: Precision, C: Precision, O: Precision> Eq for Policy<P, C, O> {}
+impl<P: Precision, C: Precision, O: Precision> fmt::Debug for Policy<P, C, O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Policy({})", self.spec())
+    }
+}
+impl<P: Precision, C: Precision, O: Precision> fmt::Display for Policy<P, C, O> {
+    /// jmp's short form, `p=full,c=f16,o=full`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.spec(), f)
+    }
+}
+
+impl<P: Precision, C: Precision, O: Precision> FromStr for Policy<P, C, O> {
+    type Err = PolicyError;
+    /// Parses a jmp policy string and checks that it names this type's precisions.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let found = PolicySpec::parse(s)?;
+        let policy = Self::new();
+        let expected = policy.spec();
+        if found == expected {
+            Ok(policy)
+        } else {
+            Err(PolicyError::Mismatch { expected, found })
+        }
+    }
+}
