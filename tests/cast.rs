@@ -291,3 +291,152 @@ fn batch_norm_running_stats_are_float_leaves_and_scalars_survive() {
     });
     assert_eq!(count, 4); // scale, bias, running_mean, running_var
 }
+
+// ---- reference data and laws ------------------------------------------------------------------
+
+const PROBES: &str = include_str!("data/lossscale/semantics_probes.json");
+
+/// `semantics_probes.casting.rounding_f32_to_*`: the probe records the rounded bits; its inputs
+/// are mpx's constants around the f16 range (65504 = f16 max, 65520 = first value that rounds to
+/// inf, 1e-8 below f16's smallest subnormal, 0.1, bf16's max 3.3895314e38), as SEMANTICS.md 1.2
+/// describes.
+const ROUNDING_INPUTS: [f32; 5] = [65504.0, 65520.0, 1e-8, 0.1, 3.389_531_4e38];
+
+fn probe_bits(name: &str) -> Vec<u16> {
+    let data: serde_json::Value = serde_json::from_str(PROBES).expect("valid JSON");
+    data["casting"][name]["bits"]
+        .as_array()
+        .expect("bits array")
+        .iter()
+        .map(|b| u16::from_str_radix(b.as_str().expect("hex string"), 16).expect("hex"))
+        .collect()
+}
+
+#[test]
+fn rounding_probes_f32_to_f16_and_bf16() {
+    let dev = Cpu::default();
+    let x: Tensor<Rank1<5>, f32, _> = dev.tensor(ROUNDING_INPUTS);
+    let h: Tensor<Rank1<5>, f16, _> = cast_to_f16(&x);
+    assert_eq!(f16_bits(&h.as_vec()), probe_bits("rounding_f32_to_f16"));
+    // emulated bf16 keeps f32 storage: its upper 16 bits are the bf16 pattern, the rest zero
+    let b: Tensor<Rank1<5>, f32, _> = cast_to_bf16(&x);
+    let upper: Vec<u16> = b
+        .as_vec()
+        .iter()
+        .map(|v| (v.to_bits() >> 16) as u16)
+        .collect();
+    assert_eq!(upper, probe_bits("rounding_f32_to_bf16"));
+    assert!(b.as_vec().iter().all(|v| v.to_bits() & 0xffff == 0));
+}
+
+mod laws {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn integer_tensors_are_bit_identical(v in proptest::collection::vec(any::<i64>(), 1..64),
+                                             u in proptest::collection::vec(any::<u8>(), 1..64)) {
+            let dev = Cpu::default();
+            let a: Tensor<(usize,), i64, _> = dev.tensor_from_vec(v.clone(), (v.len(),));
+            let b: Tensor<(usize,), u8, _> = dev.tensor_from_vec(u.clone(), (u.len(),));
+            let (ha, hb) = cast_to_f16(&(a.clone(), b.clone()));
+            prop_assert_eq!(ha.as_vec(), v.clone());
+            prop_assert_eq!(hb.as_vec(), u.clone());
+            let (ba, bb) = cast_to_bf16(&(a, b));
+            prop_assert_eq!(ba.as_vec(), v);
+            prop_assert_eq!(bb.as_vec(), u);
+        }
+
+        #[test]
+        fn bf16_emulation_matches_half_bf16_bits(bits in proptest::collection::vec(any::<u32>(), 1..64)) {
+            let dev = Cpu::default();
+            let vals: Vec<f32> = bits.iter().map(|b| f32::from_bits(*b)).collect();
+            let t: Tensor<(usize,), f32, _> = dev.tensor_from_vec(vals.clone(), (vals.len(),));
+            let r: Tensor<(usize,), f32, _> = cast_to_bf16(&t);
+            let want: Vec<u32> = vals
+                .iter()
+                .map(|v| (u32::from(half::bf16::from_f32(*v).to_bits())) << 16)
+                .collect();
+            let got: Vec<u32> = r.as_vec().iter().map(|v| v.to_bits()).collect();
+            prop_assert_eq!(got, want);
+        }
+
+        #[test]
+        fn f16_through_f32_and_back_is_identity(bits in proptest::collection::vec(any::<u16>(), 1..64)) {
+            // finite and infinite patterns (NaN payloads are not required to survive)
+            let vals: Vec<f16> = bits.iter().map(|b| f16::from_bits(*b)).filter(|h| !h.is_nan()).collect();
+            prop_assume!(!vals.is_empty());
+            let dev = Cpu::default();
+            let t: Tensor<(usize,), f16, _> = dev.tensor_from_vec(vals.clone(), (vals.len(),));
+            let wide: Tensor<(usize,), f32, _> = cast_to_f32(&t);
+            let back: Tensor<(usize,), f16, _> = cast_to_f16(&wide);
+            prop_assert_eq!(f16_bits(&back.as_vec()), f16_bits(&vals));
+        }
+    }
+}
+
+// ---- allocation check for the per-step cast ---------------------------------------------------
+
+mod alloc_count {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static BYTES: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// Counts the bytes of heap allocations made by the current thread.
+    pub struct Counting;
+
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = BYTES.try_with(|c| c.set(c.get() + layout.size()));
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+            let _ = BYTES.try_with(|c| c.set(c.get() + new));
+            unsafe { System.realloc(ptr, layout, new) }
+        }
+    }
+
+    pub fn allocated_bytes() -> usize {
+        BYTES.with(Cell::get)
+    }
+}
+
+#[global_allocator]
+static ALLOC: alloc_count::Counting = alloc_count::Counting;
+
+type Wide = (Linear<64, 32>, ReLU, Linear<32, 16>);
+
+#[test]
+fn cast_module_into_allocates_no_buffers_after_the_first_call() {
+    let dev = Cpu::default();
+    let master = dev.build_module::<Wide, f32>();
+    let mut work = cast_module::<f16, f32, _>(&master);
+    let mut wide = dev.build_module::<Wide, f32>();
+    let mut scratch = CastScratch::new();
+    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
+    let before = alloc_count::allocated_bytes();
+    for _ in 0..3 {
+        cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+        cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
+    }
+    let per_call = (alloc_count::allocated_bytes() - before) / 6;
+    // dfdx's walk over a tuple formats each field's name ("0", "1", "2"): a few bytes. Any tensor
+    // buffer (the smallest here, a bias of 16 f16 values, is 32 bytes) would break this bound.
+    assert!(per_call < 16, "{per_call} bytes allocated per call");
+    // and the values are the fresh cast's
+    let fresh = cast_module::<f16, f32, _>(&master);
+    assert_eq!(
+        f16_bits(&work.0.weight.as_vec()),
+        f16_bits(&fresh.0.weight.as_vec())
+    );
+    let want: Vec<f32> = work.2.bias.as_vec().iter().map(|h| h.to_f32()).collect();
+    assert_eq!(wide.2.bias.as_vec(), want);
+}

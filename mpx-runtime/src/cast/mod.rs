@@ -27,7 +27,7 @@
 //! element by element. dfdx 0.13 lends no slice of a tensor's storage outside its crate, so a
 //! tensor cast costs one `copy_into`, one slice conversion and a fresh tensor. For the per-step
 //! working copy of a model use [`cast_module_into`], which rewrites an existing copy without
-//! allocating after its first call.
+//! allocating new buffers after its first call.
 //!
 //! # Examples
 //! ```

@@ -232,9 +232,10 @@ where
 ///
 /// The source is gathered into `scratch` as f32 in visit order, then the destination is walked
 /// and each tensor overwritten with its converted chunk (`copy_from`). After the first call with a
-/// given model nothing is allocated (as long as no one else holds a clone of a destination tensor;
-/// dfdx's copy-on-write then copies that one). The reverse direction (half copy into an f32 model)
-/// is the same call with `P = f32`.
+/// given model no buffer is allocated: dfdx's own walk over a tuple module formats each field's
+/// name (a few bytes), nothing else. If someone else still holds a clone of a destination tensor,
+/// dfdx's copy-on-write copies that one tensor. The reverse direction (half copy into an f32
+/// model) is the same call with `P = f32`.
 ///
 /// # Errors
 /// [`CastError::LengthMismatch`] when a tensor of `dst` has a different element count than the
