@@ -100,7 +100,7 @@ pub trait FloatLeaves {
 /// use mpx_runtime::cast::cast_tree;
 /// use mpx_runtime::precision::bf16;
 /// // emulated bf16 keeps f32 storage and rounds the value: 1 + 2^-9 is a tie, rounds to 1
-/// let v: (f32, u8) = cast_tree::<bf16, _>(&(1.0 + 1.0 / 512.0, 3u8));
+/// let v: (f32, u8) = cast_tree::<bf16, _>(&(1.0f32 + 1.0 / 512.0, 3u8));
 /// assert_eq!(v, (1.0, 3));
 /// ```
 pub fn cast_tree<P: Precision, T: Cast<P> + ?Sized>(tree: &T) -> T::Output {
