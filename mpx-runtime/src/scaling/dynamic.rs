@@ -245,14 +245,17 @@ impl DynamicLossScaleBuilder {
     /// - [`LossScaleError::InvalidFactor`]: the factor is not finite or not greater than 1;
     /// - [`LossScaleError::MaxBelowMin`]: the max scale is below the min scale.
     pub fn build(self) -> Result<DynamicLossScale, LossScaleError> {
-        validate(DynamicState {
-            loss_scale: self.initial,
-            counter: 0,
-            period: self.period,
-            factor: self.factor,
-            min_scale: self.min_scale,
-            max_scale: self.max_scale,
-        })
+        validate(
+            "initial scale",
+            DynamicState {
+                loss_scale: self.initial,
+                counter: 0,
+                period: self.period,
+                factor: self.factor,
+                min_scale: self.min_scale,
+                max_scale: self.max_scale,
+            },
+        )
     }
 }
 
@@ -267,8 +270,13 @@ struct DynamicState {
     max_scale: Option<f32>,
 }
 
-fn validate(st: DynamicState) -> Result<DynamicLossScale, LossScaleError> {
-    let loss_scale = check_scale("initial scale", st.loss_scale)?;
+/// Checks every field; `scale_name` names the scale in errors ("initial scale" from the builder,
+/// "loss scale" from restored state).
+fn validate(
+    scale_name: &'static str,
+    st: DynamicState,
+) -> Result<DynamicLossScale, LossScaleError> {
+    let loss_scale = check_scale(scale_name, st.loss_scale)?;
     if st.period == 0 {
         return Err(LossScaleError::ZeroPeriod);
     }
@@ -304,7 +312,7 @@ fn validate(st: DynamicState) -> Result<DynamicLossScale, LossScaleError> {
 impl TryFrom<DynamicState> for DynamicLossScale {
     type Error = LossScaleError;
     fn try_from(st: DynamicState) -> Result<Self, LossScaleError> {
-        validate(st)
+        validate("loss scale", st)
     }
 }
 

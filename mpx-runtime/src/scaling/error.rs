@@ -16,7 +16,8 @@ pub enum LossScaleError {
         "invalid {name} {value:?}: a loss scale must be a finite number greater than 0 (e.g. 1.0, 32768.0)"
     )]
     InvalidScale {
-        /// Which value: `"initial scale"`, `"static scale"`, `"min scale"` or `"max scale"`.
+        /// Which value: `"initial scale"`, `"static scale"`, `"min scale"`, `"max scale"`, or
+        /// `"loss scale"` (the current scale of restored state).
         name: &'static str,
         /// The rejected value.
         value: f32,
