@@ -202,6 +202,16 @@ struct Net<E: Dtype> {
     steps: u64,
 }
 
+/// A marker-only use of the dtype, plus two type parameters.
+#[derive(mpx::Cast)]
+#[cast(dtype = E)]
+struct Tagged<E: Dtype, const N: usize, T: Clone> {
+    w: [E; N],
+    marker: std::marker::PhantomData<E>,
+    #[cast(skip)]
+    tag: T,
+}
+
 /// A tuple struct with no type parameter casts to itself.
 #[derive(mpx::Cast)]
 struct Labels(Tensor<Rank1<3>, i32, Cpu>, #[cast(skip)] f32);
@@ -264,6 +274,18 @@ fn derived_model_casts_dfdx_modules_keeping_scalars() {
         back.l1.weight.array()[2][1],
         h.l1.weight.array()[2][1].to_f32()
     );
+}
+
+#[test]
+fn derived_struct_with_dtype_attribute_and_phantom_marker() {
+    let t = Tagged::<f32, 2, &str> {
+        w: [0.1, 3.0],
+        marker: std::marker::PhantomData,
+        tag: "t",
+    };
+    let h: Tagged<f16, 2, &str> = cast_to_f16(&t);
+    assert_eq!(h.w, [f16::from_f32(0.1), f16::from_f32(3.0)]);
+    assert_eq!(h.tag, "t");
 }
 
 #[test]

@@ -140,3 +140,18 @@ tuple!(
     (G, 6),
     (H, 7)
 );
+
+/// `PhantomData<T>` becomes `PhantomData<T::Output>`: a struct's `PhantomData<E>` marker follows
+/// its dtype parameter (`PhantomData<f32>` cast to f16 is `PhantomData<f16>`).
+impl<P: Precision, T: Cast<P>> Cast<P> for std::marker::PhantomData<T> {
+    type Output = std::marker::PhantomData<T::Output>;
+    fn cast(&self) -> Self::Output {
+        std::marker::PhantomData
+    }
+}
+impl<T> FloatLeaves for std::marker::PhantomData<T> {
+    fn visit_float_bits(&self, _: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+        true
+    }
+    fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}
+}
