@@ -56,7 +56,7 @@ pub(super) fn validate(input: Input<'_>, cx: &mut Ctxt) -> Option<Plan> {
     };
     let dtype = match &input.dtype {
         Some(name) => {
-            if type_params.iter().any(|p| *p == name) {
+            if type_params.contains(&name) {
                 Some(name.clone())
             } else {
                 let choices = if type_params.is_empty() {
