@@ -10,8 +10,11 @@ use dfdx::tensor::{
 };
 use dfdx::tensor_ops::{Backward, Device};
 
+use std::time::Instant;
+
 use super::StepPrecision;
 use super::error::StepError;
+use super::workspace::StepTimings;
 use super::workspace::{MasterSlot, MixedWorkspace, WorkingCopy, count_mismatch, len_mismatch};
 use crate::boundary::MasterModel;
 use crate::scaling::LossScale;
@@ -201,15 +204,26 @@ where
     let ws = workspace;
 
     // 1. working copy from the master, in place.
+    let t0 = Instant::now();
     ws.refresh(master)?;
+    let t_cast = Instant::now();
 
     // 2. forward in half precision, on a tape that accumulates into the reused gradients.
+    let Some(half) = ws.half.as_mut() else {
+        return Err(StepError::Cast(crate::cast::CastError::NotRebuilt));
+    };
     let half_grads = match ws.half_grads.take() {
+        // The identity path swaps buffers with the master gradients: zero them here.
+        Some(mut g) if H::IDENTITY => {
+            dfdx::nn::ZeroGrads::try_zero_grads(&*half, &mut g)?;
+            g
+        }
         Some(g) => g,
-        None => dfdx::nn::ZeroGrads::try_alloc_grads(&ws.half)?,
+        None => dfdx::nn::ZeroGrads::try_alloc_grads(&*half)?,
     };
     let (_, tape) = ws.anchor.clone().traced(half_grads).split_tape();
-    let out_half = forward(&mut ws.half, tape);
+    let out_half = forward(half, tape);
+    let t_forward = Instant::now();
     let (out_half, mut half_tape) = out_half.split_tape();
 
     // 3. loss and its scaling in f32, on its own tape.
@@ -236,7 +250,9 @@ where
         }
         Ok(())
     });
+    let t_loss = Instant::now();
     let mut half_grads = ws.anchor.clone().put_tape(half_tape).try_backward()?;
+    let t_backward = Instant::now();
 
     // 5. one pass: working-copy gradients -> f32 master gradients, unscaled with the APPLIED
     //    scale, finiteness checked; the half buffers are zeroed for the next step on the way.
@@ -245,6 +261,7 @@ where
         master_grads: &mut ws.master_grads,
         slots: &ws.slots,
         inv_scale: 1.0 / scale,
+        in_place: H::IDENTITY,
         finite: true,
         slot: 0,
         state_before: &ws.state_before,
@@ -256,10 +273,26 @@ where
     };
     let walked =
         <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
-            m: &ws.half,
+            m: &*half,
             f: &mut transfer,
         });
     let (finite, mismatch, slots_seen) = (transfer.finite, transfer.mismatch.take(), transfer.slot);
+    if H::IDENTITY {
+        // The working copy's gradients are keyed to the master's tensors: they become the master
+        // gradients, and the previous buffers are reused (after zeroing) next step. The shared
+        // working copy is released so the optimizer can update the master's buffers in place.
+        ws.half = None;
+        let any: &mut dyn std::any::Any = &mut half_grads;
+        match any.downcast_mut::<Gradients<f32, Cpu>>() {
+            Some(g) => std::mem::swap(&mut ws.master_grads, g),
+            None => {
+                return Err(StepError::WorkspaceMismatch {
+                    expected: "f32 gradients for an identity working copy".into(),
+                    found: "another element type (a StepPrecision impl is inconsistent)".into(),
+                });
+            }
+        }
+    }
     ws.half_grads = Some(half_grads);
     walked?;
     if let Some(e) = mismatch {
@@ -268,6 +301,15 @@ where
     if slots_seen != ws.slots.len() {
         return Err(count_mismatch(ws.slots.len(), slots_seen));
     }
+
+    let t_transfer = Instant::now();
+    ws.timings = StepTimings {
+        cast: t_cast - t0,
+        forward: t_forward - t_cast,
+        loss: t_loss - t_forward,
+        backward: t_backward - t_loss,
+        transfer: t_transfer - t_backward,
+    };
 
     // 6. adjust the scale.
     scaling.adjust(finite);
@@ -343,6 +385,8 @@ where
     master_grads: &'a mut Gradients<f32, Cpu>,
     slots: &'a [MasterSlot],
     inv_scale: f32,
+    /// Check and unscale the working copy's gradients where they are (identity precision).
+    in_place: bool,
     finite: bool,
     slot: usize,
     state_before: &'a [Vec<H::Elem>],
@@ -407,6 +451,14 @@ where
             return Ok(None);
         }
         let src = H::grad_slice(self.half_grads.get_or_alloc_mut(t)?);
+        if self.in_place {
+            if src.len() != n {
+                self.mismatch = Some(len_mismatch(i, n, src.len()));
+                return Ok(None);
+            }
+            self.finite &= H::unscale_in_place(src, self.inv_scale);
+            return Ok(None);
+        }
         let dst = (slot.get)(self.master_grads)?;
         if src.len() != dst.len() {
             self.mismatch = Some(len_mismatch(i, dst.len(), src.len()));

@@ -58,4 +58,4 @@ pub use error::StepError;
 pub use grads::{MixedGrads, filter_grad, filter_value_and_grad, filter_value_and_grad_with_aux};
 pub use precision::StepPrecision;
 pub use update::{SkipReason, UpdateOutcome, optimizer_update};
-pub use workspace::{MixedWorkspace, WorkingCopy};
+pub use workspace::{MixedWorkspace, StepTimings, WorkingCopy};

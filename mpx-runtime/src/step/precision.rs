@@ -24,6 +24,11 @@ use crate::precision::{Precision, bf16, round_to_bf16};
 /// assert_eq!((finite, out[0]), (false, 1.0));
 /// ```
 pub trait StepPrecision: Precision {
+    /// `true` when casting to this precision changes nothing (only `f32`): the working copy then
+    /// shares the master's buffers instead of copying them, and the gradients are checked and
+    /// unscaled where they are (mpx's `use_mixed_precision=False` path casts nothing either).
+    const IDENTITY: bool;
+
     /// The working copy's gradient buffer (dfdx's private CPU vector) as a slice.
     fn grad_slice(buf: &mut <Cpu as Storage<Self::Elem>>::Vec) -> &mut [Self::Elem]
     where
@@ -37,6 +42,24 @@ pub trait StepPrecision: Precision {
     /// bf16: round to bf16 first), check finiteness on the scaled values, multiply by `inv_scale`.
     /// Returns `true` when every value was finite. `src` and `dst` have the same length.
     fn transfer(src: &[Self::Elem], inv_scale: f32, dst: &mut [f32]) -> bool;
+
+    /// Checks finiteness and multiplies by `inv_scale` in place (the [`IDENTITY`] path).
+    ///
+    /// [`IDENTITY`]: StepPrecision::IDENTITY
+    fn unscale_in_place(values: &mut [Self::Elem], inv_scale: f32) -> bool;
+}
+
+/// In-place unscale for f16 storage, chunk by chunk through an f32 buffer.
+fn unscale_f16_in_place(values: &mut [f16], inv_scale: f32) -> bool {
+    let mut buf = [0.0f32; 1024];
+    let mut finite = true;
+    for chunk in values.chunks_mut(buf.len()) {
+        let tmp = &mut buf[..chunk.len()];
+        <f16 as crate::precision::FloatElement>::to_f32_slice(chunk, tmp);
+        finite &= unscale_in_place_checked(tmp, inv_scale);
+        <f16 as crate::precision::FloatElement>::from_f32_slice(tmp, chunk);
+    }
+    finite
 }
 
 fn checked<E: crate::precision::FloatElement>(src: &[E], inv_scale: f32, dst: &mut [f32]) -> bool {
@@ -46,6 +69,10 @@ fn checked<E: crate::precision::FloatElement>(src: &[E], inv_scale: f32, dst: &m
 }
 
 impl StepPrecision for f32 {
+    const IDENTITY: bool = true;
+    fn unscale_in_place(values: &mut [f32], inv_scale: f32) -> bool {
+        unscale_in_place_checked(values, inv_scale)
+    }
     fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
         buf
     }
@@ -58,6 +85,10 @@ impl StepPrecision for f32 {
 }
 
 impl StepPrecision for f16 {
+    const IDENTITY: bool = false;
+    fn unscale_in_place(values: &mut [f16], inv_scale: f32) -> bool {
+        unscale_f16_in_place(values, inv_scale)
+    }
     fn grad_slice(buf: &mut <Cpu as Storage<f16>>::Vec) -> &mut [f16] {
         buf
     }
@@ -70,6 +101,10 @@ impl StepPrecision for f16 {
 }
 
 impl StepPrecision for AMP<f16> {
+    const IDENTITY: bool = false;
+    fn unscale_in_place(values: &mut [AMP<f16>], inv_scale: f32) -> bool {
+        unscale_f16_in_place(crate::precision::amp_as_f16_mut(values), inv_scale)
+    }
     fn grad_slice(buf: &mut <Cpu as Storage<AMP<f16>>>::Vec) -> &mut [AMP<f16>] {
         buf
     }
@@ -82,6 +117,12 @@ impl StepPrecision for AMP<f16> {
 }
 
 impl StepPrecision for bf16 {
+    const IDENTITY: bool = false;
+    fn unscale_in_place(values: &mut [f32], inv_scale: f32) -> bool {
+        let copy = values.to_vec();
+        round_to_bf16(&copy, values);
+        unscale_in_place_checked(values, inv_scale)
+    }
     fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
         buf
     }

@@ -1,13 +1,14 @@
 //! [`MixedWorkspace`]: the buffers a mixed step reuses (half working copy, gradients, scratch).
 
 use std::cell::Cell;
+use std::time::Duration;
 
 use dfdx::nn::ZeroGrads;
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
 };
 use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
-use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, ZerosTensor};
+use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, TensorFromVec, ZerosTensor};
 use dfdx::tensor_ops::Device;
 
 use super::StepPrecision;
@@ -19,6 +20,29 @@ use crate::cast::{CastScratch, cast_module_into, try_cast_module};
 /// stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for emulated bf16).
 pub type WorkingCopy<H, M> =
     <M as TensorCollection<f32, Cpu>>::To<<H as crate::precision::Precision>::Elem, Cpu>;
+
+/// Wall-clock time of each phase of the last mixed gradient computation, for profiling (the
+/// breakdown of `examples/bench_step.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimings {
+    /// Master -> working copy cast.
+    pub cast: Duration,
+    /// The `forward` closure (half precision, traced).
+    pub forward: Duration,
+    /// The f32 side: output widening, `loss`, its scaled backward, the output gradient's cast.
+    pub loss: Duration,
+    /// Backward through the half graph.
+    pub backward: Duration,
+    /// The one pass moving gradients to the master (widen, check, unscale, zero).
+    pub transfer: Duration,
+}
+
+impl StepTimings {
+    /// Sum of all phases.
+    pub fn total(&self) -> Duration {
+        self.cast + self.forward + self.loss + self.backward + self.transfer
+    }
+}
 
 /// Hands out one master gradient buffer; built once per trainable master tensor (it holds a
 /// data-free "ghost" of the tensor, keyed by the tensor's id).
@@ -60,7 +84,8 @@ where
 /// let dev: Cpu = Default::default();
 /// let master = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
 /// let ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(100);
-/// assert_eq!(ws.working_copy().0.weight.array()[0][0], f16::from_f32(master.0.weight.array()[0][0]));
+/// let half = ws.working_copy().expect("an f16 workspace keeps its working copy");
+/// assert_eq!(half.0.weight.array()[0][0], f16::from_f32(master.0.weight.array()[0][0]));
 /// assert_eq!(ws.skipped_steps(), 0);
 /// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
@@ -69,7 +94,9 @@ where
     Cpu: Device<H::Elem>,
 {
     pub(super) dev: Cpu,
-    pub(super) half: WorkingCopy<H, M>,
+    /// `None` only for an [`IDENTITY`](StepPrecision::IDENTITY) precision between steps: its
+    /// working copy shares the master's buffers and is released before the update.
+    pub(super) half: Option<WorkingCopy<H, M>>,
     /// The working copy's gradients; `None` only while a step holds them on its tape.
     pub(super) half_grads: Option<Gradients<H::Elem, Cpu>>,
     pub(super) master_grads: Gradients<f32, Cpu>,
@@ -84,6 +111,7 @@ where
     pub(super) state_scratch: Vec<H::Elem>,
     /// A rank-0 tensor whose tape carries the working copy's gradients into the forward pass.
     pub(super) anchor: Tensor<Rank0, H::Elem, Cpu>,
+    pub(super) timings: StepTimings,
     pub(super) max_consecutive_skips: Option<u64>,
     pub(super) consecutive_skips: Cell<u64>,
     pub(super) skipped_steps: Cell<u64>,
@@ -102,8 +130,17 @@ where
     /// [`StepError::Device`] when the device cannot allocate.
     pub fn new(master: &M) -> Result<Self, StepError> {
         let dev: Cpu = Default::default();
-        let half = try_cast_module::<H, f32, M>(master)?;
-        let half_grads = half.try_alloc_grads()?;
+        let half = if H::IDENTITY {
+            None
+        } else {
+            Some(try_cast_module::<H, f32, M>(master)?)
+        };
+        // An identity working copy carries the master's tensor ids: its gradients are keyed
+        // like the master's.
+        let half_grads = match &half {
+            Some(h) => h.try_alloc_grads()?,
+            None => share::<H, M>(master)?.try_alloc_grads()?,
+        };
         let master_grads = master.try_alloc_grads()?;
         let mut layout = Layout {
             slots: Vec::new(),
@@ -127,6 +164,7 @@ where
             state_changed: vec![false; layout.state_lens.len()],
             state_scratch: vec![zero; layout.state_lens.iter().copied().max().unwrap_or(0)],
             anchor,
+            timings: StepTimings::default(),
             max_consecutive_skips: None,
             consecutive_skips: Cell::new(0),
             skipped_steps: Cell::new(0),
@@ -134,6 +172,10 @@ where
         };
         // The working copy is fresh; record its buffers' cast values for change detection.
         ws.refresh(master)?;
+        if H::IDENTITY {
+            // Do not hold the master's buffers between steps (the optimizer would copy them).
+            ws.half = None;
+        }
         Ok(ws)
     }
 
@@ -146,9 +188,16 @@ where
         self
     }
 
-    /// The working copy as the last step left it (after its forward pass).
-    pub fn working_copy(&self) -> &WorkingCopy<H, M> {
-        &self.half
+    /// The working copy as the last step left it (after its forward pass). `None` for an `f32`
+    /// working copy, which shares the master's buffers only during a step.
+    pub fn working_copy(&self) -> Option<&WorkingCopy<H, M>> {
+        self.half.as_ref()
+    }
+
+    /// Where the last [`filter_value_and_grad`](super::filter_value_and_grad) call spent its
+    /// time (measured with `Instant` on every call; a few tens of nanoseconds).
+    pub fn last_timings(&self) -> StepTimings {
+        self.timings
     }
 
     /// Steps skipped so far (non-finite gradients or loss).
@@ -170,7 +219,14 @@ where
     /// `cast_module_into`, no allocation after the first step), then snapshots the working
     /// copy's non-parameter tensors so the step can tell which ones its forward pass changed.
     pub(super) fn refresh(&mut self, master: &M) -> Result<(), StepError> {
-        cast_module_into::<H, f32, M>(master, &mut self.half, &mut self.cast_scratch)?;
+        let half = match self.half.take() {
+            Some(mut half) if !H::IDENTITY => {
+                cast_module_into::<H, f32, M>(master, &mut half, &mut self.cast_scratch)?;
+                half
+            }
+            _ => share::<H, M>(master)?,
+        };
+        let half = self.half.insert(half);
         if self.state_before.is_empty() {
             return Ok(());
         }
@@ -181,7 +237,7 @@ where
         };
         <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
             &mut RecursiveWalker {
-                m: &self.half,
+                m: &*half,
                 f: &mut snap,
             },
         )?;
@@ -190,6 +246,21 @@ where
             None => Ok(()),
         }
     }
+}
+
+/// The working copy of an [`IDENTITY`](StepPrecision::IDENTITY) precision: the master's own
+/// tensors (same ids, shared buffers, nothing copied).
+pub(super) fn share<H: StepPrecision, M: MasterModel>(
+    master: &M,
+) -> Result<WorkingCopy<H, M>, StepError>
+where
+    Cpu: Device<H::Elem>,
+{
+    M::iter_tensors(&mut RecursiveWalker {
+        m: master,
+        f: &mut Share::<H>(std::marker::PhantomData),
+    })?
+    .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
 }
 
 pub(super) fn count_mismatch(expected: usize, found: usize) -> StepError {
@@ -207,6 +278,38 @@ pub(super) fn len_mismatch(index: usize, expected: usize, found: usize) -> StepE
 }
 
 // ---- visitors ------------------------------------------------------------------------------
+
+/// Rebuilds a module from clones of its tensors (shared buffers). For a precision whose element
+/// is not `f32` it falls back to a converting copy.
+struct Share<H>(std::marker::PhantomData<H>);
+
+impl<H: StepPrecision> TensorVisitor<f32, Cpu> for Share<H>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = H::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
+        let mut shared = Some(t.clone());
+        let any: &mut dyn std::any::Any = &mut shared;
+        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, Cpu>>>() {
+            return Ok(same.take());
+        }
+        let n = t.shape().num_elements();
+        let mut src = vec![0.0f32; n];
+        t.copy_into(&mut src);
+        let mut dst = vec![H::Elem::default(); n];
+        H::from_f32_slice(&src, &mut dst);
+        Ok(Some(t.device().try_tensor_from_vec(dst, *t.shape())?))
+    }
+}
 
 /// Records the master's layout and a gradient slot per trainable tensor.
 struct Layout {

@@ -1,0 +1,434 @@
+//! Benchmark of the mixed-precision step (issue 3's table): MLP 512-1024-1024-10, Adam, batch 256
+//! for time, batch 4096 for memory. Every ratio is measured in this one run.
+//!
+//! ```text
+//! cargo run --release --example bench_step
+//! ```
+//!
+//! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
+//! rounds alternate), so a noisy neighbour slows all configurations alike. Peak heap comes from a
+//! counting global allocator: "step" is the peak during one step above the heap in use just
+//! before it (model, optimizer state, reused buffers and the batch already resident); "process"
+//! is the absolute peak of the process during that step.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dfdx::{optim::*, prelude::*};
+use mpx::precision::{AMP, bf16, f16};
+use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
+use mpx::step::{
+    MixedWorkspace, StepPrecision, StepTimings, WorkingCopy, filter_value_and_grad,
+    optimizer_update,
+};
+
+// ---- counting allocator ------------------------------------------------------------------------
+
+struct Counting;
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                let grow = new_size - layout.size();
+                let now = CURRENT.fetch_add(grow, Ordering::Relaxed) + grow;
+                PEAK.fetch_max(now, Ordering::Relaxed);
+            } else {
+                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Heap use of one step: (above the heap just before it, absolute process peak).
+#[derive(Clone, Copy)]
+struct Peak {
+    step: usize,
+    process: usize,
+}
+
+fn measure_peak(f: impl FnOnce()) -> Peak {
+    let before = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    f();
+    let peak = PEAK.load(Ordering::Relaxed);
+    Peak {
+        step: peak - before,
+        process: peak,
+    }
+}
+
+// ---- model -------------------------------------------------------------------------------------
+
+type Mlp = (
+    Linear<512, 1024>,
+    ReLU,
+    Linear<1024, 1024>,
+    ReLU,
+    Linear<1024, 10>,
+);
+type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+
+fn adam(m: &Master) -> Adam<Master, f32, Cpu> {
+    Adam::new(
+        m,
+        AdamConfig {
+            lr: 1e-4,
+            ..Default::default()
+        },
+    )
+}
+
+fn data<const B: usize>(
+    dev: &Cpu,
+) -> (
+    Tensor<Rank2<B, 512>, f32, Cpu>,
+    Tensor<Rank2<B, 10>, f32, Cpu>,
+) {
+    let x = dev.sample_normal();
+    let mut y = vec![0.0f32; B * 10];
+    for r in 0..B {
+        y[r * 10 + (r * 7) % 10] = 1.0;
+    }
+    (x, dev.tensor_from_vec(y, (Const, Const)))
+}
+
+/// A plain dfdx f32 training loop (gradients reused through `alloc_grads`/`zero_grads`).
+struct Plain<const B: usize> {
+    model: Master,
+    opt: Adam<Master, f32, Cpu>,
+    grads: Option<Gradients<f32, Cpu>>,
+    x: Tensor<Rank2<B, 512>, f32, Cpu>,
+    y: Tensor<Rank2<B, 10>, f32, Cpu>,
+}
+
+impl<const B: usize> Plain<B> {
+    fn new(dev: &Cpu, init: &Master) -> Self {
+        let model = init.clone();
+        let (x, y) = data::<B>(dev);
+        Self {
+            opt: adam(&model),
+            grads: Some(model.alloc_grads()),
+            model,
+            x,
+            y,
+        }
+    }
+    /// One step; returns (forward+backward, optimizer incl. zeroing) times.
+    fn step(&mut self) -> (Duration, Duration) {
+        let t0 = Instant::now();
+        let grads = self.grads.take().expect("gradients present");
+        let out = self.model.forward(self.x.clone().traced(grads));
+        let mut grads = cross_entropy_with_logits_loss(out, self.y.clone()).backward();
+        let t1 = Instant::now();
+        self.opt.update(&mut self.model, &grads).expect("update");
+        self.model.zero_grads(&mut grads);
+        self.grads = Some(grads);
+        (t1 - t0, t1.elapsed())
+    }
+}
+
+/// The mixed loop with working-copy precision `H`.
+struct Mixed<H: StepPrecision, L: LossScale, const B: usize>
+where
+    Cpu: Device<H::Elem>,
+{
+    master: Master,
+    opt: Adam<Master, f32, Cpu>,
+    ws: MixedWorkspace<H, Master>,
+    scaling: L,
+    x: Tensor<Rank2<B, 512>, f32, Cpu>,
+    y: Tensor<Rank2<B, 10>, f32, Cpu>,
+}
+
+impl<H, L, const B: usize> Mixed<H, L, B>
+where
+    H: StepPrecision,
+    L: LossScale,
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, Master>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
+        + Module<
+            Tensor<Rank2<B, 512>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+            Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        >,
+    Tensor<Rank2<B, 512>, f32, Cpu>:
+        mpx::cast::Cast<H, Output = Tensor<Rank2<B, 512>, H::Elem, Cpu>>,
+{
+    fn new(dev: &Cpu, init: &Master, scaling: L) -> Self {
+        let master = init.clone();
+        let (x, y) = data::<B>(dev);
+        Self {
+            opt: adam(&master),
+            ws: MixedWorkspace::new(&master).expect("workspace"),
+            master,
+            scaling,
+            x,
+            y,
+        }
+    }
+    /// One step, the batch cast included; returns the phase timings and the optimizer time.
+    fn step(&mut self) -> (StepTimings, Duration, Duration) {
+        let t0 = Instant::now();
+        let xh: Tensor<Rank2<B, 512>, H::Elem, Cpu> = mpx::cast::cast_tree::<H, _>(&self.x);
+        let t_input = t0.elapsed();
+        let y = self.y.clone();
+        let g = filter_value_and_grad(
+            &self.master,
+            &mut self.scaling,
+            &mut self.ws,
+            |m, t| m.forward(xh.put_tape(t)),
+            |o| cross_entropy_with_logits_loss(o, y),
+        )
+        .expect("step");
+        let t1 = Instant::now();
+        let finite = g.grads_finite;
+        optimizer_update(&mut self.master, &mut self.opt, &g, finite).expect("update");
+        let opt_time = t1.elapsed();
+        (self.ws.last_timings(), t_input, opt_time)
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+#[derive(Default)]
+struct Acc {
+    total: Vec<f64>,
+    input: Vec<f64>,
+    cast: Vec<f64>,
+    fwd_bwd: Vec<f64>,
+    transfer: Vec<f64>,
+    opt: Vec<f64>,
+}
+
+impl Acc {
+    fn mixed(&mut self, (t, input, opt): (StepTimings, Duration, Duration)) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        self.total.push(ms(t.total() + input + opt));
+        self.input.push(ms(input));
+        self.cast.push(ms(t.cast));
+        self.fwd_bwd.push(ms(t.forward + t.loss + t.backward));
+        self.transfer.push(ms(t.transfer));
+        self.opt.push(ms(opt));
+    }
+    fn plain(&mut self, (fb, opt): (Duration, Duration)) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        self.total.push(ms(fb + opt));
+        self.fwd_bwd.push(ms(fb));
+        self.opt.push(ms(opt));
+    }
+    fn med(v: &mut Vec<f64>) -> f64 {
+        if v.is_empty() { 0.0 } else { median(v) }
+    }
+}
+
+fn main() {
+    let dev = Cpu::seed_from_u64(0);
+    let init = dev.build_module::<Mlp, f32>();
+    let dynamic = || {
+        DynamicLossScale::builder()
+            .initial(32768.0)
+            .build()
+            .expect("valid")
+    };
+
+    // ---- memory, batch 4096 (first, so nothing else is resident) ----
+    const BIG: usize = 4096;
+    let mem_f32 = {
+        let mut p = Plain::<BIG>::new(&dev, &init);
+        p.step(); // Adam's moments are allocated on the first update
+        measure_peak(|| {
+            p.step();
+        })
+    };
+    let mem_f16 = {
+        let mut m = Mixed::<f16, _, BIG>::new(&dev, &init, dynamic());
+        m.step();
+        measure_peak(|| {
+            m.step();
+        })
+    };
+
+    // dfdx alone, no mixed machinery: forward + backward of an f16 model on an f16 batch, and of
+    // the f32 model, above the heap before the pass (gradients reused, batch resident).
+    let (mem_dfdx_f16, mem_dfdx_f32) = {
+        let m32 = init.clone();
+        let m16 = mpx::cast::cast_module::<f16, f32, _>(&init);
+        let (x, y) = data::<BIG>(&dev);
+        let x16 = x.clone().to_dtype::<f16>();
+        let y16 = y.clone().to_dtype::<f16>();
+        let mut g16 = Some(m16.alloc_grads());
+        let mut g32 = Some(m32.alloc_grads());
+        let mut pass16 = || {
+            let g = g16.take().unwrap();
+            let out = m16.forward(x16.clone().traced(g));
+            let mut g = cross_entropy_with_logits_loss(out, y16.clone()).backward();
+            m16.zero_grads(&mut g);
+            g16 = Some(g);
+        };
+        pass16();
+        let p16 = measure_peak(&mut pass16);
+        let mut pass32 = || {
+            let g = g32.take().unwrap();
+            let out = m32.forward(x.clone().traced(g));
+            let mut g = cross_entropy_with_logits_loss(out, y.clone()).backward();
+            m32.zero_grads(&mut g);
+            g32 = Some(g);
+        };
+        pass32();
+        let p32 = measure_peak(&mut pass32);
+        (p16, p32)
+    };
+
+    // ---- time, batch 256 ----
+    const B: usize = 256;
+    let mut plain = Plain::<B>::new(&dev, &init);
+    let mut machinery = Mixed::<f32, _, B>::new(&dev, &init, StaticLossScale::new(1.0).unwrap());
+    let mut half = Mixed::<f16, _, B>::new(&dev, &init, dynamic());
+    let mut amp = Mixed::<AMP<f16>, _, B>::new(&dev, &init, dynamic());
+    let mut bf = Mixed::<bf16, _, B>::new(&dev, &init, dynamic());
+    let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
+    let (warmup, rounds, per_round) = (2, 7, 3);
+    for round in 0..warmup + rounds {
+        let keep = round >= warmup;
+        for _ in 0..per_round {
+            let r = plain.step();
+            if keep {
+                Acc::plain(&mut a_plain, r);
+            }
+        }
+        for _ in 0..per_round {
+            let r = machinery.step();
+            if keep {
+                Acc::mixed(&mut a_mach, r);
+            }
+        }
+        for _ in 0..per_round {
+            let r = half.step();
+            if keep {
+                Acc::mixed(&mut a_half, r);
+            }
+        }
+        for _ in 0..per_round {
+            let r = amp.step();
+            if keep {
+                Acc::mixed(&mut a_amp, r);
+            }
+        }
+        for _ in 0..per_round {
+            let r = bf.step();
+            if keep {
+                Acc::mixed(&mut a_bf, r);
+            }
+        }
+    }
+
+    let t_plain = Acc::med(&mut a_plain.total);
+    let t_mach = Acc::med(&mut a_mach.total);
+    let t_half = Acc::med(&mut a_half.total);
+    let t_amp = Acc::med(&mut a_amp.total);
+    let t_bf = Acc::med(&mut a_bf.total);
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+
+    println!(
+        "MLP 512-1024-1024-10, Adam, batch {B} (time: median of {} steps each, interleaved), batch {BIG} (memory)\n",
+        rounds * per_round
+    );
+    println!("| row | what is measured | target | measured |");
+    println!("|---|---|---|---|");
+    println!(
+        "| a | mixed f16 step time / f32 step time | - | {:.2} ({t_half:.1} ms / {t_plain:.1} ms) |",
+        t_half / t_plain
+    );
+    println!(
+        "| b | machinery overhead: mixed step, f32 working copy, scale 1 / plain f32 step | <= 1.05 | {:.3} ({t_mach:.1} ms / {t_plain:.1} ms) |",
+        t_mach / t_plain
+    );
+    println!(
+        "| c | peak heap of a mixed f16 step at batch {BIG} / f32 (above the heap before the step) | <= 0.55 | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        mem_f16.step as f64 / mem_f32.step as f64,
+        mib(mem_f16.step),
+        mib(mem_f32.step)
+    );
+    println!(
+        "| c' | same, absolute process peak (model, Adam state, workspace, batch included) | - | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        mem_f16.process as f64 / mem_f32.process as f64,
+        mib(mem_f16.process),
+        mib(mem_f32.process)
+    );
+    println!(
+        "| c'' | dfdx alone: f16 forward+backward / f32 forward+backward at batch {BIG} (no master, no casts) | - | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        mem_dfdx_f16.step as f64 / mem_dfdx_f32.step as f64,
+        mib(mem_dfdx_f16.step),
+        mib(mem_dfdx_f32.step)
+    );
+    println!(
+        "| d | AMP<f16> step time / f32 step time | - | {:.2} ({t_amp:.1} ms) |",
+        t_amp / t_plain
+    );
+    println!(
+        "| e | emulated bf16 step time / f32 step time | - | {:.2} ({t_bf:.1} ms) |",
+        t_bf / t_plain
+    );
+
+    println!("\nBreakdown (median ms per step):\n");
+    println!(
+        "| step | batch cast | master cast | forward+backward | transfer | optimizer | total |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let row = |name: &str, a: &mut Acc, total: f64| {
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            Acc::med(&mut a.input),
+            Acc::med(&mut a.cast),
+            Acc::med(&mut a.fwd_bwd),
+            Acc::med(&mut a.transfer),
+            Acc::med(&mut a.opt),
+            total
+        );
+    };
+    row("plain f32 (dfdx)", &mut a_plain, t_plain);
+    row("mixed, f32 copy, scale 1", &mut a_mach, t_mach);
+    row("mixed f16", &mut a_half, t_half);
+    row("mixed AMP<f16>", &mut a_amp, t_amp);
+    row("mixed emulated bf16", &mut a_bf, t_bf);
+    println!(
+        "\nloss scale after the run: f16 {}, AMP<f16> {}, bf16 {}; skipped steps: f16 {}, AMP<f16> {}, bf16 {}",
+        half.scaling.loss_scale(),
+        amp.scaling.loss_scale(),
+        bf.scaling.loss_scale(),
+        half.ws.skipped_steps(),
+        amp.ws.skipped_steps(),
+        bf.ws.skipped_steps()
+    );
+}
