@@ -328,6 +328,9 @@ impl FromStr for PolicySpec {
     }
 }
 
+/// Zero-sized marker for the three precisions (`fn() -> _`: always `Send`, `Sync` and covariant).
+type Marker<P, C, O> = PhantomData<fn() -> (P, C, O)>;
+
 /// A precision policy as types: parameters in `P`, compute in `C`, outputs in `O` (each `f32`,
 /// `f16`, `AMP<f16>` or emulated `bf16`). Zero-sized; its methods cast any [`Cast`] tree. jmp's
 /// `Policy`, with the dtypes checked at compile time.
@@ -351,7 +354,7 @@ impl FromStr for PolicySpec {
 /// let _: Policy<f32, bf16, f32> = Policy::mixed_bfloat16();
 /// ```
 pub struct Policy<P: Precision, C: Precision, O: Precision> {
-    _p: PhantomData<fn() -> (P, C, O)>,
+    _p: Marker<P, C, O>,
 }
 
 impl<P: Precision, C: Precision, O: Precision> Policy<P, C, O> {
