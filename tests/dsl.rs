@@ -213,3 +213,216 @@ fn bf16_output_is_rounded_to_bf16() {
         "the rounding must be visible in this data"
     );
 }
+
+// ---- #[mixed_step] ---------------------------------------------------------------------------
+
+mod common;
+
+mod step {
+    use super::common::digits::{CLASSES, Digits, FEATURES};
+    use dfdx::optim::{Adam, AdamConfig};
+    use dfdx::prelude::*;
+    use mpx::mixed_step;
+    use mpx::precision::f16;
+    use mpx::scaling::{DynamicLossScale, LossScale};
+    use mpx::step::{
+        MixedWorkspace, SkipReason, UpdateOutcome, filter_value_and_grad, optimizer_update,
+    };
+
+    pub const BATCH: usize = 32;
+    pub type Mlp = (Linear<FEATURES, 32>, ReLU, Linear<32, CLASSES>);
+    pub type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+    pub type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;
+    pub type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
+
+    /// The f32 step as written for dfdx.
+    pub fn f32_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: X, y: Y) -> f32 {
+        let grads = model.alloc_grads();
+        let logits = model.forward_mut(x.traced(grads));
+        let loss = cross_entropy_with_logits_loss(logits, y);
+        let loss_value = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).expect("update");
+        loss_value
+    }
+
+    /// The same step, converted: the attribute and the scaler argument.
+    #[mixed_step(scaling = scaler, half = f16)]
+    pub fn mixed(
+        model: &mut Model,
+        opt: &mut Adam<Model, f32, Cpu>,
+        x: X,
+        y: Y,
+        scaler: &mut DynamicLossScale,
+    ) -> f32 {
+        let grads = model.alloc_grads();
+        let logits = model.forward_mut(x.traced(grads));
+        let loss = cross_entropy_with_logits_loss(logits, y);
+        let loss_value = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).expect("update");
+        loss_value
+    }
+
+    /// The runtime calls the attribute stands for, written out.
+    pub fn by_hand(
+        model: &mut Model,
+        opt: &mut Adam<Model, f32, Cpu>,
+        x: X,
+        y: Y,
+        scaler: &mut DynamicLossScale,
+    ) -> (f32, bool, f32, UpdateOutcome) {
+        let mut ws = MixedWorkspace::<f16, _>::new(model).expect("workspace");
+        let xh = x.to_dtype::<f16>();
+        let g = filter_value_and_grad(
+            model,
+            scaler,
+            &mut ws,
+            |m, t| m.forward_mut(xh.put_tape(t)),
+            |logits| cross_entropy_with_logits_loss(logits, y),
+        )
+        .expect("grads");
+        let finite = g.grads_finite;
+        let outcome = optimizer_update(model, opt, &g, finite).expect("update");
+        (g.loss, finite, g.applied_scale, outcome)
+    }
+
+    pub fn batch(dev: &Cpu, d: &Digits, b: usize) -> (X, Y) {
+        let x = dev.tensor_from_vec(
+            d.train_x[b * BATCH * FEATURES..(b + 1) * BATCH * FEATURES].to_vec(),
+            (Const::<BATCH>, Const::<FEATURES>),
+        );
+        let mut onehot = vec![0.0f32; BATCH * CLASSES];
+        for (i, &c) in d.train_y[b * BATCH..(b + 1) * BATCH].iter().enumerate() {
+            onehot[i * CLASSES + c] = 1.0;
+        }
+        (
+            x,
+            dev.tensor_from_vec(onehot, (Const::<BATCH>, Const::<CLASSES>)),
+        )
+    }
+
+    pub fn accuracy(model: &Model, dev: &Cpu, d: &Digits) -> f32 {
+        let mut correct = 0;
+        for (i, &c) in d.test_y.iter().enumerate() {
+            let x: Tensor<Rank1<FEATURES>, f32, Cpu> = dev.tensor_from_vec(
+                d.test_x[i * FEATURES..(i + 1) * FEATURES].to_vec(),
+                (Const::<FEATURES>,),
+            );
+            let logits = model.forward(x).as_vec();
+            let best = (0..CLASSES)
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+                .unwrap_or(0);
+            correct += usize::from(best == c);
+        }
+        correct as f32 / d.test_len() as f32
+    }
+
+    pub fn scaler(initial: f32) -> DynamicLossScale {
+        DynamicLossScale::builder()
+            .initial(initial)
+            .period(10)
+            .build()
+            .expect("scale")
+    }
+
+    pub fn skip_reason(o: UpdateOutcome) -> Option<SkipReason> {
+        match o {
+            UpdateOutcome::Skipped { reason, .. } => Some(reason),
+            UpdateOutcome::Applied => None,
+        }
+    }
+
+    pub fn scale_of(s: &DynamicLossScale) -> f32 {
+        s.loss_scale()
+    }
+
+    pub fn adam(model: &Model) -> Adam<Model, f32, Cpu> {
+        Adam::new(
+            model,
+            AdamConfig {
+                lr: 3e-3,
+                ..Default::default()
+            },
+        )
+    }
+}
+
+fn master_bits(m: &step::Model) -> Vec<u32> {
+    [
+        m.0.weight.as_vec(),
+        m.0.bias.as_vec(),
+        m.2.weight.as_vec(),
+        m.2.bias.as_vec(),
+    ]
+    .concat()
+    .iter()
+    .map(|v| v.to_bits())
+    .collect()
+}
+
+#[test]
+fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
+    let dev = Cpu::default();
+    let data = common::digits::Digits::load(0.2, 3);
+    let mut a = dev.build_module::<step::Mlp, f32>();
+    let mut b = a.clone();
+    let (mut oa, mut ob) = (step::adam(&a), step::adam(&b));
+    // A large initial scale: the first steps overflow in f16 and are skipped, then it recovers.
+    let (mut sa, mut sb) = (step::scaler(2f32.powi(24)), step::scaler(2f32.powi(24)));
+    let mut skipped = 0;
+    for i in 0..12 {
+        let (x, y) = step::batch(&dev, &data, i);
+        let before = master_bits(&a);
+        let r = step::mixed(&mut a, &mut oa, x.clone(), y.clone(), &mut sa).expect("step");
+        let (loss, finite, scale, outcome) = step::by_hand(&mut b, &mut ob, x, y, &mut sb);
+        assert_eq!(
+            (r.loss.to_bits(), r.grads_finite, r.scale, r.outcome),
+            (loss.to_bits(), finite, scale, outcome)
+        );
+        assert_eq!(r.new_scale, step::scale_of(&sa));
+        assert_eq!(master_bits(&a), master_bits(&b));
+        if !r.is_applied() {
+            skipped += 1;
+            assert_eq!(
+                step::skip_reason(r.outcome),
+                Some(mpx::step::SkipReason::GradsNotFinite)
+            );
+            assert_eq!(
+                master_bits(&a),
+                before,
+                "a skipped step leaves the master untouched"
+            );
+            assert_eq!(r.new_scale, r.scale / 2.0);
+        }
+    }
+    assert!(
+        skipped >= 1,
+        "2^24 must overflow f16 gradients at least once"
+    );
+    assert!(skipped < 12, "the scale must come down far enough to train");
+}
+
+#[test]
+fn mixed_step_trains_digits_as_well_as_f32() {
+    let dev = Cpu::default();
+    let data = common::digits::Digits::load(0.2, 11);
+    let mut m32 = dev.build_module::<step::Mlp, f32>();
+    let mut m16 = m32.clone();
+    let (mut o32, mut o16) = (step::adam(&m32), step::adam(&m16));
+    let mut scale = step::scaler(65536.0);
+    let batches = data.train_len() / step::BATCH;
+    for _epoch in 0..3 {
+        for b in 0..batches {
+            let (x, y) = step::batch(&dev, &data, b);
+            step::f32_step(&mut m32, &mut o32, x.clone(), y.clone());
+            step::mixed(&mut m16, &mut o16, x, y, &mut scale).expect("step");
+        }
+    }
+    let (a32, a16) = (
+        step::accuracy(&m32, &dev, &data),
+        step::accuracy(&m16, &dev, &data),
+    );
+    assert!(a32 > 0.85, "f32 reference accuracy {a32}");
+    assert!((a32 - a16).abs() < 0.03, "f32 {a32} vs mixed f16 {a16}");
+}

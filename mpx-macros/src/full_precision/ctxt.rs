@@ -51,3 +51,43 @@ pub(crate) fn runtime_path(krate: Option<&syn::Path>) -> TokenStream {
         None => quote::quote!(::mpx::__private::mpx_runtime),
     }
 }
+
+/// Test helpers: read the messages of the `compile_error!`s in an expansion.
+#[cfg(test)]
+pub(crate) mod testing {
+    use proc_macro2::TokenStream;
+
+    /// The messages of every `compile_error!` in `out`, in order.
+    pub(crate) fn messages(out: &TokenStream) -> Vec<String> {
+        let file: syn::File = syn::parse2(out.clone()).expect("expansion parses as items");
+        file.items
+            .iter()
+            .filter_map(|item| match item {
+                syn::Item::Macro(m)
+                    if m.mac
+                        .path
+                        .segments
+                        .last()
+                        .is_some_and(|s| s.ident == "compile_error") =>
+                {
+                    Some(
+                        m.mac
+                            .parse_body::<syn::LitStr>()
+                            .expect("a string literal")
+                            .value(),
+                    )
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The items of `out` other than `compile_error!`s.
+    pub(crate) fn items(out: &TokenStream) -> Vec<syn::Item> {
+        let file: syn::File = syn::parse2(out.clone()).expect("expansion parses as items");
+        file.items
+            .into_iter()
+            .filter(|item| !matches!(item, syn::Item::Macro(m) if m.mac.path.segments.last().is_some_and(|s| s.ident == "compile_error")))
+            .collect()
+    }
+}

@@ -1,0 +1,105 @@
+//! Parsing: the attribute's arguments. (The body's shape is read in [`super::valid`].)
+
+use proc_macro2::TokenStream;
+use syn::parse::Parser;
+
+use crate::full_precision::ast::{set_once, skip_value};
+use crate::full_precision::ctxt::Ctxt;
+
+/// The valid arguments, as error messages list them.
+pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `workspace`, `crate`";
+
+/// The half types `half = ..` accepts.
+pub(crate) const VALID_HALF: &str = "`f16`, `amp_f16`, `bf16`";
+
+/// The precision the working copy runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Half {
+    /// IEEE binary16.
+    F16,
+    /// dfdx's `AMP<f16>`.
+    AmpF16,
+    /// Emulated bfloat16.
+    Bf16,
+}
+
+/// `#[mixed_step(scaling = .., half = .., workspace = .., crate = "..")]`.
+#[derive(Default)]
+pub(crate) struct Args {
+    /// `&mut impl LossScale`: required.
+    pub scaling: Option<syn::Expr>,
+    /// Defaults to `f16`.
+    pub half: Option<Half>,
+    /// `&mut MixedWorkspace<H, M>` kept by the caller; a fresh one per call when absent.
+    pub workspace: Option<syn::Expr>,
+    /// Path of the `mpx` facade, when it is not `::mpx`.
+    pub krate: Option<syn::Path>,
+}
+
+/// Parses the arguments, recording every unknown, duplicate or invalid one in `cx`.
+pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
+    let mut out = Args::default();
+    let parser = syn::meta::parser(|meta| {
+        let path = &meta.path;
+        let key = path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
+        match key.as_str() {
+            "scaling" => {
+                let v: syn::Expr = meta.value()?.parse()?;
+                set_once(cx, path, &mut out.scaling, v, "scaling");
+            }
+            "half" => {
+                let ty: syn::Type = meta.value()?.parse()?;
+                let half = match &ty {
+                    syn::Type::Path(p) if p.qself.is_none() => {
+                        match p.path.get_ident().map(ToString::to_string).as_deref() {
+                            Some("f16") => Some(Half::F16),
+                            Some("amp_f16") => Some(Half::AmpF16),
+                            Some("bf16") => Some(Half::Bf16),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                match half {
+                    Some(h) => set_once(cx, path, &mut out.half, h, "half"),
+                    None => {
+                        let shown = quote::quote!(#ty).to_string().replace(' ', "");
+                        let hint = if shown == "f32" {
+                            " (f32 is the master's precision, not a half type)"
+                        } else {
+                            ""
+                        };
+                        cx.error_spanned(
+                            &ty,
+                            format!("`half = {shown}` is not a half type{hint}; expected one of {VALID_HALF}"),
+                        );
+                    }
+                }
+            }
+            "workspace" => {
+                let v: syn::Expr = meta.value()?.parse()?;
+                set_once(cx, path, &mut out.workspace, v, "workspace");
+            }
+            "crate" => {
+                let lit: syn::LitStr = meta.value()?.parse()?;
+                let v: syn::Path = lit.parse()?;
+                set_once(cx, path, &mut out.krate, v, "crate");
+            }
+            _ => {
+                cx.error_spanned(
+                    path,
+                    format!("unknown argument `{key}`; expected one of {VALID_ARGS}"),
+                );
+                skip_value(meta.input)?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(err) = parser.parse2(args) {
+        cx.push(err);
+    }
+    out
+}
