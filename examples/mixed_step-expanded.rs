@@ -20,6 +20,7 @@ type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 /// which is the `mpx` crate's runtime).
 ///
 /// * the signature is kept, the return type becomes `Result<StepReport, StepError>`;
+/// * `require_master` checks first that the model is the f32 master (a compile-time boundary);
 /// * `let grads = model.alloc_grads();` is dropped (the workspace holds the gradients);
 /// * the forward pass runs on the half working copy, its input cast by `cast_input` (which only
 ///   takes an f32 tensor: a compile-time boundary);
@@ -37,6 +38,7 @@ fn train_step(
     ::mpx::__private::mpx_runtime::boundary::StepReport,
     ::mpx::__private::mpx_runtime::step::StepError,
 > {
+    let _ = ::mpx::__private::mpx_runtime::boundary::require_master(&*(model));
     let __mpx_input = x;
     let mut __mpx_ws_owned = ::mpx::__private::mpx_runtime::step::MixedWorkspace::<
         ::mpx::__private::mpx_runtime::precision::f16,

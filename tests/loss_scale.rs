@@ -4,6 +4,7 @@
 use dfdx::prelude::*;
 use half::{bf16, f16};
 use mpx::finite::{all_finite_f16, all_finite_f32, unscale_into_checked};
+use mpx::precision::AMP;
 use mpx::scaling::{DynamicLossScale, LossScale, LossScaleError, NoOpLossScale, StaticLossScale};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -376,6 +377,34 @@ fn jmp_pytree_case_unscales_float_leaves_and_keeps_integers() {
         scales_seen += 1;
     }
     assert_eq!(scales_seen, 2);
+}
+
+#[test]
+fn unscale_reaches_every_float_dtype_in_a_tree() {
+    let dev: Cpu = Default::default();
+    let h = |v: f32| f16::from_f32(v);
+    let labels: Tensor<Rank1<2>, usize, _> = dev.tensor([5, 6]);
+    let tree = (
+        dev.tensor([h(512.0), h(-256.0)]),
+        dev.tensor([AMP(h(1024.0)), AMP(h(65504.0))]),
+        vec![dev.tensor([768.0f32, 1.0])],
+        (labels, Some(128.0f32), Box::new(h(64.0))),
+    );
+    let s = DynamicLossScale::builder().initial(256.0).build().unwrap();
+    let (a, b, c, (l, o, bx)) = s.unscale(&tree);
+    assert_eq!(a.array(), [2.0f32, -1.0]);
+    assert_eq!(b.array(), [4.0f32, 255.875]);
+    assert_eq!(c[0].array(), [3.0f32, 1.0 / 256.0]);
+    assert_eq!(l.array(), [5, 6]);
+    assert_eq!((o, *bx), (Some(0.5f32), 0.25f32));
+    let (_, finite) = s.unscale_checked(&tree);
+    assert!(finite);
+    let mut bad = tree.clone();
+    bad.1 = dev.tensor([AMP(f16::NAN), AMP(h(1.0))]);
+    let ((_, b, ..), finite) = s.unscale_checked(&bad);
+    assert!(!finite);
+    assert!(b.array()[0].is_nan());
+    assert_eq!(b.array()[1], 1.0 / 256.0);
 }
 
 // ---- construction ----------------------------------------------------------------------

@@ -54,6 +54,23 @@ pub trait MasterModel: TensorCollection<f32, Cpu> {}
 
 impl<M: TensorCollection<f32, Cpu>> MasterModel for M {}
 
+/// Checks at compile time that `model` is an f32 [`MasterModel`], and hands it back.
+///
+/// `#[mixed_step]` calls it on the step's model before anything else, so a half-precision model
+/// is reported with [`MasterModel`]'s message, at the model, ahead of the errors that follow from it.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::boundary::require_master;
+/// let dev = Cpu::default();
+/// let model = dev.build_module::<Linear<2, 3>, f32>();
+/// assert_eq!(require_master(&model).weight.array(), model.weight.array());
+/// ```
+pub fn require_master<M: MasterModel>(model: &M) -> &M {
+    model
+}
+
 /// An f32 tensor (no tape): what the mixed step's forward pass takes as input before casting it
 /// to the half type itself.
 ///

@@ -230,7 +230,7 @@ impl<H: Precision> FullPrecision<H> {
     ///     dev.tensor([[40000.0, 40000.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0]]).to_dtype::<f16>();
     /// let mut grads = ln.alloc_grads();
     /// let y = FullPrecision::<f16>::run_with(&ln, x.traced(grads), |ln, x| ln.forward(x));
-    /// grads = (y * y.retaped::<NoneTape>()).sum().backward();
+    /// grads = y.square().sum().backward();
     /// assert!(grads.get(&ln.gamma).as_vec().iter().all(|g| g.is_finite()));
     /// assert!(grads.get(&ln.beta).as_vec().iter().any(|g| g.to_f32() != 0.0));
     /// ```

@@ -3,7 +3,8 @@
 //! `StepReport`.
 
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
 
 use super::ast::{Args, Half};
 use super::valid::Plan;
@@ -56,7 +57,12 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         },
     };
 
+    // The master boundary first, at the model's tokens, so its message leads the errors.
+    let check_master = quote_spanned!(master.span()=>
+        let _ = #root::boundary::require_master(&*(#master));
+    );
     let body = quote!({
+        #check_master
         #(#prefix)*
         let __mpx_input = #input;
         #workspace

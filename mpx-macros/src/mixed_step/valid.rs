@@ -301,15 +301,39 @@ fn read_body(f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Step> {
 
     let mut tail: Vec<syn::Stmt> = stmts[ui + 1..].to_vec();
     let mut replaced = None;
+    let returns_result = matches!(&f.sig.output, syn::ReturnType::Type(_, ty)
+        if matches!(&**ty, syn::Type::Path(p)
+            if p.path.segments.last().is_some_and(|s| s.ident == "Result")));
     if let Some(syn::Stmt::Expr(e, None)) = tail.last() {
-        match e {
-            syn::Expr::Path(p) if p.path.get_ident().is_some_and(|i| loss_bindings.contains(i)) => {
-                replaced = p.path.get_ident().cloned();
+        let loss_binding = |e: &syn::Expr| match e {
+            syn::Expr::Path(p) => p.path.get_ident().filter(|i| loss_bindings.contains(i)).cloned(),
+            _ => None,
+        };
+        // `Ok(())` or `Ok(loss_value)` closing a step that returned the `Result` of the f32 step.
+        let ok_arg = match e {
+            syn::Expr::Call(c) if returns_result && c.args.len() == 1 => match &*c.func {
+                syn::Expr::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Ok") => {
+                    c.args.first()
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        match (e, ok_arg) {
+            (_, Some(syn::Expr::Tuple(t))) if t.elems.is_empty() => {
                 tail.pop();
             }
-            other => cx.error_spanned(
+            (_, Some(arg)) if loss_binding(arg).is_some() => {
+                replaced = loss_binding(arg);
+                tail.pop();
+            }
+            (e, None) if loss_binding(e).is_some() => {
+                replaced = loss_binding(e);
+                tail.pop();
+            }
+            (other, _) => cx.error_spanned(
                 other,
-                "a `#[mixed_step]` function returns its `StepReport` (loss, finite flag, scales, update outcome); end the step with a statement, or with the binding of the loss value, which the report's `loss` replaces",
+                "a `#[mixed_step]` function returns its `StepReport` (loss, finite flag, scales, update outcome); end the step with a statement, with the binding of the loss value (the report's `loss` replaces it), or with `Ok(())` or `Ok(loss_value)` when it returned a `Result`",
             ),
         }
     }

@@ -1,0 +1,16 @@
+// Gradients computed but never applied: the step needs the optimizer update to make it skip-safe.
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::scaling::DynamicLossScale;
+
+type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
+
+#[mixed_step(scaling = scale)]
+fn step(model: &mut Model, x: Tensor<Rank2<3, 4>, f32, Cpu>, scale: &mut DynamicLossScale) -> Gradients<f32, Cpu> {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.traced(grads));
+    let loss = out.square().mean();
+    loss.backward()
+}
+
+fn main() {}
