@@ -9,37 +9,20 @@
 //! every operation once, interleaved; the table shows the median round.
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
 use dfdx::prelude::*;
 use mpx::cast::{CastScratch, cast_module, cast_module_into};
 use mpx::precision::{bf16, f16};
+
+#[path = "common/measure.rs"]
+mod measure;
+use measure::measure;
 
 type Mlp = (
     (Linear<512, 1024>, ReLU),
     (Linear<1024, 1024>, ReLU),
     Linear<1024, 10>,
 );
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
-    for op in ops.iter_mut() {
-        op();
-    }
-    let mut times = vec![Vec::with_capacity(rounds); ops.len()];
-    for _ in 0..rounds {
-        for (i, op) in ops.iter_mut().enumerate() {
-            let t = Instant::now();
-            op();
-            times[i].push(t.elapsed());
-        }
-    }
-    times.into_iter().map(median).collect()
-}
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");

@@ -9,38 +9,15 @@
 //! the median round, so background load hits them alike.
 
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dfdx::prelude::*;
 use half::f16;
 use mpx::finite::{all_finite, all_finite_f16, all_finite_f32, unscale_into_checked};
 
-/// Median of the per-round durations.
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// Runs each closure once per round, interleaved, for `rounds` rounds (after one warm-up round),
-/// and returns the median duration of each.
-fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
-    for op in ops.iter_mut() {
-        op();
-    }
-    let mut times = vec![Vec::with_capacity(rounds); ops.len()];
-    for _ in 0..rounds {
-        for (i, op) in ops.iter_mut().enumerate() {
-            let t = Instant::now();
-            op();
-            times[i].push(t.elapsed());
-        }
-    }
-    times.into_iter().map(median).collect()
-}
-
-fn gbs(bytes: usize, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
+#[path = "common/measure.rs"]
+mod measure;
+use measure::{gbs, measure};
 
 /// Deterministic finite test data (no NaN/inf, so every check scans the whole slice).
 fn data(n: usize) -> Vec<f32> {

@@ -11,8 +11,6 @@
 //! before it (model, optimizer state, reused buffers and the batch already resident); "process"
 //! is the absolute peak of the process during that step.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
@@ -23,50 +21,11 @@ use mpx::step::{
     optimizer_update,
 };
 
-// ---- counting allocator ------------------------------------------------------------------------
-
-struct Counting;
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                let grow = new_size - layout.size();
-                let now = CURRENT.fetch_add(grow, Ordering::Relaxed) + grow;
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
-        }
-        p
-    }
-}
+#[path = "common/heap.rs"]
+mod heap;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: heap::Counting = heap::Counting;
 
 /// Heap use of one step: (above the heap just before it, absolute process peak).
 #[derive(Clone, Copy)]
@@ -76,10 +35,9 @@ struct Peak {
 }
 
 fn measure_peak(f: impl FnOnce()) -> Peak {
-    let before = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = heap::reset_peak();
     f();
-    let peak = PEAK.load(Ordering::Relaxed);
+    let peak = heap::peak();
     Peak {
         step: peak - before,
         process: peak,

@@ -13,8 +13,6 @@
 #[path = "../tests/common/digits.rs"]
 mod digits;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
@@ -25,49 +23,11 @@ use mpx::precision::f16;
 use mpx::scaling::{DynamicLossScale, LossScale};
 use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad_with_aux, optimizer_update};
 
-// ---- a counting allocator: current and peak heap bytes ----------------------------------------
-
-struct Counting;
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                let now = CURRENT.fetch_add(new_size - layout.size(), Ordering::Relaxed)
-                    + (new_size - layout.size());
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
-        }
-        p
-    }
-}
+#[path = "common/heap.rs"]
+mod heap;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// Starts a peak measurement: returns the current heap size, the baseline.
-fn reset_peak() -> usize {
-    let now = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(now, Ordering::Relaxed);
-    now
-}
+static ALLOC: heap::Counting = heap::Counting;
 
 // ---- model and data ----------------------------------------------------------------------------
 
@@ -190,7 +150,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
     );
     let batches_per_epoch = d.train_len() / BATCH;
     let pb = bar("f32", EPOCHS * batches_per_epoch);
-    let baseline = reset_peak();
+    let baseline = heap::reset_peak();
     let mut grads = model.alloc_grads();
     let mut busy = Duration::ZERO;
     let mut steps = 0u32;
@@ -222,7 +182,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
             ),
         );
     }
-    let peak_bytes = PEAK.load(Ordering::Relaxed) - baseline;
+    let peak_bytes = heap::peak() - baseline;
     pb.finish_and_clear();
     let test_acc = test_accuracy(dev, d, |x| model.forward(x).array());
     RunResult {
@@ -254,7 +214,7 @@ fn train_mixed(
         .build()?;
     let batches_per_epoch = d.train_len() / BATCH;
     let pb = bar("mixed f16", EPOCHS * batches_per_epoch);
-    let baseline = reset_peak();
+    let baseline = heap::reset_peak();
     let mut ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(50);
     let mut busy = Duration::ZERO;
     let mut steps = 0u32;
@@ -312,7 +272,7 @@ fn train_mixed(
             ),
         );
     }
-    let peak_bytes = PEAK.load(Ordering::Relaxed) - baseline;
+    let peak_bytes = heap::peak() - baseline;
     pb.finish_and_clear();
     // Inference in half precision too: a fresh f16 cast of the trained master.
     let half = cast_module::<f16, f32, _>(&master);

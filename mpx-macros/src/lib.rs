@@ -7,6 +7,7 @@
 use proc_macro::TokenStream;
 
 mod cast_derive;
+mod ctxt;
 mod full_precision;
 mod mixed_step;
 

@@ -22,38 +22,8 @@ mod parse;
 mod validate;
 
 use proc_macro2::TokenStream;
-use quote::ToTokens;
 
-/// Collects spanned errors while parsing and validating one derive input.
-#[derive(Default)]
-pub(crate) struct Ctxt {
-    errors: Vec<syn::Error>,
-}
-
-impl Ctxt {
-    /// Records an error spanning `tokens`.
-    pub(crate) fn error_spanned(&mut self, tokens: impl ToTokens, msg: impl std::fmt::Display) {
-        self.errors
-            .push(syn::Error::new_spanned(tokens.into_token_stream(), msg));
-    }
-
-    /// Records an already built error.
-    pub(crate) fn push(&mut self, err: syn::Error) {
-        self.errors.push(err);
-    }
-
-    /// `Ok` when nothing was recorded; otherwise every error combined into one.
-    pub(crate) fn check(self) -> syn::Result<()> {
-        let mut iter = self.errors.into_iter();
-        match iter.next() {
-            None => Ok(()),
-            Some(mut first) => {
-                first.extend(iter);
-                Err(first)
-            }
-        }
-    }
-}
+use crate::ctxt::Ctxt;
 
 /// Entry point of `#[derive(Cast)]`: the generated impls, or the collected errors.
 pub fn expand(input: TokenStream) -> TokenStream {

@@ -4,7 +4,7 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned;
 
-use super::Ctxt;
+use crate::ctxt::Ctxt;
 
 /// Keys a container `#[cast(...)]` accepts.
 pub(super) const CONTAINER_KEYS: &str = "`dtype`, `crate`";

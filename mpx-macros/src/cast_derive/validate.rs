@@ -3,7 +3,7 @@
 
 use proc_macro2::{TokenStream, TokenTree};
 
-use super::Ctxt;
+use crate::ctxt::Ctxt;
 use super::parse::{Input, Kind};
 
 /// One field of the plan.

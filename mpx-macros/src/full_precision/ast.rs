@@ -3,7 +3,7 @@
 use proc_macro2::{TokenStream, TokenTree};
 use syn::parse::Parser;
 
-use super::ctxt::Ctxt;
+use crate::ctxt::Ctxt;
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `params`, `inputs`, `crate`";

@@ -13,7 +13,7 @@ const PARAMS: &str = "__mpx_params";
 
 /// Rewrites `f` according to `plan`.
 pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
-    let root = super::ctxt::runtime_path(args.krate.as_ref());
+    let root = crate::ctxt::runtime_path(args.krate.as_ref());
     let half = &plan.half;
 
     // Tensor arguments get plain names in the signature; their patterns move to the closure.

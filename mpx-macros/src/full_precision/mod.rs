@@ -10,13 +10,12 @@
 //! ```
 
 pub(crate) mod ast;
-pub(crate) mod ctxt;
 mod expand;
 mod valid;
 
 use proc_macro2::TokenStream;
 
-use ctxt::{Ctxt, with_errors};
+use crate::ctxt::{Ctxt, with_errors};
 
 /// Entry point: the expanded function, or the errors followed by the user's item unchanged.
 pub fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -93,7 +92,7 @@ pub(crate) fn item_head(item: &syn::Item) -> TokenStream {
 
 #[cfg(test)]
 mod tests {
-    use super::ctxt::testing::{items, messages};
+    use crate::ctxt::testing::{items, messages};
     use quote::quote;
 
     fn run(

@@ -3,7 +3,7 @@
 use syn::spanned::Spanned;
 
 use super::ast::{ArgKind, Args, classify};
-use super::ctxt::Ctxt;
+use crate::ctxt::Ctxt;
 
 /// Where the region's parameters come from.
 pub(crate) enum Params {

@@ -8,7 +8,7 @@ use syn::spanned::Spanned;
 
 use super::ast::{Args, Half};
 use super::valid::Plan;
-use crate::full_precision::ctxt::runtime_path;
+use crate::ctxt::runtime_path;
 
 /// Rewrites the step according to `plan`.
 pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
@@ -61,6 +61,10 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
     let check_master = quote_spanned!(master.span()=>
         let _ = #root::boundary::require_master(&*(#master));
     );
+    // The input boundary at the input's tokens: a half batch is reported where it is named.
+    let cast_input = quote_spanned!(input.span()=>
+        #root::boundary::cast_input::<#half, _>(&__mpx_input, __mpx_tape)
+    );
     let body = quote!({
         #check_master
         #(#prefix)*
@@ -71,7 +75,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
             #scaling,
             &mut *__mpx_ws,
             |__mpx_model, __mpx_tape| {
-                __mpx_model.#forward(#root::boundary::cast_input::<#half, _>(&__mpx_input, __mpx_tape))
+                __mpx_model.#forward(#cast_input)
             },
             |#out_pat| {
                 #(#loss_stmts)*

@@ -7,7 +7,7 @@ mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::full_precision::ctxt::{Ctxt, with_errors};
+use crate::ctxt::{Ctxt, with_errors};
 use crate::full_precision::item_head;
 
 /// Entry point: the rewritten step, or the errors followed by the user's item unchanged.
@@ -49,7 +49,7 @@ pub fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
 
 #[cfg(test)]
 mod tests {
-    use crate::full_precision::ctxt::testing::{items, messages};
+    use crate::ctxt::testing::{items, messages};
     use proc_macro2::TokenStream;
     use quote::quote;
 

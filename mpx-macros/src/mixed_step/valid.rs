@@ -19,7 +19,7 @@ use proc_macro2::Span;
 use quote::ToTokens;
 
 use super::ast::{Args, Half};
-use crate::full_precision::ctxt::Ctxt;
+use crate::ctxt::Ctxt;
 
 /// A step body split at its landmarks.
 pub(crate) struct Step {

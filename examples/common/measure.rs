@@ -1,0 +1,33 @@
+//! Timing helpers for the benchmark examples: interleaved rounds and medians, so a noisy
+//! neighbour slows every measured operation alike.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+/// Median of the per-round durations.
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Runs each closure once per round, interleaved, for `rounds` rounds (after one warm-up round),
+/// and returns the median duration of each.
+pub fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
+    for op in ops.iter_mut() {
+        op();
+    }
+    let mut times = vec![Vec::with_capacity(rounds); ops.len()];
+    for _ in 0..rounds {
+        for (i, op) in ops.iter_mut().enumerate() {
+            let t = Instant::now();
+            op();
+            times[i].push(t.elapsed());
+        }
+    }
+    times.into_iter().map(median).collect()
+}
+
+/// Gigabytes per second for `bytes` moved in `d`.
+pub fn gbs(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
