@@ -98,6 +98,56 @@ impl DynamicLossScale {
         Self::builder().initial(initial).build()
     }
 
+    /// The current loss scale. The same as [`LossScale::loss_scale`], callable without the trait
+    /// in scope.
+    pub fn loss_scale(&self) -> f32 {
+        self.loss_scale
+    }
+
+    /// jmp's update after a step whose gradients were (`true`) or were not all finite, bit for bit
+    /// (see the type's docs), then the optional max clip. The same as [`LossScale::adjust`],
+    /// callable without the trait in scope.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::scaling::DynamicLossScale;
+    /// let mut s = DynamicLossScale::builder().initial(8.0).period(2).build()?;
+    /// s.adjust(true);
+    /// assert_eq!((s.loss_scale(), s.counter()), (8.0, 1));
+    /// s.adjust(true);
+    /// assert_eq!((s.loss_scale(), s.counter()), (16.0, 0));
+    /// s.adjust(false);
+    /// assert_eq!((s.loss_scale(), s.counter()), (8.0, 0));
+    /// # Ok::<(), mpx_runtime::scaling::LossScaleError>(())
+    /// ```
+    pub fn adjust(&mut self, grads_finite: bool) {
+        let s = self.loss_scale;
+        let mut next = if grads_finite {
+            if self.counter == self.period - 1 {
+                let grown = s * self.factor;
+                if grown.is_finite() { grown } else { s }
+            } else {
+                s
+            }
+        } else {
+            // jnp.maximum(min, s / factor); both operands are finite and positive here.
+            let backed_off = s / self.factor;
+            if backed_off < self.min_scale {
+                self.min_scale
+            } else {
+                backed_off
+            }
+        };
+        if let Some(max) = self.max_scale
+            && next > max
+        {
+            next = max;
+        }
+        self.loss_scale = next;
+        // counter < period <= u32::MAX, so counter + 1 cannot overflow.
+        self.counter = ((self.counter + 1) % self.period) * u32::from(grads_finite);
+    }
+
     /// Finite steps since the scale last changed (or since a backoff); always below the period.
     pub fn counter(&self) -> u32 {
         self.counter
@@ -140,36 +190,12 @@ impl Default for DynamicLossScale {
 
 impl LossScale for DynamicLossScale {
     fn loss_scale(&self) -> f32 {
-        self.loss_scale
+        DynamicLossScale::loss_scale(self)
     }
 
     /// jmp's update, bit for bit (see the type's docs), then the optional max clip.
     fn adjust(&mut self, grads_finite: bool) {
-        let s = self.loss_scale;
-        let mut next = if grads_finite {
-            if self.counter == self.period - 1 {
-                let grown = s * self.factor;
-                if grown.is_finite() { grown } else { s }
-            } else {
-                s
-            }
-        } else {
-            // jnp.maximum(min, s / factor); both operands are finite and positive here.
-            let backed_off = s / self.factor;
-            if backed_off < self.min_scale {
-                self.min_scale
-            } else {
-                backed_off
-            }
-        };
-        if let Some(max) = self.max_scale {
-            if next > max {
-                next = max;
-            }
-        }
-        self.loss_scale = next;
-        // counter < period <= u32::MAX, so counter + 1 cannot overflow.
-        self.counter = ((self.counter + 1) % self.period) * u32::from(grads_finite);
+        DynamicLossScale::adjust(self, grads_finite)
     }
 }
 
