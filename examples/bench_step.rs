@@ -205,7 +205,7 @@ impl Acc {
         self.fwd_bwd.push(ms(fb));
         self.opt.push(ms(opt));
     }
-    fn med(v: &mut Vec<f64>) -> f64 {
+    fn med(v: &mut [f64]) -> f64 {
         if v.is_empty() { 0.0 } else { median(v) }
     }
 }

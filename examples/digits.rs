@@ -20,7 +20,7 @@ use digits::{CLASSES, Digits, FEATURES};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpx::cast::{cast_module, cast_to_half_precision};
 use mpx::precision::f16;
-use mpx::scaling::{DynamicLossScale, LossScale};
+use mpx::scaling::DynamicLossScale;
 use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad_with_aux, optimizer_update};
 
 #[path = "common/heap.rs"]

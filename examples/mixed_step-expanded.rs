@@ -9,7 +9,7 @@ mod digits;
 
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
-use mpx::scaling::{DynamicLossScale, LossScale};
+use mpx::scaling::DynamicLossScale;
 
 const BATCH: usize = 64;
 type Mlp = (Linear<64, 32>, ReLU, Linear<32, 10>);

@@ -10,7 +10,7 @@ mod digits;
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::scaling::{DynamicLossScale, LossScale};
+use mpx::scaling::DynamicLossScale;
 
 const BATCH: usize = 64;
 type Mlp = (Linear<64, 32>, ReLU, Linear<32, 10>);

@@ -224,7 +224,7 @@ mod step {
     use dfdx::prelude::*;
     use mpx::mixed_step;
     use mpx::precision::f16;
-    use mpx::scaling::{DynamicLossScale, LossScale};
+    use mpx::scaling::DynamicLossScale;
     use mpx::step::{
         MixedWorkspace, SkipReason, UpdateOutcome, filter_value_and_grad, optimizer_update,
     };

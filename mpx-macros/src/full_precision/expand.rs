@@ -56,7 +56,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
             quote!(#region::run_with(&#field, #input, |#p, #pat| #block))
         }
     };
-    f.block = Box::new(syn::parse_quote!({ #call }));
+    *f.block = syn::parse_quote!({ #call });
     quote!(#f)
 }
 

@@ -98,6 +98,6 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
     f.sig.output = syn::parse_quote!(
         -> ::core::result::Result<#root::boundary::StepReport, #root::step::StepError>
     );
-    f.block = Box::new(syn::parse_quote!(#body));
+    *f.block = syn::parse_quote!(#body);
     quote!(#f)
 }
