@@ -1,0 +1,357 @@
+//! [`MxLinear`]: a dfdx linear layer whose weights (and optionally inputs) are MX fake-quantized
+//! in the forward pass, and [`IntoMx`], which converts a model's `Linear` layers to it.
+
+use std::fmt::Debug;
+use std::marker::PhantomData;
+
+use dfdx::nn::modules::Linear;
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
+use dfdx::nn::{BuildModule, BuildOnDevice, Module, NonMutableModule};
+use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
+use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, TryAdd, TryMatMul};
+
+use super::element::MxFormat;
+use super::error::MxError;
+use super::fake_quant::MxFakeQuant;
+use super::spec::MxSpec;
+use super::tensor::MxTensor;
+
+/// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):
+/// the weights' spec, and optionally the inputs'. Implement it for your own marker type to use
+/// other formats or block sizes.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::mx::{MxConfig, MxFormat, MxSpec};
+/// #[derive(Debug, Clone, Copy, Default)]
+/// struct Fp6Block16;
+/// impl MxConfig for Fp6Block16 {
+///     fn weight_spec() -> MxSpec {
+///         // block size 16 is valid, so this never fails
+///         MxSpec::new(MxFormat::Fp6E2M3).with_block_size(16).unwrap_or(MxSpec::new(MxFormat::Fp6E2M3))
+///     }
+/// }
+/// assert_eq!(Fp6Block16::weight_spec().block_size(), 16);
+/// assert_eq!(Fp6Block16::input_spec(), None);
+/// ```
+pub trait MxConfig: 'static + Debug + Clone + Copy + Default + Send + Sync {
+    /// The weights' spec (blocks along the input dimension, the matmul's reduction axis).
+    fn weight_spec() -> MxSpec;
+    /// The inputs' spec (blocks along the last axis, the features); `None` leaves them in f32.
+    fn input_spec() -> Option<MxSpec> {
+        None
+    }
+}
+
+macro_rules! config {
+    ($(#[$doc:meta])* $name:ident, $format:expr, $inputs:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct $name;
+        impl MxConfig for $name {
+            fn weight_spec() -> MxSpec {
+                MxSpec::new($format)
+            }
+            fn input_spec() -> Option<MxSpec> {
+                $inputs.then(|| MxSpec::new($format))
+            }
+        }
+    };
+}
+
+config!(
+    /// Weights in MXFP8 E4M3, block 32; inputs in f32.
+    Mxfp8Weights, MxFormat::Fp8E4M3, false
+);
+config!(
+    /// Weights in MXFP6 E3M2, block 32; inputs in f32.
+    Mxfp6Weights, MxFormat::Fp6E3M2, false
+);
+config!(
+    /// Weights in MXFP4 E2M1, block 32; inputs in f32.
+    Mxfp4Weights, MxFormat::Fp4E2M1, false
+);
+config!(
+    /// Weights in MXINT8, block 32; inputs in f32.
+    Mxint8Weights, MxFormat::Int8, false
+);
+config!(
+    /// Weights and inputs in MXFP8 E4M3, block 32.
+    Mxfp8, MxFormat::Fp8E4M3, true
+);
+
+/// Builder types for `dev.build_module::<...>()`, as `dfdx::nn::builders`.
+pub mod builder {
+    use std::marker::PhantomData;
+
+    /// Builds an [`MxLinear`](super::MxLinear) with `I` inputs and `O` outputs, quantized as
+    /// `C` says.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct MxLinear<const I: usize, const O: usize, C>(PhantomData<C>);
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Device<E>> BuildOnDevice<D, E>
+    for builder::MxLinear<I, O, C>
+where
+    MxLinear<I, O, C, E, D>: BuildModule<D, E>,
+{
+    type Built = MxLinear<I, O, C, E, D>;
+}
+
+/// A linear layer `y = x W^T + b` that trains in f32 and computes its forward pass with MX
+/// weights: the f32 master weight is fake-quantized ([`MxFakeQuant`]) along the input dimension
+/// on every forward, the inputs too if `C` asks, and gradients pass straight through to the
+/// master weight. Same parameters, initialization and layout as dfdx's `Linear<I, O>`, so any
+/// dfdx optimizer trains it.
+///
+/// # Examples
+/// ```
+/// use dfdx::{optim::*, prelude::*};
+/// use mpx_runtime::mx::{builder, Mxfp4Weights};
+/// let dev: Cpu = Default::default();
+/// let mut model = dev.build_module::<(builder::MxLinear<8, 4, Mxfp4Weights>, ReLU), f32>();
+/// let mut opt = Sgd::new(&model, SgdConfig { lr: 0.1, ..Default::default() });
+/// let x: Tensor<Rank2<2, 8>, f32, _> = dev.sample_normal();
+/// let before = model.0.weight.clone();
+/// let mut grads = model.alloc_grads();
+/// let loss = model.forward(x.trace(grads)).square().mean();
+/// grads = loss.backward();
+/// opt.update(&mut model, &grads).unwrap();
+/// assert_ne!(model.0.weight.as_vec(), before.as_vec());
+/// ```
+#[derive(Debug, Clone)]
+pub struct MxLinear<const I: usize, const O: usize, C, E: Dtype, D: Storage<E>> {
+    /// The f32 master weight, shape `(O, I)` as in dfdx's `Linear`.
+    pub weight: Tensor<Rank2<O, I>, E, D>,
+    /// The bias, shape `(O,)`.
+    pub bias: Tensor<Rank1<O>, E, D>,
+    config: PhantomData<C>,
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Storage<E>> MxLinear<I, O, C, E, D> {
+    /// An MX layer with these parameters (see also [`IntoMx`]).
+    pub fn new(weight: Tensor<Rank2<O, I>, E, D>, bias: Tensor<Rank1<O>, E, D>) -> Self {
+        MxLinear {
+            weight,
+            bias,
+            config: PhantomData,
+        }
+    }
+
+    /// Back to a plain dfdx `Linear` with the master weights.
+    pub fn into_linear(self) -> Linear<I, O, E, D> {
+        Linear {
+            weight: self.weight,
+            bias: self.bias,
+        }
+    }
+}
+
+impl<const I: usize, const O: usize, C: MxConfig> MxLinear<I, O, C, f32, Cpu> {
+    /// The weight the forward pass uses: the master weight quantized and dequantized. Panics on
+    /// a device (allocation) error, as dfdx's infallible operations do.
+    pub fn quantized_weight(&self) -> Tensor<Rank2<O, I>, f32, Cpu> {
+        self.weight.clone().mx_fake_quant(&C::weight_spec())
+    }
+
+    /// The weight packed as an [`MxTensor`] (shape `[O, I]`), for storage or deployment.
+    pub fn weight_mx(&self) -> Result<MxTensor, MxError> {
+        MxTensor::quantize(&self.weight.as_vec(), &[O, I], &C::weight_spec())
+    }
+}
+
+impl<const I: usize, const O: usize, C, E: Dtype, D: Storage<E>> NonMutableModule
+    for MxLinear<I, O, C, E, D>
+{
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Device<E>> TensorCollection<E, D>
+    for MxLinear<I, O, C, E, D>
+where
+    Linear<I, O, E, D>: BuildModule<D, E>,
+{
+    type To<E2: Dtype, D2: Device<E2>> = MxLinear<I, O, C, E2, D2>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                // Initialized as dfdx's Linear (uniform in ±1/sqrt(I)), by building one.
+                Self::tensor(
+                    "weight",
+                    |s| &s.weight,
+                    |s| &mut s.weight,
+                    TensorOptions::reset_with(|t| {
+                        *t = Linear::<I, O, E, D>::try_build(t.device())?.weight;
+                        Ok(())
+                    }),
+                ),
+                Self::tensor(
+                    "bias",
+                    |s| &s.bias,
+                    |s| &mut s.bias,
+                    TensorOptions::reset_with(|t| {
+                        *t = Linear::<I, O, E, D>::try_build(t.device())?.bias;
+                        Ok(())
+                    }),
+                ),
+            ),
+            |(weight, bias)| MxLinear {
+                weight,
+                bias,
+                config: PhantomData,
+            },
+        )
+    }
+}
+
+impl<const I: usize, const O: usize, C: MxConfig> MxLinear<I, O, C, f32, Cpu> {
+    /// The weight for this forward pass, transposed to `(I, O)`, on tape `T`.
+    fn forward_weight<T: Tape<f32, Cpu>>(
+        &self,
+    ) -> Result<Tensor<Rank2<I, O>, f32, Cpu, T>, CpuError> {
+        self.weight
+            .retaped::<T>()
+            .try_mx_fake_quant(&C::weight_spec())?
+            .try_permute()
+    }
+
+    fn forward_input<S: dfdx::shapes::Shape, T: Tape<f32, Cpu>>(
+        x: Tensor<S, f32, Cpu, T>,
+    ) -> Result<Tensor<S, f32, Cpu, T>, CpuError> {
+        match C::input_spec() {
+            Some(spec) => x.try_mx_fake_quant(&spec),
+            None => Ok(x),
+        }
+    }
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, T: Tape<f32, Cpu>>
+    Module<Tensor<Rank1<I>, f32, Cpu, T>> for MxLinear<I, O, C, f32, Cpu>
+{
+    type Output = Tensor<Rank1<O>, f32, Cpu, T>;
+    type Error = CpuError;
+
+    fn try_forward(&self, x: Tensor<Rank1<I>, f32, Cpu, T>) -> Result<Self::Output, CpuError> {
+        let y = Self::forward_input(x)?.try_matmul(self.forward_weight::<T>()?)?;
+        y.try_add(self.bias.retaped::<T>())
+    }
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, B: Dim, T: Tape<f32, Cpu>>
+    Module<Tensor<(B, Const<I>), f32, Cpu, T>> for MxLinear<I, O, C, f32, Cpu>
+{
+    type Output = Tensor<(B, Const<O>), f32, Cpu, T>;
+    type Error = CpuError;
+
+    fn try_forward(&self, x: Tensor<(B, Const<I>), f32, Cpu, T>) -> Result<Self::Output, CpuError> {
+        let y = Self::forward_input(x)?.try_matmul(self.forward_weight::<T>()?)?;
+        let shape = *y.shape();
+        y.try_add(self.bias.retaped::<T>().try_broadcast_like(&shape)?)
+    }
+}
+
+impl<const I: usize, const O: usize, C: MxConfig, B: Dim, S: Dim, T: Tape<f32, Cpu>>
+    Module<Tensor<(B, S, Const<I>), f32, Cpu, T>> for MxLinear<I, O, C, f32, Cpu>
+{
+    type Output = Tensor<(B, S, Const<O>), f32, Cpu, T>;
+    type Error = CpuError;
+
+    fn try_forward(
+        &self,
+        x: Tensor<(B, S, Const<I>), f32, Cpu, T>,
+    ) -> Result<Self::Output, CpuError> {
+        let y = Self::forward_input(x)?.try_matmul(self.forward_weight::<T>()?)?;
+        let shape = *y.shape();
+        y.try_add(self.bias.retaped::<T>().try_broadcast_like(&shape)?)
+    }
+}
+
+/// Converts a model's dfdx `Linear` layers (f32, `Cpu`) to [`MxLinear`] with config `C`,
+/// copying the weights; activations and other parameter-free layers stay as they are. Implemented
+/// for `Linear`, `MxLinear` (changes its config), dfdx's activations, `()`, and tuples of these up
+/// to 6 (dfdx's sequential models).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::mx::{IntoMx, MxLinear, Mxfp8Weights};
+/// let dev: Cpu = Default::default();
+/// let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+/// let mx: (MxLinear<4, 8, Mxfp8Weights, f32, Cpu>, ReLU, MxLinear<8, 2, Mxfp8Weights, f32, Cpu>) =
+///     model.clone().into_mx::<Mxfp8Weights>();
+/// assert_eq!(mx.0.weight.as_vec(), model.0.weight.as_vec()); // master weights copied
+/// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
+/// let (a, b) = (model.forward(x.clone()).as_vec(), mx.forward(x).as_vec());
+/// assert!(a.iter().zip(&b).all(|(a, b)| (a - b).abs() < 0.1)); // close...
+/// assert_ne!(a, b); // ...but computed with MXFP8 weights
+/// ```
+pub trait IntoMx {
+    /// The model with MX layers.
+    type Mx<C: MxConfig>;
+    /// Converts, moving the weights.
+    fn into_mx<C: MxConfig>(self) -> Self::Mx<C>;
+}
+
+impl<const I: usize, const O: usize> IntoMx for Linear<I, O, f32, Cpu> {
+    type Mx<C: MxConfig> = MxLinear<I, O, C, f32, Cpu>;
+    fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+        MxLinear::new(self.weight, self.bias)
+    }
+}
+
+impl<const I: usize, const O: usize, C0: MxConfig> IntoMx for MxLinear<I, O, C0, f32, Cpu> {
+    type Mx<C: MxConfig> = MxLinear<I, O, C, f32, Cpu>;
+    fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+        MxLinear::new(self.weight, self.bias)
+    }
+}
+
+macro_rules! unchanged {
+    ($($t:ty),* $(,)?) => {
+        $(impl IntoMx for $t {
+            type Mx<C: MxConfig> = $t;
+            fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+                self
+            }
+        })*
+    };
+}
+
+unchanged!(
+    (),
+    dfdx::nn::modules::ReLU,
+    dfdx::nn::modules::Tanh,
+    dfdx::nn::modules::Sigmoid,
+    dfdx::nn::modules::FastGeLU,
+    dfdx::nn::modules::AccurateGeLU,
+    dfdx::nn::modules::Softmax,
+    dfdx::nn::modules::LogSoftmax,
+    dfdx::nn::modules::Abs,
+    dfdx::nn::modules::Square,
+    dfdx::nn::modules::Sin,
+    dfdx::nn::modules::Cos,
+    dfdx::nn::modules::Exp,
+    dfdx::nn::modules::Ln,
+    dfdx::nn::modules::Sqrt,
+);
+
+macro_rules! tuple_into_mx {
+    ($($m:ident . $i:tt),+) => {
+        impl<$($m: IntoMx),+> IntoMx for ($($m,)+) {
+            type Mx<C: MxConfig> = ($($m::Mx<C>,)+);
+            fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+                ($(self.$i.into_mx::<C>(),)+)
+            }
+        }
+    };
+}
+
+tuple_into_mx!(A.0);
+tuple_into_mx!(A.0, B.1);
+tuple_into_mx!(A.0, B.1, C2.2);
+tuple_into_mx!(A.0, B.1, C2.2, D.3);
+tuple_into_mx!(A.0, B.1, C2.2, D.3, F.4);
+tuple_into_mx!(A.0, B.1, C2.2, D.3, F.4, G.5);
