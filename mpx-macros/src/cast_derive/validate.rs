@@ -3,8 +3,8 @@
 
 use proc_macro2::{TokenStream, TokenTree};
 
-use crate::ctxt::Ctxt;
 use super::parse::{Input, Kind};
+use crate::ctxt::Ctxt;
 
 /// One field of the plan.
 pub(super) struct PlanField {

@@ -3,8 +3,8 @@
 use proc_macro2::TokenStream;
 use syn::parse::Parser;
 
-use crate::full_precision::ast::{set_once, skip_value};
 use crate::ctxt::Ctxt;
+use crate::full_precision::ast::{set_once, skip_value};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `workspace`, `crate`";

@@ -306,7 +306,11 @@ fn read_body(f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Step> {
             if p.path.segments.last().is_some_and(|s| s.ident == "Result")));
     if let Some(syn::Stmt::Expr(e, None)) = tail.last() {
         let loss_binding = |e: &syn::Expr| match e {
-            syn::Expr::Path(p) => p.path.get_ident().filter(|i| loss_bindings.contains(i)).cloned(),
+            syn::Expr::Path(p) => p
+                .path
+                .get_ident()
+                .filter(|i| loss_bindings.contains(i))
+                .cloned(),
             _ => None,
         };
         // `Ok(())` or `Ok(loss_value)` closing a step that returned the `Result` of the f32 step.
