@@ -45,32 +45,13 @@ type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;
 type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
 
-/// The batches of one epoch: a seeded shuffle of the training set, the last partial batch dropped.
+/// The batches of one epoch (the same for both runs), the last partial batch dropped.
 fn epoch_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<(X, Y, [usize; BATCH])> {
-    let mut order: Vec<usize> = (0..d.train_len()).collect();
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (epoch as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    for i in (1..order.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        order.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    order
+    d.epoch_order(epoch)
         .chunks_exact(BATCH)
         .map(|idx| {
-            let mut x = Vec::with_capacity(BATCH * FEATURES);
-            let mut y = vec![0.0f32; BATCH * CLASSES];
-            let mut labels = [0usize; BATCH];
-            for (r, &i) in idx.iter().enumerate() {
-                x.extend_from_slice(&d.train_x[i * FEATURES..(i + 1) * FEATURES]);
-                y[r * CLASSES + d.train_y[i]] = 1.0;
-                labels[r] = d.train_y[i];
-            }
-            (
-                dev.tensor_from_vec(x, (Const, Const)),
-                dev.tensor_from_vec(y, (Const, Const)),
-                labels,
-            )
+            let (x, y) = d.train_batch(dev, idx);
+            (x, y, std::array::from_fn(|r| d.train_y[idx[r]]))
         })
         .collect()
 }

@@ -26,30 +26,11 @@ type X<T = NoneTape> = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu, T>;
 type Y<T = NoneTape> = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu, T>;
 type Traced = OwnedTape<f32, Cpu>;
 
-/// The batches of one epoch: a seeded shuffle of the training set, the last partial batch dropped.
+/// The batches of one epoch, the last partial batch dropped.
 fn epoch_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<(X, Y)> {
-    let mut order: Vec<usize> = (0..d.train_len()).collect();
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (epoch as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    for i in (1..order.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        order.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    order
+    d.epoch_order(epoch)
         .chunks_exact(BATCH)
-        .map(|idx| {
-            let mut x = Vec::with_capacity(BATCH * FEATURES);
-            let mut y = vec![0.0f32; BATCH * CLASSES];
-            for (r, &i) in idx.iter().enumerate() {
-                x.extend_from_slice(&d.train_x[i * FEATURES..(i + 1) * FEATURES]);
-                y[r * CLASSES + d.train_y[i]] = 1.0;
-            }
-            (
-                dev.tensor_from_vec(x, (Const, Const)),
-                dev.tensor_from_vec(y, (Const, Const)),
-            )
-        })
+        .map(|idx| d.train_batch(dev, idx))
         .collect()
 }
 

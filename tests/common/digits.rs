@@ -3,6 +3,8 @@
 //! `#[path = ".../tests/common/digits.rs"] mod digits;`.
 #![allow(dead_code)]
 
+use dfdx::prelude::{Const, Cpu, Rank2, Tensor, TensorFromVec};
+
 /// Pixels per image.
 pub const FEATURES: usize = 64;
 /// Number of classes.
@@ -63,6 +65,43 @@ impl Digits {
     /// Number of training images.
     pub fn train_len(&self) -> usize {
         self.train_y.len()
+    }
+
+    /// The training indices in the order of `epoch`: a seeded shuffle (xorshift), the same on
+    /// every machine, so several runs can see the same batches.
+    pub fn epoch_order(&self, epoch: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.train_len()).collect();
+        let mut s =
+            0x2545_F491_4F6C_DD1Du64 ^ (epoch as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for i in (1..order.len()).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            order.swap(i, (s % (i as u64 + 1)) as usize);
+        }
+        order
+    }
+
+    /// The training images `idx` (`B` of them) and their one-hot labels, as f32 tensors.
+    pub fn train_batch<const B: usize>(
+        &self,
+        dev: &Cpu,
+        idx: &[usize],
+    ) -> (
+        Tensor<Rank2<B, FEATURES>, f32, Cpu>,
+        Tensor<Rank2<B, CLASSES>, f32, Cpu>,
+    ) {
+        assert_eq!(idx.len(), B, "a batch of {B} images");
+        let mut x = Vec::with_capacity(B * FEATURES);
+        let mut y = vec![0.0f32; B * CLASSES];
+        for (r, &i) in idx.iter().enumerate() {
+            x.extend_from_slice(&self.train_x[i * FEATURES..(i + 1) * FEATURES]);
+            y[r * CLASSES + self.train_y[i]] = 1.0;
+        }
+        (
+            dev.tensor_from_vec(x, (Const, Const)),
+            dev.tensor_from_vec(y, (Const, Const)),
+        )
     }
 
     /// Number of test images.
