@@ -21,15 +21,7 @@ use measure::{gbs, measure};
 
 /// Deterministic finite test data (no NaN/inf, so every check scans the whole slice).
 fn data(n: usize) -> Vec<f32> {
-    let mut x = 0x2545_f491u32;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x as f32 / u32::MAX as f32 - 0.5) * 1000.0
-        })
-        .collect()
+    measure::uniform(n).map(|u| u * 1000.0).collect()
 }
 
 fn rounds_for(bytes: usize, quick: bool) -> usize {

@@ -21,16 +21,7 @@ use measure::measure;
 
 /// Deterministic test data: normal-ish values over a few binades, like weights or activations.
 fn data(n: usize) -> Vec<f32> {
-    let mut x = 0x2545_f491u32;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let u = x as f32 / u32::MAX as f32 - 0.5;
-            u * u * u * 8.0
-        })
-        .collect()
+    measure::uniform(n).map(|u| u * u * u * 8.0).collect()
 }
 
 fn main() {

@@ -31,3 +31,15 @@ pub fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
 pub fn gbs(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
+
+/// `n` deterministic pseudo-random values, uniform in [-0.5, 0.5] (xorshift32): the same data on
+/// every machine and every run.
+pub fn uniform(n: usize) -> impl Iterator<Item = f32> {
+    let mut x = 0x2545_f491u32;
+    (0..n).map(move |_| {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x as f32 / u32::MAX as f32 - 0.5
+    })
+}
