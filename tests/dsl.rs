@@ -64,6 +64,8 @@ fn norm_softmax_plain<T: Tape<f32, Cpu>>(ln: &Ln<f32>, x: X<f32, T>) -> X<f32, T
 type V<E, T = NoneTape> = Tensor<Rank1<4>, E, Cpu, T>;
 
 /// Several tensor arguments, one of them a tuple, and a plain argument captured as it is.
+// The tuple of spelled-out tensor types is the form under test (an alias would need `inputs`).
+#[allow(clippy::type_complexity)]
 #[full_precision]
 fn gated<H: Precision, T: Tape<H::Elem, Cpu>>(
     x: Tensor<Rank1<4>, H::Elem, Cpu, T>,

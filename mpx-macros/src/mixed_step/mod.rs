@@ -154,6 +154,49 @@ mod tests {
     }
 
     #[test]
+    fn step_endings_replaced_by_the_report() {
+        let step = |ret: TokenStream, last: TokenStream| {
+            let out = super::expand(
+                quote!(scaling = s),
+                quote!(
+                    fn f(model: &mut M, opt: &mut O, x: X) #ret {
+                        let out = model.forward(x.traced(g));
+                        let loss = out.mean();
+                        let value = loss.array();
+                        let grads = loss.backward();
+                        opt.update(model, &grads)?;
+                        #last
+                    }
+                ),
+            );
+            (messages(&out), out.to_string())
+        };
+        // Accepted: the loss binding, and `Ok(())` / `Ok(loss)` in a step that returned a Result.
+        for (ret, last) in [
+            (quote!(-> f32), quote!(value)),
+            (quote!(-> Result<(), E>), quote!(Ok(()))),
+            (quote!(-> Result<f32, E>), quote!(Ok(value))),
+        ] {
+            let (m, s) = step(ret, last);
+            assert!(m.is_empty(), "{m:?}");
+            assert!(
+                s.contains(":: core :: result :: Result :: Ok (__mpx_report)"),
+                "{s}"
+            );
+            assert!(!s.contains("Ok (())") && !s.contains("Ok (value)"), "{s}");
+        }
+        // Rejected: `Ok(())` where no Result was declared, `Ok` of something else.
+        for (ret, last) in [
+            (quote!(), quote!(Ok(()))),
+            (quote!(-> Result<usize, E>), quote!(Ok(1))),
+        ] {
+            let (m, _) = step(ret, last);
+            assert_eq!(m.len(), 1, "{m:?}");
+            assert!(m[0].starts_with("a `#[mixed_step]` function returns its `StepReport`"));
+        }
+    }
+
+    #[test]
     fn shape_errors() {
         // Update before backward.
         let out = super::expand(

@@ -180,6 +180,32 @@ fn bound_idents(p: &syn::Pat, out: &mut Vec<syn::Ident>) {
     }
 }
 
+/// What the f32 step declared it returns; the rewritten step returns its `StepReport` instead.
+enum Returns<'a> {
+    /// No return type, `()` or `f32` (the loss value, which the report carries).
+    Plain,
+    /// A `Result` (the f32 step's own error handling), ended by `Ok(..)`.
+    Result,
+    /// Anything else: an error.
+    Other(&'a syn::Type),
+}
+
+impl<'a> Returns<'a> {
+    fn of(output: &'a syn::ReturnType) -> Self {
+        let syn::ReturnType::Type(_, ty) = output else {
+            return Returns::Plain;
+        };
+        match &**ty {
+            syn::Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Result") => {
+                Returns::Result
+            }
+            syn::Type::Path(p) if p.path.is_ident("f32") => Returns::Plain,
+            syn::Type::Tuple(t) if t.elems.is_empty() => Returns::Plain,
+            other => Returns::Other(other),
+        }
+    }
+}
+
 /// Splits the body at its forward pass, backward and update.
 fn read_body(f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Step> {
     let stmts = &f.block.stmts;
@@ -301,51 +327,41 @@ fn read_body(f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Step> {
 
     let mut tail: Vec<syn::Stmt> = stmts[ui + 1..].to_vec();
     let mut replaced = None;
-    let returns_result = matches!(&f.sig.output, syn::ReturnType::Type(_, ty)
-        if matches!(&**ty, syn::Type::Path(p)
-            if p.path.segments.last().is_some_and(|s| s.ident == "Result")));
+    let returns = Returns::of(&f.sig.output);
     if let Some(syn::Stmt::Expr(e, None)) = tail.last() {
-        let loss_binding = |e: &syn::Expr| match e {
-            syn::Expr::Path(p) => p
-                .path
-                .get_ident()
-                .filter(|i| loss_bindings.contains(i))
-                .cloned(),
-            _ => None,
-        };
-        // `Ok(())` or `Ok(loss_value)` closing a step that returned the `Result` of the f32 step.
+        // The value the step ends with: `e` itself, or the argument of `Ok(..)` when the f32 step
+        // returned a `Result`.
         let ok_arg = match e {
-            syn::Expr::Call(c) if returns_result && c.args.len() == 1 => match &*c.func {
-                syn::Expr::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Ok") => {
-                    c.args.first()
+            syn::Expr::Call(c) if matches!(returns, Returns::Result) && c.args.len() == 1 => {
+                match &*c.func {
+                    syn::Expr::Path(p)
+                        if p.path.segments.last().is_some_and(|s| s.ident == "Ok") =>
+                    {
+                        c.args.first()
+                    }
+                    _ => None,
                 }
-                _ => None,
-            },
+            }
             _ => None,
         };
-        match (e, ok_arg) {
-            (_, Some(syn::Expr::Tuple(t))) if t.elems.is_empty() => {
-                tail.pop();
-            }
-            (_, Some(arg)) if loss_binding(arg).is_some() => {
-                replaced = loss_binding(arg);
-                tail.pop();
-            }
-            (e, None) if loss_binding(e).is_some() => {
-                replaced = loss_binding(e);
-                tail.pop();
-            }
-            (other, _) => cx.error_spanned(
-                other,
+        let value = ok_arg.unwrap_or(e);
+        let loss_binding = match value {
+            syn::Expr::Path(p) => p.path.get_ident().filter(|i| loss_bindings.contains(i)),
+            _ => None,
+        };
+        let ok_unit =
+            ok_arg.is_some() && matches!(value, syn::Expr::Tuple(t) if t.elems.is_empty());
+        if ok_unit || loss_binding.is_some() {
+            replaced = loss_binding.cloned();
+            tail.pop();
+        } else {
+            cx.error_spanned(
+                e,
                 "a `#[mixed_step]` function returns its `StepReport` (loss, finite flag, scales, update outcome); end the step with a statement, with the binding of the loss value (the report's `loss` replaces it), or with `Ok(())` or `Ok(loss_value)` when it returned a `Result`",
-            ),
+            );
         }
     }
-    if let syn::ReturnType::Type(_, ty) = &f.sig.output
-        && !matches!(&**ty, syn::Type::Path(p) if p.path.is_ident("f32")
-            || p.path.segments.last().is_some_and(|s| s.ident == "Result"))
-        && !matches!(&**ty, syn::Type::Tuple(t) if t.elems.is_empty())
-    {
+    if let Returns::Other(ty) = returns {
         cx.error_spanned(
             ty,
             "a `#[mixed_step]` function returns `Result<StepReport, StepError>`; declare no return type, `()`, `f32` (the loss, which the report carries) or the `Result` of the f32 step",
