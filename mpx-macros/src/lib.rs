@@ -10,6 +10,8 @@ mod cast_derive;
 mod ctxt;
 mod full_precision;
 mod mixed_step;
+#[allow(dead_code)] // used by #[autocast]
+mod ops;
 
 /// Derives `mpx::Cast` (and `mpx::cast::FloatLeaves`) for a struct, so that
 /// `cast_to_half_precision` and friends reach its fields.

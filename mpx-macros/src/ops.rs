@@ -1,0 +1,90 @@
+//! The precision-critical operations: one table, shared by every macro that decides where half
+//! precision ends and f32 begins (`#[autocast]` wraps each of these calls in an f32 region;
+//! `#[mixed_step]` runs everything after a model's forward pass in f32, which covers them all).
+//!
+//! The list is PyTorch autocast's "ops that autocast to float32" (CUDA and CPU lists,
+//! `docs/source/amp.md`), mapped to the names dfdx 0.13 gives the same operations. Operations
+//! PyTorch lists that dfdx does not have (cdist, cumsum, fft, ...) have no row.
+
+/// How an operation is written in dfdx code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// A free function: `cross_entropy_with_logits_loss(logits, y)`.
+    Function,
+    /// A tensor method: `x.softmax::<Axis<1>>()`.
+    Method,
+}
+
+/// One precision-critical operation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp32Op {
+    /// The dfdx name (last path segment for functions, method name for methods).
+    pub name: &'static str,
+    /// Function or method.
+    pub form: Form,
+    /// The PyTorch autocast name it corresponds to.
+    pub torch: &'static str,
+    /// Why it needs f32.
+    pub why: &'static str,
+}
+
+const LOSS: &str = "a loss reduces a whole batch to one value; f16 loses small terms and overflows large sums";
+const EXP: &str = "exp/log overflow or underflow f16's range (exp(11.1) > 65504)";
+const REDUCE: &str = "a reduction over many values passes 65504 or loses the small terms";
+const NORM: &str = "statistics over a row (sum of squares) overflow f16";
+const POW: &str = "powers leave f16's range quickly";
+
+macro_rules! ops {
+    ($($form:ident $name:literal $torch:literal $why:ident;)*) => {
+        /// The table: every dfdx operation that runs in f32 inside a mixed-precision computation.
+        pub(crate) const FP32_OPS: &[Fp32Op] = &[
+            $(Fp32Op { name: $name, form: Form::$form, torch: $torch, why: $why },)*
+        ];
+    };
+}
+
+ops! {
+    Function "cross_entropy_with_logits_loss" "cross_entropy" LOSS;
+    Function "binary_cross_entropy_with_logits_loss" "binary_cross_entropy_with_logits" LOSS;
+    Function "kl_div_with_logits_loss" "kl_div" LOSS;
+    Function "mse_loss" "mse_loss" LOSS;
+    Function "rmse_loss" "mse_loss" LOSS;
+    Function "mae_loss" "l1_loss" LOSS;
+    Function "huber_loss" "huber_loss" LOSS;
+    Function "smooth_l1_loss" "smooth_l1_loss" LOSS;
+    Method "softmax" "softmax" EXP;
+    Method "log_softmax" "log_softmax" EXP;
+    Method "logsumexp" "logsumexp (sum of exp)" EXP;
+    Method "exp" "exp" EXP;
+    Method "ln" "log" EXP;
+    Method "sum" "sum" REDUCE;
+    Method "mean" "mean (sum / n)" REDUCE;
+    Method "var" "var (sum of squares)" REDUCE;
+    Method "stddev" "std (sum of squares)" REDUCE;
+    Method "normalize" "layer_norm / normalize" NORM;
+    Method "powf" "pow" POW;
+    Method "powi" "pow" POW;
+    Method "recip" "reciprocal" POW;
+}
+
+/// The f32 operation called `name` in the given form, if it is one.
+pub(crate) fn fp32_op(name: &str, form: Form) -> Option<&'static Fp32Op> {
+    FP32_OPS.iter().find(|op| op.name == name && op.form == form)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_per_form_and_found() {
+        for (i, a) in FP32_OPS.iter().enumerate() {
+            for b in &FP32_OPS[i + 1..] {
+                assert!(!(a.name == b.name && a.form == b.form), "{} twice", a.name);
+            }
+            assert!(std::ptr::eq(fp32_op(a.name, a.form).unwrap(), a));
+        }
+        assert!(fp32_op("softmax", Form::Function).is_none());
+        assert!(fp32_op("matmul", Form::Method).is_none());
+    }
+}
