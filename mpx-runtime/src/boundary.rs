@@ -10,8 +10,6 @@
 //! the boundary and the fix rather than a dfdx trait. Emulated bf16 is stored in f32, so an
 //! emulated-bf16 tensor or model passes these checks: the boundary is about storage, and there
 //! f32 is what the mixed step expects.
-//!
-//! Also here: [`StepReport`], what a `#[mixed_step]` function hands back to its f32 caller.
 
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::Shape;
@@ -19,7 +17,6 @@ use dfdx::tensor::{Cpu, OwnedTape, PutTape, Tensor};
 
 use crate::cast::Cast;
 use crate::precision::Precision;
-use crate::step::UpdateOutcome;
 
 /// An f32 master model: what optimizers update and the mixed step casts its working copy from.
 ///
@@ -132,39 +129,4 @@ where
     Tensor<X::Shape, f32, Cpu>: Cast<H, Output = Tensor<X::Shape, H::Elem, Cpu>>,
 {
     Cast::<H>::cast(x.as_f32()).put_tape(tape)
-}
-
-/// What a `#[mixed_step]` function returns (inside `Ok`): the step's loss, whether it was
-/// finite, the loss scale it used and the next one, and what the optimizer update did.
-///
-/// Mapping: mpx's `filter_value_and_grad` returns `(loss, scaling_new, grads_finite, grads)` and
-/// `optimizer_update` the new model; PyTorch reads `scaler.get_scale()` and skips inside
-/// `scaler.step(opt)`.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::boundary::StepReport;
-/// use mpx_runtime::step::UpdateOutcome;
-/// let r = StepReport { loss: 0.5, grads_finite: true, scale: 1024.0, new_scale: 1024.0, outcome: UpdateOutcome::Applied };
-/// assert!(r.is_applied());
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepReport {
-    /// The loss in f32, unscaled (computed on the f32 copy of the model output).
-    pub loss: f32,
-    /// Whether every gradient was finite (mpx's `grads_finite`).
-    pub grads_finite: bool,
-    /// The loss scale this step applied (and divided the gradients by).
-    pub scale: f32,
-    /// The loss scale after adjusting: the one the next step applies (mpx's `scaling_new`).
-    pub new_scale: f32,
-    /// Whether the optimizer ran or the step was skipped, and why.
-    pub outcome: UpdateOutcome,
-}
-
-impl StepReport {
-    /// `true` when the optimizer updated the master.
-    pub fn is_applied(&self) -> bool {
-        self.outcome.is_applied()
-    }
 }

@@ -7,10 +7,10 @@ use crate::ctxt::Ctxt;
 use crate::full_precision::ast::{set_once, skip_value};
 
 /// The valid arguments, as error messages list them.
-pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `workspace`, `crate`";
+pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `crate`";
 
 /// The half types `half = ..` accepts.
-pub(crate) const VALID_HALF: &str = "`f16`, `amp_f16`, `bf16`";
+pub(crate) const VALID_HALF: &str = "`f16`, `amp_f16`, `bf16`, `f32`";
 
 /// The precision the working copy runs in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,17 +21,18 @@ pub(crate) enum Half {
     AmpF16,
     /// Emulated bfloat16.
     Bf16,
+    /// f32: the working copy shares the master's buffers (a check of the machinery: with scale 1
+    /// it reproduces the f32 step bit for bit).
+    F32,
 }
 
-/// `#[mixed_step(scaling = .., half = .., workspace = .., crate = "..")]`.
+/// `#[mixed_step(scaling = .., half = .., crate = "..")]`.
 #[derive(Default)]
 pub(crate) struct Args {
-    /// `&mut impl LossScale`: required.
+    /// The `GradScaler` place: required.
     pub scaling: Option<syn::Expr>,
     /// Defaults to `f16`.
     pub half: Option<Half>,
-    /// `&mut MixedWorkspace<H, M>` kept by the caller; a fresh one per call when absent.
-    pub workspace: Option<syn::Expr>,
     /// Path of the `mpx` facade, when it is not `::mpx`.
     pub krate: Option<syn::Path>,
 }
@@ -58,6 +59,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                             Some("f16") => Some(Half::F16),
                             Some("amp_f16") => Some(Half::AmpF16),
                             Some("bf16") => Some(Half::Bf16),
+                            Some("f32") => Some(Half::F32),
                             _ => None,
                         }
                     }
@@ -67,21 +69,12 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                     Some(h) => set_once(cx, path, &mut out.half, h, "half"),
                     None => {
                         let shown = quote::quote!(#ty).to_string().replace(' ', "");
-                        let hint = if shown == "f32" {
-                            " (f32 is the master's precision, not a half type)"
-                        } else {
-                            ""
-                        };
                         cx.error_spanned(
                             &ty,
-                            format!("`half = {shown}` is not a half type{hint}; expected one of {VALID_HALF}"),
+                            format!("`half = {shown}` is not a precision a mixed step runs in; expected one of {VALID_HALF}"),
                         );
                     }
                 }
-            }
-            "workspace" => {
-                let v: syn::Expr = meta.value()?.parse()?;
-                set_once(cx, path, &mut out.workspace, v, "workspace");
             }
             "crate" => {
                 let lit: syn::LitStr = meta.value()?.parse()?;

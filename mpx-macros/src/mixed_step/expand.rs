@@ -1,12 +1,13 @@
-//! Expansion: the step becomes `filter_value_and_grad` (forward on the half working copy, loss
-//! and its scaling in f32) followed by `optimizer_update` (skip on overflow), returning a
-//! `StepReport`.
+//! Expansion: each role call is rewritten in place (see [`super::roles`]); everything else in
+//! the body, the signature and the return type stay as written.
 
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
+use syn::visit_mut::VisitMut;
 
 use super::ast::{Args, Half};
+use super::roles::{Traced, as_update, forward_path, is_backward, key};
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
 
@@ -17,87 +18,129 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         Half::F16 => quote!(#root::precision::f16),
         Half::AmpF16 => quote!(#root::precision::AMP<#root::precision::f16>),
         Half::Bf16 => quote!(#root::precision::bf16),
+        Half::F32 => quote!(f32),
     };
-    let step = plan.step;
-    let scaling = &plan.scaling;
-    let master = &step.master;
-    let forward = &step.forward;
-    let input = &step.input;
-    let out_pat = &step.out_pat;
-    let loss = &step.loss;
-    let prefix = &step.prefix;
-    let loss_stmts = &step.loss_stmts;
-    let tail = &step.tail;
-    // The binding the step returned is read by the report instead; keep it "used".
-    let replaced = step.replaced.as_ref().map(|id| quote!(let _ = &#id;));
-
-    // The optimizer as `&mut O`: a reference argument is passed as it is, anything else borrowed.
-    let opt = &step.opt;
-    let opt_is_ref_arg = match opt {
-        syn::Expr::Path(p) => p.path.get_ident().is_some_and(|id| {
-            f.sig.inputs.iter().any(|a| {
-                matches!(a, syn::FnArg::Typed(pt)
-                if matches!(&*pt.pat, syn::Pat::Ident(pi) if pi.ident == *id)
-                    && matches!(&*pt.ty, syn::Type::Reference(_)))
-            })
-        }),
-        _ => false,
+    let mut rewriter = Rewriter {
+        master_key: key(&plan.master),
+        master: plan.master,
+        traced: plan.traced,
+        scaling: plan.scaling,
+        half,
+        root,
     };
-    let opt = if opt_is_ref_arg {
-        quote!(#opt)
-    } else {
-        quote!(&mut (#opt))
-    };
-
-    let workspace = match &args.workspace {
-        Some(ws) => quote!(let __mpx_ws = #ws;),
-        None => quote! {
-            let mut __mpx_ws_owned = #root::step::MixedWorkspace::<#half, _>::new(&*(#master))?;
-            let __mpx_ws = &mut __mpx_ws_owned;
-        },
-    };
-
-    // The master boundary first, at the model's tokens, so its message leads the errors.
-    let check_master = quote_spanned!(master.span()=>
-        let _ = #root::boundary::require_master(&*(#master));
-    );
-    // The input boundary at the input's tokens: a half batch is reported where it is named.
-    let cast_input = quote_spanned!(input.span()=>
-        #root::boundary::cast_input::<#half, _>(&__mpx_input, __mpx_tape)
-    );
-    let body = quote!({
-        #check_master
-        #(#prefix)*
-        let __mpx_input = #input;
-        #workspace
-        let __mpx_grads = #root::step::filter_value_and_grad(
-            &*(#master),
-            #scaling,
-            &mut *__mpx_ws,
-            |__mpx_model, __mpx_tape| {
-                __mpx_model.#forward(#cast_input)
-            },
-            |#out_pat| {
-                #(#loss_stmts)*
-                #replaced
-                #loss
-            },
-        )?;
-        let __mpx_finite = __mpx_grads.grads_finite;
-        let __mpx_outcome = #root::step::optimizer_update(#master, #opt, &__mpx_grads, __mpx_finite)?;
-        let __mpx_report = #root::boundary::StepReport {
-            loss: __mpx_grads.loss,
-            grads_finite: __mpx_finite,
-            scale: __mpx_grads.applied_scale,
-            new_scale: __mpx_grads.new_scale,
-            outcome: __mpx_outcome,
-        };
-        #(#tail)*
-        ::core::result::Result::Ok(__mpx_report)
-    });
-    f.sig.output = syn::parse_quote!(
-        -> ::core::result::Result<#root::boundary::StepReport, #root::step::StepError>
-    );
-    *f.block = syn::parse_quote!(#body);
+    rewriter.visit_block_mut(&mut f.block);
     quote!(#f)
+}
+
+struct Rewriter {
+    root: TokenStream,
+    half: TokenStream,
+    scaling: syn::Expr,
+    master: syn::Expr,
+    master_key: String,
+    traced: Traced,
+}
+
+/// What a method call is, decided on the call as the user wrote it.
+enum Role {
+    Forward(Vec<syn::Member>),
+    Backward,
+    Update,
+}
+
+impl Rewriter {
+    fn role(&self, m: &syn::ExprMethodCall) -> Option<Role> {
+        if as_update(m).is_some_and(|(_, master, _)| key(master) == self.master_key) {
+            return Some(Role::Update);
+        }
+        if is_backward(m) {
+            return Some(Role::Backward);
+        }
+        let path = forward_path(m, &self.master_key)?;
+        self.traced.mentions(&m.args[0]).then_some(Role::Forward(path))
+    }
+
+    /// `&mut GradScaler<H, _>`, from the place the user named.
+    fn scaler(&self) -> TokenStream {
+        let (root, half, scaling) = (&self.root, &self.half, &self.scaling);
+        quote_spanned!(scaling.span()=>
+            #root::step::scaler_of::<#half, _>({
+                use #root::step::__macro_support::ByMut as _;
+                (#scaling).__mpx_by_mut()
+            })
+        )
+    }
+
+    fn rewrite(&self, role: Role, m: &syn::ExprMethodCall) -> syn::Expr {
+        let root = &self.root;
+        let scaler = self.scaler();
+        let tokens = match role {
+            Role::Forward(path) => {
+                let master = &self.master;
+                let method = &m.method;
+                let turbofish = &m.turbofish;
+                let arg = &m.args[0];
+                let input = quote_spanned!(arg.span()=> __mpx_input);
+                let master_ref = quote_spanned!(master.span()=> {
+                    use #root::step::__macro_support::ByMut as _;
+                    &*(#master).__mpx_by_mut()
+                });
+                quote!({
+                    let __mpx_input = #arg;
+                    #scaler.forward(
+                        #master_ref,
+                        #input,
+                        |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),
+                    )
+                })
+            }
+            Role::Backward => {
+                let loss = &m.receiver;
+                let call = if m.method == "try_backward" {
+                    quote!(try_backward)
+                } else {
+                    quote!(backward)
+                };
+                quote!({
+                    let __mpx_loss = #loss;
+                    #scaler.#call(__mpx_loss)
+                })
+            }
+            Role::Update => {
+                let Some((opt, master, grads)) = as_update(m) else {
+                    return syn::Expr::MethodCall(m.clone());
+                };
+                quote!({
+                    let __mpx_grads = #grads;
+                    #scaler.update(
+                        #master,
+                        {
+                            use #root::step::__macro_support::ByMut as _;
+                            (#opt).__mpx_by_mut()
+                        },
+                        __mpx_grads,
+                    )
+                })
+            }
+        };
+        syn::parse2(tokens).unwrap_or_else(|e| {
+            syn::Expr::Verbatim(e.to_compile_error())
+        })
+    }
+}
+
+impl VisitMut for Rewriter {
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        let role = match &*e {
+            syn::Expr::MethodCall(m) => self.role(m),
+            _ => None,
+        };
+        syn::visit_mut::visit_expr_mut(self, e);
+        if let (Some(role), syn::Expr::MethodCall(m)) = (role, &*e) {
+            *e = self.rewrite(role, m);
+        }
+    }
+
+    /// Items nested in the body (helper functions) are not part of the step.
+    fn visit_item_mut(&mut self, _: &mut syn::Item) {}
 }

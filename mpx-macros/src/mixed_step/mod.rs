@@ -1,8 +1,9 @@
-//! `#[mixed_step]`: parse ([`ast`]) -> validate ([`valid`], which also reads the step's shape)
-//! -> expand ([`expand`]).
+//! `#[mixed_step]`: parse ([`ast`]) -> validate ([`valid`], with the roles of the body found by
+//! [`roles`]) -> expand ([`expand`]).
 
 mod ast;
 mod expand;
+mod roles;
 mod valid;
 
 use proc_macro2::TokenStream;
@@ -19,7 +20,7 @@ pub fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         Ok(other) => {
             cx.error_spanned(
                 item_head(&other),
-                "`#[mixed_step]` applies to a training-step function (alloc_grads, traced forward, loss, backward, optimizer update)",
+                "`#[mixed_step]` applies to a function that trains: a traced forward pass of the model, a backward pass and an optimizer update (a loop of them is fine)",
             );
             None
         }
@@ -53,90 +54,151 @@ mod tests {
     use proc_macro2::TokenStream;
     use quote::quote;
 
-    fn step_body() -> TokenStream {
+    /// dfdx's own MNIST loop: gradients allocated once, the step inside a `for` loop.
+    fn mnist_loop() -> TokenStream {
         quote!(
-            fn train_step(
-                model: &mut Model,
-                opt: &mut Adam<Model, f32, Cpu>,
-                x: X,
-                y: Y,
-                scaler: &mut DynamicLossScale,
-            ) -> f32 {
-                let grads = model.alloc_grads();
-                let logits = model.forward_mut(x.traced(grads));
-                let loss = cross_entropy_with_logits_loss(logits, y);
-                let loss_value = loss.array();
-                let grads = loss.backward();
-                opt.update(model, &grads).expect("update");
-                loss_value
+            fn train(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, data: Data, scaler: &mut GradScaler) {
+                let mut grads = model.alloc_grads();
+                for (img, lbl) in data {
+                    let logits = model.forward_mut(img.traced(grads));
+                    let loss = cross_entropy_with_logits_loss(logits, lbl);
+                    total += loss.array();
+                    grads = loss.backward();
+                    opt.update(model, &grads).unwrap();
+                    model.zero_grads(&mut grads);
+                }
             }
         )
     }
 
-    #[test]
-    fn rewrites_an_f32_step() {
-        let out = super::expand(quote!(scaling = scaler, half = f16), step_body());
-        assert!(messages(&out).is_empty(), "{out}");
-        let s = out.to_string();
-        for want in [
-            "-> :: core :: result :: Result < :: mpx :: __private :: mpx_runtime :: boundary :: StepReport , :: mpx :: __private :: mpx_runtime :: step :: StepError >",
-            "let __mpx_input = x ;",
-            ":: mpx :: __private :: mpx_runtime :: step :: MixedWorkspace :: < :: mpx :: __private :: mpx_runtime :: precision :: f16 , _ > :: new (& * (model)) ?",
-            "__mpx_model . forward_mut (:: mpx :: __private :: mpx_runtime :: boundary :: cast_input :: < :: mpx :: __private :: mpx_runtime :: precision :: f16 , _ > (& __mpx_input , __mpx_tape))",
-            "| logits | { let loss = cross_entropy_with_logits_loss (logits , y) ; let loss_value = loss . array () ; let _ = & loss_value ; loss }",
-            "optimizer_update (model , opt , & __mpx_grads , __mpx_finite) ?",
-            ":: core :: result :: Result :: Ok (__mpx_report)",
-        ] {
-            assert!(s.contains(want), "missing {want}\nin {s}");
-        }
-        assert!(!s.contains("alloc_grads"), "{s}");
-        assert!(!s.contains("expect"), "{s}");
+    fn flat(out: &TokenStream) -> String {
+        out.to_string().replace(' ', "")
     }
 
     #[test]
-    fn half_types_workspace_and_crate() {
+    fn rewrites_the_roles_and_nothing_else() {
+        let out = super::expand(quote!(scaling = scaler, half = f16), mnist_loop());
+        assert!(messages(&out).is_empty(), "{out}");
+        let s = flat(&out);
+        for want in [
+            // the signature and return type are untouched
+            "fntrain(model:&mutModel,opt:&mutAdam<Model,f32,Cpu>,data:Data,scaler:&mutGradScaler){",
+            "letmutgrads=model.alloc_grads();",
+            // forward: the working copy, the traced input as written
+            "let__mpx_input=img.traced(grads);",
+            ".forward(",
+            "|__mpx_working,__mpx_x|__mpx_working.forward_mut(__mpx_x)",
+            "scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>",
+            // the loss is plain f32 code
+            "letloss=cross_entropy_with_logits_loss(logits,lbl);",
+            "total+=loss.array();",
+            // backward and update through the scaler; the user's unwrap stays
+            "grads={let__mpx_loss=loss;",
+            ".backward(__mpx_loss)}",
+            ".update(model,{",
+            "__mpx_grads,)}.unwrap();",
+            "model.zero_grads(&mutgrads);",
+        ] {
+            assert!(s.contains(want), "missing {want}\nin {s}");
+        }
+        assert!(!s.contains("opt.update("), "{s}");
+    }
+
+    #[test]
+    fn staged_forward_on_fields_of_self_and_an_untraced_evaluation() {
         let out = super::expand(
+            quote!(scaling = self.scaler, half = bf16, crate = "m"),
             quote!(
-                scaling = &mut self.scale,
-                half = amp_f16,
-                workspace = ws,
-                crate = "m"
+                fn step(&mut self, ids: Ids, x_test: X) -> Result<f32, StepError> {
+                    let h = self.model.embed.try_forward(ids.traced(self.gradients.take()))?;
+                    let out = self.model.head.forward(h);
+                    let test_out = self.model.forward(x_test);
+                    let loss = mse_loss(out, y) + l2(&self.model);
+                    self.gradients = loss.try_backward()?;
+                    self.opt.update(&mut self.model, &self.gradients)?;
+                    Ok(loss_value)
+                }
             ),
-            step_body(),
         );
-        let s = out.to_string();
-        assert!(s.contains("m :: __private :: mpx_runtime :: precision :: AMP < m :: __private :: mpx_runtime :: precision :: f16 >"), "{s}");
-        assert!(s.contains("let __mpx_ws = ws ;"), "{s}");
-        assert!(
-            s.contains("filter_value_and_grad (& * (model) , & mut self . scale ,"),
-            "{s}"
-        );
-        let out = super::expand(quote!(scaling = s, half = bf16), step_body());
-        assert!(out.to_string().contains("precision :: bf16"));
+        assert!(messages(&out).is_empty(), "{out}");
+        let s = flat(&out);
+        assert!(s.contains("|__mpx_working,__mpx_x|__mpx_working.embed.try_forward(__mpx_x)"), "{s}");
+        assert!(s.contains("|__mpx_working,__mpx_x|__mpx_working.head.forward(__mpx_x)"), "{s}");
+        // the untraced evaluation stays on the f32 master
+        assert!(s.contains("lettest_out=self.model.forward(x_test);"), "{s}");
+        assert!(s.contains("m::__private::mpx_runtime::precision::bf16"), "{s}");
+        assert!(s.contains(".try_backward(__mpx_loss)}?;"), "{s}");
+        assert!(s.contains(".update(&mutself.model,"), "{s}");
     }
 
     #[test]
     fn argument_errors_are_all_reported() {
         let out = super::expand(
-            quote!(half = f32, scale = 1.0, workspace = a, workspace = b),
-            step_body(),
+            quote!(half = f64, scale = 1.0, crate = "a", crate = "b"),
+            mnist_loop(),
         );
         assert_eq!(
             messages(&out),
             [
-                "`half = f32` is not a half type (f32 is the master's precision, not a half type); expected one of `f16`, `amp_f16`, `bf16`",
-                "unknown argument `scale`; expected one of `scaling`, `half`, `workspace`, `crate`",
-                "duplicate argument `workspace`",
-                "missing argument `scaling`: pass the loss scale, e.g. `#[mixed_step(scaling = scaler)]` with `scaler: &mut DynamicLossScale` (use `NoOpLossScale` for none)",
+                "`half = f64` is not a precision a mixed step runs in; expected one of `f16`, `amp_f16`, `bf16`, `f32`",
+                "unknown argument `scale`; expected one of `scaling`, `half`, `crate`",
+                "duplicate argument `crate`",
+                "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());`",
             ]
         );
-        // The step is re-emitted unchanged.
+        // The item is re-emitted unchanged.
         let kept = items(&out);
-        assert_eq!(quote!(#(#kept)*).to_string(), step_body().to_string());
+        assert_eq!(quote!(#(#kept)*).to_string(), mnist_loop().to_string());
     }
 
     #[test]
-    fn a_step_without_backward_update_or_forward() {
+    fn a_scaler_that_would_not_persist_is_an_error() {
+        let temp = super::expand(quote!(scaling = &mut GradScaler::default()), mnist_loop());
+        assert!(messages(&temp)[0].starts_with("`scaling = ..` builds a new value every time the step runs"));
+        let in_loop = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn train(model: &mut M, opt: &mut O, data: D) {
+                    for (x, y) in data {
+                        let mut s = GradScaler::default();
+                        let out = model.forward(x.trace(model.alloc_grads()));
+                        let g = out.mean().backward();
+                        opt.update(model, &g).unwrap();
+                    }
+                }
+            ),
+        );
+        assert!(messages(&in_loop)[0].starts_with("`s` is declared inside a loop or closure"), "{:?}", messages(&in_loop));
+        let per_call = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(model: &mut M, opt: &mut O, x: X) {
+                    let mut s = GradScaler::default();
+                    let out = model.forward(x.trace(model.alloc_grads()));
+                    let g = out.mean().backward();
+                    opt.update(model, &g).unwrap();
+                }
+            ),
+        );
+        assert!(messages(&per_call)[0].starts_with("`s` is declared inside the step function"));
+        let before_loop = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn train(model: &mut M, opt: &mut O, data: D) {
+                    let mut s = GradScaler::default();
+                    for x in data {
+                        let out = model.forward(x.trace(model.alloc_grads()));
+                        let g = out.mean().backward();
+                        opt.update(model, &g).unwrap();
+                    }
+                }
+            ),
+        );
+        assert!(messages(&before_loop).is_empty());
+    }
+
+    #[test]
+    fn a_step_without_roles() {
         let out = super::expand(
             quote!(scaling = s),
             quote!(
@@ -147,104 +209,44 @@ mod tests {
             ),
         );
         let m = messages(&out);
-        assert_eq!(m.len(), 3, "{m:#?}");
-        assert!(m[0].starts_with("no traced forward pass"));
-        assert!(m[1].starts_with("no loss to scale"));
-        assert!(m[2].starts_with("no optimizer update"));
-    }
-
-    #[test]
-    fn step_endings_replaced_by_the_report() {
-        let step = |ret: TokenStream, last: TokenStream| {
-            let out = super::expand(
-                quote!(scaling = s),
-                quote!(
-                    fn f(model: &mut M, opt: &mut O, x: X) #ret {
-                        let out = model.forward(x.traced(g));
-                        let loss = out.mean();
-                        let value = loss.array();
-                        let grads = loss.backward();
-                        opt.update(model, &grads)?;
-                        #last
-                    }
-                ),
-            );
-            (messages(&out), out.to_string())
-        };
-        // Accepted: the loss binding, and `Ok(())` / `Ok(loss)` in a step that returned a Result.
-        for (ret, last) in [
-            (quote!(-> f32), quote!(value)),
-            (quote!(-> Result<(), E>), quote!(Ok(()))),
-            (quote!(-> Result<f32, E>), quote!(Ok(value))),
-        ] {
-            let (m, s) = step(ret, last);
-            assert!(m.is_empty(), "{m:?}");
-            assert!(
-                s.contains(":: core :: result :: Result :: Ok (__mpx_report)"),
-                "{s}"
-            );
-            assert!(!s.contains("Ok (())") && !s.contains("Ok (value)"), "{s}");
-        }
-        // Rejected: `Ok(())` where no Result was declared, `Ok` of something else.
-        for (ret, last) in [
-            (quote!(), quote!(Ok(()))),
-            (quote!(-> Result<usize, E>), quote!(Ok(1))),
-        ] {
-            let (m, _) = step(ret, last);
-            assert_eq!(m.len(), 1, "{m:?}");
-            assert!(m[0].starts_with("a `#[mixed_step]` function returns its `StepReport`"));
-        }
-    }
-
-    #[test]
-    fn shape_errors() {
-        // Update before backward.
+        assert_eq!(m.len(), 1, "{m:#?}");
+        assert!(m[0].starts_with("no optimizer update in this step"));
         let out = super::expand(
             quote!(scaling = s),
             quote!(
-                fn f(model: &mut M, opt: &mut O, x: X) {
-                    let out = model.forward(x.traced(g));
-                    opt.update(model, &grads).unwrap();
-                    let grads = out.backward();
-                }
-            ),
-        );
-        assert_eq!(
-            messages(&out),
-            [
-                "the step must run forward pass, then `loss.backward()`, then `opt.update(..)`, in that order"
-            ]
-        );
-        // Another model updated, code between backward and update, a trailing value.
-        let out = super::expand(
-            quote!(scaling = s),
-            quote!(
-                fn f(model: &mut M, other: &mut M, opt: &mut O, x: X) -> usize {
-                    let out = model.forward(x.traced(g));
-                    let loss = out.mean();
-                    let grads = loss.backward();
-                    clip(&grads);
-                    opt.update(other, &grads).unwrap();
-                    42
+                fn step(model: &mut Model, opt: &mut O, x: X) {
+                    let out = model.forward(x);
+                    opt.update(model, &g).unwrap();
                 }
             ),
         );
         let m = messages(&out);
-        assert_eq!(m.len(), 4, "{m:#?}");
-        assert!(m[0].starts_with("the optimizer updates `other` but the forward pass ran `model`"));
-        assert!(m[1].starts_with("statements between `backward()` and the optimizer update"));
-        assert!(m[2].starts_with("a `#[mixed_step]` function returns its `StepReport`"));
-        assert!(
-            m[3].starts_with("a `#[mixed_step]` function returns `Result<StepReport, StepError>`")
+        assert_eq!(m.len(), 2, "{m:#?}");
+        assert!(m[0].starts_with("this forward pass of `model` has no traced input"));
+        assert!(m[1].starts_with("no backward pass in this step"));
+    }
+
+    #[test]
+    fn two_masters_are_an_error() {
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(a: &mut A, b: &mut B, oa: &mut O, ob: &mut O, x: X) {
+                    let g = a.forward(x.traced(a.alloc_grads())).mean().backward();
+                    oa.update(a, &g).unwrap();
+                    ob.update(b, &g).unwrap();
+                }
+            ),
         );
+        let m = messages(&out);
+        assert_eq!(m.len(), 1, "{m:#?}");
+        assert!(m[0].starts_with("this update names `b` but another one names `a`"));
     }
 
     #[test]
     fn not_a_function() {
         let out = super::expand(quote!(scaling = s), quote!(impl Foo for Bar {}));
         assert_eq!(messages(&out).len(), 1);
-        assert!(
-            messages(&out)[0].starts_with("`#[mixed_step]` applies to a training-step function")
-        );
+        assert!(messages(&out)[0].starts_with("`#[mixed_step]` applies to a function that trains"));
     }
 }

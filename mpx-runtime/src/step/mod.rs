@@ -48,14 +48,38 @@
 //! # Ok::<(), mpx_runtime::step::StepError>(())
 //! ```
 
+mod clip;
 mod error;
 mod grads;
+mod half_region;
 mod precision;
+mod report;
+mod scaler;
 mod update;
+mod working;
 mod workspace;
 
+pub use clip::{clip_grad_norm, grad_norm};
 pub use error::StepError;
 pub use grads::{MixedGrads, filter_grad, filter_value_and_grad, filter_value_and_grad_with_aux};
+pub use half_region::{HalfInput, HalfOutput, Region};
 pub use precision::StepPrecision;
+pub use report::StepReport;
+pub use scaler::{GradScaler, MixedScaler, scaler_of};
 pub use update::{SkipReason, UpdateOutcome, optimizer_update};
 pub use workspace::{MixedWorkspace, StepTimings, WorkingCopy};
+
+/// Support for code `#[mixed_step]` generates. Not a public API.
+#[doc(hidden)]
+pub mod __macro_support {
+    /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`
+    /// reference (method-call autoref and reborrow), which a plain `&mut expr` cannot do for an
+    /// immutable binding of a `&mut` parameter.
+    pub trait ByMut {
+        /// The place, mutably.
+        fn __mpx_by_mut(&mut self) -> &mut Self {
+            self
+        }
+    }
+    impl<T: ?Sized> ByMut for T {}
+}

@@ -1,0 +1,284 @@
+//! The roles of a training step, found wherever they stand (loops, branches, closures,
+//! assignments, field places), and the forms they are seen through (`?`, `unwrap`, `expect`,
+//! `try_` methods, which stay as the user wrote them around the rewritten call).
+//!
+//! | role | recognised as | rewritten to |
+//! |---|---|---|
+//! | optimizer update | `opt.update(master, &grads)` | `scaler.update(master, opt, &grads)` (skips a non-finite step) |
+//! | forward of the master | `master.forward(x)`, `master.layer.forward_mut(x)`, `try_forward(_mut)`, where `x` is traced | `scaler.forward(&master, x, \|wc, x\| wc.layer.forward(x))` (half working copy, f32 out) |
+//! | backward | `loss.backward()`, `loss.try_backward()` | `scaler.backward(loss)` (half gradients unscaled into the master's) |
+//! | gradient allocation, traced input, `zero_grads` | `model.alloc_grads()`, `x.traced(grads)`, `x.trace(grads)`, `model.zero_grads(&mut grads)` | unchanged: the master's f32 gradients flow exactly as in the f32 step |
+//!
+//! The master is the model the optimizer updates. A forward pass of the master (or of one of its
+//! fields) runs on the half working copy when its input is traced: an argument that mentions a
+//! traced value (`x.traced(..)`, `x.trace(..)`, a binding made from one, a parameter whose type
+//! carries a tape). An untraced forward (evaluation inside the loop) runs on the master in f32.
+
+use std::collections::HashSet;
+
+use quote::ToTokens;
+use syn::visit::Visit;
+
+/// The forward methods of dfdx modules.
+pub(crate) const FORWARDS: &[&str] = &["forward", "forward_mut", "try_forward", "try_forward_mut"];
+
+/// Methods that put a tape on a tensor.
+const TRACING: &[&str] = &["traced", "trace", "leaky_traced", "leaky_trace", "put_tape"];
+
+/// Removes parentheses and a leading `&` / `&mut`.
+pub(crate) fn place(mut e: &syn::Expr) -> &syn::Expr {
+    loop {
+        match e {
+            syn::Expr::Paren(p) => e = &p.expr,
+            syn::Expr::Reference(r) => e = &r.expr,
+            syn::Expr::Group(g) => e = &g.expr,
+            _ => return e,
+        }
+    }
+}
+
+/// Normalised tokens of a place, to compare the model of a forward pass with the one updated.
+pub(crate) fn key(e: &syn::Expr) -> String {
+    place(e).to_token_stream().to_string().replace(' ', "")
+}
+
+/// `opt.update(master, &grads)`: (optimizer, master, grads).
+pub(crate) fn as_update(m: &syn::ExprMethodCall) -> Option<(&syn::Expr, &syn::Expr, &syn::Expr)> {
+    if m.method != "update" || m.args.len() != 2 {
+        return None;
+    }
+    let grads = &m.args[1];
+    matches!(place_ref(grads), Some(false)).then(|| (&*m.receiver, &m.args[0], grads))
+}
+
+/// `Some(is_mut)` for a reference expression `&x` / `&mut x`.
+fn place_ref(e: &syn::Expr) -> Option<bool> {
+    match e {
+        syn::Expr::Paren(p) => place_ref(&p.expr),
+        syn::Expr::Reference(r) => Some(r.mutability.is_some()),
+        _ => None,
+    }
+}
+
+/// `loss.backward()` / `loss.try_backward()`.
+pub(crate) fn is_backward(m: &syn::ExprMethodCall) -> bool {
+    (m.method == "backward" || m.method == "try_backward") && m.args.is_empty()
+}
+
+/// A forward call whose receiver is the master or one of its fields: the field path from the
+/// master to the receiver (empty for the master itself).
+pub(crate) fn forward_path(m: &syn::ExprMethodCall, master: &str) -> Option<Vec<syn::Member>> {
+    if !FORWARDS.iter().any(|f| m.method == f) || m.args.len() != 1 {
+        return None;
+    }
+    let mut path = Vec::new();
+    let mut e = place(&m.receiver);
+    loop {
+        if key(e) == master {
+            path.reverse();
+            return Some(path);
+        }
+        match e {
+            syn::Expr::Field(f) => {
+                path.push(f.member.clone());
+                e = place(&f.base);
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// Names whose values carry a tape, found by a flow-insensitive pass over the bindings.
+#[derive(Default)]
+pub(crate) struct Traced {
+    names: HashSet<String>,
+}
+
+impl Traced {
+    /// Bindings of `f` (and its parameters whose type carries a tape) that hold traced values.
+    pub(crate) fn of(f: &syn::ItemFn) -> Self {
+        let mut t = Traced::default();
+        for arg in &f.sig.inputs {
+            if let syn::FnArg::Typed(pt) = arg {
+                let ty = pt.ty.to_token_stream().to_string();
+                if ty.contains("OwnedTape") || ty.contains("Traced") {
+                    bound_names(&pt.pat, &mut t.names);
+                }
+            }
+        }
+        let mut bindings = Bindings::default();
+        bindings.visit_block(&f.block);
+        loop {
+            let before = t.names.len();
+            for (names, init) in &bindings.pairs {
+                if t.mentions(init) {
+                    t.names.extend(names.iter().cloned());
+                }
+            }
+            if t.names.len() == before {
+                return t;
+            }
+        }
+    }
+
+    /// Whether `e` puts a tape on something or uses a traced binding.
+    pub(crate) fn mentions(&self, e: &syn::Expr) -> bool {
+        let mut m = Mentions {
+            names: &self.names,
+            found: false,
+        };
+        m.visit_expr(e);
+        m.found
+    }
+}
+
+struct Mentions<'a> {
+    names: &'a HashSet<String>,
+    found: bool,
+}
+
+impl<'ast> Visit<'ast> for Mentions<'_> {
+    fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+        if TRACING.iter().any(|t| m.method == t) {
+            self.found = true;
+        }
+        syn::visit::visit_expr_method_call(self, m);
+    }
+    fn visit_expr_path(&mut self, p: &'ast syn::ExprPath) {
+        if let Some(id) = p.path.get_ident()
+            && self.names.contains(&id.to_string())
+        {
+            self.found = true;
+        }
+    }
+}
+
+/// Every `let` and assignment of the body: (names bound, value).
+#[derive(Default)]
+struct Bindings {
+    pairs: Vec<(Vec<String>, syn::Expr)>,
+}
+
+impl<'ast> Visit<'ast> for Bindings {
+    fn visit_local(&mut self, l: &'ast syn::Local) {
+        if let Some(init) = &l.init {
+            let mut names = HashSet::new();
+            bound_names(&l.pat, &mut names);
+            self.pairs
+                .push((names.into_iter().collect(), (*init.expr).clone()));
+        }
+        syn::visit::visit_local(self, l);
+    }
+    fn visit_expr_assign(&mut self, a: &'ast syn::ExprAssign) {
+        let mut names = HashSet::new();
+        assigned_names(&a.left, &mut names);
+        self.pairs
+            .push((names.into_iter().collect(), (*a.right).clone()));
+        syn::visit::visit_expr_assign(self, a);
+    }
+    fn visit_expr_for_loop(&mut self, f: &'ast syn::ExprForLoop) {
+        // `for x in batches_of_traced` binds `x` from the iterator.
+        let mut names = HashSet::new();
+        bound_names(&f.pat, &mut names);
+        self.pairs
+            .push((names.into_iter().collect(), (*f.expr).clone()));
+        syn::visit::visit_expr_for_loop(self, f);
+    }
+    fn visit_item(&mut self, _: &'ast syn::Item) {}
+}
+
+/// The identifiers a pattern binds.
+pub(crate) fn bound_names(p: &syn::Pat, out: &mut HashSet<String>) {
+    match p {
+        syn::Pat::Ident(pi) => {
+            out.insert(pi.ident.to_string());
+        }
+        syn::Pat::Type(pt) => bound_names(&pt.pat, out),
+        syn::Pat::Tuple(t) => t.elems.iter().for_each(|e| bound_names(e, out)),
+        syn::Pat::TupleStruct(t) => t.elems.iter().for_each(|e| bound_names(e, out)),
+        syn::Pat::Reference(r) => bound_names(&r.pat, out),
+        syn::Pat::Slice(s) => s.elems.iter().for_each(|e| bound_names(e, out)),
+        syn::Pat::Struct(s) => s.fields.iter().for_each(|f| bound_names(&f.pat, out)),
+        _ => {}
+    }
+}
+
+/// The names an assignment's left side writes (`x`, `(a, b)`, `self.field`).
+fn assigned_names(e: &syn::Expr, out: &mut HashSet<String>) {
+    match e {
+        syn::Expr::Path(p) => {
+            if let Some(id) = p.path.get_ident() {
+                out.insert(id.to_string());
+            }
+        }
+        syn::Expr::Tuple(t) => t.elems.iter().for_each(|e| assigned_names(e, out)),
+        other => {
+            out.insert(key(other));
+        }
+    }
+}
+
+/// Where each role stands, for validation: the calls themselves and their loop depth.
+#[derive(Default)]
+pub(crate) struct Found<'a> {
+    /// `(call, loop depth)` of each optimizer update.
+    pub updates: Vec<(&'a syn::ExprMethodCall, usize)>,
+    /// Each backward call and its loop depth.
+    pub backwards: Vec<(&'a syn::ExprMethodCall, usize)>,
+    /// Each forward call (any receiver) with an argument and its loop depth.
+    pub forwards: Vec<(&'a syn::ExprMethodCall, usize)>,
+    /// `let` bindings: (name, loop depth).
+    pub lets: Vec<(String, usize)>,
+    depth: usize,
+}
+
+impl<'a> Found<'a> {
+    /// Finds the roles in a body.
+    pub(crate) fn in_block(block: &'a syn::Block) -> Self {
+        let mut f = Found::default();
+        f.visit_block(block);
+        f
+    }
+}
+
+impl<'a> Visit<'a> for Found<'a> {
+    fn visit_expr_method_call(&mut self, m: &'a syn::ExprMethodCall) {
+        if as_update(m).is_some() {
+            self.updates.push((m, self.depth));
+        } else if is_backward(m) {
+            self.backwards.push((m, self.depth));
+        } else if FORWARDS.iter().any(|f| m.method == f) && m.args.len() == 1 {
+            self.forwards.push((m, self.depth));
+        }
+        syn::visit::visit_expr_method_call(self, m);
+    }
+    fn visit_local(&mut self, l: &'a syn::Local) {
+        let mut names = HashSet::new();
+        bound_names(&l.pat, &mut names);
+        self.lets
+            .extend(names.into_iter().map(|n| (n, self.depth)));
+        syn::visit::visit_local(self, l);
+    }
+    fn visit_expr_for_loop(&mut self, e: &'a syn::ExprForLoop) {
+        self.visit_expr(&e.expr);
+        self.depth += 1;
+        self.visit_block(&e.body);
+        self.depth -= 1;
+    }
+    fn visit_expr_while(&mut self, e: &'a syn::ExprWhile) {
+        self.depth += 1;
+        syn::visit::visit_expr_while(self, e);
+        self.depth -= 1;
+    }
+    fn visit_expr_loop(&mut self, e: &'a syn::ExprLoop) {
+        self.depth += 1;
+        syn::visit::visit_expr_loop(self, e);
+        self.depth -= 1;
+    }
+    fn visit_expr_closure(&mut self, e: &'a syn::ExprClosure) {
+        self.depth += 1;
+        syn::visit::visit_expr_closure(self, e);
+        self.depth -= 1;
+    }
+    fn visit_item(&mut self, _: &'a syn::Item) {}
+}

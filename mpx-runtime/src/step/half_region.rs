@@ -1,0 +1,327 @@
+//! Half regions: a model's forward pass run in half precision inside an f32 graph.
+//!
+//! This is the mirror image of [`region`](crate::region) (an f32 region inside a half graph).
+//! The traced f32 input of a forward pass enters the region: its tape is split off, its values
+//! are rounded to the half type, and it is traced again on a half tape whose gradients are the
+//! working copy's reusable buffers. The forward pass runs on the half working copy. Its output
+//! leaves the region widened to f32, on the input's f32 tape, so everything after it (the loss,
+//! penalties, logging) is ordinary f32 dfdx code.
+//!
+//! One backward op on the f32 tape carries the gradient back in: it multiplies the output's f32
+//! gradient by the **loss scale** (scaling happens exactly where values enter the half type, so
+//! f32 code never sees scaled values), rounds it to the half type, runs the half graph's
+//! backward, hands the working copy's half gradients to the step (which unscales them into the
+//! master's f32 gradients), and adds the input's gradient, unscaled, to the f32 graph, so a
+//! forward staged over several calls chains correctly.
+
+use std::rc::Rc;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use dfdx::shapes::{HasShape, Rank0, Shape};
+use dfdx::tensor::{
+    Cpu, CpuError, Gradients, NoneTape, OwnedTape, PutTape, SplitTape, Tape, Tensor, TensorFromVec,
+    Trace, ZerosTensor,
+};
+use dfdx::tensor_ops::{Backward, Device, ReshapeTo};
+
+use super::StepPrecision;
+
+/// The working copy's half gradients of each finished backward, waiting to be moved to the
+/// master.
+pub(crate) type Stash<E> = Arc<Mutex<Vec<Gradients<E, Cpu>>>>;
+
+type Writer = Box<dyn Fn(&mut Gradients<f32, Cpu>) -> Result<(), CpuError>>;
+
+/// The state of one region while its input enters and its output leaves.
+pub struct Region<H: StepPrecision>
+where
+    Cpu: Device<H::Elem>,
+{
+    /// Gradient buffers for the half tape (taken by the first traced input).
+    pub(crate) pool: Option<Gradients<H::Elem, Cpu>>,
+    /// The merged f32 tape of the inputs (taken by the first traced output).
+    outer: Option<OwnedTape<f32, Cpu>>,
+    /// Adds the inputs' captured half gradients to the f32 graph.
+    writers: Vec<Writer>,
+    pub(crate) scale: f32,
+    /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
+    pub(crate) inv: f32,
+    pub(crate) stash: Stash<H::Elem>,
+    dev: Cpu,
+}
+
+impl<H: StepPrecision> Region<H>
+where
+    Cpu: Device<H::Elem>,
+{
+    pub(crate) fn new(
+        pool: Gradients<H::Elem, Cpu>,
+        scale: f32,
+        inv: f32,
+        stash: Stash<H::Elem>,
+    ) -> Self {
+        Self {
+            pool: Some(pool),
+            outer: None,
+            writers: Vec::new(),
+            scale,
+            inv,
+            stash,
+            dev: Cpu::default(),
+        }
+    }
+
+    /// The half tape for a traced input: the reusable buffers for the first, a fresh one after.
+    fn inner_tape(&mut self) -> Result<OwnedTape<H::Elem, Cpu>, CpuError> {
+        let grads = self.pool.take().unwrap_or_else(Gradients::leaky);
+        let anchor: Tensor<Rank0, H::Elem, Cpu> = self.dev.try_zeros()?;
+        Ok(anchor.traced(grads).split_tape().1)
+    }
+
+    fn merge_outer(&mut self, tape: OwnedTape<f32, Cpu>) {
+        self.outer = Some(match self.outer.take() {
+            Some(t) => dfdx::tensor::Merge::merge(t, tape),
+            None => tape,
+        });
+    }
+}
+
+/// Rounds f32 values to precision `H` into a new tensor of the same shape.
+fn to_half<H: StepPrecision, S: Shape, T>(
+    x: &Tensor<S, f32, Cpu, T>,
+) -> Result<Tensor<S, H::Elem, Cpu>, CpuError>
+where
+    Cpu: Device<H::Elem>,
+{
+    let n = x.shape().num_elements();
+    let values = x.as_vec();
+    let mut half = vec![H::Elem::default(); n];
+    H::from_f32_slice(&values, &mut half);
+    x.device().try_tensor_from_vec(half, *x.shape())
+}
+
+/// An input of a model's forward pass, as it enters the half region: f32 tensors (traced or
+/// not) are rounded to the half type, integer tensors (token ids) keep their values and only
+/// change tape, tuples convert element by element.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot enter a half-precision forward pass",
+    label = "expected an f32 (or integer) tensor, traced or not, or a tuple of them",
+    note = "pass the f32 batch as in an f32 step (`x.traced(grads)`): the mixed step rounds it to the half type itself; a half tensor can be widened with `mpx::cast::cast_to_f32(&t)`"
+)]
+pub trait HalfInput<H: StepPrecision>
+where
+    Cpu: Device<H::Elem>,
+{
+    /// The input inside the region.
+    type Half;
+    /// Converts the input, recording what its backward needs in `region`.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn enter(self, region: &mut Region<H>) -> Result<Self::Half, CpuError>;
+}
+
+impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Half = Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>;
+    fn enter(self, region: &mut Region<H>) -> Result<Self::Half, CpuError> {
+        let (x32, tape) = self.split_tape();
+        region.merge_outer(tape);
+        let x = to_half::<H, S, _>(&x32)?;
+        let mut inner = region.inner_tape()?;
+        // Added before the forward pass, so it runs after every op that uses the input: it
+        // captures the input's (scaled, half) gradient for the f32 graph.
+        let captured: Rc<Mutex<Option<Vec<f32>>>> = Rc::default();
+        let capture = Rc::clone(&captured);
+        let ghost = x.ghost();
+        let n = x32.shape().num_elements();
+        let inv = region.inv;
+        inner.add_backward_op(move |g: &mut Gradients<H::Elem, Cpu>| {
+            let mut v = vec![0.0f32; n];
+            H::widen(H::grad_slice(g.get_or_alloc_mut(&ghost)?), &mut v);
+            if inv != 1.0 {
+                v.iter_mut().for_each(|x| *x *= inv);
+            }
+            *capture.lock().unwrap_or_else(PoisonError::into_inner) = Some(v);
+            Ok(())
+        });
+        let outer_ghost = x32.ghost();
+        region.writers.push(Box::new(move |g: &mut Gradients<f32, Cpu>| {
+            let taken = captured
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(v) = taken {
+                let dst = g.get_or_alloc_mut(&outer_ghost)?;
+                dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
+            }
+            Ok(())
+        }));
+        Ok(x.put_tape(inner))
+    }
+}
+
+impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, NoneTape>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Half = Tensor<S, H::Elem, Cpu, NoneTape>;
+    fn enter(self, _: &mut Region<H>) -> Result<Self::Half, CpuError> {
+        to_half::<H, S, _>(&self)
+    }
+}
+
+macro_rules! integer_input {
+    ($($t:ty),*) => {$(
+        impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, OwnedTape<f32, Cpu>>
+        where
+            Cpu: Device<H::Elem>,
+        {
+            type Half = Tensor<S, $t, Cpu, OwnedTape<H::Elem, Cpu>>;
+            fn enter(self, region: &mut Region<H>) -> Result<Self::Half, CpuError> {
+                let (ids, tape) = self.split_tape();
+                region.merge_outer(tape);
+                Ok(ids.put_tape(region.inner_tape()?))
+            }
+        }
+        impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, NoneTape>
+        where
+            Cpu: Device<H::Elem>,
+        {
+            type Half = Self;
+            fn enter(self, _: &mut Region<H>) -> Result<Self, CpuError> {
+                Ok(self)
+            }
+        }
+    )*};
+}
+integer_input!(usize, u32, u64, i32, i64, bool);
+
+/// An output of a model's forward pass, as it leaves the half region: half tensors are widened
+/// to f32 (a traced one on the inputs' f32 tape, with the backward bridge), tuples and
+/// `Result`s (from `try_forward`) convert element by element.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot leave a half-precision forward pass",
+    label = "expected the model's half tensor output (or a tuple or `Result` of them)",
+    note = "a mixed step runs the model's forward pass in half precision and widens its tensor output to f32"
+)]
+pub trait HalfOutput<H: StepPrecision>
+where
+    Cpu: Device<H::Elem>,
+{
+    /// The output outside the region, in f32.
+    type Full;
+    /// Converts the output and registers its backward bridge.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError>;
+}
+
+impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
+    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+        // Contiguous, so that the gradient buffer and the logical values line up.
+        let (y, mut inner) = self.try_contiguous()?.split_tape();
+        let n = y.shape().num_elements();
+        let mut half = vec![H::Elem::default(); n];
+        y.copy_into(&mut half);
+        let mut full = vec![0.0f32; n];
+        H::widen(&half, &mut full);
+        let y32: Tensor<S, f32, Cpu> = region.dev.try_tensor_from_vec(full, *y.shape())?;
+        let mut outer = region.outer.take().unwrap_or_default();
+        let (y_ghost, y32_ghost) = (y.ghost(), y32.ghost());
+        let writers: Rc<Vec<Writer>> = Rc::new(std::mem::take(&mut region.writers));
+        let (scale, stash, dev) = (region.scale, Arc::clone(&region.stash), region.dev.clone());
+        outer.add_backward_op(move |g32: &mut Gradients<f32, Cpu>| {
+            let mut seed = vec![H::Elem::default(); n];
+            {
+                let g = g32.get_or_alloc_mut(&y32_ghost)?;
+                if scale == 1.0 {
+                    H::from_f32_slice(g, &mut seed);
+                } else {
+                    let scaled: Vec<f32> = g.iter().map(|v| v * scale).collect();
+                    H::from_f32_slice(&scaled, &mut seed);
+                }
+            }
+            inner.add_backward_op(move |g: &mut Gradients<H::Elem, Cpu>| {
+                let buf = H::grad_slice(g.get_or_alloc_mut(&y_ghost)?);
+                buf.iter_mut().zip(&seed).for_each(|(d, s)| *d += *s);
+                Ok(())
+            });
+            let anchor: Tensor<Rank0, H::Elem, Cpu> = dev.try_zeros()?;
+            let half_grads = anchor.put_tape(inner).try_backward()?;
+            for w in writers.iter() {
+                w(g32)?;
+            }
+            stash
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(half_grads);
+            Ok(())
+        });
+        Ok(y32.put_tape(outer))
+    }
+}
+
+impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, NoneTape>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Full = Tensor<S, f32, Cpu, NoneTape>;
+    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+        let n = self.shape().num_elements();
+        let half = self.as_vec();
+        let mut full = vec![0.0f32; n];
+        H::widen(&half, &mut full);
+        region.dev.try_tensor_from_vec(full, *self.shape())
+    }
+}
+
+impl<H: StepPrecision, T: HalfOutput<H>, E: From<CpuError>> HalfOutput<H> for Result<T, E>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Full = Result<T::Full, E>;
+    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+        Ok(match self {
+            Ok(t) => t.leave(region).map_err(E::from),
+            Err(e) => Err(e),
+        })
+    }
+}
+
+macro_rules! tuples {
+    ($($name:ident),+) => {
+        impl<H: StepPrecision, $($name: HalfInput<H>),+> HalfInput<H> for ($($name,)+)
+        where
+            Cpu: Device<H::Elem>,
+        {
+            type Half = ($($name::Half,)+);
+            #[allow(non_snake_case)]
+            fn enter(self, region: &mut Region<H>) -> Result<Self::Half, CpuError> {
+                let ($($name,)+) = self;
+                Ok(($($name.enter(region)?,)+))
+            }
+        }
+        impl<H: StepPrecision, $($name: HalfOutput<H>),+> HalfOutput<H> for ($($name,)+)
+        where
+            Cpu: Device<H::Elem>,
+        {
+            type Full = ($($name::Full,)+);
+            #[allow(non_snake_case)]
+            fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+                let ($($name,)+) = self;
+                Ok(($($name.leave(region)?,)+))
+            }
+        }
+    };
+}
+tuples!(A, B);
+tuples!(A, B, C);
+tuples!(A, B, C, D);

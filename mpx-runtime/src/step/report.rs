@@ -1,0 +1,38 @@
+//! [`StepReport`]: what one mixed-precision step did.
+
+use super::UpdateOutcome;
+
+/// What one mixed-precision step did: its loss, whether it was finite, the loss scale it used
+/// and the next one, and what the optimizer update did ([`GradScaler::last_step`](super::GradScaler::last_step)).
+///
+/// Mapping: mpx's `filter_value_and_grad` returns `(loss, scaling_new, grads_finite, grads)` and
+/// `optimizer_update` the new model; PyTorch reads `scaler.get_scale()` and skips inside
+/// `scaler.step(opt)`.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::step::StepReport;
+/// use mpx_runtime::step::UpdateOutcome;
+/// let r = StepReport { loss: 0.5, grads_finite: true, scale: 1024.0, new_scale: 1024.0, outcome: UpdateOutcome::Applied };
+/// assert!(r.is_applied());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The loss in f32, unscaled (computed on the f32 copy of the model output).
+    pub loss: f32,
+    /// Whether every gradient was finite (mpx's `grads_finite`).
+    pub grads_finite: bool,
+    /// The loss scale this step applied (and divided the gradients by).
+    pub scale: f32,
+    /// The loss scale after adjusting: the one the next step applies (mpx's `scaling_new`).
+    pub new_scale: f32,
+    /// Whether the optimizer ran or the step was skipped, and why.
+    pub outcome: UpdateOutcome,
+}
+
+impl StepReport {
+    /// `true` when the optimizer updated the master.
+    pub fn is_applied(&self) -> bool {
+        self.outcome.is_applied()
+    }
+}

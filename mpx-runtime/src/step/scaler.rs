@@ -1,0 +1,572 @@
+//! [`GradScaler`]: the one state object of mixed-precision training, kept across steps.
+
+use std::marker::PhantomData;
+
+use dfdx::nn::tensor_collection::TensorCollection;
+use dfdx::optim::Optimizer;
+use dfdx::shapes::Rank0;
+use dfdx::tensor::{AsArray, Cpu, Gradients, OwnedTape, Tensor};
+use dfdx::tensor_ops::{Backward, Device};
+
+use super::error::StepError;
+use super::half_region::{HalfInput, HalfOutput, Region};
+use super::report::StepReport;
+use super::update::{SkipReason, UpdateOutcome};
+use super::working::{ErasedWorking, Working};
+use super::{StepPrecision, WorkingCopy};
+use crate::boundary::MasterModel;
+use crate::precision::f16;
+use crate::scaling::{DynamicLossScale, LossScale};
+
+/// The state of mixed-precision training, kept across steps like PyTorch's `GradScaler`: the
+/// loss scale, the half working copy of the master and its gradient buffers, the skip counters
+/// and the optional limit on consecutive skips, and what the last step did.
+///
+/// Declare it once, outside the training loop (a local before the loop, a field of the struct
+/// that owns the model, or a parameter), and name it in `#[mixed_step(scaling = ..)]`; or call
+/// its methods by hand:
+///
+/// | f32 dfdx step | mixed step, by hand |
+/// |---|---|
+/// | `let y = model.forward_mut(x.traced(grads));` | `let y = scaler.forward(&model, x.traced(grads), \|m, x\| m.forward_mut(x));` |
+/// | `grads = loss.backward();` | `grads = scaler.backward(loss);` |
+/// | `opt.update(&mut model, &grads)?;` | `scaler.update(&mut model, &mut opt, &grads)?;` |
+///
+/// * [`forward`](Self::forward) runs the model's forward pass on the half working copy (cast
+///   from the master, in place, at most once per step), with the traced f32 input rounded to
+///   `H` and the output widened back to f32: the loss and everything else stays f32 code.
+/// * [`backward`](Self::backward) runs the f32 backward; where the gradient enters the half
+///   graph it is multiplied by the loss scale, and the working copy's gradients come back
+///   unscaled (with the scale that was applied) and added to the master's f32 gradients, which
+///   are checked for finiteness. Gradients accumulate over several backward calls, as in dfdx.
+/// * [`update`](Self::update) runs the optimizer only when every backward since the last update
+///   was finite (gradients and loss), then adjusts the loss scale once; a skipped step leaves the
+///   master and the optimizer state untouched.
+///
+/// `H` is the half precision (`f16`, `AMP<f16>`, emulated `bf16`, or `f32` to check the
+/// machinery), `L` the loss scale. One scaler serves one master model.
+///
+/// # Examples
+/// ```
+/// use dfdx::{optim::*, prelude::*};
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::scaling::DynamicLossScale;
+/// use mpx_runtime::step::GradScaler;
+///
+/// let dev: Cpu = Default::default();
+/// type Mlp = (Linear<4, 8>, ReLU, Linear<8, 2>);
+/// let mut model = dev.build_module::<Mlp, f32>();
+/// let mut opt = Adam::new(&model, AdamConfig::default());
+/// let mut scaler = GradScaler::<f16>::new(DynamicLossScale::default());
+/// let mut grads = model.alloc_grads();
+/// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
+/// let y: Tensor<Rank2<3, 2>, f32, _> = dev.sample_normal();
+/// for _ in 0..3 {
+///     let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x));
+///     let loss = mse_loss(out, y.clone()); // f32
+///     grads = scaler.backward(loss);
+///     scaler.update(&mut model, &mut opt, &grads)?;
+///     model.zero_grads(&mut grads);
+/// }
+/// let last = scaler.last_step().unwrap();
+/// assert!(last.is_applied() && last.loss.is_finite());
+/// assert_eq!(scaler.applied_steps(), 3);
+/// # Ok::<(), mpx_runtime::step::StepError>(())
+/// ```
+pub struct GradScaler<H: StepPrecision = f16, L: LossScale = DynamicLossScale> {
+    scaling: L,
+    working: Option<Box<dyn ErasedWorking>>,
+    max_consecutive_skips: Option<u64>,
+    applied: u64,
+    skipped: u64,
+    consecutive: u64,
+    pending: Pending,
+    last: Option<StepReport>,
+    marker: PhantomData<fn() -> H>,
+}
+
+/// What the backward passes since the last update saw.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    backwards: u64,
+    grads_finite: bool,
+    loss_finite: bool,
+    loss: f32,
+    scale: f32,
+}
+
+impl Pending {
+    const NONE: Pending = Pending {
+        backwards: 0,
+        grads_finite: true,
+        loss_finite: true,
+        loss: f32::NAN,
+        scale: f32::NAN,
+    };
+}
+
+impl<H: StepPrecision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradScaler")
+            .field("precision", &H::NAME)
+            .field("loss_scale", &self.scaling.loss_scale())
+            .field("applied_steps", &self.applied)
+            .field("skipped_steps", &self.skipped)
+            .field("consecutive_skips", &self.consecutive)
+            .field("max_consecutive_skips", &self.max_consecutive_skips)
+            .field("last_step", &self.last)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
+    /// A scaler with the given loss scale (`DynamicLossScale`, `StaticLossScale` or
+    /// `NoOpLossScale`). Buffers are allocated on the first forward pass.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::precision::bf16;
+    /// use mpx_runtime::scaling::NoOpLossScale;
+    /// use mpx_runtime::step::GradScaler;
+    /// let scaler = GradScaler::<bf16, _>::new(NoOpLossScale);
+    /// assert_eq!(scaler.loss_scale(), 1.0);
+    /// ```
+    pub fn new(scaling: L) -> Self {
+        Self {
+            scaling,
+            working: None,
+            max_consecutive_skips: None,
+            applied: 0,
+            skipped: 0,
+            consecutive: 0,
+            pending: Pending::NONE,
+            last: None,
+            marker: PhantomData,
+        }
+    }
+
+    /// Sets a limit on consecutive skipped steps: the `(limit + 1)`-th skip in a row makes
+    /// [`update`](Self::update) return [`StepError::TooManySkips`] (master and optimizer still
+    /// untouched). Off by default (optax's `apply_if_finite(max_consecutive_errors)` applies the
+    /// bad update at that point instead; PyTorch has no limit).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// let scaler = GradScaler::<mpx_runtime::precision::f16>::default().with_max_consecutive_skips(10);
+    /// assert_eq!(scaler.max_consecutive_skips(), Some(10));
+    /// ```
+    pub fn with_max_consecutive_skips(mut self, limit: u64) -> Self {
+        self.max_consecutive_skips = Some(limit);
+        self
+    }
+
+    /// The limit set with [`with_max_consecutive_skips`](Self::with_max_consecutive_skips).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// assert_eq!(GradScaler::<mpx_runtime::precision::f16>::default().max_consecutive_skips(), None);
+    /// ```
+    pub fn max_consecutive_skips(&self) -> Option<u64> {
+        self.max_consecutive_skips
+    }
+
+    /// The loss scale the next backward pass applies (PyTorch's `get_scale()`).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::scaling::StaticLossScale;
+    /// use mpx_runtime::step::GradScaler;
+    /// let s = GradScaler::<mpx_runtime::precision::f16, _>::new(StaticLossScale::new(128.0).unwrap());
+    /// assert_eq!(s.loss_scale(), 128.0);
+    /// ```
+    pub fn loss_scale(&self) -> f32 {
+        self.scaling.loss_scale()
+    }
+
+    /// The loss-scale object (to save its state, for example).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// let s = GradScaler::<mpx_runtime::precision::f16>::default();
+    /// assert_eq!(s.scaling().loss_scale(), s.loss_scale());
+    /// ```
+    pub fn scaling(&self) -> &L {
+        &self.scaling
+    }
+
+    /// The loss-scale object, mutably (to restore its state, for example).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::scaling::{DynamicLossScale, LossScale};
+    /// use mpx_runtime::step::GradScaler;
+    /// let mut s = GradScaler::<mpx_runtime::precision::f16>::default();
+    /// *s.scaling_mut() = DynamicLossScale::builder().initial(8.0).build().unwrap();
+    /// assert_eq!(s.loss_scale(), 8.0);
+    /// ```
+    pub fn scaling_mut(&mut self) -> &mut L {
+        &mut self.scaling
+    }
+
+    /// What the last [`update`](Self::update) did: loss, finiteness, the scale applied and the
+    /// next one, applied or skipped. `None` before the first update.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// assert!(GradScaler::<mpx_runtime::precision::f16>::default().last_step().is_none());
+    /// ```
+    pub fn last_step(&self) -> Option<StepReport> {
+        self.last
+    }
+
+    /// Updates applied so far.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// assert_eq!(GradScaler::<mpx_runtime::precision::f16>::default().applied_steps(), 0);
+    /// ```
+    pub fn applied_steps(&self) -> u64 {
+        self.applied
+    }
+
+    /// Updates skipped so far (non-finite gradients or loss).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// assert_eq!(GradScaler::<mpx_runtime::precision::f16>::default().skipped_steps(), 0);
+    /// ```
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Updates skipped in a row, up to the last one.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::step::GradScaler;
+    /// assert_eq!(GradScaler::<mpx_runtime::precision::f16>::default().consecutive_skips(), 0);
+    /// ```
+    pub fn consecutive_skips(&self) -> u64 {
+        self.consecutive
+    }
+
+    /// Runs a model's forward pass in half precision: `f` gets the working copy of `master`
+    /// (cast in place when the master may have changed since) and `input` rounded to `H` on a
+    /// half tape; its output comes back widened to f32, on the input's f32 tape. The input is
+    /// what an f32 step passes (`x.traced(grads)`, an integer tensor of token ids, a tuple); the
+    /// output may be a tensor, a tuple of tensors or the `Result` of a `try_forward`.
+    ///
+    /// # Panics
+    /// When the device cannot allocate, as dfdx's infallible operations do; see
+    /// [`try_forward`](Self::try_forward).
+    ///
+    /// # Examples
+    /// See [`GradScaler`].
+    pub fn forward<M, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Y::Full
+    where
+        M: MasterModel + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+        X: HalfInput<H>,
+        Y: HalfOutput<H>,
+        F: FnOnce(&mut WorkingCopy<H, M>, X::Half) -> Y,
+    {
+        match self.try_forward(master, input, f) {
+            Ok(y) => y,
+            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
+        }
+    }
+
+    /// Fallible form of [`forward`](Self::forward).
+    ///
+    /// # Errors
+    /// [`StepError::Device`] when the device cannot allocate, [`StepError::InvalidScale`] for a
+    /// loss scale that is not finite and positive or whose reciprocal is not finite.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<Linear<2, 2>, f32>();
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[1.0f32, 2.0]]);
+    /// let y = scaler.try_forward(&model, x.leaky_trace(), |m, x| m.forward(x))?;
+    /// assert_eq!(y.array()[0].len(), 2); // f32 again
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn try_forward<M, X, Y, F>(
+        &mut self,
+        master: &M,
+        input: X,
+        f: F,
+    ) -> Result<Y::Full, StepError>
+    where
+        M: MasterModel + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+        X: HalfInput<H>,
+        Y: HalfOutput<H>,
+        F: FnOnce(&mut WorkingCopy<H, M>, X::Half) -> Y,
+    {
+        let (scale, inv) = self.checked_scale()?;
+        let working = self.working_for(master)?;
+        working.inv = inv;
+        let stash = std::sync::Arc::clone(&working.stash);
+        let (half, grads) = working.prepare(master)?;
+        let mut region = Region::<H>::new(grads, scale, inv, stash);
+        let x = input.enter(&mut region)?;
+        let y = f(half, x);
+        let out = y.leave(&mut region)?;
+        if let Some(unused) = region.pool.take() {
+            working.pool.push(unused);
+        }
+        Ok(out)
+    }
+
+    /// The scale to apply and its reciprocal (the loss scale's own `inv_loss_scale`), both
+    /// checked.
+    fn checked_scale(&self) -> Result<(f32, f32), StepError> {
+        let scale = self.scaling.loss_scale();
+        let inv = self.scaling.inv_loss_scale();
+        if scale.is_finite() && scale > 0.0 && inv.is_finite() && inv > 0.0 {
+            Ok((scale, inv))
+        } else {
+            Err(StepError::InvalidScale { scale })
+        }
+    }
+
+    /// The typed workspace for `M`, built on first use (or when the scaler moves to another
+    /// model type).
+    fn working_for<M>(&mut self, master: &M) -> Result<&mut Working<H, M>, StepError>
+    where
+        M: MasterModel + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    {
+        let is_ours = self
+            .working
+            .as_mut()
+            .is_some_and(|w| w.as_any_mut().is::<Working<H, M>>());
+        if !is_ours {
+            self.working = Some(Box::new(Working::<H, M>::new(master)?));
+        }
+        match self
+            .working
+            .as_mut()
+            .and_then(|w| w.as_any_mut().downcast_mut::<Working<H, M>>())
+        {
+            Some(w) => Ok(w),
+            None => Err(StepError::Cast(crate::cast::CastError::NotRebuilt)),
+        }
+    }
+
+    /// Runs the backward pass of an f32 `loss` whose graph went through
+    /// [`forward`](Self::forward): the master's f32 gradients (the `Gradients` the input was
+    /// traced with) come back with the working copy's gradients added, unscaled with the scale
+    /// that was applied, and checked for finiteness. The loss value and the check are kept
+    /// for the next [`update`](Self::update).
+    ///
+    /// # Panics
+    /// When the device cannot allocate or the workspace does not match the model, as dfdx's
+    /// `backward` panics on device errors; see [`try_backward`](Self::try_backward).
+    ///
+    /// # Examples
+    /// See [`GradScaler`].
+    pub fn backward(
+        &mut self,
+        loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Gradients<f32, Cpu> {
+        match self.try_backward(loss) {
+            Ok(g) => g,
+            Err(e) => panic!("mixed-precision backward pass failed: {e}"),
+        }
+    }
+
+    /// Fallible form of [`backward`](Self::backward).
+    ///
+    /// # Errors
+    /// [`StepError::Device`] when the device cannot allocate, [`StepError::WorkspaceMismatch`]
+    /// when the gradients do not belong to the model the forward pass ran.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[0.5f32, -1.0]]);
+    /// let y = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.try_backward(y.sum())?;
+    /// // d(sum(W x + b))/db = 1, unscaled
+    /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn try_backward(
+        &mut self,
+        loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Result<Gradients<f32, Cpu>, StepError> {
+        let loss_value = loss.array();
+        let mut grads = loss.try_backward()?;
+        let grads_finite = match self.working.as_mut() {
+            Some(w) => w.transfer(&mut grads)?,
+            None => true,
+        };
+        let p = &mut self.pending;
+        p.backwards += 1;
+        p.grads_finite &= grads_finite;
+        p.loss_finite &= loss_value.is_finite();
+        p.loss = loss_value;
+        p.scale = self.scaling.loss_scale();
+        Ok(grads)
+    }
+
+    /// Updates the f32 master with any dfdx optimizer, only when every backward pass since the
+    /// last update was finite (gradients and loss); otherwise the optimizer does not run at
+    /// all, so master weights and optimizer state stay bit-identical. Then the loss scale is
+    /// adjusted once (a skipped step never counts toward growth), and [`last_step`](Self::last_step)
+    /// records what happened. Non-parameter state the half forward pass changed (batch-norm
+    /// running statistics) is copied into the master when the update is applied.
+    ///
+    /// # Errors
+    /// [`StepError::TooManySkips`] when a limit is set and this skip exceeds it (nothing is
+    /// changed); [`StepError::Optimizer`] when dfdx's optimizer fails;
+    /// [`StepError::WorkspaceMismatch`] when `master` is not the model the forward pass ran.
+    ///
+    /// # Examples
+    /// See [`GradScaler`].
+    pub fn update<M, O>(
+        &mut self,
+        master: &mut M,
+        optimizer: &mut O,
+        grads: &Gradients<f32, Cpu>,
+    ) -> Result<UpdateOutcome, StepError>
+    where
+        M: MasterModel + Send + Sync + 'static,
+        O: Optimizer<M, Cpu, f32>,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    {
+        let p = std::mem::replace(&mut self.pending, Pending::NONE);
+        let reason = if !p.grads_finite {
+            Some(SkipReason::GradsNotFinite)
+        } else if !p.loss_finite {
+            Some(SkipReason::LossNotFinite)
+        } else {
+            None
+        };
+        let scale = self.scaling.loss_scale();
+        if let Some(w) = self
+            .working
+            .as_mut()
+            .and_then(|w| w.as_any_mut().downcast_mut::<Working<H, M>>())
+        {
+            w.finish_step(master, reason.is_none())?;
+        }
+        let outcome = match reason {
+            Some(reason) => {
+                self.consecutive += 1;
+                self.skipped += 1;
+                if let Some(limit) = self.max_consecutive_skips
+                    && self.consecutive > limit
+                {
+                    self.scaling.adjust(false);
+                    return Err(StepError::TooManySkips {
+                        consecutive: self.consecutive,
+                        limit,
+                        scale: self.scaling.loss_scale(),
+                    });
+                }
+                UpdateOutcome::Skipped {
+                    reason,
+                    consecutive: self.consecutive,
+                    total: self.skipped,
+                }
+            }
+            None => {
+                optimizer
+                    .update(master, grads)
+                    .map_err(|e| StepError::Optimizer(e.to_string()))?;
+                self.consecutive = 0;
+                self.applied += 1;
+                UpdateOutcome::Applied
+            }
+        };
+        self.scaling.adjust(reason.is_none());
+        self.last = Some(StepReport {
+            loss: p.loss,
+            grads_finite: p.grads_finite,
+            scale: if p.backwards > 0 { p.scale } else { scale },
+            new_scale: self.scaling.loss_scale(),
+            outcome,
+        });
+        Ok(outcome)
+    }
+}
+
+impl<H: StepPrecision, L: LossScale + Default> Default for GradScaler<H, L> {
+    /// A scaler with the loss scale's default (for [`DynamicLossScale`]: jmp's and mpx's
+    /// defaults).
+    fn default() -> Self {
+        Self::new(L::default())
+    }
+}
+
+/// Implemented by [`GradScaler`] alone: what `#[mixed_step(scaling = ..)]` must name.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `GradScaler`: `#[mixed_step(scaling = ..)]` needs the mixed-precision state",
+    label = "expected a `GradScaler` (or `&mut GradScaler`)",
+    note = "declare it once, outside the loop: `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());` (a field or a `&mut GradScaler` parameter works too); it holds the loss scale, the half working copy and the skip counters"
+)]
+pub trait MixedScaler<H: StepPrecision> {
+    /// The loss scale type.
+    type Loss: LossScale;
+    /// The scaler itself.
+    fn scaler(&mut self) -> &mut GradScaler<H, Self::Loss>;
+}
+
+impl<H: StepPrecision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
+    type Loss = L;
+    fn scaler(&mut self) -> &mut GradScaler<H, L> {
+        self
+    }
+}
+
+/// The scaler a `#[mixed_step]` names, checked to be a [`GradScaler`] of precision `H` (the
+/// macro's `half = ..`).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::{precision::f16, step::{GradScaler, scaler_of}};
+/// let mut s = GradScaler::<f16>::default();
+/// assert_eq!(scaler_of::<f16, _>(&mut s).loss_scale(), s.loss_scale());
+/// ```
+pub fn scaler_of<H: StepPrecision, S: MixedScaler<H> + ?Sized>(
+    s: &mut S,
+) -> &mut GradScaler<H, S::Loss> {
+    s.scaler()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precision::{AMP, bf16};
+    use crate::scaling::{NoOpLossScale, StaticLossScale};
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn the_state_is_send_and_sync() {
+        send_sync::<GradScaler>();
+        send_sync::<GradScaler<AMP<f16>, StaticLossScale>>();
+        send_sync::<GradScaler<bf16, NoOpLossScale>>();
+        send_sync::<GradScaler<f32, DynamicLossScale>>();
+    }
+}

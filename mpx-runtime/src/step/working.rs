@@ -1,0 +1,404 @@
+//! The buffers a [`GradScaler`](super::GradScaler) keeps for one master model: the half working
+//! copy, its reusable gradient buffers, and the pass that moves its gradients to the master.
+
+use std::any::Any;
+use std::sync::{Arc, PoisonError};
+
+use dfdx::nn::ZeroGrads;
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
+};
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
+use dfdx::tensor_ops::Device;
+
+use super::StepPrecision;
+use super::error::StepError;
+use super::half_region::Stash;
+use super::workspace::{WorkingCopy, count_mismatch, len_mismatch, share};
+use crate::boundary::MasterModel;
+use crate::cast::{CastScratch, cast_module_into, try_cast_module};
+use crate::finite::all_finite_f32;
+
+/// A master gradient entry: hands out the master tensor's gradient buffer (it holds a data-free
+/// ghost of the tensor, keyed by the tensor's id; dfdx does not let the ghost's type be named).
+pub(crate) type MasterGhost = Box<
+    dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError> + Send + Sync,
+>;
+
+/// Constrains a closure to the higher-ranked signature of [`MasterGhost`].
+fn entry<F>(f: F) -> F
+where
+    F: for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>,
+{
+    f
+}
+
+/// What the scaler does with its workspace without knowing the model's type.
+pub(crate) trait ErasedWorking: Any + Send + Sync {
+    /// Moves every finished backward's half gradients into `grads` (the master's f32
+    /// gradients, keyed by its tensors), unscaled, and checks the master's gradients for
+    /// finiteness on the way. Returns `true` when all were finite.
+    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError>;
+    /// The scaler, as `Any`, to get the typed workspace back.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// The typed workspace for master model `M` in precision `H`.
+pub(crate) struct Working<H: StepPrecision, M: MasterModel>
+where
+    Cpu: Device<H::Elem>,
+{
+    /// The working copy; `None` for an identity precision between steps (it shares the
+    /// master's buffers, which the optimizer must own alone).
+    half: Option<WorkingCopy<H, M>>,
+    /// Whether `half` was cast from the master since the last backward or update.
+    fresh: bool,
+    /// Zeroed half gradient buffers keyed by the working copy, ready for the next forward.
+    pub(crate) pool: Vec<Gradients<H::Elem, Cpu>>,
+    pub(crate) stash: Stash<H::Elem>,
+    /// The reciprocal of the scale the last forward pass seeded its backward with (as the loss
+    /// scale computes it).
+    pub(crate) inv: f32,
+    master: Vec<MasterGhost>,
+    scratch: CastScratch,
+    /// Non-parameter tensors (batch-norm statistics) of the working copy, widened.
+    state: Vec<Vec<f32>>,
+}
+
+impl<H: StepPrecision, M: MasterModel + Send + Sync + 'static> Working<H, M>
+where
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+{
+    /// Records the master's layout; the working copy is cast on the first forward.
+    pub(crate) fn new(master: &M) -> Result<Self, StepError> {
+        let mut layout = Layout {
+            master: Vec::new(),
+            state_lens: Vec::new(),
+        };
+        M::iter_tensors(&mut RecursiveWalker {
+            m: master,
+            f: &mut layout,
+        })?;
+        Ok(Self {
+            half: None,
+            fresh: false,
+            pool: Vec::new(),
+            stash: Arc::default(),
+            inv: 1.0,
+            master: layout.master,
+            scratch: CastScratch::default(),
+            state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
+        })
+    }
+
+    /// The working copy, cast from `master` if it is not fresh, and a gradient buffer for its
+    /// forward pass.
+    pub(crate) fn prepare(
+        &mut self,
+        master: &M,
+    ) -> Result<(&mut WorkingCopy<H, M>, Gradients<H::Elem, Cpu>), StepError> {
+        if !self.fresh || self.half.is_none() {
+            let half = match self.half.take() {
+                Some(mut half) if !H::IDENTITY => {
+                    cast_module_into::<H, f32, M>(master, &mut half, &mut self.scratch)?;
+                    half
+                }
+                _ if H::IDENTITY => share::<H, M>(master)?,
+                _ => try_cast_module::<H, f32, M>(master)?,
+            };
+            self.half = Some(half);
+            self.fresh = true;
+        }
+        let Some(half) = self.half.as_mut() else {
+            return Err(StepError::Cast(crate::cast::CastError::NotRebuilt));
+        };
+        let grads = match self.pool.pop() {
+            Some(g) => g,
+            None => half.try_alloc_grads()?,
+        };
+        Ok((half, grads))
+    }
+
+    /// Before the optimizer runs: when `applied`, copies the working copy's non-parameter
+    /// tensors (batch-norm running statistics its forward pass updated) into the master; then
+    /// lets go of an identity working copy's shared buffers.
+    pub(crate) fn finish_step(&mut self, master: &mut M, applied: bool) -> Result<(), StepError> {
+        if applied
+            && !self.state.is_empty()
+            && let Some(half) = &self.half
+        {
+            let mut read = ReadState::<H> {
+                out: &mut self.state,
+                index: 0,
+                mismatch: None,
+                marker: std::marker::PhantomData,
+            };
+            <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
+                &mut RecursiveWalker {
+                    m: half,
+                    f: &mut read,
+                },
+            )?;
+            if let Some(e) = read.mismatch {
+                return Err(e);
+            }
+            let mut write = WriteState {
+                values: &self.state,
+                index: 0,
+                mismatch: None,
+            };
+            M::iter_tensors(&mut RecursiveWalker {
+                m: master,
+                f: &mut write,
+            })?;
+            if let Some(e) = write.mismatch {
+                return Err(e);
+            }
+        }
+        if H::IDENTITY {
+            self.half = None;
+        }
+        self.fresh = false;
+        Ok(())
+    }
+}
+
+impl<H: StepPrecision, M: MasterModel + Send + Sync + 'static> ErasedWorking for Working<H, M>
+where
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+{
+    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
+        let mut half_grads: Vec<Gradients<H::Elem, Cpu>> = self
+            .stash
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+            .collect();
+        // The next forward casts the master again (the user may change it before then).
+        self.fresh = false;
+        let mut finite = true;
+        match (&self.half, half_grads.is_empty()) {
+            (Some(half), false) => {
+                let mut mover = Mover::<H> {
+                    half_grads: &mut half_grads,
+                    master_grads: grads,
+                    master: &self.master,
+                    inv_scale: self.inv,
+                    finite: true,
+                    index: 0,
+                    mismatch: None,
+                };
+                <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
+                    &mut RecursiveWalker {
+                        m: half,
+                        f: &mut mover,
+                    },
+                )?;
+                let (seen, mismatch) = (mover.index, mover.mismatch.take());
+                finite = mover.finite;
+                if let Some(e) = mismatch {
+                    return Err(e);
+                }
+                if seen != self.master.len() {
+                    return Err(count_mismatch(self.master.len(), seen));
+                }
+            }
+            _ => {
+                // No half contribution: the gradients are plain f32 ones; still check them.
+                for ghost in &self.master {
+                    finite &= all_finite_f32(ghost(grads)?);
+                }
+            }
+        }
+        self.pool.append(&mut half_grads);
+        Ok(finite)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// Elements moved per chunk (widened, unscaled, added and checked while in cache).
+const CHUNK: usize = 1024;
+
+/// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
+/// whether `dst` is finite afterwards.
+fn add_unscaled<H: StepPrecision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
+    let mut buf = [0.0f32; CHUNK];
+    let zero = H::Elem::default();
+    for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
+        let b = &mut buf[..s.len()];
+        H::widen(s, b);
+        if inv_scale == 1.0 {
+            d.iter_mut().zip(b.iter()).for_each(|(d, b)| *d += *b);
+        } else {
+            d.iter_mut()
+                .zip(b.iter())
+                .for_each(|(d, b)| *d += *b * inv_scale);
+        }
+        s.fill(zero);
+    }
+    all_finite_f32(dst)
+}
+
+/// Walks the working copy: each trainable tensor's half gradients (from every finished
+/// backward) are added, unscaled, to the master's entry at the same position.
+struct Mover<'a, H: StepPrecision>
+where
+    Cpu: Device<H::Elem>,
+{
+    half_grads: &'a mut [Gradients<H::Elem, Cpu>],
+    master_grads: &'a mut Gradients<f32, Cpu>,
+    master: &'a [MasterGhost],
+    inv_scale: f32,
+    finite: bool,
+    index: usize,
+    mismatch: Option<StepError>,
+}
+
+impl<H: StepPrecision> TensorVisitor<H::Elem, Cpu> for Mover<'_, H>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = H::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, H::Elem, Cpu>,
+        t: &Tensor<S, H::Elem, Cpu>,
+    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
+        if !opts.do_gradient_update || self.mismatch.is_some() {
+            return Ok(None);
+        }
+        let i = self.index;
+        self.index += 1;
+        let Some(ghost) = self.master.get(i) else {
+            self.mismatch = Some(count_mismatch(self.master.len(), i + 1));
+            return Ok(None);
+        };
+        let n = t.shape().num_elements();
+        let dst = ghost(self.master_grads)?;
+        if dst.len() != n {
+            self.mismatch = Some(len_mismatch(i, dst.len(), n));
+            return Ok(None);
+        }
+        let mut finite = true;
+        for g in self.half_grads.iter_mut() {
+            let src = H::grad_slice(g.get_or_alloc_mut(t)?);
+            if src.len() != n {
+                self.mismatch = Some(len_mismatch(i, n, src.len()));
+                return Ok(None);
+            }
+            finite = add_unscaled::<H>(src, self.inv_scale, dst);
+        }
+        self.finite &= finite;
+        Ok(None)
+    }
+}
+
+/// Records a ghost of each trainable master tensor and the sizes of the others.
+struct Layout {
+    master: Vec<MasterGhost>,
+    state_lens: Vec<usize>,
+}
+
+impl TensorVisitor<f32, Cpu> for Layout {
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        let n = t.shape().num_elements();
+        if opts.do_gradient_update {
+            let ghost = t.ghost();
+            self.master.push(Box::new(entry(move |g: &mut Gradients<f32, Cpu>| {
+                Ok(&mut g.get_or_alloc_mut(&ghost)?[..])
+            })));
+        } else {
+            self.state_lens.push(n);
+        }
+        Ok(None)
+    }
+}
+
+/// Reads the working copy's non-parameter tensors, widened to f32.
+struct ReadState<'a, H> {
+    out: &'a mut [Vec<f32>],
+    index: usize,
+    mismatch: Option<StepError>,
+    marker: std::marker::PhantomData<H>,
+}
+
+impl<H: StepPrecision> TensorVisitor<H::Elem, Cpu> for ReadState<'_, H>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = H::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, H::Elem, Cpu>,
+        t: &Tensor<S, H::Elem, Cpu>,
+    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
+        if opts.do_gradient_update || self.mismatch.is_some() {
+            return Ok(None);
+        }
+        let j = self.index;
+        self.index += 1;
+        let n = t.shape().num_elements();
+        match self.out.get_mut(j) {
+            Some(dst) if dst.len() == n => H::widen(&t.as_vec(), dst),
+            Some(dst) => self.mismatch = Some(len_mismatch(j, dst.len(), n)),
+            None => self.mismatch = Some(count_mismatch(self.out.len(), j + 1)),
+        }
+        Ok(None)
+    }
+}
+
+/// Writes f32 values into the master's non-parameter tensors.
+struct WriteState<'a> {
+    values: &'a [Vec<f32>],
+    index: usize,
+    mismatch: Option<StepError>,
+}
+
+impl TensorVisitor<f32, Cpu> for WriteState<'_> {
+    type Viewer = ViewTensorMut;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &mut Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        if opts.do_gradient_update || self.mismatch.is_some() {
+            return Ok(None);
+        }
+        let j = self.index;
+        self.index += 1;
+        let n = t.shape().num_elements();
+        match self.values.get(j) {
+            Some(v) if v.len() == n => t.copy_from(v),
+            Some(v) => self.mismatch = Some(len_mismatch(j, v.len(), n)),
+            None => self.mismatch = Some(count_mismatch(self.values.len(), j + 1)),
+        }
+        Ok(None)
+    }
+}
