@@ -31,7 +31,7 @@ pub(crate) enum Half {
 pub(crate) struct Args {
     /// The `GradScaler` place: required.
     pub scaling: Option<syn::Expr>,
-    /// Defaults to `f16`.
+    /// When absent, the scaler's type decides.
     pub half: Option<Half>,
     /// Path of the `mpx` facade, when it is not `::mpx`.
     pub krate: Option<syn::Path>,

@@ -14,11 +14,13 @@ use crate::ctxt::runtime_path;
 /// Rewrites the step according to `plan`.
 pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
     let root = runtime_path(args.krate.as_ref());
+    // Without `half = ..`, the scaler's type decides (`GradScaler<f16>` by default).
     let half = match plan.half {
-        Half::F16 => quote!(#root::precision::f16),
-        Half::AmpF16 => quote!(#root::precision::AMP<#root::precision::f16>),
-        Half::Bf16 => quote!(#root::precision::bf16),
-        Half::F32 => quote!(f32),
+        Some(Half::F16) => quote!(#root::precision::f16),
+        Some(Half::AmpF16) => quote!(#root::precision::AMP<#root::precision::f16>),
+        Some(Half::Bf16) => quote!(#root::precision::bf16),
+        Some(Half::F32) => quote!(f32),
+        None => quote!(_),
     };
     let mut rewriter = Rewriter {
         master_key: key(&plan.master),
@@ -57,7 +59,9 @@ impl Rewriter {
             return Some(Role::Backward);
         }
         let path = forward_path(m, &self.master_key)?;
-        self.traced.mentions(&m.args[0]).then_some(Role::Forward(path))
+        self.traced
+            .mentions(&m.args[0])
+            .then_some(Role::Forward(path))
     }
 
     /// `&mut GradScaler<H, _>`, from the place the user named.
@@ -96,36 +100,29 @@ impl Rewriter {
             }
             Role::Backward => {
                 let loss = &m.receiver;
+                let method = &m.method;
                 let call = if m.method == "try_backward" {
-                    quote!(try_backward)
+                    quote!(try_backward_with)
                 } else {
-                    quote!(backward)
+                    quote!(backward_with)
                 };
                 quote!({
                     let __mpx_loss = #loss;
-                    #scaler.#call(__mpx_loss)
+                    #scaler.#call(__mpx_loss, |__mpx_loss| __mpx_loss.#method())
                 })
             }
             Role::Update => {
                 let Some((opt, master, grads)) = as_update(m) else {
                     return syn::Expr::MethodCall(m.clone());
                 };
+                let method = &m.method;
                 quote!({
                     let __mpx_grads = #grads;
-                    #scaler.update(
-                        #master,
-                        {
-                            use #root::step::__macro_support::ByMut as _;
-                            (#opt).__mpx_by_mut()
-                        },
-                        __mpx_grads,
-                    )
+                    #scaler.update_with(#master, |__mpx_master| (#opt).#method(__mpx_master, __mpx_grads))
                 })
             }
         };
-        syn::parse2(tokens).unwrap_or_else(|e| {
-            syn::Expr::Verbatim(e.to_compile_error())
-        })
+        syn::parse2(tokens).unwrap_or_else(|e| syn::Expr::Verbatim(e.to_compile_error()))
     }
 }
 

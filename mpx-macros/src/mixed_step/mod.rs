@@ -57,7 +57,12 @@ mod tests {
     /// dfdx's own MNIST loop: gradients allocated once, the step inside a `for` loop.
     fn mnist_loop() -> TokenStream {
         quote!(
-            fn train(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, data: Data, scaler: &mut GradScaler) {
+            fn train(
+                model: &mut Model,
+                opt: &mut Adam<Model, f32, Cpu>,
+                data: Data,
+                scaler: &mut GradScaler,
+            ) {
                 let mut grads = model.alloc_grads();
                 for (img, lbl) in data {
                     let logits = model.forward_mut(img.traced(grads));
@@ -94,14 +99,13 @@ mod tests {
             "total+=loss.array();",
             // backward and update through the scaler; the user's unwrap stays
             "grads={let__mpx_loss=loss;",
-            ".backward(__mpx_loss)}",
-            ".update(model,{",
-            "__mpx_grads,)}.unwrap();",
+            ".backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.backward())}",
+            ".update_with(model,|__mpx_master|(opt).update(__mpx_master,__mpx_grads))}.unwrap();",
             "model.zero_grads(&mutgrads);",
         ] {
             assert!(s.contains(want), "missing {want}\nin {s}");
         }
-        assert!(!s.contains("opt.update("), "{s}");
+        assert!(!s.contains("opt.update(model"), "{s}");
     }
 
     #[test]
@@ -110,7 +114,10 @@ mod tests {
             quote!(scaling = self.scaler, half = bf16, crate = "m"),
             quote!(
                 fn step(&mut self, ids: Ids, x_test: X) -> Result<f32, StepError> {
-                    let h = self.model.embed.try_forward(ids.traced(self.gradients.take()))?;
+                    let h = self
+                        .model
+                        .embed
+                        .try_forward(ids.traced(self.gradients.take()))?;
                     let out = self.model.head.forward(h);
                     let test_out = self.model.forward(x_test);
                     let loss = mse_loss(out, y) + l2(&self.model);
@@ -122,13 +129,25 @@ mod tests {
         );
         assert!(messages(&out).is_empty(), "{out}");
         let s = flat(&out);
-        assert!(s.contains("|__mpx_working,__mpx_x|__mpx_working.embed.try_forward(__mpx_x)"), "{s}");
-        assert!(s.contains("|__mpx_working,__mpx_x|__mpx_working.head.forward(__mpx_x)"), "{s}");
+        assert!(
+            s.contains("|__mpx_working,__mpx_x|__mpx_working.embed.try_forward(__mpx_x)"),
+            "{s}"
+        );
+        assert!(
+            s.contains("|__mpx_working,__mpx_x|__mpx_working.head.forward(__mpx_x)"),
+            "{s}"
+        );
         // the untraced evaluation stays on the f32 master
         assert!(s.contains("lettest_out=self.model.forward(x_test);"), "{s}");
-        assert!(s.contains("m::__private::mpx_runtime::precision::bf16"), "{s}");
-        assert!(s.contains(".try_backward(__mpx_loss)}?;"), "{s}");
-        assert!(s.contains(".update(&mutself.model,"), "{s}");
+        assert!(
+            s.contains("m::__private::mpx_runtime::precision::bf16"),
+            "{s}"
+        );
+        assert!(
+            s.contains(".try_backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.try_backward())}?;"),
+            "{s}"
+        );
+        assert!(s.contains(".update_with(&mutself.model,|__mpx_master|(self.opt).update(__mpx_master,__mpx_grads))}?;"), "{s}");
     }
 
     #[test]
@@ -154,7 +173,10 @@ mod tests {
     #[test]
     fn a_scaler_that_would_not_persist_is_an_error() {
         let temp = super::expand(quote!(scaling = &mut GradScaler::default()), mnist_loop());
-        assert!(messages(&temp)[0].starts_with("`scaling = ..` builds a new value every time the step runs"));
+        assert!(
+            messages(&temp)[0]
+                .starts_with("`scaling = ..` builds a new value every time the step runs")
+        );
         let in_loop = super::expand(
             quote!(scaling = s),
             quote!(
@@ -168,7 +190,11 @@ mod tests {
                 }
             ),
         );
-        assert!(messages(&in_loop)[0].starts_with("`s` is declared inside a loop or closure"), "{:?}", messages(&in_loop));
+        assert!(
+            messages(&in_loop)[0].starts_with("`s` is declared inside a loop or closure"),
+            "{:?}",
+            messages(&in_loop)
+        );
         let per_call = super::expand(
             quote!(scaling = s),
             quote!(

@@ -255,8 +255,7 @@ impl<'a> Visit<'a> for Found<'a> {
     fn visit_local(&mut self, l: &'a syn::Local) {
         let mut names = HashSet::new();
         bound_names(&l.pat, &mut names);
-        self.lets
-            .extend(names.into_iter().map(|n| (n, self.depth)));
+        self.lets.extend(names.into_iter().map(|n| (n, self.depth)));
         syn::visit::visit_local(self, l);
     }
     fn visit_expr_for_loop(&mut self, e: &'a syn::ExprForLoop) {

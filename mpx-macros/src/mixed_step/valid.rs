@@ -4,6 +4,7 @@
 use proc_macro2::Span;
 
 use super::ast::{Args, Half};
+
 use super::roles::{Found, Traced, as_update, forward_path, key, place};
 use crate::ctxt::Ctxt;
 
@@ -11,7 +12,8 @@ use crate::ctxt::Ctxt;
 pub(crate) struct Plan {
     /// The `GradScaler` place.
     pub scaling: syn::Expr,
-    pub half: Half,
+    /// `None`: the scaler's type decides.
+    pub half: Option<Half>,
     /// The master model: the place the optimizer updates.
     pub master: syn::Expr,
     /// Bindings holding traced values.
@@ -59,7 +61,7 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
     }
     Some(Plan {
         scaling: args.scaling.clone()?,
-        half: args.half.unwrap_or(Half::F16),
+        half: args.half,
         master: master?,
         traced,
     })

@@ -148,17 +148,19 @@ where
             Ok(())
         });
         let outer_ghost = x32.ghost();
-        region.writers.push(Box::new(move |g: &mut Gradients<f32, Cpu>| {
-            let taken = captured
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            if let Some(v) = taken {
-                let dst = g.get_or_alloc_mut(&outer_ghost)?;
-                dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
-            }
-            Ok(())
-        }));
+        region
+            .writers
+            .push(Box::new(move |g: &mut Gradients<f32, Cpu>| {
+                let taken = captured
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                if let Some(v) = taken {
+                    let dst = g.get_or_alloc_mut(&outer_ghost)?;
+                    dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
+                }
+                Ok(())
+            }));
         Ok(x.put_tape(inner))
     }
 }

@@ -413,8 +413,42 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
         &mut self,
         loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
     ) -> Result<Gradients<f32, Cpu>, StepError> {
+        self.try_backward_with(loss, |l| l.try_backward())
+    }
+
+    /// [`try_backward`](Self::try_backward) with the backward call given as a closure (what
+    /// `#[mixed_step]` generates, so the step's own `loss.backward()` runs): `backward` gets
+    /// the loss and returns the gradients the input was traced with.
+    ///
+    /// # Errors
+    /// As [`try_backward`](Self::try_backward); an error of `backward` itself is
+    /// [`StepError::Device`].
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[0.5f32, -1.0]]);
+    /// let y = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.try_backward_with(y.sum(), |loss| loss.try_backward())?;
+    /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn try_backward_with<T, F, E>(
+        &mut self,
+        loss: T,
+        backward: F,
+    ) -> Result<Gradients<f32, Cpu>, StepError>
+    where
+        T: AsArray<Array = f32>,
+        F: FnOnce(T) -> Result<Gradients<f32, Cpu>, E>,
+        StepError: From<E>,
+    {
         let loss_value = loss.array();
-        let mut grads = loss.try_backward()?;
+        let mut grads = backward(loss)?;
         let grads_finite = match self.working.as_mut() {
             Some(w) => w.transfer(&mut grads)?,
             None => true,
@@ -426,6 +460,35 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
         p.loss = loss_value;
         p.scale = self.scaling.loss_scale();
         Ok(grads)
+    }
+
+    /// [`backward`](Self::backward) with the backward call given as a closure (what
+    /// `#[mixed_step]` generates for `loss.backward()`).
+    ///
+    /// # Panics
+    /// As [`backward`](Self::backward).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[0.5f32, -1.0]]);
+    /// let y = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.backward_with(y.sum(), |loss| loss.backward());
+    /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
+    /// ```
+    pub fn backward_with<T, F>(&mut self, loss: T, backward: F) -> Gradients<f32, Cpu>
+    where
+        T: AsArray<Array = f32>,
+        F: FnOnce(T) -> Gradients<f32, Cpu>,
+    {
+        match self.try_backward_with(loss, |l| Ok::<_, StepError>(backward(l))) {
+            Ok(g) => g,
+            Err(e) => panic!("mixed-precision backward pass failed: {e}"),
+        }
     }
 
     /// Updates the f32 master with any dfdx optimizer, only when every backward pass since the
@@ -451,6 +514,43 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
     where
         M: MasterModel + Send + Sync + 'static,
         O: Optimizer<M, Cpu, f32>,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    {
+        self.update_with(master, |m| optimizer.update(m, grads))
+    }
+
+    /// [`update`](Self::update) with the optimizer call given as a closure (what
+    /// `#[mixed_step]` generates, so the step's own `opt.update(model, &grads)` runs): `apply`
+    /// gets the master and is called only when the step is applied.
+    ///
+    /// # Errors
+    /// As [`update`](Self::update); an error of `apply` is [`StepError::Optimizer`].
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::{optim::*, prelude::*};
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let mut model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut opt = Sgd::new(&model, Default::default());
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[0.5f32, -1.0]]);
+    /// let y = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.backward(y.sum());
+    /// let outcome = scaler.update_with(&mut model, |m| opt.update(m, &grads))?;
+    /// assert!(outcome.is_applied());
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn update_with<M, F, E>(
+        &mut self,
+        master: &mut M,
+        apply: F,
+    ) -> Result<UpdateOutcome, StepError>
+    where
+        M: MasterModel + Send + Sync + 'static,
+        F: FnOnce(&mut M) -> Result<(), E>,
+        E: std::fmt::Display,
         Cpu: Device<H::Elem>,
         WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
@@ -491,9 +591,7 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
                 }
             }
             None => {
-                optimizer
-                    .update(master, grads)
-                    .map_err(|e| StepError::Optimizer(e.to_string()))?;
+                apply(master).map_err(|e| StepError::Optimizer(e.to_string()))?;
                 self.consecutive = 0;
                 self.applied += 1;
                 UpdateOutcome::Applied
@@ -521,8 +619,8 @@ impl<H: StepPrecision, L: LossScale + Default> Default for GradScaler<H, L> {
 
 /// Implemented by [`GradScaler`] alone: what `#[mixed_step(scaling = ..)]` must name.
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` is not a `GradScaler`: `#[mixed_step(scaling = ..)]` needs the mixed-precision state",
-    label = "expected a `GradScaler` (or `&mut GradScaler`)",
+    message = "`{Self}` is not a `GradScaler<{H}, _>`: `#[mixed_step(scaling = ..)]` needs the mixed-precision state, in the precision the step runs in",
+    label = "expected a `GradScaler<{H}, _>` (or a `&mut` one)",
     note = "declare it once, outside the loop: `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());` (a field or a `&mut GradScaler` parameter works too); it holds the loss scale, the half working copy and the skip counters"
 )]
 pub trait MixedScaler<H: StepPrecision> {
@@ -540,7 +638,7 @@ impl<H: StepPrecision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
 }
 
 /// The scaler a `#[mixed_step]` names, checked to be a [`GradScaler`] of precision `H` (the
-/// macro's `half = ..`).
+/// macro's `half = ..`; without it, `H` is the scaler's own).
 ///
 /// # Examples
 /// ```

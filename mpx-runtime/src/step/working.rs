@@ -323,9 +323,10 @@ impl TensorVisitor<f32, Cpu> for Layout {
         let n = t.shape().num_elements();
         if opts.do_gradient_update {
             let ghost = t.ghost();
-            self.master.push(Box::new(entry(move |g: &mut Gradients<f32, Cpu>| {
-                Ok(&mut g.get_or_alloc_mut(&ghost)?[..])
-            })));
+            self.master
+                .push(Box::new(entry(move |g: &mut Gradients<f32, Cpu>| {
+                    Ok(&mut g.get_or_alloc_mut(&ghost)?[..])
+                })));
         } else {
             self.state_lens.push(n);
         }
