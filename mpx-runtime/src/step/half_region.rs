@@ -43,6 +43,10 @@ where
     outer: Option<OwnedTape<f32, Cpu>>,
     /// Adds the inputs' captured half gradients to the f32 graph.
     writers: Vec<Writer>,
+    /// The merged half tape of the traced outputs.
+    inner: Option<OwnedTape<H::Elem, Cpu>>,
+    /// One per traced output.
+    seeds: Vec<Seed<H::Elem>>,
     pub(crate) scale: f32,
     /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
     pub(crate) inv: f32,
@@ -64,6 +68,8 @@ where
             pool: Some(pool),
             outer: None,
             writers: Vec::new(),
+            inner: None,
+            seeds: Vec::new(),
             scale,
             inv,
             stash,
@@ -201,9 +207,18 @@ macro_rules! integer_input {
 }
 integer_input!(usize, u32, u64, i32, i64, bool);
 
+/// A widened output waiting for its tape, and what its backward seeds.
+struct Seed<E: dfdx::dtypes::Unit> {
+    /// Reads the output's f32 gradient and writes it, scaled and rounded, into the half graph.
+    seed: Box<dyn FnOnce(&mut Gradients<f32, Cpu>) -> Result<Vec<E>, CpuError>>,
+    /// Adds the rounded seed to the half output's gradient.
+    apply: Box<dyn FnOnce(&mut Gradients<E, Cpu>, Vec<E>) -> Result<(), CpuError>>,
+}
+
 /// An output of a model's forward pass, as it leaves the half region: half tensors are widened
-/// to f32 (a traced one on the inputs' f32 tape, with the backward bridge), tuples and
-/// `Result`s (from `try_forward`) convert element by element.
+/// to f32 (traced ones on the inputs' f32 tape, with one backward bridge for all of them, so
+/// several heads that share a trunk backpropagate through it together), tuples and `Result`s
+/// (from `try_forward`) convert element by element.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot leave a half-precision forward pass",
     label = "expected the model's half tensor output (or a tuple or `Result` of them)",
@@ -215,50 +230,58 @@ where
 {
     /// The output outside the region, in f32.
     type Full;
+    /// The output widened, waiting for its tape.
+    type Widened;
+    /// First pass: widens the values and records the backward seeds in `region`.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn widen(self, region: &mut Region<H>) -> Result<Self::Widened, CpuError>;
+    /// Second pass, after the bridge is registered: puts the tapes on.
+    fn attach(w: Self::Widened, region: &mut Region<H>) -> Self::Full;
+
     /// Converts the output and registers its backward bridge.
     ///
     /// # Errors
     /// A device error (allocation).
-    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError>;
+    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError>
+    where
+        Self: Sized,
+    {
+        let w = self.widen(region)?;
+        region.bridge()?;
+        Ok(Self::attach(w, region))
+    }
 }
 
-impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
+impl<H: StepPrecision> Region<H>
 where
     Cpu: Device<H::Elem>,
 {
-    type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
-    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
-        // Contiguous, so that the gradient buffer and the logical values line up.
-        let (y, mut inner) = self.try_contiguous()?.split_tape();
-        let n = y.shape().num_elements();
-        let mut half = vec![H::Elem::default(); n];
-        y.copy_into(&mut half);
-        let mut full = vec![0.0f32; n];
-        H::widen(&half, &mut full);
-        let y32: Tensor<S, f32, Cpu> = region.dev.try_tensor_from_vec(full, *y.shape())?;
-        let mut outer = region.outer.take().unwrap_or_default();
-        let (y_ghost, y32_ghost) = (y.ghost(), y32.ghost());
-        let writers: Rc<Vec<Writer>> = Rc::new(std::mem::take(&mut region.writers));
-        let (scale, stash, dev) = (region.scale, Arc::clone(&region.stash), region.dev.clone());
+    /// Registers the one backward op of the region on the inputs' f32 tape.
+    fn bridge(&mut self) -> Result<(), CpuError> {
+        let Some(mut inner) = self.inner.take() else {
+            return Ok(());
+        };
+        let seeds = std::mem::take(&mut self.seeds);
+        let writers = std::mem::take(&mut self.writers);
+        let (stash, dev) = (Arc::clone(&self.stash), self.dev.clone());
+        let mut outer = self.outer.take().unwrap_or_default();
         outer.add_backward_op(move |g32: &mut Gradients<f32, Cpu>| {
-            let mut seed = vec![H::Elem::default(); n];
-            {
-                let g = g32.get_or_alloc_mut(&y32_ghost)?;
-                if scale == 1.0 {
-                    H::from_f32_slice(g, &mut seed);
-                } else {
-                    let scaled: Vec<f32> = g.iter().map(|v| v * scale).collect();
-                    H::from_f32_slice(&scaled, &mut seed);
-                }
+            let mut applies = Vec::with_capacity(seeds.len());
+            for s in seeds {
+                let values = (s.seed)(g32)?;
+                applies.push((s.apply, values));
             }
             inner.add_backward_op(move |g: &mut Gradients<H::Elem, Cpu>| {
-                let buf = H::grad_slice(g.get_or_alloc_mut(&y_ghost)?);
-                buf.iter_mut().zip(&seed).for_each(|(d, s)| *d += *s);
+                for (apply, values) in applies {
+                    apply(g, values)?;
+                }
                 Ok(())
             });
             let anchor: Tensor<Rank0, H::Elem, Cpu> = dev.try_zeros()?;
             let half_grads = anchor.put_tape(inner).try_backward()?;
-            for w in writers.iter() {
+            for w in &writers {
                 w(g32)?;
             }
             stash
@@ -267,7 +290,55 @@ where
                 .push(half_grads);
             Ok(())
         });
-        Ok(y32.put_tape(outer))
+        self.outer = Some(outer);
+        Ok(())
+    }
+}
+
+impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
+where
+    Cpu: Device<H::Elem>,
+{
+    type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
+    type Widened = Tensor<S, f32, Cpu>;
+    fn widen(self, region: &mut Region<H>) -> Result<Self::Widened, CpuError> {
+        // Contiguous, so that the gradient buffer and the logical values line up.
+        let (y, tape) = self.try_contiguous()?.split_tape();
+        region.inner = Some(match region.inner.take() {
+            Some(t) => dfdx::tensor::Merge::merge(t, tape),
+            None => tape,
+        });
+        let n = y.shape().num_elements();
+        let mut half = vec![H::Elem::default(); n];
+        y.copy_into(&mut half);
+        let mut full = vec![0.0f32; n];
+        H::widen(&half, &mut full);
+        let y32: Tensor<S, f32, Cpu> = region.dev.try_tensor_from_vec(full, *y.shape())?;
+        let (y_ghost, y32_ghost, scale) = (y.ghost(), y32.ghost(), region.scale);
+        region.seeds.push(Seed {
+            seed: Box::new(move |g32: &mut Gradients<f32, Cpu>| {
+                let g = g32.get_or_alloc_mut(&y32_ghost)?;
+                let mut seed = vec![H::Elem::default(); n];
+                if scale == 1.0 {
+                    H::from_f32_slice(g, &mut seed);
+                } else {
+                    let scaled: Vec<f32> = g.iter().map(|v| v * scale).collect();
+                    H::from_f32_slice(&scaled, &mut seed);
+                }
+                Ok(seed)
+            }),
+            apply: Box::new(move |g: &mut Gradients<H::Elem, Cpu>, seed: Vec<H::Elem>| {
+                let buf = H::grad_slice(g.get_or_alloc_mut(&y_ghost)?);
+                buf.iter_mut().zip(&seed).for_each(|(d, s)| *d += *s);
+                Ok(())
+            }),
+        });
+        Ok(y32)
+    }
+    fn attach(w: Self::Widened, region: &mut Region<H>) -> Self::Full {
+        // The first traced output carries the inputs' tape (with the bridge); the others a fresh
+        // one, which merges back when the loss combines them.
+        w.put_tape(region.outer.take().unwrap_or_default())
     }
 }
 
@@ -276,12 +347,16 @@ where
     Cpu: Device<H::Elem>,
 {
     type Full = Tensor<S, f32, Cpu, NoneTape>;
-    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+    type Widened = Self::Full;
+    fn widen(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
         let n = self.shape().num_elements();
         let half = self.as_vec();
         let mut full = vec![0.0f32; n];
         H::widen(&half, &mut full);
         region.dev.try_tensor_from_vec(full, *self.shape())
+    }
+    fn attach(w: Self::Full, _: &mut Region<H>) -> Self::Full {
+        w
     }
 }
 
@@ -290,11 +365,15 @@ where
     Cpu: Device<H::Elem>,
 {
     type Full = Result<T::Full, E>;
-    fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+    type Widened = Result<T::Widened, E>;
+    fn widen(self, region: &mut Region<H>) -> Result<Self::Widened, CpuError> {
         Ok(match self {
-            Ok(t) => t.leave(region).map_err(E::from),
+            Ok(t) => t.widen(region).map_err(E::from),
             Err(e) => Err(e),
         })
+    }
+    fn attach(w: Self::Widened, region: &mut Region<H>) -> Self::Full {
+        w.map(|w| T::attach(w, region))
     }
 }
 
@@ -316,10 +395,16 @@ macro_rules! tuples {
             Cpu: Device<H::Elem>,
         {
             type Full = ($($name::Full,)+);
+            type Widened = ($($name::Widened,)+);
             #[allow(non_snake_case)]
-            fn leave(self, region: &mut Region<H>) -> Result<Self::Full, CpuError> {
+            fn widen(self, region: &mut Region<H>) -> Result<Self::Widened, CpuError> {
                 let ($($name,)+) = self;
-                Ok(($($name.leave(region)?,)+))
+                Ok(($($name.widen(region)?,)+))
+            }
+            #[allow(non_snake_case)]
+            fn attach(w: Self::Widened, region: &mut Region<H>) -> Self::Full {
+                let ($($name,)+) = w;
+                ($($name::attach($name, region),)+)
             }
         }
     };

@@ -1,0 +1,488 @@
+//! `GradScaler` and `#[mixed_step]` on the shapes real training code has: gradient
+//! accumulation, clipping, a penalty on the parameters, several heads, integer inputs,
+//! `try_forward`, overflow and skipping.
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::optim::{Adam, AdamConfig, Sgd, SgdConfig};
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::precision::f16;
+use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
+use mpx::step::{GradScaler, SkipReason, StepError, UpdateOutcome, clip_grad_norm, grad_norm};
+
+fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
+    struct Collect(Vec<u32>);
+    impl TensorVisitor<f32, Cpu> for Collect {
+        type Viewer = ViewTensorRef;
+        type Err = CpuError;
+        type E2 = f32;
+        type D2 = Cpu;
+        fn visit<S: Shape>(
+            &mut self,
+            _: TensorOptions<S, f32, Cpu>,
+            t: &Tensor<S, f32, Cpu>,
+        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+            self.0.extend(t.as_vec().iter().map(|v| v.to_bits()));
+            Ok(None)
+        }
+    }
+    let mut c = Collect(Vec::new());
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
+    c.0
+}
+
+type Mlp = (Linear<4, 16>, ReLU, Linear<16, 3>);
+type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+type X = Tensor<Rank2<8, 4>, f32, Cpu>;
+type Y = Tensor<Rank2<8, 3>, f32, Cpu>;
+
+fn batch(dev: &Cpu, k: usize) -> (X, Y) {
+    let x: X = dev.tensor(std::array::from_fn(|i| {
+        std::array::from_fn(|j| ((i * 4 + j + 3 * k) as f32 * 0.37).sin())
+    }));
+    let y: Y = dev.tensor(std::array::from_fn(|i| {
+        std::array::from_fn(|j| if (i + k) % 3 == j { 1.0 } else { 0.0 })
+    }));
+    (x, y)
+}
+
+// ---- gradient accumulation ------------------------------------------------------------------
+
+/// PyTorch's accumulation recipe: several micro-batches, one update, clipped by global norm on
+/// the unscaled gradients. Returns the gradient norm before clipping.
+#[mixed_step(scaling = scaler)]
+fn accumulate(
+    model: &mut Model,
+    opt: &mut Adam<Model, f32, Cpu>,
+    micro: &[(X, Y)],
+    scaler: &mut GradScaler,
+) -> f32 {
+    let mut grads = model.alloc_grads();
+    for (x, y) in micro {
+        let out = model.forward(x.trace(grads));
+        let loss = cross_entropy_with_logits_loss(out, y.clone()) / micro.len() as f32;
+        grads = loss.backward();
+    }
+    let norm = clip_grad_norm(model, &mut grads, 1.0).unwrap();
+    opt.update(model, &grads).unwrap();
+    norm
+}
+
+/// The same in f32, as written before the conversion.
+fn accumulate_f32(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, micro: &[(X, Y)]) -> f32 {
+    let mut grads = model.alloc_grads();
+    for (x, y) in micro {
+        let out = model.forward(x.trace(grads));
+        let loss = cross_entropy_with_logits_loss(out, y.clone()) / micro.len() as f32;
+        grads = loss.backward();
+    }
+    let norm = clip_grad_norm(model, &mut grads, 1.0).unwrap();
+    opt.update(model, &grads).unwrap();
+    norm
+}
+
+#[test]
+fn accumulated_micro_batches_match_f32_and_an_overflow_anywhere_skips_the_whole_update() {
+    let dev = Cpu::seed_from_u64(0);
+    let init = dev.build_module::<Mlp, f32>();
+    let micro: Vec<(X, Y)> = (0..4).map(|k| batch(&dev, k)).collect();
+    let cfg = AdamConfig {
+        lr: 1e-2,
+        ..Default::default()
+    };
+
+    // Matches f32: the gradient norm (computed on the unscaled f16 gradients) and the weights.
+    let (mut m32, mut m16) = (init.clone(), init.clone());
+    let (mut o32, mut o16) = (Adam::new(&m32, cfg), Adam::new(&m16, cfg));
+    let mut scaler = GradScaler::new(DynamicLossScale::default());
+    for _ in 0..5 {
+        let n32 = accumulate_f32(&mut m32, &mut o32, &micro);
+        let n16 = accumulate(&mut m16, &mut o16, &micro, &mut scaler);
+        // f16 rounds inputs, weights and gradients to 11 bits: 1% covers it.
+        assert!((n32 - n16).abs() <= 0.01 * n32, "norm f32 {n32} f16 {n16}");
+    }
+    assert_eq!(scaler.applied_steps(), 5);
+    let w32 = m32.2.weight.as_vec();
+    let w16 = m16.2.weight.as_vec();
+    for (a, b) in w32.iter().zip(&w16) {
+        assert!((a - b).abs() <= 2e-3 + 1e-2 * a.abs(), "{a} vs {b}");
+    }
+
+    // A NaN in any one micro-batch: the accumulated update is skipped, and nothing reaches the
+    // master or the optimizer state (checked by the next clean step, which must equal a clean
+    // step on a copy that never saw the bad batch).
+    for bad in 0..micro.len() {
+        let mut poisoned = micro.clone();
+        let mut xs = poisoned[bad].0.array();
+        xs[2][1] = f32::NAN;
+        poisoned[bad].0 = dev.tensor(xs);
+        let (mut tested, mut reference) = (m16.clone(), m16.clone());
+        let (mut ot, mut or) = (o16.clone(), o16.clone());
+        let (mut st, mut sr) = (
+            GradScaler::default(),
+            GradScaler::default(),
+        );
+        let before = params(&tested);
+        let _ = accumulate(&mut tested, &mut ot, &poisoned, &mut st);
+        let last = st.last_step().unwrap();
+        assert_eq!(
+            last.outcome,
+            UpdateOutcome::Skipped {
+                reason: SkipReason::GradsNotFinite,
+                consecutive: 1,
+                total: 1
+            }
+        );
+        assert_eq!(
+            params(&tested),
+            before,
+            "micro-batch {bad}: the master moved"
+        );
+        let _ = accumulate(&mut tested, &mut ot, &micro, &mut st);
+        let _ = accumulate(&mut reference, &mut or, &micro, &mut sr);
+        assert_eq!(
+            params(&tested),
+            params(&reference),
+            "micro-batch {bad}: optimizer state moved"
+        );
+    }
+}
+
+// ---- a penalty on the parameters -------------------------------------------------------------
+
+type Lin = <Linear<4, 3> as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler)]
+fn penalised_step(
+    model: &mut Lin,
+    opt: &mut Sgd<Lin, f32, Cpu>,
+    x: &X3,
+    y: &Y3,
+    scaler: &mut GradScaler<f16, StaticLossScale>,
+) {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let penalty = model.weight.retaped::<OwnedTape<f32, Cpu>>().square().sum() * 0.5;
+    let loss = mse_loss(out, y.clone()) + penalty;
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn penalised_step_f32(model: &mut Lin, opt: &mut Sgd<Lin, f32, Cpu>, x: &X3, y: &Y3) {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let penalty = model.weight.retaped::<OwnedTape<f32, Cpu>>().square().sum() * 0.5;
+    let loss = mse_loss(out, y.clone()) + penalty;
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+}
+
+type X3 = Tensor<Rank2<8, 4>, f32, Cpu>;
+type Y3 = Tensor<Rank2<8, 3>, f32, Cpu>;
+
+fn norm2(w: &[f32]) -> f32 {
+    w.iter().map(|v| v * v).sum()
+}
+
+#[test]
+fn a_penalty_on_the_weights_reaches_the_master() {
+    let dev = Cpu::seed_from_u64(4);
+    let init = dev.build_module::<Linear<4, 3>, f32>();
+    let (x, y) = batch(&dev, 1);
+    let y = y * 0.0; // only the penalty and the bias pull: |W|^2 must shrink
+    let cfg = SgdConfig {
+        lr: 0.1,
+        momentum: None,
+        weight_decay: None,
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (Sgd::new(&a, cfg), Sgd::new(&b, cfg));
+    let mut scaler = GradScaler::new(StaticLossScale::new(1024.0).unwrap());
+    for _ in 0..20 {
+        penalised_step_f32(&mut a, &mut oa, &x, &y);
+        penalised_step(&mut b, &mut ob, &x, &y, &mut scaler);
+    }
+    let (n0, n32, n16) = (
+        norm2(&init.weight.as_vec()),
+        norm2(&a.weight.as_vec()),
+        norm2(&b.weight.as_vec()),
+    );
+    println!("|W|^2: start {n0}, f32 {n32}, mixed {n16}");
+    assert!(n32 < 0.5 * n0, "{n0} -> {n32}");
+    assert!(
+        (n16 - n32).abs() <= 0.02 * n32 + 1e-4,
+        "mixed {n16} vs f32 {n32}"
+    );
+}
+
+// ---- several heads, integer inputs, try_forward ----------------------------------------------
+
+type Heads = SplitInto<(Linear<4, 2>, Linear<4, 3>)>;
+type HeadsModel = <(Linear<4, 4>, Tanh, Heads) as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler)]
+fn two_heads(
+    model: &mut HeadsModel,
+    opt: &mut Sgd<HeadsModel, f32, Cpu>,
+    x: &X,
+    scaler: &mut GradScaler,
+) -> Result<f32, StepError> {
+    let grads = model.try_alloc_grads()?;
+    let (a, b) = model.try_forward(x.trace(grads))?;
+    let loss = a.square().mean() + b.abs().mean();
+    let value = loss.array();
+    let grads = loss.try_backward()?;
+    opt.update(model, &grads)?;
+    Ok(value)
+}
+
+fn two_heads_f32(model: &mut HeadsModel, opt: &mut Sgd<HeadsModel, f32, Cpu>, x: &X) -> f32 {
+    let grads = model.alloc_grads();
+    let (a, b) = model.forward(x.trace(grads));
+    let loss = a.square().mean() + b.abs().mean();
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[test]
+fn a_tuple_output_backpropagates_both_heads_through_the_shared_trunk() {
+    let dev = Cpu::seed_from_u64(5);
+    let init = dev.build_module::<(Linear<4, 4>, Tanh, Heads), f32>();
+    let (x, _) = batch(&dev, 2);
+    let cfg = SgdConfig {
+        lr: 0.05,
+        momentum: None,
+        weight_decay: None,
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (Sgd::new(&a, cfg), Sgd::new(&b, cfg));
+    let mut scaler = GradScaler::new(DynamicLossScale::default());
+    let mut identity = GradScaler::<f32, _>::new(NoOpLossScale);
+    let mut c = init.clone();
+    let mut oc = Sgd::new(&c, cfg);
+    for _ in 0..10 {
+        let l32 = two_heads_f32(&mut a, &mut oa, &x);
+        let l16 = two_heads(&mut b, &mut ob, &x, &mut scaler).unwrap();
+        assert!((l32 - l16).abs() <= 0.01 * l32 + 1e-3, "{l32} vs {l16}");
+        two_heads_identity(&mut c, &mut oc, &x, &mut identity).unwrap();
+    }
+    // With an f32 working copy the trunk's gradients (from both heads) are exactly dfdx's.
+    assert_eq!(params(&c), params(&a));
+    assert_ne!(params(&a), params(&init));
+}
+
+#[mixed_step(scaling = scaler)]
+fn two_heads_identity(
+    model: &mut HeadsModel,
+    opt: &mut Sgd<HeadsModel, f32, Cpu>,
+    x: &X,
+    scaler: &mut GradScaler<f32, NoOpLossScale>,
+) -> Result<f32, StepError> {
+    let grads = model.try_alloc_grads()?;
+    let (a, b) = model.try_forward(x.trace(grads))?;
+    let loss = a.square().mean() + b.abs().mean();
+    let value = loss.array();
+    let grads = loss.try_backward()?;
+    opt.update(model, &grads)?;
+    Ok(value)
+}
+
+type Tokens = <(Embedding<10, 6>, Linear<6, 2>) as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler, half = f16)]
+fn token_step(
+    model: &mut Tokens,
+    opt: &mut Sgd<Tokens, f32, Cpu>,
+    ids: &Tensor<Rank1<5>, usize, Cpu>,
+    target: &Tensor<Rank2<5, 2>, f32, Cpu>,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let out = model.forward(ids.trace(grads));
+    let loss = mse_loss(out, target.clone());
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[test]
+fn integer_token_ids_stay_integers_and_the_embedding_learns() {
+    let dev = Cpu::seed_from_u64(6);
+    let mut model = dev.build_module::<(Embedding<10, 6>, Linear<6, 2>), f32>();
+    let mut opt = Sgd::new(
+        &model,
+        SgdConfig {
+            lr: 0.1,
+            momentum: None,
+            weight_decay: None,
+        },
+    );
+    let ids = dev.tensor([1usize, 3, 3, 7, 9]);
+    let target = dev.tensor([
+        [1.0f32, 0.0],
+        [0.0, 1.0],
+        [0.0, 1.0],
+        [1.0, 1.0],
+        [0.5, 0.5],
+    ]);
+    let row0 = model.0.weight.array()[0];
+    let first = token_step(
+        &mut model,
+        &mut opt,
+        &ids,
+        &target,
+        &mut GradScaler::default(),
+    );
+    let mut scaler = GradScaler::default();
+    let mut last = first;
+    for _ in 0..30 {
+        last = token_step(&mut model, &mut opt, &ids, &target, &mut scaler);
+    }
+    assert!(last < 0.5 * first, "{first} -> {last}");
+    // Unused token 0 gets no gradient; used token 1 moved.
+    assert_eq!(model.0.weight.array()[0], row0);
+    assert_eq!(scaler.skipped_steps(), 0);
+}
+
+// ---- overflow and skipping ---------------------------------------------------------------------
+
+#[mixed_step(scaling = scaler)]
+fn plain_step(
+    model: &mut Model,
+    opt: &mut Adam<Model, f32, Cpu>,
+    x: &X,
+    y: &Y,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let loss = cross_entropy_with_logits_loss(out, y.clone());
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[test]
+fn an_overflowing_scale_backs_off_and_skipped_steps_never_touch_the_master() {
+    let dev = Cpu::seed_from_u64(7);
+    let mut model = dev.build_module::<Mlp, f32>();
+    let mut opt = Adam::new(&model, Default::default());
+    let (x, y) = batch(&dev, 0);
+    // 2^40 overflows f16 at once (its max is 65504): the first steps are skipped.
+    let mut scaler = GradScaler::new(
+        DynamicLossScale::builder()
+            .initial(2f32.powi(40))
+            .period(1000)
+            .build()
+            .unwrap(),
+    );
+    let mut skipped = 0;
+    for _ in 0..40 {
+        let before = params(&model);
+        let scale = scaler.loss_scale();
+        plain_step(&mut model, &mut opt, &x, &y, &mut scaler);
+        let last = scaler.last_step().unwrap();
+        assert_eq!(last.scale, scale);
+        if last.is_applied() {
+            assert_ne!(params(&model), before);
+        } else {
+            skipped += 1;
+            assert_eq!(params(&model), before);
+            assert_eq!(last.new_scale, scale / 2.0);
+        }
+    }
+    assert!(skipped >= 10, "{skipped}");
+    assert_eq!(scaler.skipped_steps(), skipped);
+    assert_eq!(scaler.applied_steps(), 40 - skipped);
+    // Backed off far enough, training proceeds: the scale left is below where it started.
+    assert!(scaler.loss_scale() < 2f32.powi(40) && scaler.last_step().unwrap().is_applied());
+}
+
+#[test]
+fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
+    let dev = Cpu::seed_from_u64(8);
+    let mut model = dev.build_module::<Mlp, f32>();
+    let mut opt = Adam::new(&model, Default::default());
+    let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale).with_max_consecutive_skips(2);
+    let mut grads = model.alloc_grads();
+    let x: X = dev.tensor([[f32::INFINITY; 4]; 8]);
+    let before = params(&model);
+    for k in 1..=3u64 {
+        let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x));
+        grads = scaler.backward(out.square().mean());
+        let r = scaler.update(&mut model, &mut opt, &grads);
+        if k <= 2 {
+            assert!(
+                matches!(r, Ok(UpdateOutcome::Skipped { consecutive, .. }) if consecutive == k)
+            );
+        } else {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    StepError::TooManySkips {
+                        consecutive: 3,
+                        limit: 2,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(
+                e.to_string()
+                    .contains("3 consecutive steps were skipped (limit 2)")
+            );
+        }
+        model.zero_grads(&mut grads);
+    }
+    assert_eq!(params(&model), before);
+    assert_eq!(grad_norm(&model, &mut grads).unwrap(), 0.0);
+}
+
+// ---- batch norm ---------------------------------------------------------------------------------
+
+type Bn = <(Linear<4, 4>, BatchNorm1D<4>, Linear<4, 3>) as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler)]
+fn bn_step(
+    model: &mut Bn,
+    opt: &mut Sgd<Bn, f32, Cpu>,
+    x: &X,
+    y: &Y,
+    scaler: &mut GradScaler<f32, NoOpLossScale>,
+) {
+    let grads = model.alloc_grads();
+    let out = model.forward_mut(x.trace(grads));
+    let grads = mse_loss(out, y.clone()).backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn bn_step_f32(model: &mut Bn, opt: &mut Sgd<Bn, f32, Cpu>, x: &X, y: &Y) {
+    let grads = model.alloc_grads();
+    let out = model.forward_mut(x.trace(grads));
+    let grads = mse_loss(out, y.clone()).backward();
+    opt.update(model, &grads).unwrap();
+}
+
+#[test]
+fn batch_norm_running_statistics_reach_the_master() {
+    let dev = Cpu::seed_from_u64(9);
+    let init = dev.build_module::<(Linear<4, 4>, BatchNorm1D<4>, Linear<4, 3>), f32>();
+    let (x, y) = batch(&dev, 3);
+    let cfg = SgdConfig::default();
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (Sgd::new(&a, cfg), Sgd::new(&b, cfg));
+    let mut scaler = GradScaler::<f32, _>::new(NoOpLossScale);
+    for _ in 0..3 {
+        bn_step_f32(&mut a, &mut oa, &x, &y);
+        bn_step(&mut b, &mut ob, &x, &y, &mut scaler);
+    }
+    assert_ne!(a.1.running_mean.as_vec(), init.1.running_mean.as_vec());
+    assert_eq!(params(&b), params(&a));
+}
