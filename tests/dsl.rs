@@ -225,11 +225,8 @@ mod step {
     use dfdx::optim::{Adam, AdamConfig};
     use dfdx::prelude::*;
     use mpx::mixed_step;
-    use mpx::precision::f16;
     use mpx::scaling::DynamicLossScale;
-    use mpx::step::{
-        MixedWorkspace, SkipReason, UpdateOutcome, filter_value_and_grad, optimizer_update,
-    };
+    use mpx::step::GradScaler;
 
     pub const BATCH: usize = 32;
     pub type Mlp = (Linear<FEATURES, 32>, ReLU, Linear<32, CLASSES>);
@@ -249,13 +246,13 @@ mod step {
     }
 
     /// The same step, converted: the attribute and the scaler argument.
-    #[mixed_step(scaling = scaler, half = f16)]
+    #[mixed_step(scaling = scaler)]
     pub fn mixed(
         model: &mut Model,
         opt: &mut Adam<Model, f32, Cpu>,
         x: X,
         y: Y,
-        scaler: &mut DynamicLossScale,
+        scaler: &mut GradScaler,
     ) -> f32 {
         let grads = model.alloc_grads();
         let logits = model.forward_mut(x.traced(grads));
@@ -272,21 +269,15 @@ mod step {
         opt: &mut Adam<Model, f32, Cpu>,
         x: X,
         y: Y,
-        scaler: &mut DynamicLossScale,
-    ) -> (f32, bool, f32, UpdateOutcome) {
-        let mut ws = MixedWorkspace::<f16, _>::new(model).expect("workspace");
-        let xh = x.to_dtype::<f16>();
-        let g = filter_value_and_grad(
-            model,
-            scaler,
-            &mut ws,
-            |m, t| m.forward_mut(xh.put_tape(t)),
-            |logits| cross_entropy_with_logits_loss(logits, y),
-        )
-        .expect("grads");
-        let finite = g.grads_finite;
-        let outcome = optimizer_update(model, opt, &g, finite).expect("update");
-        (g.loss, finite, g.applied_scale, outcome)
+        scaler: &mut GradScaler,
+    ) -> f32 {
+        let grads = model.alloc_grads();
+        let logits = scaler.forward(model, x.traced(grads), |m, x| m.forward_mut(x));
+        let loss = cross_entropy_with_logits_loss(logits, y);
+        let loss_value = loss.array();
+        let grads = scaler.backward(loss);
+        scaler.update(model, opt, &grads).expect("update");
+        loss_value
     }
 
     pub fn batch(dev: &Cpu, d: &Digits, b: usize) -> (X, Y) {
@@ -320,23 +311,14 @@ mod step {
         correct as f32 / d.test_len() as f32
     }
 
-    pub fn scaler(initial: f32) -> DynamicLossScale {
-        DynamicLossScale::builder()
-            .initial(initial)
-            .period(10)
-            .build()
-            .expect("scale")
-    }
-
-    pub fn skip_reason(o: UpdateOutcome) -> Option<SkipReason> {
-        match o {
-            UpdateOutcome::Skipped { reason, .. } => Some(reason),
-            UpdateOutcome::Applied => None,
-        }
-    }
-
-    pub fn scale_of(s: &DynamicLossScale) -> f32 {
-        s.loss_scale()
+    pub fn scaler(initial: f32) -> GradScaler {
+        GradScaler::new(
+            DynamicLossScale::builder()
+                .initial(initial)
+                .period(10)
+                .build()
+                .expect("scale"),
+        )
     }
 
     pub fn adam(model: &Model) -> Adam<Model, f32, Cpu> {
@@ -376,26 +358,30 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
     for i in 0..12 {
         let (x, y) = step::batch(&dev, &data, i);
         let before = master_bits(&a);
-        let r = step::mixed(&mut a, &mut oa, x.clone(), y.clone(), &mut sa).expect("step");
-        let (loss, finite, scale, outcome) = step::by_hand(&mut b, &mut ob, x, y, &mut sb);
-        assert_eq!(
-            (r.loss.to_bits(), r.grads_finite, r.scale, r.outcome),
-            (loss.to_bits(), finite, scale, outcome)
-        );
-        assert_eq!(r.new_scale, step::scale_of(&sa));
+        let la = step::mixed(&mut a, &mut oa, x.clone(), y.clone(), &mut sa);
+        let lb = step::by_hand(&mut b, &mut ob, x, y, &mut sb);
+        assert_eq!(la.to_bits(), lb.to_bits());
+        let (ra, rb) = (sa.last_step().unwrap(), sb.last_step().unwrap());
+        assert_eq!(ra, rb);
+        assert_eq!(ra.loss.to_bits(), la.to_bits());
+        assert_eq!(ra.new_scale, sa.loss_scale());
         assert_eq!(master_bits(&a), master_bits(&b));
-        if !r.is_applied() {
+        if !ra.is_applied() {
             skipped += 1;
             assert_eq!(
-                step::skip_reason(r.outcome),
-                Some(mpx::step::SkipReason::GradsNotFinite)
+                ra.outcome,
+                mpx::step::UpdateOutcome::Skipped {
+                    reason: mpx::step::SkipReason::GradsNotFinite,
+                    consecutive: sa.consecutive_skips(),
+                    total: skipped,
+                }
             );
             assert_eq!(
                 master_bits(&a),
                 before,
                 "a skipped step leaves the master untouched"
             );
-            assert_eq!(r.new_scale, r.scale / 2.0);
+            assert_eq!(ra.new_scale, ra.scale / 2.0);
         }
     }
     assert!(
@@ -403,6 +389,7 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
         "2^24 must overflow f16 gradients at least once"
     );
     assert!(skipped < 12, "the scale must come down far enough to train");
+    assert_eq!(sa.skipped_steps(), skipped);
 }
 
 #[test]
@@ -418,7 +405,7 @@ fn mixed_step_trains_digits_as_well_as_f32() {
         for b in 0..batches {
             let (x, y) = step::batch(&dev, &data, b);
             step::f32_step(&mut m32, &mut o32, x.clone(), y.clone());
-            step::mixed(&mut m16, &mut o16, x, y, &mut scale).expect("step");
+            step::mixed(&mut m16, &mut o16, x, y, &mut scale);
         }
     }
     let (a32, a16) = (

@@ -64,10 +64,14 @@ impl Rewriter {
             .then_some(Role::Forward(path))
     }
 
-    /// `&mut GradScaler<H, _>`, from the place the user named.
+    /// `&mut GradScaler<H, _>`, from the place the user named; every token carries the place's
+    /// span, so a wrong type is reported once, there.
     fn scaler(&self) -> TokenStream {
-        let (root, half, scaling) = (&self.root, &self.half, &self.scaling);
-        quote_spanned!(scaling.span()=>
+        let span = self.scaling.span();
+        let root = respan(self.root.clone(), span);
+        let half = respan(self.half.clone(), span);
+        let scaling = &self.scaling;
+        quote_spanned!(span=>
             #root::step::scaler_of::<#half, _>({
                 use #root::step::__macro_support::ByMut as _;
                 (#scaling).__mpx_by_mut()
@@ -89,8 +93,13 @@ impl Rewriter {
                     use #root::step::__macro_support::ByMut as _;
                     &*(#master).__mpx_by_mut()
                 });
+                // The master boundary first, at the model's tokens, so its message leads.
+                let check_master = quote_spanned!(master.span()=>
+                    let _ = #root::boundary::require_master(#master_ref);
+                );
                 quote!({
                     let __mpx_input = #arg;
+                    #check_master
                     #scaler.forward(
                         #master_ref,
                         #input,
@@ -124,6 +133,23 @@ impl Rewriter {
         };
         syn::parse2(tokens).unwrap_or_else(|e| syn::Expr::Verbatim(e.to_compile_error()))
     }
+}
+
+/// `tokens` with every span set to `span` (groups included).
+fn respan(tokens: TokenStream, span: proc_macro2::Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut t| {
+            if let proc_macro2::TokenTree::Group(g) = &t {
+                let mut ng = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                ng.set_span(span);
+                t = proc_macro2::TokenTree::Group(ng);
+            } else {
+                t.set_span(span);
+            }
+            t
+        })
+        .collect()
 }
 
 impl VisitMut for Rewriter {

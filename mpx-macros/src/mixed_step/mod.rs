@@ -87,7 +87,7 @@ mod tests {
         let s = flat(&out);
         for want in [
             // the signature and return type are untouched
-            "fntrain(model:&mutModel,opt:&mutAdam<Model,f32,Cpu>,data:Data,scaler:&mutGradScaler){",
+            "fntrain(model:&mutModel,opt:&mutAdam<Model,f32,Cpu>,data:Data,scaler:&mutGradScaler,){",
             "letmutgrads=model.alloc_grads();",
             // forward: the working copy, the traced input as written
             "let__mpx_input=img.traced(grads);",

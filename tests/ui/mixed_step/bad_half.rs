@@ -1,17 +1,15 @@
-// `half` takes one of the half types; f32 is the master's precision.
+// `half = f64` and an unknown argument, reported together.
 use dfdx::optim::Sgd;
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::scaling::DynamicLossScale;
+use mpx::step::GradScaler;
 
 type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
 
-#[mixed_step(scaling = scale, half = f32)]
-fn step(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, x: Tensor<Rank2<3, 4>, f32, Cpu>, scale: &mut DynamicLossScale) {
+#[mixed_step(scaling = scaler, half = f64, workspace = ws)]
+fn step(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, x: Tensor<Rank2<3, 4>, f32, Cpu>, scaler: &mut GradScaler) {
     let grads = model.alloc_grads();
-    let out = model.forward(x.traced(grads));
-    let loss = out.square().mean();
-    let grads = loss.backward();
+    let grads = model.forward(x.traced(grads)).square().mean().backward();
     opt.update(model, &grads).unwrap();
 }
 

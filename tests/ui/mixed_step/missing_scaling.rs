@@ -1,4 +1,4 @@
-// `scaling` is required: the step must be told which loss scale to apply and adjust.
+// No `scaling = ..`: the step has no state to scale with.
 use dfdx::optim::Sgd;
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -8,9 +8,7 @@ type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
 #[mixed_step(half = f16)]
 fn step(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, x: Tensor<Rank2<3, 4>, f32, Cpu>) {
     let grads = model.alloc_grads();
-    let out = model.forward(x.traced(grads));
-    let loss = out.square().mean();
-    let grads = loss.backward();
+    let grads = model.forward(x.traced(grads)).square().mean().backward();
     opt.update(model, &grads).unwrap();
 }
 

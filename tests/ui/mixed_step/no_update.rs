@@ -1,12 +1,13 @@
-// Gradients computed but never applied: the step needs the optimizer update to make it skip-safe.
+// Gradients computed but never applied: the step needs the optimizer update (it finds the master
+// model there, and makes it skip non-finite steps).
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::scaling::DynamicLossScale;
+use mpx::step::GradScaler;
 
 type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
 
-#[mixed_step(scaling = scale)]
-fn step(model: &mut Model, x: Tensor<Rank2<3, 4>, f32, Cpu>, scale: &mut DynamicLossScale) -> Gradients<f32, Cpu> {
+#[mixed_step(scaling = scaler)]
+fn step(model: &mut Model, x: Tensor<Rank2<3, 4>, f32, Cpu>, scaler: &mut GradScaler) -> Gradients<f32, Cpu> {
     let grads = model.alloc_grads();
     let out = model.forward(x.traced(grads));
     let loss = out.square().mean();

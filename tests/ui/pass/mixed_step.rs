@@ -1,18 +1,17 @@
-// Every accepted form of `#[mixed_step]`, one step each.
+// Accepted forms of `#[mixed_step]`, each run once.
 use dfdx::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::precision::AMP;
-use mpx::precision::f16;
+use mpx::precision::{AMP, bf16, f16};
 use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
-use mpx::step::MixedWorkspace;
+use mpx::step::GradScaler;
 
 type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
 type X = Tensor<Rank2<3, 4>, f32, Cpu>;
 
-// The default half type (f16); the step returned its loss value.
-#[mixed_step(scaling = scale)]
-fn f16_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: X, scale: &mut DynamicLossScale) -> f32 {
+// The scaler's own precision (f16 by default); the step returns its loss value, as before.
+#[mixed_step(scaling = scaler)]
+fn f16_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: X, scaler: &mut GradScaler) -> f32 {
     let grads = model.alloc_grads();
     let out = model.forward(x.traced(grads));
     let loss = out.square().mean();
@@ -22,14 +21,13 @@ fn f16_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: X, scale: &mu
     value
 }
 
-// AMP<f16> with a workspace kept by the caller; `forward_mut`, `try_backward()?`, `?` on the update.
-#[mixed_step(scaling = scale, half = amp_f16, workspace = ws)]
+// AMP<f16>: `forward_mut`, `try_backward()?`, `?` on the update, a `Result` kept as it was.
+#[mixed_step(scaling = scaler, half = amp_f16)]
 fn amp_step(
     model: &mut Model,
     opt: &mut Sgd<Model, f32, Cpu>,
     x: X,
-    scale: &mut StaticLossScale,
-    ws: &mut MixedWorkspace<AMP<f16>, Model>,
+    scaler: &mut GradScaler<AMP<f16>, StaticLossScale>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let grads = model.alloc_grads();
     let out = model.forward_mut(x.traced(grads));
@@ -39,43 +37,57 @@ fn amp_step(
     Ok(())
 }
 
-// Emulated bf16 in a method: fields as model, optimizer and scale; the facade path given.
+// A loop with a local scaler declared before it.
+#[mixed_step(scaling = scaler)]
+fn train(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, data: &[X]) -> u64 {
+    let mut scaler = GradScaler::<f16>::new(DynamicLossScale::default());
+    let mut grads = model.alloc_grads();
+    for x in data {
+        grads = model.forward(x.trace(grads)).square().mean().backward();
+        opt.update(model, &grads).unwrap();
+        model.zero_grads(&mut grads);
+    }
+    scaler.applied_steps() + scaler.skipped_steps()
+}
+
+// Emulated bf16 in a method: model, optimizer, gradients and scaler are fields; the facade path.
 struct Trainer {
     model: Model,
     opt: Sgd<Model, f32, Cpu>,
-    scale: NoOpLossScale,
-    steps: usize,
+    grads: Gradients<f32, Cpu>,
+    scaler: GradScaler<bf16, NoOpLossScale>,
 }
 
 impl Trainer {
-    #[mixed_step(scaling = &mut self.scale, half = bf16, crate = "::mpx")]
+    #[mixed_step(scaling = self.scaler, half = bf16, crate = "::mpx")]
     fn step(&mut self, x: X) {
-        let grads = self.model.alloc_grads();
-        let out = self.model.forward(x.traced(grads));
-        let loss = out.square().mean();
-        let grads = loss.backward();
-        let _ = self.opt.update(&mut self.model, &grads);
-        self.steps += 1;
+        let out = self.model.forward(x.traced(self.grads.clone()));
+        self.grads = out.square().mean().backward();
+        let _ = self.opt.update(&mut self.model, &self.grads);
+        self.model.zero_grads(&mut self.grads);
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() {
     let dev = Cpu::default();
     let x: X = dev.tensor([[1.0, 2.0, 3.0, 4.0]; 3]);
     let mut model = dev.build_module::<Linear<4, 2>, f32>();
     let mut adam = Adam::new(&model, AdamConfig::default());
-    let mut scale = DynamicLossScale::new(1024.0)?;
-    let report = f16_step(&mut model, &mut adam, x.clone(), &mut scale)?;
-    assert!(report.is_applied() && report.loss.is_finite() && report.scale == 1024.0);
+    let mut scaler = GradScaler::new(DynamicLossScale::builder().initial(1024.0).build().unwrap());
+    let loss = f16_step(&mut model, &mut adam, x.clone(), &mut scaler);
+    let report = scaler.last_step().unwrap();
+    assert!(report.is_applied() && report.loss == loss && report.scale == 1024.0);
 
     let mut sgd = Sgd::new(&model, SgdConfig::default());
-    let mut ws = MixedWorkspace::<AMP<f16>, _>::new(&model)?;
-    let report = amp_step(&mut model, &mut sgd, x.clone(), &mut StaticLossScale::new(8.0)?, &mut ws)?;
-    assert!(report.grads_finite && ws.applied_steps() == 1);
+    let mut amp = GradScaler::new(StaticLossScale::new(8.0).unwrap());
+    amp_step(&mut model, &mut sgd, x.clone(), &mut amp).unwrap();
+    assert!(amp.last_step().unwrap().grads_finite && amp.applied_steps() == 1);
+
+    assert_eq!(train(&mut model, &mut sgd, &[x.clone(), x.clone()]), 2);
 
     let opt = Sgd::new(&model, SgdConfig::default());
-    let mut t = Trainer { model, opt, scale: NoOpLossScale, steps: 0 };
-    let report = t.step(x)?;
-    assert!(report.is_applied() && t.steps == 1 && report.scale == 1.0);
-    Ok(())
+    let grads = model.alloc_grads();
+    let mut t = Trainer { model, opt, grads, scaler: GradScaler::new(NoOpLossScale) };
+    t.step(x);
+    assert_eq!(t.scaler.applied_steps(), 1);
 }

@@ -1,0 +1,17 @@
+// A scaler built inside the attribute is new on every call: its scale and counters never persist
+// (a dynamic scale that starts too high would skip every step, forever).
+use dfdx::optim::Sgd;
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::step::GradScaler;
+
+type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
+
+#[mixed_step(scaling = &mut GradScaler::default())]
+fn step(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, x: Tensor<Rank2<3, 4>, f32, Cpu>) {
+    let grads = model.alloc_grads();
+    let grads = model.forward(x.traced(grads)).square().mean().backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn main() {}
