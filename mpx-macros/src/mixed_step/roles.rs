@@ -4,7 +4,7 @@
 //!
 //! | role | recognised as | rewritten to |
 //! |---|---|---|
-//! | optimizer update | `opt.update(master, &grads)` | `scaler.update(master, opt, &grads)` (skips a non-finite step) |
+//! | optimizer update | `opt.update(master, &grads)` (the model a place) | `scaler.update(master, opt, &grads)` (skips a non-finite step) |
 //! | forward of the master | `master.forward(x)`, `master.layer.forward_mut(x)`, `try_forward(_mut)`, where `x` is traced | `scaler.forward(&master, x, \|wc, x\| wc.layer.forward(x))` (half working copy, f32 out) |
 //! | backward | `loss.backward()`, `loss.try_backward()` | `scaler.backward(loss)` (half gradients unscaled into the master's) |
 //! | gradient allocation, traced input, `zero_grads` | `model.alloc_grads()`, `x.traced(grads)`, `x.trace(grads)`, `model.zero_grads(&mut grads)` | unchanged: the master's f32 gradients flow exactly as in the f32 step |
@@ -47,17 +47,14 @@ pub(crate) fn as_update(m: &syn::ExprMethodCall) -> Option<(&syn::Expr, &syn::Ex
     if m.method != "update" || m.args.len() != 2 {
         return None;
     }
-    let grads = &m.args[1];
-    matches!(place_ref(grads), Some(false)).then(|| (&*m.receiver, &m.args[0], grads))
-}
-
-/// `Some(is_mut)` for a reference expression `&x` / `&mut x`.
-fn place_ref(e: &syn::Expr) -> Option<bool> {
-    match e {
-        syn::Expr::Paren(p) => place_ref(&p.expr),
-        syn::Expr::Reference(r) => Some(r.mutability.is_some()),
-        _ => None,
-    }
+    // The model is a place (`model`, `&mut self.model`, `*m`), never a computed value.
+    let is_place = |e: &syn::Expr| {
+        matches!(
+            place(e),
+            syn::Expr::Path(_) | syn::Expr::Field(_) | syn::Expr::Unary(_)
+        )
+    };
+    is_place(&m.args[0]).then(|| (&*m.receiver, &m.args[0], &m.args[1]))
 }
 
 /// `loss.backward()` / `loss.try_backward()`.

@@ -106,7 +106,13 @@ where
                     half
                 }
                 _ if H::IDENTITY => share::<H, M>(master)?,
-                _ => try_cast_module::<H, f32, M>(master)?,
+                _ => {
+                    // Built once; the in-place cast sizes its scratch now, so that every later
+                    // step allocates nothing of the model's size.
+                    let mut half = try_cast_module::<H, f32, M>(master)?;
+                    cast_module_into::<H, f32, M>(master, &mut half, &mut self.scratch)?;
+                    half
+                }
             };
             self.half = Some(half);
             self.fresh = true;
