@@ -270,31 +270,7 @@ impl MxTensor {
         let mut out =
             Vec::with_capacity(HEADER_FIXED + 8 * self.shape.len() + self.storage_bytes());
         out.extend_from_slice(MAGIC);
-        let f = self.spec.format();
-        let (kind, a, b) = match f {
-            MxFormat::Fp8E4M3 => (0u8, 0u8, 0u8),
-            MxFormat::Fp8E5M2 => (1, 0, 0),
-            MxFormat::Fp6E3M2 => (2, 0, 0),
-            MxFormat::Fp6E2M3 => (3, 0, 0),
-            MxFormat::Fp4E2M1 => (4, 0, 0),
-            MxFormat::Int8 => (5, 0, 0),
-            MxFormat::CustomFloat(c) => (6, c.exp_bits() as u8, c.man_bits() as u8),
-            MxFormat::CustomInt(c) => (7, c.bits() as u8, 0),
-        };
-        let rounding = match self.spec.rounding() {
-            Rounding::NearestEven => 0u8,
-            Rounding::NearestAway => 1,
-        };
-        out.extend_from_slice(&[
-            kind,
-            a,
-            b,
-            rounding,
-            self.spec.scale_exp_bits() as u8,
-            0,
-            0,
-            0,
-        ]);
+        out.extend_from_slice(&spec_bytes(&self.spec));
         out.extend_from_slice(&(self.spec.block_size() as u64).to_le_bytes());
         out.extend_from_slice(&(self.shape.len() as u32).to_le_bytes());
         for &d in &self.shape {
@@ -305,9 +281,14 @@ impl MxTensor {
         out
     }
 
-    /// Reads what [`to_bytes`](MxTensor::to_bytes) wrote. Errors (never panics) on a wrong
-    /// magic, an invalid spec (unknown format, bad widths, block size 0), a shape whose element
-    /// count overflows, a wrong total length, out-of-range codes or non-zero padding bits.
+    /// Reads what [`to_bytes`](MxTensor::to_bytes) wrote, and only that: every accepted input is
+    /// canonical, `from_bytes(b)?.to_bytes() == b`.
+    ///
+    /// # Errors
+    /// (never panics) a wrong magic, an invalid spec (unknown format, bad widths, block size 0), a
+    /// header `to_bytes` never writes ([`MxError::BadHeader`]: non-zero reserved bytes, non-zero
+    /// unused format fields, a custom float with 0 exponent bits), a shape whose element count
+    /// overflows, a wrong total length, out-of-range codes or non-zero padding bits.
     pub fn from_bytes(bytes: &[u8]) -> Result<MxTensor, MxError> {
         if bytes.len() < HEADER_FIXED {
             return Err(MxError::Length {
@@ -351,6 +332,7 @@ impl MxTensor {
             .with_rounding(rounding)
             .with_scale_exp_bits(u32::from(h[4]))?
             .with_block_size(block)?;
+        check_canonical_spec(h, &spec)?;
         let ndim = u32::from_le_bytes([bytes[20], bytes[21], bytes[22], bytes[23]]) as usize;
         let dims_end = ndim
             .checked_mul(8)
@@ -422,6 +404,51 @@ impl MxTensor {
 const MAGIC: &[u8; 4] = b"MXT1";
 /// Magic (4), format/rounding/scale (8), block size (8), ndim (4).
 const HEADER_FIXED: usize = 24;
+
+/// The 8 header bytes after the magic: format kind, its two parameters (0 where unused),
+/// rounding, scale exponent width, and 3 reserved zero bytes.
+fn spec_bytes(spec: &MxSpec) -> [u8; 8] {
+    let (kind, a, b) = match spec.format() {
+        MxFormat::Fp8E4M3 => (0u8, 0u8, 0u8),
+        MxFormat::Fp8E5M2 => (1, 0, 0),
+        MxFormat::Fp6E3M2 => (2, 0, 0),
+        MxFormat::Fp6E2M3 => (3, 0, 0),
+        MxFormat::Fp4E2M1 => (4, 0, 0),
+        MxFormat::Int8 => (5, 0, 0),
+        MxFormat::CustomFloat(c) => (6, c.exp_bits() as u8, c.man_bits() as u8),
+        MxFormat::CustomInt(c) => (7, c.bits() as u8, 0),
+    };
+    let rounding = match spec.rounding() {
+        Rounding::NearestEven => 0u8,
+        Rounding::NearestAway => 1,
+    };
+    [kind, a, b, rounding, spec.scale_exp_bits() as u8, 0, 0, 0]
+}
+
+/// Errors unless `header` (bytes 4..12) is exactly what [`spec_bytes`] writes for the spec read
+/// from it, naming the first byte that differs.
+fn check_canonical_spec(header: &[u8], spec: &MxSpec) -> Result<(), MxError> {
+    let canonical = spec_bytes(spec);
+    let Some(i) = header.iter().zip(&canonical).position(|(h, c)| h != c) else {
+        return Ok(());
+    };
+    let field = match i {
+        0 => "format kind",
+        1 | 2 => "format parameter",
+        3 => "rounding",
+        4 => "scale exponent width",
+        _ => "reserved byte",
+    };
+    Err(MxError::BadHeader(format!(
+        "non-canonical {field} at byte {}: {:#04x}, but {} is written as {:#04x} \
+         (unused format parameters and reserved bytes are 0; a custom float has at least 1 \
+         exponent bit)",
+        4 + i,
+        header[i],
+        spec.format(),
+        canonical[i]
+    )))
+}
 
 fn read8(b: &[u8]) -> [u8; 8] {
     let mut a = [0u8; 8];
