@@ -785,6 +785,19 @@ fn only_canonical_encodings_are_read() {
     assert!(MxTensor::from_bytes(&b).is_ok());
 }
 
+#[test]
+fn huge_thread_counts_give_the_same_tensor() {
+    // One element per row: this once spawned a thread per row (capped now at rows and cores).
+    let x: Vec<f32> = (0..200_000).map(|i| (i % 97) as f32 - 48.0).collect();
+    let spec = MxSpec::new(MxFormat::Fp4E2M1);
+    let one = MxTensor::quantize(&x, &[200_000, 1], &spec).unwrap();
+    let many = MxTensor::quantize_threads(&x, &[200_000, 1], &spec, usize::MAX).unwrap();
+    assert_eq!(many, one);
+    let mut out = vec![0.0; x.len()];
+    many.dequantize_into(&mut out, usize::MAX).unwrap();
+    assert_eq!(bits_of(&out), bits_of(&one.dequantize()));
+}
+
 /// A small tensor and spec, so that every byte of the encoding can be mutated in each case.
 fn small_encoding() -> impl Strategy<Value = Vec<u8>> {
     (1usize..3, 1usize..12, any_spec()).prop_flat_map(|(rows, cols, spec)| {

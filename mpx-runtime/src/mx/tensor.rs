@@ -56,7 +56,9 @@ impl MxTensor {
     }
 
     /// [`quantize`](MxTensor::quantize) on up to `threads` scoped threads (`0` = all available
-    /// cores), split by rows. The result is identical for any thread count.
+    /// cores), split by rows. The threads are capped at the rows and at
+    /// [`std::thread::available_parallelism`], so any count is safe to pass. The result is
+    /// identical for any thread count.
     pub fn quantize_threads(
         data: &[f32],
         shape: &[usize],
