@@ -4,7 +4,7 @@
 //! with `autocast(enabled=False)` and explicit `.float()` casts. Here a region is
 //! [`FullPrecision::<H>::run`] (tensors only) or [`FullPrecision::<H>::run_with`] (tensors and a
 //! module whose parameters are used inside, such as a `LayerNorm1D`'s gamma and beta); the
-//! [`full_precision`](https://docs.rs/mpx/latest/mpx/attr.full_precision.html) attribute rewrites a
+//! [`full_precision`](https://docs.rs/mpx-dfdx/latest/mpx/attr.full_precision.html) attribute rewrites a
 //! function body into a call of these.
 //!
 //! # How gradients cross the boundary

@@ -341,7 +341,7 @@ impl Kernel {
 pub(crate) fn row_ranges(layout: Layout, bits: u32, threads: usize) -> Vec<(usize, usize)> {
     let rows = layout.rows;
     let align = (1..=8usize)
-        .find(|r| (r * layout.cols % 8) * bits as usize % 8 == 0)
+        .find(|r| ((r * layout.cols % 8) * bits as usize).is_multiple_of(8))
         .unwrap_or(8);
     let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads.min(machine).min(rows).max(1);

@@ -378,20 +378,19 @@ impl MxTensor {
             elements,
         };
         let limit = 1u32 << format.bits();
-        if limit < 1 << bits {
-            if let Some((i, &c)) = t
+        if limit < 1 << bits
+            && let Some((i, &c)) = t
                 .element_codes()
                 .iter()
                 .enumerate()
                 .find(|(_, c)| u32::from(**c) >= limit)
-            {
-                return Err(MxError::CodeOutOfRange {
-                    what: "element",
-                    index: i,
-                    code: c,
-                    limit,
-                });
-            }
+        {
+            return Err(MxError::CodeOutOfRange {
+                what: "element",
+                index: i,
+                code: c,
+                limit,
+            });
         }
         let used = (layout.len() % 8) * bits as usize % 8;
         if used != 0 && t.elements.last().is_some_and(|&b| b >> used != 0) {

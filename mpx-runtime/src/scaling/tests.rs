@@ -4,7 +4,7 @@
 use super::*;
 
 /// 2^-128: the largest power of two whose reciprocal (2^128) overflows f32.
-const TWO_POW_MINUS_128: f32 = 2.938_735_9e-39;
+const TWO_POW_MINUS_128: f32 = f32::from_bits(0x0020_0000);
 
 /// The smallest f32 whose reciprocal is finite: the next value above 2^-128.
 fn smallest_usable_scale() -> f32 {
@@ -13,7 +13,7 @@ fn smallest_usable_scale() -> f32 {
 
 #[test]
 fn the_boundary_is_where_the_reciprocal_overflows() {
-    assert_eq!(TWO_POW_MINUS_128.to_bits(), 0x0020_0000);
+    assert_eq!(TWO_POW_MINUS_128, 2f32.powi(-64) * 2f32.powi(-64));
     assert!((1.0 / TWO_POW_MINUS_128).is_infinite());
     assert!((1.0 / smallest_usable_scale()).is_finite());
 }
