@@ -5,7 +5,7 @@
 //!
 //! | marker | storage (`H::Elem`) | what it is |
 //! |---|---|---|
-//! | [`f16`] | `f16` | IEEE binary16, native dfdx dtype |
+//! | [`f16`](struct@f16) | `f16` | IEEE binary16, native dfdx dtype |
 //! | [`AMP<f16>`] | `AMP<f16>` | dfdx's AMP wrapper: f16 storage, f32 accumulation in sums and optimizers |
 //! | [`bf16`] | `f32` | **emulated** bfloat16: see below |
 //!
@@ -122,7 +122,7 @@ pub(crate) fn is_identity<P: Precision>() -> bool {
 pub enum FloatBits<'a> {
     /// binary32 bit patterns.
     F32(&'a [u32]),
-    /// binary16 bit patterns (f16 and AMP<f16>).
+    /// binary16 bit patterns (`f16` and `AMP<f16>`).
     F16(&'a [u16]),
 }
 
@@ -139,8 +139,8 @@ pub trait Precision: 'static + Copy + Send + Sync + std::fmt::Debug {
     fn from_f32_slice(src: &[f32], dst: &mut [Self::Elem]);
 }
 
-/// Half precision: the compute precision of a mixed step. Implemented by [`f16`], [`AMP<f16>`]
-/// and the emulated [`bf16`].
+/// Half precision: the compute precision of a mixed step. Implemented by [`f16`](struct@f16),
+/// [`AMP<f16>`] and the emulated [`bf16`].
 pub trait HalfPrecision: Precision {
     /// `true` when values are stored in f32 and only rounded to this precision (bf16).
     const EMULATED: bool;
