@@ -49,8 +49,11 @@ pub(crate) fn thread_count(threads: usize) -> usize {
 }
 
 impl MxTensor {
-    /// Quantizes `data`, the row-major contents of `shape`, single-threaded. Errors if the
-    /// shape does not hold `data.len()` elements.
+    /// Quantizes `data`, the row-major contents of `shape`, single-threaded.
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+    /// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
     pub fn quantize(data: &[f32], shape: &[usize], spec: &MxSpec) -> Result<MxTensor, MxError> {
         Self::quantize_threads(data, shape, spec, 1)
     }
@@ -59,6 +62,10 @@ impl MxTensor {
     /// cores), split by rows. The threads are capped at the rows and at
     /// [`std::thread::available_parallelism`], so any count is safe to pass. The result is
     /// identical for any thread count.
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+    /// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
     pub fn quantize_threads(
         data: &[f32],
         shape: &[usize],
@@ -79,6 +86,10 @@ impl MxTensor {
 
     /// Quantizes new `data` of the same shape into this tensor's storage, without allocating.
     /// `threads` as in [`quantize_threads`](MxTensor::quantize_threads).
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `data` does not have [`len`](MxTensor::len) elements
+    /// (nothing is written).
     pub fn requantize(&mut self, data: &[f32], threads: usize) -> Result<(), MxError> {
         if data.len() != self.layout.len() {
             return Err(MxError::ShapeMismatch {
@@ -102,8 +113,12 @@ impl MxTensor {
     }
 
     /// Builds a tensor from codes: one scale code per block (row-major by block) and one element
-    /// code per element (row-major, in the low bits). Errors on wrong lengths, an element code
-    /// wider than the format, or a scale code past the scale's NaN code.
+    /// code per element (row-major, in the low bits).
+    ///
+    /// # Errors
+    /// [`MxError::Length`] on a wrong number of scale or element codes;
+    /// [`MxError::CodeOutOfRange`] on an element code wider than the format or a scale code past
+    /// the scale's NaN code; [`MxError::ShapeOverflow`] when the shape's element count overflows.
     ///
     /// # Examples
     /// ```
@@ -230,7 +245,11 @@ impl MxTensor {
     }
 
     /// [`dequantize`](MxTensor::dequantize) into `out` (no allocation) on up to `threads` scoped
-    /// threads (`0` = all available cores). Errors if `out` has the wrong length.
+    /// threads (`0` = all available cores), capped as in
+    /// [`quantize_threads`](MxTensor::quantize_threads).
+    ///
+    /// # Errors
+    /// [`MxError::OutputLength`] when `out` does not have [`len`](MxTensor::len) elements.
     pub fn dequantize_into(&self, out: &mut [f32], threads: usize) -> Result<(), MxError> {
         if out.len() != self.len() {
             return Err(MxError::OutputLength {
@@ -473,6 +492,10 @@ fn check_scale_codes(spec: &MxSpec, scales: &[u8]) -> Result<(), MxError> {
 /// Quantizes `data` (the row-major contents of `shape`) to `spec` and back, in one pass without
 /// packing: what [`MxTensor::quantize`] then [`MxTensor::dequantize`] return, faster.
 ///
+/// # Errors
+/// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+/// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
+///
 /// # Examples
 /// ```
 /// use mpx_runtime::mx::{quantize_dequantize, MxFormat, MxSpec};
@@ -493,8 +516,12 @@ pub fn quantize_dequantize(
     Ok(out)
 }
 
-/// [`quantize_dequantize`] into `out` (no allocation). Errors if the shape does not hold
-/// `data.len()` elements or `out` has another length.
+/// [`quantize_dequantize`] into `out` (no allocation).
+///
+/// # Errors
+/// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+/// [`MxError::ShapeOverflow`] when its element count overflows `usize`;
+/// [`MxError::OutputLength`] when `out` has another length than `data`.
 ///
 /// # Examples
 /// ```

@@ -129,8 +129,10 @@ pub trait LossScale {
         if s == 1.0 { loss } else { loss * s }
     }
 
-    /// Fallible form of [`scale`](LossScale::scale) (dfdx's `try_*` habit): fails only if the
-    /// device cannot allocate.
+    /// Fallible form of [`scale`](LossScale::scale) (dfdx's `try_*` habit).
+    ///
+    /// # Errors
+    /// The device's [`CpuError`] when it cannot allocate.
     fn try_scale<S: Shape, T: Tape<f32, Cpu>>(
         &self,
         loss: Tensor<S, f32, Cpu, T>,
