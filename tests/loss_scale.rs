@@ -784,7 +784,7 @@ proptest! {
             if f {
                 streak += 1;
                 prop_assert_eq!(s.counter(), streak % period);
-                if streak % period == 0 {
+                if streak.is_multiple_of(period) {
                     prop_assert!(after >= before);
                 } else {
                     prop_assert_eq!(after.to_bits(), before.to_bits());

@@ -745,6 +745,70 @@ fn corrupt_bytes_are_errors() {
     ));
 }
 
+#[test]
+fn only_canonical_encodings_are_read() {
+    // Each of these is a byte that `to_bytes` never writes.
+    let t = MxTensor::quantize(&[1.0, -2.0], &[2], &MxSpec::new(MxFormat::Fp8E4M3)).unwrap();
+    let bytes = t.to_bytes();
+    let corrupt = |at: usize, v: u8| {
+        let mut b = bytes.clone();
+        b[at] = v;
+        MxTensor::from_bytes(&b)
+    };
+    for at in [9, 10, 11] {
+        let err = corrupt(at, 1).unwrap_err();
+        assert!(
+            matches!(&err, MxError::BadHeader(m) if m.contains("reserved")),
+            "byte {at}: {err}"
+        );
+    }
+    for at in [5, 6] {
+        let err = corrupt(at, 3).unwrap_err();
+        assert!(matches!(err, MxError::BadHeader(_)), "byte {at}: {err}");
+    }
+    // A custom E0M3 float header would read back as a custom INT4: not what to_bytes writes.
+    let int4 = MxSpec::new(MxFormat::custom_int(4).unwrap());
+    let mut b = MxTensor::quantize(&[0.5, 1.0], &[2], &int4)
+        .unwrap()
+        .to_bytes();
+    assert_eq!(&b[4..7], &[7, 4, 0]);
+    b[4..7].copy_from_slice(&[6, 0, 3]);
+    let err = MxTensor::from_bytes(&b).unwrap_err();
+    assert!(matches!(err, MxError::BadHeader(_)), "{err}");
+    // A custom INT4 with a non-zero unused field.
+    b[4..7].copy_from_slice(&[7, 4, 1]);
+    assert!(matches!(
+        MxTensor::from_bytes(&b),
+        Err(MxError::BadHeader(_))
+    ));
+    b[4..7].copy_from_slice(&[7, 4, 0]);
+    assert!(MxTensor::from_bytes(&b).is_ok());
+}
+
+#[test]
+fn huge_thread_counts_give_the_same_tensor() {
+    // One element per row: this once spawned a thread per row (capped now at rows and cores).
+    let x: Vec<f32> = (0..200_000).map(|i| (i % 97) as f32 - 48.0).collect();
+    let spec = MxSpec::new(MxFormat::Fp4E2M1);
+    let one = MxTensor::quantize(&x, &[200_000, 1], &spec).unwrap();
+    let many = MxTensor::quantize_threads(&x, &[200_000, 1], &spec, usize::MAX).unwrap();
+    assert_eq!(many, one);
+    let mut out = vec![0.0; x.len()];
+    many.dequantize_into(&mut out, usize::MAX).unwrap();
+    assert_eq!(bits_of(&out), bits_of(&one.dequantize()));
+}
+
+/// A small tensor and spec, so that every byte of the encoding can be mutated in each case.
+fn small_encoding() -> impl Strategy<Value = Vec<u8>> {
+    (1usize..3, 1usize..12, any_spec()).prop_flat_map(|(rows, cols, spec)| {
+        prop::collection::vec(any_value(), rows * cols).prop_map(move |x| {
+            MxTensor::quantize(&x, &[rows, cols], &spec)
+                .unwrap()
+                .to_bytes()
+        })
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Properties
 // ---------------------------------------------------------------------------------------------
@@ -856,6 +920,21 @@ proptest! {
         let mut out = vec![0.0; x.len()];
         t.dequantize_into(&mut out, threads).unwrap();
         prop_assert_eq!(bits_of(&out), bits_of(&t.dequantize()));
+    }
+
+    #[test]
+    fn a_single_byte_mutation_round_trips_or_is_an_error(
+        bytes in small_encoding(),
+        values in prop::collection::vec(any::<u8>(), 200),
+    ) {
+        // Every position of the encoding, each with a different new byte.
+        for (at, &v) in values.iter().enumerate().take(bytes.len()) {
+            let mut b = bytes.clone();
+            b[at] = if v == bytes[at] { v ^ 0x01 } else { v };
+            if let Ok(t) = MxTensor::from_bytes(&b) {
+                prop_assert_eq!(&t.to_bytes(), &b, "byte {} set to {:#04x} was accepted", at, b[at]);
+            }
+        }
     }
 
     #[test]

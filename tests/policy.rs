@@ -109,7 +109,7 @@ fn errors_name_the_valid_choices() {
     let e = PolicySpec::parse("fp16").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown dtype `fp16` in policy `fp16`; expected one of full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64"
+        "unknown dtype `fp16`; expected one of full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64"
     );
     let e = PolicySpec::parse("p=F32").unwrap_err();
     assert!(matches!(e, PolicyError::UnknownDType { ref value, .. } if value == "F32"));
@@ -308,4 +308,74 @@ fn policy_casts_follow_the_jmp_probe_with_mpx_leaf_rule() {
     );
     assert_eq!(p.1.array(), vals.map(|v| f16::from_f32(v).to_f32()));
     assert_eq!(o.2.array(), [0.1, 0.2, 0.3]);
+}
+
+#[test]
+fn only_ascii_spaces_are_trimmed() {
+    assert_eq!(
+        PolicySpec::parse("  p = f32 ,  c=f16 "),
+        Ok(PolicySpec::new(
+            DType::Float32,
+            DType::Float16,
+            DType::Float16
+        ))
+    );
+    assert_eq!(
+        PolicySpec::parse(" half "),
+        Ok(PolicySpec::new(
+            DType::Float16,
+            DType::Float16,
+            DType::Float16
+        ))
+    );
+    // Tabs, newlines and other Unicode whitespace are not spaces.
+    for bad in [
+        "\tf32",
+        "f32\n",
+        "\u{3000}f32",
+        "p=f32,\u{a0}c=f16",
+        "p=f32,c=f16\u{2003}",
+    ] {
+        let err = PolicySpec::parse(bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PolicyError::UnknownDType { .. } | PolicyError::UnknownKey { .. }
+            ),
+            "{bad:?}: {err:?}"
+        );
+    }
+}
+
+#[test]
+fn errors_quote_huge_input_once_and_truncated() {
+    let huge = "q".repeat(10_000_000);
+    let msg = PolicySpec::parse(&huge).unwrap_err().to_string();
+    assert!(msg.len() < 300, "{} bytes", msg.len());
+    assert_eq!(msg.matches('q').count(), 64, "{msg}");
+    assert!(msg.contains(&format!("`{}…`", "q".repeat(64))), "{msg}");
+    assert!(msg.contains("expected one of"), "{msg}");
+
+    let key = format!("p=f32,{huge}=f16");
+    let msg = PolicySpec::parse(&key).unwrap_err().to_string();
+    assert!(msg.len() < 400, "{} bytes", msg.len());
+    let dtype = format!("p={huge}");
+    let msg = PolicySpec::parse(&dtype).unwrap_err().to_string();
+    assert!(msg.len() < 400, "{} bytes", msg.len());
+    let part = format!("p=f32,{huge}");
+    let msg = PolicySpec::parse(&part).unwrap_err().to_string();
+    assert!(msg.len() < 400, "{} bytes", msg.len());
+    let dup = format!("c=f16,c=f16,{huge}");
+    let msg = PolicySpec::parse(&dup).unwrap_err().to_string();
+    assert!(msg.len() < 400, "{} bytes", msg.len());
+    // Multi-byte characters are cut on a character boundary.
+    let wide = "é".repeat(100);
+    let msg = PolicySpec::parse(&wide).unwrap_err().to_string();
+    assert_eq!(msg.matches('é').count(), 64, "{msg}");
+    // Short input is quoted whole, once.
+    let msg = PolicySpec::parse("p=f32,c=fp16").unwrap_err().to_string();
+    assert_eq!(
+        msg,
+        "unknown dtype `fp16` in policy `p=f32,c=fp16`; expected one of full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64"
+    );
 }

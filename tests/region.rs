@@ -214,3 +214,30 @@ fn untraced_and_permuted_inputs() {
     let g = (y * c).sum().backward();
     assert_eq!(g.get(&x).array(), [[2.0, 6.0, 10.0], [4.0, 8.0, 12.0]]);
 }
+
+/// A third-party collection whose `TensorCollection` impl builds nothing (returns `None`).
+struct Unbuilt;
+
+impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Unbuilt {
+    type To<E2: Dtype, D2: Device<E2>> = Unbuilt;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        _visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        Ok(None)
+    }
+}
+
+#[test]
+fn a_collection_that_is_not_rebuilt_is_an_error_not_a_panic() {
+    let dev = Cpu::default();
+    let x: Tensor<Rank1<2>, f16, Cpu> = dev.tensor([1.0f32, 2.0]).to_dtype::<f16>();
+    let err =
+        FullPrecision::<f16>::try_run_with(&Unbuilt, x.leaky_trace(), |_, x| x.exp()).unwrap_err();
+    assert!(
+        matches!(err, mpx::region::RegionError::NotRebuilt),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(msg.contains("iter_tensors"), "{msg}");
+}

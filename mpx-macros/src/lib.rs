@@ -1,6 +1,6 @@
-//! Procedural macros of [mpx](https://docs.rs/mpx). Use them through the `mpx` crate, which
-//! re-exports them; generated code names the runtime as `::mpx::__private` (override with
-//! `crate = "path"`).
+//! Procedural macros of [mpx](https://docs.rs/mpx-dfdx) (the `mpx-dfdx` package, library `mpx`).
+//! Use them through the `mpx` crate, which re-exports them; generated code names the runtime as
+//! `::mpx::__private` (override with `crate = "path"`).
 //!
 //! Each macro lives in its own module as parse -> validate -> expand.
 

@@ -171,11 +171,15 @@ pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
 }
 
 /// Fused unscale and check: writes `src[i] * inv_scale` (computed in f32, after widening `src`
-/// exactly to f32) into `dst[i]`, and returns whether every **source** value was finite.
+/// exactly to f32) into `dst[i]`, and returns whether every source value **and** every value
+/// written was finite.
 ///
 /// This is the one pass a mixed step needs after backward: it reads the scaled half-precision (or
 /// f32) gradients once, checks them as mpx does (on the scaled values, before unscaling), and
-/// writes the unscaled f32 gradients. It works chunk by chunk, so each chunk is widened,
+/// writes the unscaled f32 gradients. It also checks what it writes, the values a step would
+/// apply: an `inv_scale` that is not finite (the reciprocal of a scale at or below 2^-128) or a
+/// product that overflows f32 (an `inv_scale` above 1) gives `false`, never a "finite" result
+/// holding inf or NaN. It works chunk by chunk, so each chunk is widened,
 /// checked and multiplied while it sits in cache. `dst` is written in full even when a value is not
 /// finite. With `inv_scale == 1.0` values are copied unchanged.
 ///
@@ -192,6 +196,8 @@ pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
 /// assert_eq!(out, [1.0, -2.0]);
 /// let overflowed = [f16::INFINITY, f16::ONE];
 /// assert_eq!(unscale_into_checked(&overflowed, 0.5, &mut out), Ok(false));
+/// // A finite source with an infinite reciprocal of the scale: what would be applied is not finite.
+/// assert_eq!(unscale_into_checked(&grads, f32::INFINITY, &mut out), Ok(false));
 /// ```
 pub fn unscale_into_checked<E: FloatElement>(
     src: &[E],
@@ -213,7 +219,8 @@ pub fn unscale_into_checked<E: FloatElement>(
 }
 
 /// Fused unscale and check in place: multiplies every value by `inv_scale` (in f32) and returns
-/// whether every value was finite **before** the multiply. One pass; see [`unscale_into_checked`].
+/// whether every value was finite both **before** and **after** the multiply. One pass; see
+/// [`unscale_into_checked`].
 ///
 /// # Examples
 /// ```
@@ -221,6 +228,8 @@ pub fn unscale_into_checked<E: FloatElement>(
 /// let mut grads = [4096.0f32, 8.0];
 /// assert!(unscale_in_place_checked(&mut grads, 1.0 / 4096.0));
 /// assert_eq!(grads, [1.0, 8.0 / 4096.0]);
+/// let mut big = [f32::MAX];
+/// assert!(!unscale_in_place_checked(&mut big, 2.0)); // overflows to inf when unscaled
 /// ```
 pub fn unscale_in_place_checked(values: &mut [f32], inv_scale: f32) -> bool {
     let mut acc = 0u32;
@@ -231,21 +240,24 @@ pub fn unscale_in_place_checked(values: &mut [f32], inv_scale: f32) -> bool {
 }
 
 /// Fused unscale and check for f16 values in place: widens each chunk to f32, multiplies by
-/// `inv_scale`, rounds back to f16 (nearest even). Returns whether every value was finite before.
+/// `inv_scale`, rounds back to f16 (nearest even). Returns whether every value was finite before,
+/// and every f16 value written back (what is applied) is finite too.
 pub(crate) fn unscale_f16_in_place_checked(values: &mut [f16], inv_scale: f32) -> bool {
     let mut buf = vec![0.0f32; CHUNK.min(values.len())];
     let mut acc = 0u32;
+    let mut acc16 = 0u16;
     for chunk in values.chunks_mut(CHUNK) {
         let tmp = &mut buf[..chunk.len()];
         chunk.convert_to_f32_slice(tmp);
         acc |= unscale_chunk(tmp, inv_scale);
         chunk.convert_from_f32_slice(tmp);
+        acc16 |= fold_u16(f16_bits(chunk));
     }
-    acc & 0x8000_0000 == 0
+    acc & 0x8000_0000 == 0 && acc16 & 0x8000 == 0
 }
 
-/// Multiplies a chunk by `inv` (skipped when `inv == 1`) and returns its finiteness fold (bit 31
-/// set iff a value before the multiply was non-finite).
+/// Multiplies a chunk by `inv` (skipped when `inv == 1`) and returns its finiteness fold: bit 31
+/// is set iff a value before or after the multiply is non-finite.
 #[inline]
 fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
     if inv == 1.0 {
@@ -253,10 +265,21 @@ fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
     }
     let mut acc = 0u32;
     for x in chunk.iter_mut() {
-        acc |= (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
+        let before = x.to_bits();
         *x *= inv;
+        acc |= (before & 0x7fff_ffff).wrapping_add(0x0080_0000)
+            | (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
     }
     acc
+}
+
+#[inline]
+fn f16_bits(values: &[f16]) -> &[u16] {
+    match f16::bits(values) {
+        FloatBits::F16(b) => b,
+        // f16::bits always returns the F16 view.
+        FloatBits::F32(_) => &[],
+    }
 }
 
 #[inline]
@@ -312,13 +335,42 @@ mod tests {
     }
 
     #[test]
-    fn fused_checks_before_unscaling() {
-        // 2 * f32::MAX overflows only after an inv_scale > 1; the check is on the source values.
-        let mut v = vec![f32::MAX; CHUNK + 1];
-        assert!(unscale_in_place_checked(&mut v, 2.0));
-        assert!(v.iter().all(|x| x.is_infinite()));
+    fn fused_checks_before_and_after_unscaling() {
+        // 2 * f32::MAX overflows only after an inv_scale > 1: what is applied is not finite.
+        let mut v = vec![1.0f32; CHUNK + 1];
+        v[CHUNK] = f32::MAX;
+        assert!(!unscale_in_place_checked(&mut v, 2.0));
+        assert!(v[CHUNK].is_infinite());
         let mut h = [f16::MAX, f16::NAN];
         assert!(!unscale_f16_in_place_checked(&mut h, 0.5));
         assert_eq!(h[0], f16::from_f32(32752.0));
+        // f16 values finite in f32 after the multiply, but rounding back to f16 overflows.
+        let mut h = [f16::ONE, f16::MAX];
+        assert!(!unscale_f16_in_place_checked(&mut h, 2.0));
+        let mut h = [f16::ONE, f16::from_f32(2.0)];
+        assert!(unscale_f16_in_place_checked(&mut h, 2.0));
+        assert_eq!(h, [f16::from_f32(2.0), f16::from_f32(4.0)]);
+    }
+
+    #[test]
+    fn an_infinite_reciprocal_is_never_finite() {
+        // 1 / 1e-40 is inf: finite sources become inf (or NaN for zeros) when unscaled.
+        let inv = 1.0 / 1e-40f32;
+        assert!(inv.is_infinite());
+        let mut v = [1.0f32, 0.0];
+        assert!(!unscale_in_place_checked(&mut v, inv));
+        let mut v = [0.0f32];
+        assert!(!unscale_in_place_checked(&mut v, inv), "0 * inf is NaN");
+        let mut h = [f16::ONE];
+        assert!(!unscale_f16_in_place_checked(&mut h, inv));
+        let mut dst = [0.0f32; 2];
+        assert_eq!(
+            unscale_into_checked(&[f16::ONE, f16::ZERO], inv, &mut dst),
+            Ok(false)
+        );
+        assert_eq!(
+            unscale_into_checked(&[1.0f32, 2.0], f32::NAN, &mut dst),
+            Ok(false)
+        );
     }
 }

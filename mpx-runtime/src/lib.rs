@@ -1,4 +1,5 @@
-//! Runtime of [mpx](https://docs.rs/mpx): everything that runs. Use it through the `mpx` crate.
+//! Runtime of [mpx](https://docs.rs/mpx-dfdx) (the `mpx-dfdx` package, library `mpx`): everything
+//! that runs. Use it through the `mpx` crate.
 //!
 //! | module | what it holds |
 //! |---|---|

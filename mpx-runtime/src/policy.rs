@@ -15,7 +15,9 @@
 //! bf16 only on TPU).
 //!
 //! Where jmp is sloppy we are strict, and say why:
-//! - spaces around keys and values are allowed (`"p=f32, c=f16"`; jmp rejects the key `" c"`);
+//! - ASCII spaces (`' '`, U+0020) around keys, values and a lone dtype are allowed
+//!   (`"p=f32, c=f16"`; jmp rejects the key `" c"`); nothing else is trimmed: tabs, newlines and
+//!   other Unicode whitespace are errors;
 //! - a repeated key is an error (jmp lets the last one win: `"c=f16,c=bf16"`);
 //! - unknown keys and dtypes are errors that list the valid choices; Keras names such as
 //!   `mixed_float16` point to the preset constructors.
@@ -46,16 +48,54 @@ use crate::precision::{Precision, bf16, f16};
 const DTYPE_CHOICES: &str = "full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64";
 /// Every key the parser accepts, for error messages.
 const KEY_CHOICES: &str = "p, params, c, compute, o, output";
+/// Characters of user input an error keeps (and quotes); longer input is cut, with `…` appended.
+const QUOTE_CHARS: usize = 64;
+
+/// `input` cut to [`QUOTE_CHARS`] characters, with `…` appended when cut: errors quote user input
+/// bounded, never a 10 MB string.
+fn excerpt(input: &str) -> String {
+    match input.char_indices().nth(QUOTE_CHARS) {
+        Some((end, _)) => format!("{}…", &input[..end]),
+        None => input.to_string(),
+    }
+}
+
+/// Trims ASCII spaces (U+0020) only, as the grammar says.
+fn trim_spaces(s: &str) -> &str {
+    s.trim_matches(' ')
+}
+
+/// `" in policy `…`"`, or nothing when the policy is the quoted part itself (quote input once).
+fn in_policy(part: &str, policy: &str) -> String {
+    if part == policy {
+        String::new()
+    } else {
+        format!(" in policy `{policy}`")
+    }
+}
 
 /// Why a policy string or a typed policy was rejected.
+///
+/// User input in the fields (and so in the messages) is cut to 64 characters, with `…` appended
+/// when cut; the whole policy is quoted only when it is not the offending part itself.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::policy::{PolicyError, PolicySpec};
+/// let err = PolicySpec::parse("fp16").unwrap_err();
+/// assert!(matches!(&err, PolicyError::UnknownDType { value, .. } if value == "fp16"));
+/// assert!(err.to_string().starts_with("unknown dtype `fp16`; expected one of"));
+/// let long = PolicySpec::parse(&"x".repeat(1000)).unwrap_err().to_string();
+/// assert!(long.len() < 200);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     /// A dtype name that is not one of jmp's.
-    #[error("unknown dtype `{value}` in policy `{policy}`; expected one of {DTYPE_CHOICES}")]
+    #[error("unknown dtype `{value}`{}; expected one of {DTYPE_CHOICES}", in_policy(.value, .policy))]
     UnknownDType {
-        /// The rejected name (after trimming spaces).
+        /// The rejected name (after trimming spaces; at most 64 characters and `…`).
         value: String,
-        /// The whole policy string.
+        /// The whole policy string (at most 64 characters and `…`).
         policy: String,
     },
     /// A Keras policy name, which is not a jmp policy string.
@@ -63,7 +103,7 @@ pub enum PolicyError {
         "`{value}` is a Keras policy name, not a jmp policy string; use `{constructor}` or the string `{equivalent}`"
     )]
     KerasName {
-        /// The Keras name given.
+        /// The Keras name given (after trimming spaces).
         value: String,
         /// The preset constructor to call instead.
         constructor: &'static str,
@@ -73,9 +113,9 @@ pub enum PolicyError {
     /// A key other than `p`/`params`, `c`/`compute`, `o`/`output`.
     #[error("unknown key `{key}` in policy `{policy}`; expected one of {KEY_CHOICES}")]
     UnknownKey {
-        /// The rejected key (after trimming spaces).
+        /// The rejected key (after trimming spaces; at most 64 characters and `…`).
         key: String,
-        /// The whole policy string.
+        /// The whole policy string (at most 64 characters and `…`).
         policy: String,
     },
     /// A key given twice (jmp silently keeps the last one).
@@ -85,15 +125,15 @@ pub enum PolicyError {
     DuplicateKey {
         /// The long name of the repeated key (`params`, `compute` or `output`).
         key: &'static str,
-        /// The whole policy string.
+        /// The whole policy string (at most 64 characters and `…`).
         policy: String,
     },
     /// A comma-separated part that is not `key=dtype` (empty, or with several `=`).
-    #[error("`{part}` in policy `{policy}` is not of the form `key=dtype`")]
+    #[error("`{part}`{} is not of the form `key=dtype`", in_policy(.part, .policy))]
     MalformedPart {
-        /// The offending part.
+        /// The offending part (at most 64 characters and `…`).
         part: String,
-        /// The whole policy string.
+        /// The whole policy string (at most 64 characters and `…`).
         policy: String,
     },
     /// A string parsed as a typed [`Policy`] names other precisions than the type.
@@ -180,9 +220,9 @@ impl DType {
         })
     }
 
-    /// Parses a dtype name inside `policy` (for the error message), after trimming spaces.
+    /// Parses a dtype name inside `policy` (for the error message), after trimming ASCII spaces.
     fn parse_in(value: &str, policy: &str) -> Result<DType, PolicyError> {
-        let v = value.trim();
+        let v = trim_spaces(value);
         if let Some(d) = DType::from_jmp_name(v) {
             return Ok(d);
         }
@@ -198,8 +238,8 @@ impl DType {
                 equivalent,
             },
             None => PolicyError::UnknownDType {
-                value: v.to_string(),
-                policy: policy.to_string(),
+                value: excerpt(v),
+                policy: excerpt(if value == policy { v } else { policy }),
             },
         })
     }
@@ -284,18 +324,18 @@ impl PolicySpec {
             let mut kv = part.split('=');
             let (Some(key), Some(value), None) = (kv.next(), kv.next(), kv.next()) else {
                 return Err(PolicyError::MalformedPart {
-                    part: part.to_string(),
-                    policy: policy.to_string(),
+                    part: excerpt(part),
+                    policy: excerpt(policy),
                 });
             };
-            let slot = match key.trim() {
+            let slot = match trim_spaces(key) {
                 "p" | "params" => 0,
                 "c" | "compute" => 1,
                 "o" | "output" => 2,
                 other => {
                     return Err(PolicyError::UnknownKey {
-                        key: other.to_string(),
-                        policy: policy.to_string(),
+                        key: excerpt(other),
+                        policy: excerpt(policy),
                     });
                 }
             };
@@ -303,7 +343,7 @@ impl PolicySpec {
             if slots[slot].replace(d).is_some() {
                 return Err(PolicyError::DuplicateKey {
                     key: NAMES[slot],
-                    policy: policy.to_string(),
+                    policy: excerpt(policy),
                 });
             }
         }

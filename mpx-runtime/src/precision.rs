@@ -5,7 +5,7 @@
 //!
 //! | marker | storage (`H::Elem`) | what it is |
 //! |---|---|---|
-//! | [`f16`] | `f16` | IEEE binary16, native dfdx dtype |
+//! | [`f16`](struct@f16) | `f16` | IEEE binary16, native dfdx dtype |
 //! | [`AMP<f16>`] | `AMP<f16>` | dfdx's AMP wrapper: f16 storage, f32 accumulation in sums and optimizers |
 //! | [`bf16`] | `f32` | **emulated** bfloat16: see below |
 //!
@@ -35,14 +35,6 @@ use dfdx::tensor_ops::ReshapeTo;
 use half::slice::HalfFloatSliceExt;
 pub use half::{bf16, f16};
 
-/// Element types of dfdx tensors that mpx can read and write as slices. Implemented for the float
-/// elements (`f32`, `f16`, `AMP<f16>`) and, as untouched leaves, for integers and `bool`.
-pub trait Element: 'static + Copy + Send + Sync + std::fmt::Debug {
-    /// `true` for floating-point elements, which casts convert; integer and bool leaves stay as
-    /// they are.
-    const IS_FLOAT: bool;
-}
-
 /// A floating-point tensor element (`f32`, `f16` or `AMP<f16>`): the dtypes casts convert between.
 ///
 /// Conversions work on whole slices (through `half`'s SIMD slice conversions), never element by
@@ -56,7 +48,9 @@ pub trait Element: 'static + Copy + Send + Sync + std::fmt::Debug {
 /// assert_eq!(h[0], f16::from_f32(1.5));
 /// assert!(h[1].is_infinite()); // 65520 rounds past f16's max, 65504
 /// ```
-pub trait FloatElement: Element + dfdx::shapes::Dtype {
+pub trait FloatElement:
+    'static + Copy + Send + Sync + std::fmt::Debug + dfdx::shapes::Dtype
+{
     /// Short name, as jmp prints it: `full` for f32, `f16`.
     const NAME: &'static str;
     /// Converts `src` into `dst` (same length), rounding to nearest even.
@@ -128,7 +122,7 @@ pub(crate) fn is_identity<P: Precision>() -> bool {
 pub enum FloatBits<'a> {
     /// binary32 bit patterns.
     F32(&'a [u32]),
-    /// binary16 bit patterns (f16 and AMP<f16>).
+    /// binary16 bit patterns (`f16` and `AMP<f16>`).
     F16(&'a [u16]),
 }
 
@@ -145,8 +139,8 @@ pub trait Precision: 'static + Copy + Send + Sync + std::fmt::Debug {
     fn from_f32_slice(src: &[f32], dst: &mut [Self::Elem]);
 }
 
-/// Half precision: the compute precision of a mixed step. Implemented by [`f16`], [`AMP<f16>`]
-/// and the emulated [`bf16`].
+/// Half precision: the compute precision of a mixed step. Implemented by [`f16`](struct@f16),
+/// [`AMP<f16>`] and the emulated [`bf16`].
 pub trait HalfPrecision: Precision {
     /// `true` when values are stored in f32 and only rounded to this precision (bf16).
     const EMULATED: bool;
@@ -155,21 +149,6 @@ pub trait HalfPrecision: Precision {
 }
 
 // ---- element impls -------------------------------------------------------------------------
-
-macro_rules! untouched_element {
-    ($($t:ty),*) => {$( impl Element for $t { const IS_FLOAT: bool = false; } )*};
-}
-untouched_element!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize, bool);
-
-impl Element for f32 {
-    const IS_FLOAT: bool = true;
-}
-impl Element for f16 {
-    const IS_FLOAT: bool = true;
-}
-impl Element for AMP<f16> {
-    const IS_FLOAT: bool = true;
-}
 
 impl FloatElement for f32 {
     const NAME: &'static str = "full";

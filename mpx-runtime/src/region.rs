@@ -4,7 +4,7 @@
 //! with `autocast(enabled=False)` and explicit `.float()` casts. Here a region is
 //! [`FullPrecision::<H>::run`] (tensors only) or [`FullPrecision::<H>::run_with`] (tensors and a
 //! module whose parameters are used inside, such as a `LayerNorm1D`'s gamma and beta); the
-//! [`full_precision`](https://docs.rs/mpx/latest/mpx/attr.full_precision.html) attribute rewrites a
+//! [`full_precision`](https://docs.rs/mpx-dfdx/latest/mpx/attr.full_precision.html) attribute rewrites a
 //! function body into a call of these.
 //!
 //! # How gradients cross the boundary
@@ -52,6 +52,28 @@ use dfdx::tensor::{
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
 
 use crate::precision::{FloatElement, Precision};
+
+/// Why [`FullPrecision::try_run_with`] failed.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::region::RegionError;
+/// let err = RegionError::from(dfdx::tensor::CpuError::OutOfMemory);
+/// assert!(std::error::Error::source(&err).is_some());
+/// assert!(RegionError::NotRebuilt.to_string().contains("iter_tensors"));
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RegionError {
+    /// The device failed (in practice: out of memory); the device's error is the source.
+    #[error("the device failed in a full-precision region")]
+    Device(#[from] CpuError),
+    /// The parameters' `TensorCollection` impl did not build their f32 copy (a third-party impl
+    /// that returns `None` for a field).
+    #[error(
+        "the parameters of a full-precision region could not be copied to f32: their TensorCollection impl did not rebuild them; every field must be listed in iter_tensors"
+    )]
+    NotRebuilt,
+}
 
 /// A flattened handle on a contiguous tensor: same id (so the same gradient entry), shape `(n,)`.
 type Flat<E> = Tensor<(usize,), E, Cpu>;
@@ -179,8 +201,10 @@ pub struct FullPrecision<H>(PhantomData<H>);
 
 impl<H: Precision> FullPrecision<H> {
     /// Runs `f` on f32 copies of `x` (a tensor or a tuple of tensors) and returns its result in
-    /// `H`, with the outer tape of `x`. Panics on a device error (allocation), as dfdx's
-    /// infallible operations do; see [`FullPrecision::try_run`].
+    /// `H`, with the outer tape of `x`. See [`FullPrecision::try_run`] for the fallible form.
+    ///
+    /// # Panics
+    /// On a device error (allocation), as dfdx's infallible operations do.
     ///
     /// # Examples
     /// ```
@@ -204,6 +228,20 @@ impl<H: Precision> FullPrecision<H> {
     }
 
     /// Fallible form of [`FullPrecision::run`].
+    ///
+    /// # Errors
+    /// The device's [`CpuError`] when it cannot allocate.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, region::FullPrecision};
+    /// let dev = Cpu::default();
+    /// let x: Tensor<Rank1<2>, f16, Cpu> = dev.tensor([1.0f32, 2.0]).to_dtype::<f16>();
+    /// let y = FullPrecision::<f16>::try_run(x, |x| x.square())?;
+    /// assert_eq!(y.array(), [1.0, 4.0].map(f16::from_f32));
+    /// # Ok::<(), dfdx::tensor::CpuError>(())
+    /// ```
     pub fn try_run<X, S, F>(x: X, f: F) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, CpuError>
     where
         X: RegionInput<H::Elem>,
@@ -234,6 +272,10 @@ impl<H: Precision> FullPrecision<H> {
     /// assert!(grads.get(&ln.gamma).as_vec().iter().all(|g| g.is_finite()));
     /// assert!(grads.get(&ln.beta).as_vec().iter().any(|g| g.to_f32() != 0.0));
     /// ```
+    ///
+    /// # Panics
+    /// Where [`FullPrecision::try_run_with`] returns an error: on a device error (allocation), or
+    /// when `params`' `TensorCollection` impl does not rebuild it.
     pub fn run_with<M, X, S, F>(params: &M, x: X, f: F) -> Tensor<S, H::Elem, Cpu, X::Tape>
     where
         Cpu: Device<H::Elem>,
@@ -246,11 +288,28 @@ impl<H: Precision> FullPrecision<H> {
     }
 
     /// Fallible form of [`FullPrecision::run_with`].
+    ///
+    /// # Errors
+    /// - [`RegionError::Device`]: the device cannot allocate;
+    /// - [`RegionError::NotRebuilt`]: `params`' `TensorCollection` impl does not build its f32
+    ///   copy (it returns `None` for a field).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, region::FullPrecision};
+    /// let dev = Cpu::default();
+    /// let lin = dev.build_module::<Linear<2, 1>, f16>();
+    /// let x: Tensor<Rank1<2>, f16, Cpu> = dev.tensor([1.0f32, 2.0]).to_dtype::<f16>();
+    /// let y = FullPrecision::<f16>::try_run_with(&lin, x, |lin, x| lin.forward(x))?;
+    /// assert!(y.array()[0].is_finite());
+    /// # Ok::<(), mpx_runtime::region::RegionError>(())
+    /// ```
     pub fn try_run_with<M, X, S, F>(
         params: &M,
         x: X,
         f: F,
-    ) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, CpuError>
+    ) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, RegionError>
     where
         Cpu: Device<H::Elem>,
         M: TensorCollection<H::Elem, Cpu>,
@@ -266,10 +325,11 @@ impl<H: Precision> FullPrecision<H> {
                 leaves: &mut leaves,
             },
         })?;
-        // The walker returns `None` only for visitors that build nothing; ours always builds.
-        let p32 = p32.expect("Widen builds every tensor");
+        // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
+        // return `None` for its own fields.
+        let p32 = p32.ok_or(RegionError::NotRebuilt)?;
         let y32 = f(&p32, x32);
-        Self::bridge(leaves, tape, y32)
+        Ok(Self::bridge(leaves, tape, y32)?)
     }
 
     /// Casts the region's f32 result back to `H` and registers the backward bridge on `tape`.

@@ -93,19 +93,19 @@ pub(super) fn validate(input: Input<'_>, cx: &mut Ctxt) -> Option<Plan> {
 
     let mut fields = Vec::with_capacity(input.fields.len());
     for f in &input.fields {
-        if let (Some(_), Some(d)) = (&f.skip, &dtype) {
-            if mentions(quote::ToTokens::to_token_stream(f.ty), d) {
-                let name = match &f.member {
-                    syn::Member::Named(id) => format!("`{id}`"),
-                    syn::Member::Unnamed(i) => format!("#{}", i.index),
-                };
-                cx.error_spanned(
-                    f.ty,
-                    format!(
-                        "field {name} is marked `#[cast(skip)]` but its type mentions the dtype parameter `{d}`; a skipped field is cloned as is and cannot change type: remove `#[cast(skip)]` or use a type without `{d}`"
-                    ),
-                );
-            }
+        if let (Some(_), Some(d)) = (&f.skip, &dtype)
+            && mentions(quote::ToTokens::to_token_stream(f.ty), d)
+        {
+            let name = match &f.member {
+                syn::Member::Named(id) => format!("`{id}`"),
+                syn::Member::Unnamed(i) => format!("#{}", i.index),
+            };
+            cx.error_spanned(
+                f.ty,
+                format!(
+                    "field {name} is marked `#[cast(skip)]` but its type mentions the dtype parameter `{d}`; a skipped field is cloned as is and cannot change type: remove `#[cast(skip)]` or use a type without `{d}`"
+                ),
+            );
         }
         fields.push(PlanField {
             member: f.member.clone(),

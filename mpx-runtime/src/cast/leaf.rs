@@ -31,10 +31,10 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f16>) -> R)
 pub(crate) fn cast_tensor<P: Precision, E: FloatElement, S: Shape>(
     t: &Tensor<S, E, Cpu>,
 ) -> Tensor<S, P::Elem, Cpu> {
-    if is_identity::<P>() {
-        if let Some(same) = (t as &dyn Any).downcast_ref::<Tensor<S, P::Elem, Cpu>>() {
-            return same.clone();
-        }
+    if is_identity::<P>()
+        && let Some(same) = (t as &dyn Any).downcast_ref::<Tensor<S, P::Elem, Cpu>>()
+    {
+        return same.clone();
     }
     let n = t.shape().num_elements();
     with_scratch(|s32, s16| {

@@ -102,6 +102,10 @@ where
 /// dfdx's `to_dtype`: dfdx's visitor API does not let code outside dfdx read them generically.
 /// The [`Cast`](super::Cast) impls of `BatchNorm1D`/`BatchNorm2D` copy them over.
 ///
+/// # Panics
+/// When a hand-written `TensorCollection` impl does not rebuild the module (see
+/// [`try_cast_module`]).
+///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
@@ -127,8 +131,11 @@ where
     }
 }
 
-/// Fallible form of [`cast_module`]: fails only when a hand-written `TensorCollection` impl does
-/// not rebuild its module.
+/// Fallible form of [`cast_module`].
+///
+/// # Errors
+/// [`CastError::NotRebuilt`] when a hand-written `TensorCollection` impl does not rebuild its
+/// module.
 ///
 /// # Examples
 /// ```

@@ -335,14 +335,16 @@ impl Kernel {
     }
 }
 
-/// Splits `layout.rows` rows into at most `threads` row ranges whose packed element storage
-/// starts on a byte boundary.
+/// Splits `layout.rows` rows into row ranges whose packed element storage starts on a byte
+/// boundary: at most `threads`, at most the rows, and at most the cores
+/// ([`std::thread::available_parallelism`]), so a huge thread count never spawns a thread per row.
 pub(crate) fn row_ranges(layout: Layout, bits: u32, threads: usize) -> Vec<(usize, usize)> {
     let rows = layout.rows;
     let align = (1..=8usize)
-        .find(|r| (r * layout.cols % 8) * bits as usize % 8 == 0)
+        .find(|r| ((r * layout.cols % 8) * bits as usize).is_multiple_of(8))
         .unwrap_or(8);
-    let threads = threads.max(1);
+    let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads.min(machine).min(rows).max(1);
     let per = rows.div_ceil(threads).div_ceil(align) * align;
     if per == 0 || threads == 1 {
         return vec![(0, rows)];
@@ -486,6 +488,27 @@ mod tests {
                 assert_eq!(bits(&o1), bits(&o2));
             }
         }
+    }
+
+    #[test]
+    fn threads_are_capped_at_the_rows_and_the_machine() {
+        let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // [200000, 1] with usize::MAX threads once spawned one thread per row.
+        let l = Layout::new(&[200_000, 1], 32, None).unwrap();
+        for threads in [usize::MAX, 1_000_000, machine + 1] {
+            let ranges = row_ranges(l, 4, threads);
+            assert!(
+                ranges.len() <= machine,
+                "{} ranges for {threads} threads on {machine} cores",
+                ranges.len()
+            );
+            assert_eq!((ranges[0].0, ranges.last().unwrap().1), (0, 200_000));
+        }
+        // Never more ranges than rows, and one range for one thread.
+        let few = Layout::new(&[3, 64], 32, None).unwrap();
+        assert!(row_ranges(few, 8, usize::MAX).len() <= 3);
+        assert_eq!(row_ranges(l, 8, 1), vec![(0, 200_000)]);
+        assert_eq!(row_ranges(l, 8, 0), vec![(0, 200_000)]);
     }
 
     #[test]

@@ -121,6 +121,10 @@ impl MxFormat {
     /// `custom_int(8)`, MXINT8's values. Allowed: `1 + exp_bits + man_bits <= 8`, and at least one
     /// exponent or mantissa bit.
     ///
+    /// # Errors
+    /// [`MxError::TooFewBits`] for E0M0; [`MxError::TooManyBits`] when the format needs more
+    /// than 8 bits.
+    ///
     /// # Examples
     /// ```
     /// use mpx_runtime::mx::MxFormat;
@@ -162,6 +166,9 @@ impl MxFormat {
 
     /// A custom `bits`-bit integer (sign included): value `k / 2^(bits-2)`, symmetric range.
     /// Allowed: `2 <= bits <= 8`; `custom_int(8)` has the values of [`MxFormat::Int8`].
+    ///
+    /// # Errors
+    /// [`MxError::TooFewBits`] below 2 bits; [`MxError::TooManyBits`] above 8.
     ///
     /// # Examples
     /// ```

@@ -149,13 +149,19 @@ impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Storage<E>> MxLin
 }
 
 impl<const I: usize, const O: usize, C: MxConfig> MxLinear<I, O, C, f32, Cpu> {
-    /// The weight the forward pass uses: the master weight quantized and dequantized. Panics on
-    /// a device (allocation) error, as dfdx's infallible operations do.
+    /// The weight the forward pass uses: the master weight quantized and dequantized.
+    ///
+    /// # Panics
+    /// On a device (allocation) error, as dfdx's infallible operations do.
     pub fn quantized_weight(&self) -> Tensor<Rank2<O, I>, f32, Cpu> {
         self.weight.clone().mx_fake_quant(&C::weight_spec())
     }
 
     /// The weight packed as an [`MxTensor`] (shape `[O, I]`), for storage or deployment.
+    ///
+    /// # Errors
+    /// None in practice: the shape `[O, I]` always holds the weight; the `Result` is
+    /// [`MxTensor::quantize`]'s.
     pub fn weight_mx(&self) -> Result<MxTensor, MxError> {
         MxTensor::quantize(&self.weight.as_vec(), &[O, I], &C::weight_spec())
     }

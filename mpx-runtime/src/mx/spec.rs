@@ -68,6 +68,9 @@ impl MxSpec {
 
     /// Sets the block size: any size >= 1 (blocks run along the last axis; a row whose length is
     /// not a multiple ends in a short block).
+    ///
+    /// # Errors
+    /// [`MxError::ZeroBlockSize`] for a block size of 0.
     pub fn with_block_size(mut self, block_size: usize) -> Result<MxSpec, MxError> {
         if block_size == 0 {
             return Err(MxError::ZeroBlockSize);
@@ -86,6 +89,9 @@ impl MxSpec {
     /// two with bias `2^(k-1) - 1`, shared exponents in `[-bias, bias]`, code `2^k - 1` = NaN.
     /// Exponents below the range clamp to `-bias`; above it the block is NaN (as microxcaling;
     /// pychop saturates). Allowed: `1..=8`; 8 is the OCP E8M0 scale.
+    ///
+    /// # Errors
+    /// [`MxError::ScaleExpBits`] outside `1..=8`.
     pub fn with_scale_exp_bits(mut self, bits: u32) -> Result<MxSpec, MxError> {
         if bits == 0 || bits > 8 {
             return Err(MxError::ScaleExpBits(bits));

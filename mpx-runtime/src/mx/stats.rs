@@ -42,7 +42,10 @@ pub struct MxStatistics {
 
 impl MxTensor {
     /// Storage and error statistics against `original`, the data this tensor was quantized
-    /// from (the tensor keeps no copy of it). Errors if `original` has the wrong length.
+    /// from (the tensor keeps no copy of it).
+    ///
+    /// # Errors
+    /// [`MxError::OriginalLength`] when `original` does not have [`len`](MxTensor::len) elements.
     ///
     /// # Examples
     /// ```
@@ -137,6 +140,10 @@ pub struct FormatComparison {
 
 /// Quantizes `data` (row-major contents of `shape`) with each spec and collects the
 /// [`MxStatistics`]; print the result for a table.
+///
+/// # Errors
+/// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+/// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
 ///
 /// # Examples
 /// ```

@@ -49,14 +49,23 @@ pub(crate) fn thread_count(threads: usize) -> usize {
 }
 
 impl MxTensor {
-    /// Quantizes `data`, the row-major contents of `shape`, single-threaded. Errors if the
-    /// shape does not hold `data.len()` elements.
+    /// Quantizes `data`, the row-major contents of `shape`, single-threaded.
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+    /// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
     pub fn quantize(data: &[f32], shape: &[usize], spec: &MxSpec) -> Result<MxTensor, MxError> {
         Self::quantize_threads(data, shape, spec, 1)
     }
 
     /// [`quantize`](MxTensor::quantize) on up to `threads` scoped threads (`0` = all available
-    /// cores), split by rows. The result is identical for any thread count.
+    /// cores), split by rows. The threads are capped at the rows and at
+    /// [`std::thread::available_parallelism`], so any count is safe to pass. The result is
+    /// identical for any thread count.
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+    /// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
     pub fn quantize_threads(
         data: &[f32],
         shape: &[usize],
@@ -77,6 +86,10 @@ impl MxTensor {
 
     /// Quantizes new `data` of the same shape into this tensor's storage, without allocating.
     /// `threads` as in [`quantize_threads`](MxTensor::quantize_threads).
+    ///
+    /// # Errors
+    /// [`MxError::ShapeMismatch`] when `data` does not have [`len`](MxTensor::len) elements
+    /// (nothing is written).
     pub fn requantize(&mut self, data: &[f32], threads: usize) -> Result<(), MxError> {
         if data.len() != self.layout.len() {
             return Err(MxError::ShapeMismatch {
@@ -100,8 +113,12 @@ impl MxTensor {
     }
 
     /// Builds a tensor from codes: one scale code per block (row-major by block) and one element
-    /// code per element (row-major, in the low bits). Errors on wrong lengths, an element code
-    /// wider than the format, or a scale code past the scale's NaN code.
+    /// code per element (row-major, in the low bits).
+    ///
+    /// # Errors
+    /// [`MxError::Length`] on a wrong number of scale or element codes;
+    /// [`MxError::CodeOutOfRange`] on an element code wider than the format or a scale code past
+    /// the scale's NaN code; [`MxError::ShapeOverflow`] when the shape's element count overflows.
     ///
     /// # Examples
     /// ```
@@ -228,7 +245,11 @@ impl MxTensor {
     }
 
     /// [`dequantize`](MxTensor::dequantize) into `out` (no allocation) on up to `threads` scoped
-    /// threads (`0` = all available cores). Errors if `out` has the wrong length.
+    /// threads (`0` = all available cores), capped as in
+    /// [`quantize_threads`](MxTensor::quantize_threads).
+    ///
+    /// # Errors
+    /// [`MxError::OutputLength`] when `out` does not have [`len`](MxTensor::len) elements.
     pub fn dequantize_into(&self, out: &mut [f32], threads: usize) -> Result<(), MxError> {
         if out.len() != self.len() {
             return Err(MxError::OutputLength {
@@ -270,31 +291,7 @@ impl MxTensor {
         let mut out =
             Vec::with_capacity(HEADER_FIXED + 8 * self.shape.len() + self.storage_bytes());
         out.extend_from_slice(MAGIC);
-        let f = self.spec.format();
-        let (kind, a, b) = match f {
-            MxFormat::Fp8E4M3 => (0u8, 0u8, 0u8),
-            MxFormat::Fp8E5M2 => (1, 0, 0),
-            MxFormat::Fp6E3M2 => (2, 0, 0),
-            MxFormat::Fp6E2M3 => (3, 0, 0),
-            MxFormat::Fp4E2M1 => (4, 0, 0),
-            MxFormat::Int8 => (5, 0, 0),
-            MxFormat::CustomFloat(c) => (6, c.exp_bits() as u8, c.man_bits() as u8),
-            MxFormat::CustomInt(c) => (7, c.bits() as u8, 0),
-        };
-        let rounding = match self.spec.rounding() {
-            Rounding::NearestEven => 0u8,
-            Rounding::NearestAway => 1,
-        };
-        out.extend_from_slice(&[
-            kind,
-            a,
-            b,
-            rounding,
-            self.spec.scale_exp_bits() as u8,
-            0,
-            0,
-            0,
-        ]);
+        out.extend_from_slice(&spec_bytes(&self.spec));
         out.extend_from_slice(&(self.spec.block_size() as u64).to_le_bytes());
         out.extend_from_slice(&(self.shape.len() as u32).to_le_bytes());
         for &d in &self.shape {
@@ -305,9 +302,14 @@ impl MxTensor {
         out
     }
 
-    /// Reads what [`to_bytes`](MxTensor::to_bytes) wrote. Errors (never panics) on a wrong
-    /// magic, an invalid spec (unknown format, bad widths, block size 0), a shape whose element
-    /// count overflows, a wrong total length, out-of-range codes or non-zero padding bits.
+    /// Reads what [`to_bytes`](MxTensor::to_bytes) wrote, and only that: every accepted input is
+    /// canonical, `from_bytes(b)?.to_bytes() == b`.
+    ///
+    /// # Errors
+    /// (never panics) a wrong magic, an invalid spec (unknown format, bad widths, block size 0), a
+    /// header `to_bytes` never writes ([`MxError::BadHeader`]: non-zero reserved bytes, non-zero
+    /// unused format fields, a custom float with 0 exponent bits), a shape whose element count
+    /// overflows, a wrong total length, out-of-range codes or non-zero padding bits.
     pub fn from_bytes(bytes: &[u8]) -> Result<MxTensor, MxError> {
         if bytes.len() < HEADER_FIXED {
             return Err(MxError::Length {
@@ -351,6 +353,7 @@ impl MxTensor {
             .with_rounding(rounding)
             .with_scale_exp_bits(u32::from(h[4]))?
             .with_block_size(block)?;
+        check_canonical_spec(h, &spec)?;
         let ndim = u32::from_le_bytes([bytes[20], bytes[21], bytes[22], bytes[23]]) as usize;
         let dims_end = ndim
             .checked_mul(8)
@@ -394,20 +397,19 @@ impl MxTensor {
             elements,
         };
         let limit = 1u32 << format.bits();
-        if limit < 1 << bits {
-            if let Some((i, &c)) = t
+        if limit < 1 << bits
+            && let Some((i, &c)) = t
                 .element_codes()
                 .iter()
                 .enumerate()
                 .find(|(_, c)| u32::from(**c) >= limit)
-            {
-                return Err(MxError::CodeOutOfRange {
-                    what: "element",
-                    index: i,
-                    code: c,
-                    limit,
-                });
-            }
+        {
+            return Err(MxError::CodeOutOfRange {
+                what: "element",
+                index: i,
+                code: c,
+                limit,
+            });
         }
         let used = (layout.len() % 8) * bits as usize % 8;
         if used != 0 && t.elements.last().is_some_and(|&b| b >> used != 0) {
@@ -422,6 +424,51 @@ impl MxTensor {
 const MAGIC: &[u8; 4] = b"MXT1";
 /// Magic (4), format/rounding/scale (8), block size (8), ndim (4).
 const HEADER_FIXED: usize = 24;
+
+/// The 8 header bytes after the magic: format kind, its two parameters (0 where unused),
+/// rounding, scale exponent width, and 3 reserved zero bytes.
+fn spec_bytes(spec: &MxSpec) -> [u8; 8] {
+    let (kind, a, b) = match spec.format() {
+        MxFormat::Fp8E4M3 => (0u8, 0u8, 0u8),
+        MxFormat::Fp8E5M2 => (1, 0, 0),
+        MxFormat::Fp6E3M2 => (2, 0, 0),
+        MxFormat::Fp6E2M3 => (3, 0, 0),
+        MxFormat::Fp4E2M1 => (4, 0, 0),
+        MxFormat::Int8 => (5, 0, 0),
+        MxFormat::CustomFloat(c) => (6, c.exp_bits() as u8, c.man_bits() as u8),
+        MxFormat::CustomInt(c) => (7, c.bits() as u8, 0),
+    };
+    let rounding = match spec.rounding() {
+        Rounding::NearestEven => 0u8,
+        Rounding::NearestAway => 1,
+    };
+    [kind, a, b, rounding, spec.scale_exp_bits() as u8, 0, 0, 0]
+}
+
+/// Errors unless `header` (bytes 4..12) is exactly what [`spec_bytes`] writes for the spec read
+/// from it, naming the first byte that differs.
+fn check_canonical_spec(header: &[u8], spec: &MxSpec) -> Result<(), MxError> {
+    let canonical = spec_bytes(spec);
+    let Some(i) = header.iter().zip(&canonical).position(|(h, c)| h != c) else {
+        return Ok(());
+    };
+    let field = match i {
+        0 => "format kind",
+        1 | 2 => "format parameter",
+        3 => "rounding",
+        4 => "scale exponent width",
+        _ => "reserved byte",
+    };
+    Err(MxError::BadHeader(format!(
+        "non-canonical {field} at byte {}: {:#04x}, but {} is written as {:#04x} \
+         (unused format parameters and reserved bytes are 0; a custom float has at least 1 \
+         exponent bit)",
+        4 + i,
+        header[i],
+        spec.format(),
+        canonical[i]
+    )))
+}
 
 fn read8(b: &[u8]) -> [u8; 8] {
     let mut a = [0u8; 8];
@@ -445,6 +492,10 @@ fn check_scale_codes(spec: &MxSpec, scales: &[u8]) -> Result<(), MxError> {
 /// Quantizes `data` (the row-major contents of `shape`) to `spec` and back, in one pass without
 /// packing: what [`MxTensor::quantize`] then [`MxTensor::dequantize`] return, faster.
 ///
+/// # Errors
+/// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+/// [`MxError::ShapeOverflow`] when its element count overflows `usize`.
+///
 /// # Examples
 /// ```
 /// use mpx_runtime::mx::{quantize_dequantize, MxFormat, MxSpec};
@@ -465,8 +516,12 @@ pub fn quantize_dequantize(
     Ok(out)
 }
 
-/// [`quantize_dequantize`] into `out` (no allocation). Errors if the shape does not hold
-/// `data.len()` elements or `out` has another length.
+/// [`quantize_dequantize`] into `out` (no allocation).
+///
+/// # Errors
+/// [`MxError::ShapeMismatch`] when `shape` does not hold `data.len()` elements;
+/// [`MxError::ShapeOverflow`] when its element count overflows `usize`;
+/// [`MxError::OutputLength`] when `out` has another length than `data`.
 ///
 /// # Examples
 /// ```

@@ -7,13 +7,13 @@ use serde::{Deserialize, Serialize};
 /// Default initial scale, 2^15: the value jmp's `DynamicLossScale` docstring suggests (jmp and mpx
 /// have no default; mpx's README starts at `FLOAT16_MAX`, 65504, which makes every later scale a
 /// non-power of two and unscaling inexact).
-pub const DEFAULT_INITIAL_SCALE: f32 = 32768.0;
+const DEFAULT_INITIAL_SCALE: f32 = 32768.0;
 /// Default growth period: 2000 consecutive finite steps (jmp, mpx, PyTorch's `growth_interval`).
-pub const DEFAULT_PERIOD: u32 = 2000;
+const DEFAULT_PERIOD: u32 = 2000;
 /// Default growth and backoff factor: 2 (jmp, mpx; PyTorch's `growth_factor = 1 / backoff_factor`).
-pub const DEFAULT_FACTOR: f32 = 2.0;
+const DEFAULT_FACTOR: f32 = 2.0;
 /// Default min scale: 1 (jmp's `min_loss_scale`).
-pub const DEFAULT_MIN_SCALE: f32 = 1.0;
+const DEFAULT_MIN_SCALE: f32 = 1.0;
 
 /// A loss scale that backs off on overflow and grows after `period` finite steps in a row: jmp's
 /// `DynamicLossScale`, mpx's `DynamicLossScaling`, PyTorch's `GradScaler`.
@@ -93,7 +93,8 @@ impl DynamicLossScale {
     /// no max).
     ///
     /// # Errors
-    /// [`LossScaleError::InvalidScale`] unless `initial` is finite and greater than 0.
+    /// [`LossScaleError::InvalidScale`] unless `initial` is finite and greater than 2^-128
+    /// (so that its reciprocal is finite).
     pub fn new(initial: f32) -> Result<Self, LossScaleError> {
         Self::builder().initial(initial).build()
     }
@@ -104,9 +105,10 @@ impl DynamicLossScale {
         self.loss_scale
     }
 
-    /// jmp's update after a step whose gradients were (`true`) or were not all finite, bit for bit
-    /// (see the type's docs), then the optional max clip. The same as [`LossScale::adjust`],
-    /// callable without the trait in scope.
+    /// jmp's update after a step that was applied (`true`: gradients and loss finite, see
+    /// [`step_finite`](super::step_finite)) or skipped (`false`), bit for bit (see the type's
+    /// docs), then the optional max clip. A skipped step resets the counter, so it never counts
+    /// toward growth. The same as [`LossScale::adjust`], callable without the trait in scope.
     ///
     /// # Examples
     /// ```
@@ -120,9 +122,9 @@ impl DynamicLossScale {
     /// assert_eq!((s.loss_scale(), s.counter()), (8.0, 0));
     /// # Ok::<(), mpx_runtime::scaling::LossScaleError>(())
     /// ```
-    pub fn adjust(&mut self, grads_finite: bool) {
+    pub fn adjust(&mut self, step_finite: bool) {
         let s = self.loss_scale;
-        let mut next = if grads_finite {
+        let mut next = if step_finite {
             if self.counter == self.period - 1 {
                 let grown = s * self.factor;
                 if grown.is_finite() { grown } else { s }
@@ -145,7 +147,7 @@ impl DynamicLossScale {
         }
         self.loss_scale = next;
         // counter < period <= u32::MAX, so counter + 1 cannot overflow.
-        self.counter = ((self.counter + 1) % self.period) * u32::from(grads_finite);
+        self.counter = ((self.counter + 1) % self.period) * u32::from(step_finite);
     }
 
     /// Finite steps since the scale last changed (or since a backoff); always below the period.
@@ -194,8 +196,8 @@ impl LossScale for DynamicLossScale {
     }
 
     /// jmp's update, bit for bit (see the type's docs), then the optional max clip.
-    fn adjust(&mut self, grads_finite: bool) {
-        DynamicLossScale::adjust(self, grads_finite)
+    fn adjust(&mut self, step_finite: bool) {
+        DynamicLossScale::adjust(self, step_finite)
     }
 }
 
@@ -250,7 +252,8 @@ impl DynamicLossScaleBuilder {
         self
     }
 
-    /// The floor a backoff stops at (default 1; finite and greater than 0).
+    /// The floor a backoff stops at (default 1; finite and greater than 2^-128, so that
+    /// its reciprocal is finite).
     pub fn min_scale(mut self, min: f32) -> Self {
         self.min_scale = min;
         self
@@ -266,7 +269,7 @@ impl DynamicLossScaleBuilder {
     ///
     /// # Errors
     /// - [`LossScaleError::InvalidScale`]: the initial, min or max scale is not finite or not
-    ///   greater than 0;
+    ///   greater than 2^-128 (its reciprocal must be finite);
     /// - [`LossScaleError::ZeroPeriod`]: the period is 0;
     /// - [`LossScaleError::InvalidFactor`]: the factor is not finite or not greater than 1;
     /// - [`LossScaleError::MaxBelowMin`]: the max scale is below the min scale.
@@ -285,8 +288,10 @@ impl DynamicLossScaleBuilder {
     }
 }
 
-/// Serialized form of [`DynamicLossScale`]: every field, validated when read back.
+/// Serialized form of [`DynamicLossScale`]: every field, validated when read back. Unknown
+/// fields are errors, so a misspelt field (`"maxscale"`) cannot restore silently.
 #[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct DynamicState {
     loss_scale: f32,
     counter: u32,

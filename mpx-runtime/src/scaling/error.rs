@@ -11,9 +11,10 @@
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
 pub enum LossScaleError {
-    /// A scale value (initial, static, min or max) that is NaN, infinite, zero or negative.
+    /// A scale value (initial, static, min or max) that is NaN, infinite, zero, negative, or so
+    /// small (at most 2^-128) that its reciprocal, the factor unscaling multiplies by, overflows.
     #[error(
-        "invalid {name} {value:?}: a loss scale must be a finite number greater than 0 (e.g. 1.0, 32768.0)"
+        "invalid {name} {value:?}: a loss scale must be a finite number greater than 2^-128 (about 2.94e-39), so that its reciprocal is finite (e.g. 1.0, 32768.0)"
     )]
     InvalidScale {
         /// Which value: `"initial scale"`, `"static scale"`, `"min scale"`, `"max scale"`, or
@@ -52,9 +53,9 @@ pub enum LossScaleError {
     },
 }
 
-/// Checks that `value` is a usable scale: finite and greater than 0.
+/// Checks that `value` is a usable scale: finite, greater than 0, with a finite reciprocal.
 pub(crate) fn check_scale(name: &'static str, value: f32) -> Result<f32, LossScaleError> {
-    if value.is_finite() && value > 0.0 {
+    if value.is_finite() && value > 0.0 && (1.0 / value).is_finite() {
         Ok(value)
     } else {
         Err(LossScaleError::InvalidScale { name, value })

@@ -23,6 +23,15 @@
 //! otherwise. Only float leaves are unscaled; integer leaves pass through (jmp and mpx multiply
 //! every leaf, turning integers into floats; gradients have no integer leaves).
 //!
+//! Every scale that enters (a static scale, a dynamic scale's initial, min and max, restored
+//! state) must be finite and greater than 2^-128, so that `1 / scale` is finite; the unscale
+//! checks also look at what they write, so a user [`LossScale`] outside that range yields a
+//! non-finite step rather than NaN weights.
+//!
+//! **Skipped steps never count toward growth:** a step is applied, and `adjust(true)` called, only
+//! when both its gradients and its loss are finite ([`step_finite`]); every skipped step calls
+//! `adjust(false)`.
+//!
 //! # Examples
 //! ```
 //! use dfdx::prelude::*;
@@ -41,6 +50,8 @@
 
 mod dynamic;
 mod error;
+#[cfg(test)]
+mod tests;
 
 pub use dynamic::{DynamicLossScale, DynamicLossScaleBuilder};
 pub use error::LossScaleError;
@@ -70,9 +81,13 @@ pub trait LossScale {
     /// The scale currently applied (jmp's `loss_scale`, mpx's `loss_scaling`, PyTorch's `get_scale()`).
     fn loss_scale(&self) -> f32;
 
-    /// Updates the scale after a step whose gradients were (or were not) all finite. Call it once
+    /// Updates the scale after a step that was applied (`true`) or skipped (`false`). Call it once
     /// per step, after unscaling with the scale that was applied.
-    fn adjust(&mut self, grads_finite: bool);
+    ///
+    /// **The rule:** a step is applied only when its gradients **and** its loss are all finite
+    /// ([`step_finite`]); pass `false` for every skipped step, so a skipped step never counts
+    /// toward growth. An inf loss can come with finite gradients; that step is skipped too.
+    fn adjust(&mut self, step_finite: bool);
 
     /// The factor gradients are multiplied by to unscale them: `1 / loss_scale()`, computed in f32.
     fn inv_loss_scale(&self) -> f32 {
@@ -114,8 +129,10 @@ pub trait LossScale {
         if s == 1.0 { loss } else { loss * s }
     }
 
-    /// Fallible form of [`scale`](LossScale::scale) (dfdx's `try_*` habit): fails only if the
-    /// device cannot allocate.
+    /// Fallible form of [`scale`](LossScale::scale) (dfdx's `try_*` habit).
+    ///
+    /// # Errors
+    /// The device's [`CpuError`] when it cannot allocate.
     fn try_scale<S: Shape, T: Tape<f32, Cpu>>(
         &self,
         loss: Tensor<S, f32, Cpu, T>,
@@ -155,7 +172,11 @@ pub trait LossScale {
 
     /// [`unscale`](LossScale::unscale) and [`all_finite`] in one pass over the gradients: returns
     /// the unscaled f32 tree and whether every float leaf was finite **before** unscaling (the
-    /// check mpx and jmp run on the scaled gradients).
+    /// check mpx and jmp run on the scaled gradients) **and after** (what would be applied: a
+    /// scale whose reciprocal is not finite, or an unscaled value that overflows, gives `false`).
+    ///
+    /// The flag covers the gradients only; the step's rule for [`adjust`](LossScale::adjust) also
+    /// needs the loss to be finite ([`step_finite`]).
     ///
     /// # Examples
     /// ```
@@ -190,7 +211,8 @@ pub trait LossScale {
     }
 }
 
-/// Multiplies every float leaf of `tree` by `inv` in place; returns whether all were finite before.
+/// Multiplies every float leaf of `tree` by `inv` in place; returns whether all were finite before
+/// and after.
 fn unscale_leaves<T: FloatLeaves + ?Sized>(tree: &mut T, inv: f32) -> bool {
     let mut finite = true;
     tree.visit_floats_mut(&mut |leaf| {
@@ -223,7 +245,7 @@ impl LossScale for NoOpLossScale {
     fn loss_scale(&self) -> f32 {
         1.0
     }
-    fn adjust(&mut self, _grads_finite: bool) {}
+    fn adjust(&mut self, _step_finite: bool) {}
 }
 
 /// A fixed loss scale: `adjust` does nothing (jmp's `StaticLossScale`).
@@ -247,7 +269,8 @@ impl StaticLossScale {
     /// A static scale of `loss_scale`.
     ///
     /// # Errors
-    /// [`LossScaleError::InvalidScale`] unless `loss_scale` is finite and greater than 0.
+    /// [`LossScaleError::InvalidScale`] unless `loss_scale` is finite and greater than
+    /// 2^-128 (so that its reciprocal, which unscaling multiplies by, is finite).
     pub fn new(loss_scale: f32) -> Result<Self, LossScaleError> {
         let loss_scale = error::check_scale("static scale", loss_scale)?;
         Ok(Self { loss_scale })
@@ -258,11 +281,12 @@ impl LossScale for StaticLossScale {
     fn loss_scale(&self) -> f32 {
         self.loss_scale
     }
-    fn adjust(&mut self, _grads_finite: bool) {}
+    fn adjust(&mut self, _step_finite: bool) {}
 }
 
-/// Serialized form of [`StaticLossScale`], validated when read back.
+/// Serialized form of [`StaticLossScale`], validated when read back; unknown fields are errors.
 #[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct StaticState {
     loss_scale: f32,
 }
@@ -280,4 +304,24 @@ impl From<StaticLossScale> for StaticState {
             loss_scale: s.loss_scale,
         }
     }
+}
+
+/// Whether a step counts as finite for [`LossScale::adjust`]: its gradients were all finite
+/// **and** its loss was finite.
+///
+/// A step with a non-finite loss is skipped even when its gradients came out finite (an inf loss
+/// can backpropagate finite gradients), and a skipped step must never count toward growth. Pass
+/// this to `adjust`.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::scaling::{step_finite, DynamicLossScale, LossScale};
+/// let mut s = DynamicLossScale::builder().initial(1024.0).period(2).build()?;
+/// s.adjust(step_finite(true, f32::INFINITY)); // finite gradients, inf loss: skipped
+/// s.adjust(step_finite(true, f32::INFINITY));
+/// assert_eq!(s.loss_scale(), 256.0); // backed off twice, never grew
+/// # Ok::<(), mpx_runtime::scaling::LossScaleError>(())
+/// ```
+pub fn step_finite(grads_finite: bool, loss: f32) -> bool {
+    grads_finite && loss.is_finite()
 }

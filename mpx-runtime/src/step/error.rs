@@ -1,5 +1,6 @@
 //! Errors of the mixed-precision step.
 
+use dfdx::optim::OptimizerUpdateError;
 use dfdx::tensor::CpuError;
 
 /// What can go wrong in a mixed-precision step ([`filter_value_and_grad`](super::filter_value_and_grad),
@@ -10,13 +11,13 @@ use dfdx::tensor::CpuError;
 /// limit on consecutive skips is set and exceeded ([`StepError::TooManySkips`]).
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
-    /// The device failed (in practice: out of memory).
-    #[error("the device failed during the mixed step: {0}")]
+    /// The device failed (in practice: out of memory); the device's error is the source.
+    #[error("the device failed during the mixed step")]
     Device(#[from] CpuError),
 
     /// The working copy could not be cast from the master (a module whose `TensorCollection`
     /// does not rebuild it, or runtime dimensions that changed).
-    #[error("casting the master into the working copy failed: {0}")]
+    #[error("casting the master into the working copy failed")]
     Cast(#[from] crate::cast::CastError),
 
     /// The loss scale was zero, negative, infinite or NaN.
@@ -41,12 +42,12 @@ pub enum StepError {
         found: String,
     },
 
-    /// The optimizer rejected the update (dfdx's `OptimizerUpdateError`).
+    /// The optimizer rejected the update; dfdx's `OptimizerUpdateError` is the source.
     #[error(
-        "the optimizer update failed: {0}; if it names unused tensors, the gradients were not \
+        "the optimizer update failed; if its source names unused tensors, the gradients were not \
          produced for this master model (was the workspace built from a different master?)"
     )]
-    Optimizer(String),
+    Optimizer(#[source] OptimizerUpdateError<CpuError>),
 
     /// More consecutive steps were skipped than the limit allows.
     #[error(

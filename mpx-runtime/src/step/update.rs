@@ -136,7 +136,7 @@ where
     }
     optimizer
         .update(master, grads.grads())
-        .map_err(|e| StepError::Optimizer(e.to_string()))?;
+        .map_err(StepError::Optimizer)?;
     if ws.state_changed.iter().any(|&c| c) {
         let mut write = WriteState {
             after: &ws.state_after,
