@@ -80,7 +80,8 @@ where
 /// caught below) and pushed into the half graph as a vector-Jacobian product; one pass over the
 /// working copy's gradients then widens them, checks finiteness, and unscales them with the scale
 /// that was **applied** (mpx 0.1.8 uses the adjusted one, which is off by the growth factor on
-/// every growth step; not ported). Finally `scaling.adjust(grads_finite)`.
+/// every growth step; not ported). Finally `scaling.adjust(step_finite(grads_finite, loss))`:
+/// a step skipped for a non-finite loss never counts toward growth.
 ///
 /// # Errors
 /// [`StepError::InvalidScale`] for a scale that is not finite and positive,
@@ -198,7 +199,7 @@ where
     ) -> (Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>, A),
 {
     let scale = scaling.loss_scale();
-    if !(scale.is_finite() && scale > 0.0) {
+    if !(scale.is_finite() && scale > 0.0 && (1.0 / scale).is_finite()) {
         return Err(StepError::InvalidScale { scale });
     }
     let ws = workspace;
@@ -312,7 +313,7 @@ where
     };
 
     // 6. adjust the scale.
-    scaling.adjust(finite);
+    scaling.adjust(crate::scaling::step_finite(finite, loss_value));
     let new_scale = scaling.loss_scale();
     Ok((
         MixedGrads {

@@ -8,7 +8,7 @@ use half::f16;
 use crate::finite::{unscale_in_place_checked, unscale_into_checked};
 use crate::precision::{Precision, bf16, round_to_bf16};
 
-/// A precision the working copy of a mixed step can be stored in: [`f16`], [`AMP<f16>`],
+/// A precision the working copy of a mixed step can be stored in: [`f16`](struct@crate::precision::f16), [`AMP<f16>`],
 /// emulated [`bf16`], or `f32` (the last one is for checking the machinery: with scale 1 it
 /// reproduces a plain f32 step bit for bit).
 ///

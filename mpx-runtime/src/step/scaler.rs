@@ -3,9 +3,9 @@
 use std::marker::PhantomData;
 
 use dfdx::nn::tensor_collection::TensorCollection;
-use dfdx::optim::Optimizer;
+use dfdx::optim::{Optimizer, OptimizerUpdateError};
 use dfdx::shapes::Rank0;
-use dfdx::tensor::{AsArray, Cpu, Gradients, OwnedTape, Tensor};
+use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
 use dfdx::tensor_ops::{Backward, Device};
 
 use super::error::StepError;
@@ -542,15 +542,14 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
     /// assert!(outcome.is_applied());
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn update_with<M, F, E>(
+    pub fn update_with<M, F>(
         &mut self,
         master: &mut M,
         apply: F,
     ) -> Result<UpdateOutcome, StepError>
     where
         M: MasterModel + Send + Sync + 'static,
-        F: FnOnce(&mut M) -> Result<(), E>,
-        E: std::fmt::Display,
+        F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<CpuError>>,
         Cpu: Device<H::Elem>,
         WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
@@ -591,7 +590,7 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
                 }
             }
             None => {
-                apply(master).map_err(|e| StepError::Optimizer(e.to_string()))?;
+                apply(master).map_err(StepError::Optimizer)?;
                 self.consecutive = 0;
                 self.applied += 1;
                 UpdateOutcome::Applied
