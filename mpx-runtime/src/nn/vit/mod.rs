@@ -1,0 +1,1 @@
+//! ViT (placeholder while building)
