@@ -55,7 +55,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
     MultiHeadAttention<M, H, K, V, E, D>
 {
     /// Fails to compile when `NUM_HEADS` does not divide `K_DIM` and `V_DIM`.
-    const TYPE_CHECK: () = assert!(
+    pub(crate) const TYPE_CHECK: () = assert!(
         H > 0 && K % H == 0 && V % H == 0,
         "MultiHeadAttention: NUM_HEADS must divide K_DIM and V_DIM (both default to EMBED_DIM)"
     );

@@ -37,6 +37,23 @@ pub trait MixedModule<P: Precision, X> {
     fn try_mixed_forward(&self, x: X) -> Result<Self::Output, CpuError>;
 }
 
+/// A borrowed layer runs as the layer (so `m.forward_in::<P, _>(x)` works on the `&mut` working
+/// copy a mixed step's forward closure receives).
+impl<P: Precision, X, M: MixedModule<P, X> + ?Sized> MixedModule<P, X> for &M {
+    type Output = M::Output;
+    fn try_mixed_forward(&self, x: X) -> Result<Self::Output, CpuError> {
+        (**self).try_mixed_forward(x)
+    }
+}
+
+/// As for `&M`.
+impl<P: Precision, X, M: MixedModule<P, X> + ?Sized> MixedModule<P, X> for &mut M {
+    type Output = M::Output;
+    fn try_mixed_forward(&self, x: X) -> Result<Self::Output, CpuError> {
+        (**self).try_mixed_forward(x)
+    }
+}
+
 /// `model.forward_in::<P, _>(x)`: calls [`MixedModule`] with the precision named at the call.
 /// Implemented for every type.
 ///

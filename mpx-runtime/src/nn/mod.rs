@@ -33,6 +33,7 @@
 //! assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
 //! ```
 
+mod cast;
 mod convert;
 mod encoder;
 mod layer_norm;
