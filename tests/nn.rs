@@ -11,6 +11,7 @@ use dfdx::nn::tensor_collection::{
 };
 use dfdx::prelude::*;
 use mpx::nn::{self, DfdxLayer};
+use mpx::precision::FloatElement;
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -18,30 +19,42 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Every trainable tensor's gradient, in the module's visit order.
-struct GradsOf<'a> {
-    grads: &'a Gradients<f32, Cpu>,
+/// Every trainable tensor's gradient, widened to f32, in the module's visit order.
+struct GradsOf<'a, E: Dtype> {
+    grads: &'a Gradients<E, Cpu>,
     out: Vec<Vec<f32>>,
 }
 
-impl TensorVisitor<f32, Cpu> for GradsOf<'_> {
+impl<E: FloatElement> TensorVisitor<E, Cpu> for GradsOf<'_, E>
+where
+    Cpu: Device<E>,
+{
     type Viewer = ViewTensorRef;
     type Err = CpuError;
-    type E2 = f32;
+    type E2 = E;
     type D2 = Cpu;
     fn visit<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        opts: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
         if opts.do_gradient_update {
-            self.out.push(self.grads.get(t).as_vec());
+            let g = self.grads.get(t).as_vec();
+            let mut v = vec![0.0f32; g.len()];
+            E::to_f32_slice(&g, &mut v);
+            self.out.push(v);
         }
         Ok(None)
     }
 }
 
-fn param_grads<M: TensorCollection<f32, Cpu>>(m: &M, grads: &Gradients<f32, Cpu>) -> Vec<Vec<f32>> {
+fn param_grads<E: FloatElement, M: TensorCollection<E, Cpu>>(
+    m: &M,
+    grads: &Gradients<E, Cpu>,
+) -> Vec<Vec<f32>>
+where
+    Cpu: Device<E>,
+{
     let mut v = GradsOf {
         grads,
         out: Vec::new(),
@@ -237,7 +250,7 @@ mod vit_step {
         )
         .expect("step");
         let finite = g.is_finite();
-        let grads = super::param_grads(master, g.grads()).concat();
+        let grads = super::param_grads::<f32, Model>(master, g.grads()).concat();
         (g.loss, finite.then_some(grads))
     }
 
@@ -385,4 +398,143 @@ fn small_vit_trains_in_f16_with_skipped_steps_counted() {
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
     assert!(last < 0.8 * first, "loss {first} -> {last}");
+}
+
+// ---- f16 stability: rows past 65504 ---------------------------------------------------------
+
+mod overflow {
+    use dfdx::prelude::*;
+    use mpx::precision::f16;
+
+    pub const B: usize = 2;
+    pub const S: usize = 4;
+    pub const M: usize = 32;
+    pub type Enc<E> = dfdx::nn::modules::TransformerEncoder<M, 4, 64, 2, E, Cpu>;
+    pub type Seq<E> = Tensor<Rank3<B, S, M>, E, Cpu>;
+
+    /// Rounds an f32 tensor to f16 values and back: the f32 reference then runs on exactly the
+    /// values the f16 run holds.
+    pub fn f16_values<Sh: Shape>(t: Tensor<Sh, f32, Cpu>) -> Tensor<Sh, f32, Cpu> {
+        t.to_dtype::<f16>().to_dtype::<f32>()
+    }
+
+    /// An encoder whose residual stream carries values near 2400 (row sums near 77000, past
+    /// f16's 65504): attention queries and keys scaled by 2^-6 keep the attention scores
+    /// moderate, as a trained network with large residual activations has them.
+    pub fn model(dev: &Cpu) -> Enc<f32> {
+        let mut enc =
+            dev.build_module::<dfdx::nn::builders::TransformerEncoder<M, 4, 64, 2>, f32>();
+        for block in enc.modules.iter_mut() {
+            let a = &mut block.self_attn;
+            a.w_q.weight = a.w_q.weight.clone() * (1.0 / 64.0);
+            a.w_k.weight = a.w_k.weight.clone() * (1.0 / 64.0);
+        }
+        // Every parameter an f16 value, so the f16 and f32 runs start from the same numbers.
+        enc.to_dtype::<f16>().to_dtype::<f32>()
+    }
+
+    pub fn input(dev: &Cpu) -> Seq<f32> {
+        let z: Seq<f32> = dev.sample_normal();
+        f16_values(z * 1000.0 + 2600.0)
+    }
+}
+
+#[test]
+fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
+    use mpx::precision::f16;
+    use overflow::{B, M, S, f16_values, input, model};
+    let dev = Cpu::seed_from_u64(21);
+    let theirs32 = model(&dev);
+    let x = input(&dev);
+    let w: Tensor<Rank3<B, S, M>, f32, Cpu> = f16_values(dev.sample_normal());
+    let row_sums = x.clone().sum::<Rank2<B, S>, _>().as_vec();
+    assert!(row_sums.iter().all(|s| *s > 65504.0), "{row_sums:?}");
+
+    // dfdx in f16: the layer norm's row sum overflows.
+    let theirs16 = theirs32.clone().to_dtype::<f16>();
+    let y = theirs16.forward(x.clone().to_dtype::<f16>());
+    assert!(
+        y.as_vec().iter().any(|v| !v.is_finite()),
+        "dfdx f16 should overflow"
+    );
+
+    // mpx in f16: finite, forward and gradients.
+    let ours16 = nn::TransformerEncoder::<M, 4, 64, 2, f16>::from_dfdx(theirs16);
+    let x16 = x.clone().to_dtype::<f16>();
+    let y16 = ours16.forward(x16.leaky_trace());
+    let out16: Vec<f32> = y16.as_vec().into_iter().map(f32::from).collect();
+    assert!(out16.iter().all(|v| v.is_finite()));
+    let g16 = (y16 * w.clone().to_dtype::<f16>()).sum().backward();
+
+    // The f32 reference: our layers in f32 (= dfdx's, bit for bit) on the same values.
+    let ours32 = nn::TransformerEncoder::<M, 4, 64, 2>::from_dfdx(theirs32);
+    let y32 = ours32.forward(x.leaky_trace());
+    let out32 = y32.retaped::<NoneTape>().as_vec();
+    let g32 = (y32 * w).sum().backward();
+
+    // The tolerance, from f16's precision. Round to nearest gives each f16 result a relative
+    // error of at most u = 2^-11. Along the longest path from the input to the loss and back
+    // to a parameter there are at most n = 64 results rounded to f16 (per block and pass:
+    // projection matmul and bias add, scores matmul, softmax region output, weights x values,
+    // output projection and bias, residual add, layer-norm region output, two feed-forward
+    // matmuls with their bias adds, residual add, layer-norm region output: 15, times 2 blocks,
+    // times forward and backward, rounded up). To first order the errors add, so a quantity of
+    // unit scale is off by at most n * u. The layer norms scale errors up: an absolute error
+    // e in a row of the residual stream becomes e / sigma after normalizing, while it was
+    // u * max|h| in size; hence the factor kappa = max|h| / sigma, measured here on the rows
+    // that enter the first block's layer norm (the largest ones). Normwise relative errors of
+    // the output and of every gradient tensor must stay under n * u * kappa.
+    let h = ours32.modules[0].self_attn.forward(x.clone()) + x.clone();
+    let kappa = h
+        .as_vec()
+        .chunks(M)
+        .map(|row| {
+            let mean = row.iter().sum::<f32>() / M as f32;
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / M as f32;
+            row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / var.sqrt()
+        })
+        .fold(0.0f32, f32::max) as f64;
+    let tol = 64.0 * 2f64.powi(-11) * kappa;
+    assert!(tol < 0.25, "the bound must say something: kappa = {kappa}");
+
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+            .sum();
+        let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (d / n).sqrt()
+    };
+    assert!(
+        rel(&out16, &out32) < tol,
+        "output: {} vs {tol}",
+        rel(&out16, &out32)
+    );
+    let gx: Vec<f32> = g16.get(&x16).as_vec().into_iter().map(f32::from).collect();
+    let ex = rel(&gx, &g32.get(&x).as_vec());
+    assert!(ex < tol, "input gradient: {ex} vs {tol}");
+
+    let p16 = param_grads(&ours16, &g16);
+    let p32 = param_grads(&ours32, &g32);
+    assert_eq!(p16.len(), 32);
+    for (i, (a, b)) in p16.iter().zip(&p32).enumerate() {
+        assert!(a.iter().all(|v| v.is_finite()), "parameter #{i}");
+        // #3 and #19 are the key projections' biases: they add q.b_k to every score of a row,
+        // which the softmax cancels, so their exact gradient is 0 and both runs hold rounding
+        // noise. They must be negligible next to the key weights' gradient instead.
+        if i % 16 == 3 {
+            let scale: f32 = p32[i - 1].iter().map(|v| v.abs()).fold(0.0, f32::max);
+            assert!(
+                a.iter().chain(b).all(|v| v.abs() <= tol as f32 * scale),
+                "#{i}"
+            );
+            continue;
+        }
+        let e = rel(a, b);
+        assert!(
+            e < tol,
+            "gradient of parameter #{i}: relative error {e} vs {tol}"
+        );
+    }
 }
