@@ -28,7 +28,8 @@ use crate::region::FullPrecision;
 /// use mpx_runtime::precision::f16;
 /// let dev = Cpu::default();
 /// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
-/// let x: Tensor<Rank3<2, 3, 8>, f16, Cpu> = dev.sample_normal::<Rank3<2, 3, 8>>().to_dtype();
+/// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+/// let x = x.to_dtype::<f16>();
 /// let y = mha.forward(x);
 /// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
 /// ```

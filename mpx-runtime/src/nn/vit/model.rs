@@ -69,7 +69,9 @@ pub struct Vit<
 /// let dev = Cpu::default();
 /// let vit = dev.build_module::<DigitsVit, f32>();
 /// assert_eq!(vit.encoder.modules.len(), 2);
-/// assert_eq!(vit.num_trainable_params(), 18_090);
+/// // patches 4*32+32, positions 16*32, two blocks of 4*(32*32+32) + 2*64 + (32*64+64) + (64*32+32),
+/// // head 64 + 32*10+10
+/// assert_eq!(vit.num_trainable_params(), 160 + 512 + 2 * 8544 + 394);
 /// ```
 pub type DigitsVit<E = f32, D = Cpu> = Vit<64, 4, 16, 32, 4, 64, 2, 10, E, D>;
 
