@@ -538,3 +538,45 @@ fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
         );
     }
 }
+
+#[test]
+fn class_token_prepends_and_gets_the_first_positions_gradient() {
+    use mpx::nn::vit::{ClassToken, ClassificationHead, PatchEmbedding, PositionEmbedding};
+    use mpx::precision::f16;
+    let dev = Cpu::seed_from_u64(9);
+    let mut cls = dev.build_module::<ClassToken<4>, f32>();
+    assert_eq!(cls.token.array(), [0.0; 4], "initialised to zeros");
+    cls.token = dev.sample_normal();
+    let x: Tensor<Rank3<2, 3, 4>, f32, Cpu> = dev.sample_normal();
+    let w: Tensor<(Const<2>, usize, Const<4>), f32, Cpu> =
+        dev.sample_normal_like(&(Const, 4, Const));
+    let y = cls.forward(x.leaky_trace());
+    let (yv, xv, tv, wv) = (y.as_vec(), x.as_vec(), cls.token.as_vec(), w.as_vec());
+    let g = (y * w).sum().backward();
+    let (gx, gt) = (g.get(&x).as_vec(), g.get(&cls.token).as_vec());
+    for b in 0..2 {
+        // Output: the token, then the sequence.
+        assert_eq!(yv[b * 16..b * 16 + 4], tv[..]);
+        assert_eq!(yv[b * 16 + 4..b * 16 + 16], xv[b * 12..b * 12 + 12]);
+        // The sequence's gradient: the weights at positions 1..
+        assert_eq!(gx[b * 12..b * 12 + 12], wv[b * 16 + 4..b * 16 + 16]);
+    }
+    // The token's gradient: position 0's weights summed over the batch.
+    let want: Vec<f32> = (0..4).map(|j| wv[j] + wv[16 + j]).collect();
+    assert_eq!(gt, want);
+
+    // A class-token ViT forward in f16: 4 patches + the token = 5 positions.
+    let embed = dev.build_module::<PatchEmbedding<64, 16, 4, 8>, f16>();
+    let cls = dev.build_module::<ClassToken<8>, f16>();
+    let pos = dev.build_module::<PositionEmbedding<5, 8>, f16>();
+    let enc = dev.build_module::<nn::TransformerEncoder<8, 2, 16, 1>, f16>();
+    let head = dev.build_module::<ClassificationHead<8, 3>, f16>();
+    let images: Tensor<Rank2<2, 64>, f32, Cpu> = dev.sample_uniform();
+    let t = embed.forward(images.to_dtype::<f16>().leaky_trace());
+    let t = enc.forward(pos.forward(cls.forward(t)));
+    let logits = head.forward(ClassToken::<8, f16>::try_take(t).expect("take"));
+    assert!(logits.as_vec().iter().all(|v| v.is_finite()));
+    let g = logits.sum().backward();
+    assert!(g.get(&cls.token).as_vec().iter().any(|v| v.to_f32() != 0.0));
+    assert!(g.get(&pos.pos).as_vec().iter().all(|v| v.is_finite()));
+}

@@ -7,7 +7,7 @@
 
 use dfdx::tensor::Cpu;
 
-use super::vit::{ClassificationHead, PatchEmbedding, PositionEmbedding, Vit};
+use super::vit::{ClassToken, ClassificationHead, PatchEmbedding, PositionEmbedding, Vit};
 use super::{LayerNorm1D, MultiHeadAttention, TransformerEncoderBlock};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::precision::{AMP, FloatBits, Precision, f16};
@@ -46,5 +46,6 @@ layer!(MultiHeadAttention [M, H, K, V] cast { w_q, w_k, w_v, w_o } keep {});
 layer!(TransformerEncoderBlock [M, H, F] cast { self_attn, norm1, ff, norm2 } keep {});
 layer!(PatchEmbedding [PIXELS, PATCH_DIM, PATCHES, M] cast { linear } keep {});
 layer!(PositionEmbedding [S, M] cast { pos } keep {});
+layer!(ClassToken [M] cast { token } keep {});
 layer!(ClassificationHead [M, C] cast { norm, linear } keep {});
 layer!(Vit [PIXELS, PATCH_DIM, PATCHES, M, H, F, L, C] cast { patch_embed, pos_embed, encoder, head } keep {});

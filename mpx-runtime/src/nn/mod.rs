@@ -10,6 +10,7 @@
 //! | [`TransformerEncoder`] | `TransformerEncoder` | as the blocks | as the blocks |
 //! | [`vit::PatchEmbedding`] | - | - | a `Linear` over flattened patches |
 //! | [`vit::PositionEmbedding`] | - | - | the add |
+//! | [`vit::ClassToken`] | - | - | the concatenation |
 //! | [`vit::ClassificationHead`] | - | its layer norm | mean over tokens, `Linear` |
 //! | [`vit::Vit`] | - | as its layers | as its layers |
 //!

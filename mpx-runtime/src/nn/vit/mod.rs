@@ -1,7 +1,9 @@
 //! A small Vision Transformer (ViT) from mixed-ready layers: [`PatchEmbedding`] (a `Linear`
 //! over flattened patches), [`PositionEmbedding`] (a learned tensor added to the sequence),
+//! optionally a [`ClassToken`],
 //! the [`TransformerEncoder`](super::TransformerEncoder), and a [`ClassificationHead`] (mean
-//! over tokens, `LayerNorm1D`, `Linear`), put together as [`Vit`].
+//! over tokens or the class token, `LayerNorm1D`, `Linear`), put together as [`Vit`] (mean
+//! pooling).
 //!
 //! Images come in flattened, row-major: `(batch, PIXELS)` with `PIXELS` a square (64 for the
 //! 8x8 digits). [`DigitsVit`] is the configuration for them: 2x2 patches, 16 tokens of width 32.
@@ -18,11 +20,13 @@
 //! assert_eq!(logits.shape(), &(Const::<3>, Const::<10>));
 //! ```
 
+mod class_token;
 mod head;
 mod model;
 mod patch;
 mod position;
 
+pub use class_token::*;
 pub use head::*;
 pub use model::*;
 pub use patch::*;

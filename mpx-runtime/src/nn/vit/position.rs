@@ -3,7 +3,7 @@
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank2};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{BroadcastTo, Device, TryAdd};
+use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryAdd};
 
 use crate::nn::MixedModule;
 use crate::nn::mixed::{build_on_device, native_module};
@@ -107,5 +107,37 @@ where
         x: Tensor<Rank2<SEQ, M>, E, Cpu, T>,
     ) -> Result<Self::Output, CpuError> {
         x.try_add(self.pos.retaped::<T>())
+    }
+}
+
+/// A sequence whose length is only known at run time (after a
+/// [`ClassToken`](super::ClassToken)); it must be `SEQ` long.
+impl<const SEQ: usize, const M: usize, E, P, B, T>
+    MixedModule<P, Tensor<(B, usize, Const<M>), E, Cpu, T>> for PositionEmbedding<SEQ, M, E, Cpu>
+where
+    E: FloatElement,
+    P: Precision<Elem = E>,
+    Cpu: Device<E>,
+    B: Dim,
+    T: Tape<E, Cpu>,
+{
+    type Output = Tensor<(B, usize, Const<M>), E, Cpu, T>;
+
+    /// Panics when the sequence is not `SEQ` long, as dfdx's shape checks do.
+    fn try_mixed_forward(
+        &self,
+        x: Tensor<(B, usize, Const<M>), E, Cpu, T>,
+    ) -> Result<Self::Output, CpuError> {
+        let shape = *x.shape();
+        assert_eq!(
+            shape.1, SEQ,
+            "PositionEmbedding<{SEQ}, {M}>: the sequence has {} tokens",
+            shape.1
+        );
+        let pos = self
+            .pos
+            .retaped::<T>()
+            .try_reshape_like(&(shape.1, Const::<M>))?;
+        x.try_add(pos.try_broadcast_like(&shape)?)
     }
 }
