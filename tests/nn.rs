@@ -580,3 +580,30 @@ fn class_token_prepends_and_gets_the_first_positions_gradient() {
     assert!(g.get(&cls.token).as_vec().iter().any(|v| v.to_f32() != 0.0));
     assert!(g.get(&pos.pos).as_vec().iter().all(|v| v.is_finite()));
 }
+
+#[test]
+fn vit_is_a_castable_tree_with_float_leaves() {
+    use mpx::cast::{cast_module, cast_tree};
+    use mpx::finite::all_finite;
+    use mpx::nn::vit::DigitsVit;
+    use mpx::precision::f16;
+    let dev = Cpu::seed_from_u64(4);
+    let vit = dev.build_module::<DigitsVit, f32>();
+    // Field-by-field `Cast` agrees with the TensorCollection cast the mixed step uses.
+    let a: DigitsVit<f16> = cast_tree::<f16, _>(&vit);
+    let b: DigitsVit<f16> = cast_module::<f16, f32, _>(&vit);
+    let x: Tensor<Rank2<3, 64>, f32, Cpu> = dev.sample_uniform();
+    let x = x.to_dtype::<f16>();
+    assert_eq!(a.forward(x.clone()).as_vec(), b.forward(x).as_vec());
+    assert_eq!(
+        a.encoder.modules[1].norm1.epsilon,
+        vit.encoder.modules[1].norm1.epsilon
+    );
+    // `FloatLeaves` reaches every tensor: a NaN anywhere is seen.
+    assert!(all_finite(&a));
+    let mut bad = vit.clone();
+    let mut v = bad.head.norm.beta.as_vec();
+    v[3] = f32::NAN;
+    bad.head.norm.beta.copy_from(&v);
+    assert!(all_finite(&vit) && !all_finite(&bad));
+}

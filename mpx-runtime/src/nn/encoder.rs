@@ -15,7 +15,19 @@ use super::mixed::{MixedModule, build_on_device, native_module};
 use crate::precision::{AMP, FloatElement, Precision, f16};
 
 /// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
-/// type (dfdx's own modules).
+/// type (dfdx's own modules), as in dfdx's encoder block.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::FeedForward;
+/// let dev = Cpu::default();
+/// let ff: FeedForward<4, 8, f32, Cpu> = dev.build_module::<FeedForward<4, 8, f32, Cpu>, f32>();
+/// let x: Tensor<Rank1<4>, f32, Cpu> = dev.zeros();
+/// // x + W2 relu(W1 x + b1) + b2 at x = 0 is W2 relu(b1) + b2.
+/// let want = ff.0.2.forward(ff.0.0.bias.clone().relu());
+/// assert_eq!(ff.forward(x).array(), want.array());
+/// ```
 pub type FeedForward<const M: usize, const F: usize, E, D> =
     Residual<(Linear<M, F, E, D>, ReLU, Linear<F, M, E, D>)>;
 

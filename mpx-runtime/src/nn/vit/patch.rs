@@ -61,8 +61,20 @@ impl<
 > PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, D>
 {
     /// Side of an image, in pixels.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::nn::vit::PatchEmbedding;
+    /// assert_eq!(PatchEmbedding::<64, 4, 16, 8>::IMAGE_SIDE, 8);
+    /// ```
     pub const IMAGE_SIDE: usize = isqrt(PIXELS);
     /// Side of a patch, in pixels.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::nn::vit::PatchEmbedding;
+    /// assert_eq!(PatchEmbedding::<64, 4, 16, 8>::PATCH_SIDE, 2);
+    /// ```
     pub const PATCH_SIDE: usize = isqrt(PATCH_DIM);
     /// Fails to compile for a geometry that does not tile.
     pub(crate) const TYPE_CHECK: () = assert!(
