@@ -20,9 +20,10 @@ use crate::precision::{AMP, FloatElement, Precision, f16};
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
-/// use mpx_runtime::nn::FeedForward;
+/// use mpx_runtime::nn::{FeedForward, TransformerEncoderBlock};
 /// let dev = Cpu::default();
-/// let ff: FeedForward<4, 8, f32, Cpu> = dev.build_module::<FeedForward<4, 8, f32, Cpu>, f32>();
+/// let block = dev.build_module::<TransformerEncoderBlock<4, 2, 8>, f32>();
+/// let ff: &FeedForward<4, 8, f32, Cpu> = &block.ff;
 /// let x: Tensor<Rank1<4>, f32, Cpu> = dev.zeros();
 /// // x + W2 relu(W1 x + b1) + b2 at x = 0 is W2 relu(b1) + b2.
 /// let want = ff.0.2.forward(ff.0.0.bias.clone().relu());
