@@ -12,11 +12,13 @@
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
+//! | [`nn`] | mixed-ready layers: layer norm, attention, transformer encoder, ViT |
 
 pub mod boundary;
 pub mod cast;
 pub mod finite;
 pub mod mx;
+pub mod nn;
 pub mod policy;
 pub mod precision;
 pub mod region;

@@ -1,0 +1,203 @@
+//! [`TransformerEncoderBlock`] and [`TransformerEncoder`]: dfdx's encoder built from the
+//! mixed-ready [`LayerNorm1D`] and [`MultiHeadAttention`].
+
+use dfdx::nn::Module;
+use dfdx::nn::modules::{self, Linear, ReLU, Repeated, Residual};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::shapes::{Const, Dim, Dtype};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
+use dfdx::tensor_ops::{Device, TryAdd};
+
+use super::convert::dfdx_layer;
+use super::layer_norm::LayerNorm1D;
+use super::mha::MultiHeadAttention;
+use super::mixed::{MixedModule, build_on_device, native_module};
+use crate::precision::{AMP, FloatElement, Precision, f16};
+
+/// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
+/// type (dfdx's own modules), as in dfdx's encoder block.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::{FeedForward, TransformerEncoderBlock};
+/// let dev = Cpu::default();
+/// let block = dev.build_module::<TransformerEncoderBlock<4, 2, 8>, f32>();
+/// let ff: &FeedForward<4, 8, f32, Cpu> = &block.ff;
+/// let x: Tensor<Rank1<4>, f32, Cpu> = dev.zeros();
+/// // x + W2 relu(W1 x + b1) + b2 at x = 0 is W2 relu(b1) + b2.
+/// let want = ff.0.2.forward(ff.0.0.bias.clone().relu());
+/// assert_eq!(ff.forward(x).array(), want.array());
+/// ```
+pub type FeedForward<const M: usize, const F: usize, E, D> =
+    Residual<(Linear<M, F, E, D>, ReLU, Linear<F, M, E, D>)>;
+
+/// A transformer encoder block, as dfdx's
+/// [`TransformerEncoderBlock`](dfdx::nn::modules::TransformerEncoderBlock) (post-norm: same
+/// fields, same operation order): `x = norm1(x + self_attn(x)); norm2(x + ff(x))`.
+///
+/// Its layer norms and attention softmax run in f32 regions; the residual adds and the
+/// feed-forward network in the half type.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::TransformerEncoderBlock;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let block = dev.build_module::<TransformerEncoderBlock<8, 2, 16>, f16>();
+/// let x: Tensor<Rank3<1, 2, 8>, f32, Cpu> = dev.tensor([[[20000.0; 8], [0.5; 8]]]);
+/// let y = block.forward(x.to_dtype::<f16>());
+/// assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct TransformerEncoderBlock<
+    const MODEL_DIM: usize,
+    const NUM_HEADS: usize,
+    const FF_DIM: usize,
+    E: Dtype = f32,
+    D: Storage<E> = Cpu,
+> {
+    /// Self-attention.
+    pub self_attn: MultiHeadAttention<MODEL_DIM, NUM_HEADS, MODEL_DIM, MODEL_DIM, E, D>,
+    /// Layer norm after the attention's residual add.
+    pub norm1: LayerNorm1D<MODEL_DIM, E, D>,
+    /// Feed-forward network with its residual.
+    pub ff: FeedForward<MODEL_DIM, FF_DIM, E, D>,
+    /// Layer norm after the feed-forward residual.
+    pub norm2: LayerNorm1D<MODEL_DIM, E, D>,
+}
+
+/// A stack of `NUM_LAYERS` [`TransformerEncoderBlock`]s, as dfdx's `TransformerEncoder` (a
+/// `Repeated`, whose `modules` field holds the blocks).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::TransformerEncoder;
+/// let dev = Cpu::default();
+/// let enc = dev.build_module::<TransformerEncoder<8, 2, 16, 3>, f32>();
+/// assert_eq!(enc.modules.len(), 3);
+/// let y = enc.forward(dev.sample_normal::<Rank2<4, 8>>());
+/// assert_eq!(y.shape(), &(Const::<4>, Const::<8>));
+/// ```
+pub type TransformerEncoder<
+    const MODEL_DIM: usize,
+    const NUM_HEADS: usize,
+    const FF_DIM: usize,
+    const NUM_LAYERS: usize,
+    E = f32,
+    D = Cpu,
+> = Repeated<TransformerEncoderBlock<MODEL_DIM, NUM_HEADS, FF_DIM, E, D>, NUM_LAYERS>;
+
+build_on_device!(TransformerEncoderBlock[const M, const H, const F]);
+native_module!(TransformerEncoderBlock[const M, const H, const F]);
+
+/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
+macro_rules! collection {
+    ($($e:ty),*) => {$(
+        impl<const M: usize, const H: usize, const F: usize, D: Device<$e>>
+            TensorCollection<$e, D> for TransformerEncoderBlock<M, H, F, $e, D>
+        {
+            type To<E2: Dtype, D2: Device<E2>> = TransformerEncoderBlock<M, H, F, E2, D2>;
+
+            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
+                visitor: &mut V,
+            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+                visitor.visit_fields(
+                    (
+                        Self::module("self_attn", |s| &s.self_attn, |s| &mut s.self_attn),
+                        Self::module("norm1", |s| &s.norm1, |s| &mut s.norm1),
+                        Self::module("ff", |s| &s.ff, |s| &mut s.ff),
+                        Self::module("norm2", |s| &s.norm2, |s| &mut s.norm2),
+                    ),
+                    |(self_attn, norm1, ff, norm2)| TransformerEncoderBlock {
+                        self_attn,
+                        norm1,
+                        ff,
+                        norm2,
+                    },
+                )
+            }
+        }
+    )*};
+}
+collection!(f32, f16, AMP<f16>);
+
+impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
+    From<modules::TransformerEncoderBlock<M, H, F, E, D>>
+    for TransformerEncoderBlock<M, H, F, E, D>
+{
+    fn from(m: modules::TransformerEncoderBlock<M, H, F, E, D>) -> Self {
+        Self {
+            self_attn: m.self_attn.into(),
+            norm1: m.norm1.into(),
+            ff: m.ff,
+            norm2: m.norm2.into(),
+        }
+    }
+}
+
+impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
+    From<TransformerEncoderBlock<M, H, F, E, D>>
+    for modules::TransformerEncoderBlock<M, H, F, E, D>
+{
+    fn from(m: TransformerEncoderBlock<M, H, F, E, D>) -> Self {
+        Self {
+            self_attn: m.self_attn.into(),
+            norm1: m.norm1.into(),
+            ff: m.ff,
+            norm2: m.norm2.into(),
+        }
+    }
+}
+
+dfdx_layer!(TransformerEncoderBlock[const M, const H, const F]);
+
+/// The block on `(S, M)` and `(B, S, M)` sequences.
+macro_rules! block_forward {
+    ($($d:ident),+) => {
+        impl<const M: usize, const H: usize, const F: usize, E, P, $($d,)+ T>
+            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
+            for TransformerEncoderBlock<M, H, F, E, Cpu>
+        where
+            E: FloatElement,
+            P: Precision<Elem = E>,
+            Cpu: Device<E>,
+            $($d: Dim,)+
+            T: Tape<E, Cpu>,
+        {
+            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
+            fn try_mixed_forward(
+                &self,
+                src: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
+            ) -> Result<Self::Output, CpuError> {
+                let (src, tape) = src.split_tape();
+                let x = MixedModule::<P, _>::try_mixed_forward(
+                    &self.self_attn,
+                    src.clone().put_tape(tape),
+                )?;
+                let x = x.try_add(src)?;
+                let x = MixedModule::<P, _>::try_mixed_forward(&self.norm1, x)?;
+                let x = self.ff.try_forward(x)?;
+                MixedModule::<P, _>::try_mixed_forward(&self.norm2, x)
+            }
+        }
+    };
+}
+block_forward!(S);
+block_forward!(B, S);
+
+/// A stack runs its layers in order, each in precision `P` (dfdx's `Repeated` does the same for
+/// `Module`).
+impl<P: Precision, X, L: MixedModule<P, X, Output = X>, const N: usize> MixedModule<P, X>
+    for Repeated<L, N>
+{
+    type Output = X;
+    fn try_mixed_forward(&self, mut x: X) -> Result<X, CpuError> {
+        for layer in &self.modules {
+            x = layer.try_mixed_forward(x)?;
+        }
+        Ok(x)
+    }
+}

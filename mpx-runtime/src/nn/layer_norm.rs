@@ -1,0 +1,150 @@
+//! [`LayerNorm1D`]: dfdx's layer norm with its statistics (and affine transform) in f32.
+
+use dfdx::nn::modules;
+use dfdx::nn::tensor_collection::{ModuleVisitor, ScalarOptions, TensorCollection, TensorOptions};
+use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape, Rank1};
+use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, Device};
+
+use super::convert::dfdx_layer;
+use super::mixed::{MixedModule, build_on_device, native_module};
+use crate::precision::{FloatElement, Precision};
+use crate::region::FullPrecision;
+
+/// Layer normalization over the last axis, as dfdx's
+/// [`LayerNorm1D`](dfdx::nn::modules::LayerNorm1D) (same fields, same operation order), with the
+/// whole normalization (mean, variance, scale by `gamma`, shift by `beta`) in an f32 region: a
+/// row whose sum passes 65504 overflows dfdx's f16 layer norm, not this one.
+///
+/// With `f32` it is bit-identical to dfdx's layer, forward and gradients. Converts from and to
+/// dfdx's with `From` (the tensors move, ids and all).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let ln = dev.build_module::<mpx_runtime::nn::LayerNorm1D<4>, f16>();
+/// let x = dev.tensor([[40000.0f32, 40000.0, 1.0, 2.0]]).to_dtype::<f16>();
+/// // dfdx's f16 layer norm: the row sum overflows, the output is NaN.
+/// let plain: dfdx::nn::modules::LayerNorm1D<4, f16, Cpu> = ln.clone().into();
+/// assert!(plain.forward(x.clone()).array()[0].iter().any(|v| v.is_nan()));
+/// // mpx's: finite.
+/// assert!(ln.forward(x).array()[0].iter().all(|v| v.is_finite()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct LayerNorm1D<const M: usize, E: Dtype = f32, D: Storage<E> = Cpu> {
+    /// Scale, initialised to ones.
+    pub gamma: Tensor<Rank1<M>, E, D>,
+    /// Shift, initialised to zeros.
+    pub beta: Tensor<Rank1<M>, E, D>,
+    /// Added to the variance (default `1e-5`).
+    pub epsilon: f64,
+}
+
+build_on_device!(LayerNorm1D[const M]);
+native_module!(LayerNorm1D[const M]);
+
+impl<const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D> for LayerNorm1D<M, E, D> {
+    type To<E2: Dtype, D2: Device<E2>> = LayerNorm1D<M, E2, D2>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::tensor(
+                    "gamma",
+                    |s| &s.gamma,
+                    |s| &mut s.gamma,
+                    TensorOptions::reset_to_ones(),
+                ),
+                Self::tensor(
+                    "beta",
+                    |s| &s.beta,
+                    |s| &mut s.beta,
+                    TensorOptions::reset_to_zeros(),
+                ),
+                Self::scalar(
+                    "epsilon",
+                    |s| &s.epsilon,
+                    |s| &mut s.epsilon,
+                    ScalarOptions::from_default(1e-5),
+                ),
+            ),
+            |(gamma, beta, epsilon)| LayerNorm1D {
+                gamma,
+                beta,
+                epsilon,
+            },
+        )
+    }
+}
+
+impl<const M: usize, E: Dtype, D: Storage<E>> From<modules::LayerNorm1D<M, E, D>>
+    for LayerNorm1D<M, E, D>
+{
+    fn from(m: modules::LayerNorm1D<M, E, D>) -> Self {
+        Self {
+            gamma: m.gamma,
+            beta: m.beta,
+            epsilon: m.epsilon,
+        }
+    }
+}
+
+impl<const M: usize, E: Dtype, D: Storage<E>> From<LayerNorm1D<M, E, D>>
+    for modules::LayerNorm1D<M, E, D>
+{
+    fn from(m: LayerNorm1D<M, E, D>) -> Self {
+        Self {
+            gamma: m.gamma,
+            beta: m.beta,
+            epsilon: m.epsilon,
+        }
+    }
+}
+
+impl<const M: usize, E: FloatElement, P: Precision<Elem = E>, T: Tape<E, Cpu>>
+    MixedModule<P, Tensor<Rank1<M>, E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
+where
+    Cpu: Device<E>,
+{
+    type Output = Tensor<Rank1<M>, E, Cpu, T>;
+    fn try_mixed_forward(&self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
+        let eps = self.epsilon;
+        // dfdx: x.normalize(eps) * gamma + beta (gamma and beta without a tape).
+        FullPrecision::<P>::try_run_with(self, x, |ln, x| {
+            x.normalize(eps) * ln.gamma.clone() + ln.beta.clone()
+        })
+    }
+}
+
+/// Batched inputs: the statistics run over the last axis `$ax`, as in dfdx.
+macro_rules! batched {
+    ($ax:literal; $($d:ident),+) => {
+        impl<$($d: Dim,)+ const M: usize, E: FloatElement, P: Precision<Elem = E>, T: Tape<E, Cpu>>
+            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
+        where
+            Cpu: Device<E>,
+        {
+            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
+            fn try_mixed_forward(
+                &self,
+                x: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
+            ) -> Result<Self::Output, CpuError> {
+                let eps = self.epsilon;
+                FullPrecision::<P>::try_run_with(self, x, |ln, x| {
+                    let shape = *x.shape();
+                    let x = x.normalize::<Axis<$ax>>(eps);
+                    let gamma = ln.gamma.retaped::<OwnedTape<f32, Cpu>>().broadcast_like(&shape);
+                    let beta = ln.beta.retaped::<OwnedTape<f32, Cpu>>().broadcast_like(&shape);
+                    x * gamma + beta
+                })
+            }
+        }
+    };
+}
+batched!(1; B);
+batched!(2; B, S);
+dfdx_layer!(LayerNorm1D[const M]);

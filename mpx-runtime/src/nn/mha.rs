@@ -1,0 +1,263 @@
+//! [`MultiHeadAttention`]: dfdx's attention with its scaled softmax in f32.
+
+use dfdx::nn::modules::{self, Linear};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::nn::{BuildModule, BuildOnDevice, Module};
+use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
+
+use super::convert::dfdx_layer;
+use super::mixed::{MixedModule, native_module};
+use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::region::FullPrecision;
+
+/// Multi-head attention, as dfdx's
+/// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
+/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in an f32 region: the
+/// projections and both matmuls run in the half type.
+///
+/// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
+/// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
+/// `NUM_HEADS` (a compile-time error otherwise).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::MultiHeadAttention;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
+/// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+/// let x = x.to_dtype::<f16>();
+/// let y = mha.forward(x);
+/// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct MultiHeadAttention<
+    const EMBED_DIM: usize,
+    const NUM_HEADS: usize,
+    const K_DIM: usize = EMBED_DIM,
+    const V_DIM: usize = EMBED_DIM,
+    E: Dtype = f32,
+    D: Storage<E> = Cpu,
+> {
+    /// Query projection.
+    pub w_q: Linear<EMBED_DIM, K_DIM, E, D>,
+    /// Key projection.
+    pub w_k: Linear<EMBED_DIM, K_DIM, E, D>,
+    /// Value projection.
+    pub w_v: Linear<EMBED_DIM, V_DIM, E, D>,
+    /// Output projection.
+    pub w_o: Linear<V_DIM, EMBED_DIM, E, D>,
+}
+
+impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
+    MultiHeadAttention<M, H, K, V, E, D>
+{
+    /// Fails to compile when `NUM_HEADS` does not divide `K_DIM` and `V_DIM`.
+    pub(crate) const TYPE_CHECK: () = assert!(
+        H > 0 && K % H == 0 && V % H == 0,
+        "MultiHeadAttention: NUM_HEADS must divide K_DIM and V_DIM (both default to EMBED_DIM)"
+    );
+}
+
+impl<
+    const M: usize,
+    const H: usize,
+    const K: usize,
+    const V: usize,
+    E0: Dtype,
+    D0: Storage<E0>,
+    E: Dtype,
+    D: Device<E>,
+> BuildOnDevice<D, E> for MultiHeadAttention<M, H, K, V, E0, D0>
+where
+    MultiHeadAttention<M, H, K, V, E, D>: BuildModule<D, E>,
+{
+    type Built = MultiHeadAttention<M, H, K, V, E, D>;
+    fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
+        #[allow(clippy::let_unit_value)]
+        let () = Self::TYPE_CHECK;
+        Self::Built::try_build(device)
+    }
+}
+
+/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
+macro_rules! collection {
+    ($($e:ty),*) => {$(
+        impl<const M: usize, const H: usize, const K: usize, const V: usize, D: Device<$e>>
+            TensorCollection<$e, D> for MultiHeadAttention<M, H, K, V, $e, D>
+        {
+            type To<E2: Dtype, D2: Device<E2>> = MultiHeadAttention<M, H, K, V, E2, D2>;
+
+            fn iter_tensors<Vi: ModuleVisitor<Self, $e, D>>(
+                visitor: &mut Vi,
+            ) -> Result<Option<Self::To<Vi::E2, Vi::D2>>, Vi::Err> {
+                visitor.visit_fields(
+                    (
+                        Self::module("w_q", |s| &s.w_q, |s| &mut s.w_q),
+                        Self::module("w_k", |s| &s.w_k, |s| &mut s.w_k),
+                        Self::module("w_v", |s| &s.w_v, |s| &mut s.w_v),
+                        Self::module("w_o", |s| &s.w_o, |s| &mut s.w_o),
+                    ),
+                    |(w_q, w_k, w_v, w_o)| MultiHeadAttention { w_q, w_k, w_v, w_o },
+                )
+            }
+        }
+    )*};
+}
+collection!(f32, f16, AMP<f16>);
+
+impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
+    From<modules::MultiHeadAttention<M, H, K, V, E, D>> for MultiHeadAttention<M, H, K, V, E, D>
+{
+    fn from(m: modules::MultiHeadAttention<M, H, K, V, E, D>) -> Self {
+        Self {
+            w_q: m.w_q,
+            w_k: m.w_k,
+            w_v: m.w_v,
+            w_o: m.w_o,
+        }
+    }
+}
+
+impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
+    From<MultiHeadAttention<M, H, K, V, E, D>> for modules::MultiHeadAttention<M, H, K, V, E, D>
+{
+    fn from(m: MultiHeadAttention<M, H, K, V, E, D>) -> Self {
+        Self {
+            w_q: m.w_q,
+            w_k: m.w_k,
+            w_v: m.w_v,
+            w_o: m.w_o,
+        }
+    }
+}
+
+dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V]);
+native_module!(MultiHeadAttention[const M, const H, const K, const V]);
+
+/// A batched `(B, S, M)` tensor of element `E`.
+type Seq<B, S, const M: usize, E, T = dfdx::tensor::NoneTape> = Tensor<(B, S, Const<M>), E, Cpu, T>;
+
+impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, B, S1, S2, T>
+    MixedModule<P, (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>)>
+    for MultiHeadAttention<M, H, K, V, E, Cpu>
+where
+    E: FloatElement,
+    P: Precision<Elem = E>,
+    Cpu: Device<E>,
+    B: Dim,
+    S1: Dim,
+    S2: Dim,
+    T: Tape<E, Cpu>,
+{
+    type Output = Seq<B, S1, M, E, T>;
+
+    /// Batched attention of queries `q` over keys `k` and values `v`.
+    fn try_mixed_forward(
+        &self,
+        (q, k, v): (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>),
+    ) -> Result<Self::Output, CpuError> {
+        #[allow(clippy::let_unit_value)]
+        let () = Self::TYPE_CHECK;
+        assert_eq!(q.shape().0, k.shape().0, "q and k differ in batch size");
+        assert_eq!(q.shape().0, v.shape().0, "q and v differ in batch size");
+        assert_eq!(k.shape().1, v.shape().1, "k and v differ in length");
+        let b = q.shape().0;
+        let s1 = q.shape().1;
+        let s2 = v.shape().1;
+
+        let v = self.w_v.try_forward(v.retaped::<T>())?;
+        let v = v.try_reshape_like(&(b, s2, H, V / H))?;
+        let v = v.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
+
+        let k = self.w_k.try_forward(k.retaped::<T>())?;
+        let k = k.try_reshape_like(&(b, s2, H, K / H))?;
+        let k = k.try_permute::<_, Axes4<0, 2, 3, 1>>()?;
+
+        let q = self.w_q.try_forward(q)?;
+        let q = q.try_reshape_like(&(b, s1, H, K / H))?;
+        let q = q.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
+
+        // dfdx: (q k^T * scalar).softmax(), with the scalar rounded to E; here in f32.
+        let scalar = (1.0 / ((K / H) as f64).sqrt()) as f32;
+        let scores = q.try_matmul(k)?;
+        let weights = FullPrecision::<P>::try_run(scores, |w| (w * scalar).softmax::<Axis<3>>())?;
+
+        let tokens = weights.try_matmul(v)?;
+        let tokens = tokens.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
+        let tokens = tokens.try_reshape_like(&(b, s1, Const::<V>))?;
+        self.w_o.try_forward(tokens)
+    }
+}
+
+impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, S1, S2, T>
+    MixedModule<
+        P,
+        (
+            Tensor<(S1, Const<M>), E, Cpu, T>,
+            Tensor<(S2, Const<M>), E, Cpu>,
+            Tensor<(S2, Const<M>), E, Cpu>,
+        ),
+    > for MultiHeadAttention<M, H, K, V, E, Cpu>
+where
+    E: FloatElement,
+    P: Precision<Elem = E>,
+    Cpu: Device<E>,
+    S1: Dim,
+    S2: Dim,
+    T: Tape<E, Cpu>,
+{
+    type Output = Tensor<(S1, Const<M>), E, Cpu, T>;
+
+    /// Unbatched attention: a batch of one, as dfdx does it.
+    fn try_mixed_forward(
+        &self,
+        (q, k, v): (
+            Tensor<(S1, Const<M>), E, Cpu, T>,
+            Tensor<(S2, Const<M>), E, Cpu>,
+            Tensor<(S2, Const<M>), E, Cpu>,
+        ),
+    ) -> Result<Self::Output, CpuError> {
+        assert_eq!(k.shape().0, v.shape().0, "k and v differ in length");
+        let s1 = q.shape().0;
+        let s2 = k.shape().0;
+        let q = q.try_broadcast_like(&(Const::<1>, s1, Const::<M>))?;
+        let k = k.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;
+        let v = v.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;
+        let out = MixedModule::<P, _>::try_mixed_forward(self, (q, k, v))?;
+        out.try_reshape_like(&(s1, Const::<M>))
+    }
+}
+
+/// Self-attention: one tensor is query, key and value (its tape goes with the query).
+macro_rules! self_attention {
+    ($($d:ident),+) => {
+        impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, $($d,)+ T>
+            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
+            for MultiHeadAttention<M, H, K, V, E, Cpu>
+        where
+            E: FloatElement,
+            P: Precision<Elem = E>,
+            Cpu: Device<E>,
+            $($d: Dim,)+
+            T: Tape<E, Cpu>,
+        {
+            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
+            fn try_mixed_forward(
+                &self,
+                src: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
+            ) -> Result<Self::Output, CpuError> {
+                let (src, tape) = src.split_tape();
+                MixedModule::<P, _>::try_mixed_forward(
+                    self,
+                    (src.clone().put_tape(tape), src.clone(), src),
+                )
+            }
+        }
+    };
+}
+self_attention!(S);
+self_attention!(B, S);

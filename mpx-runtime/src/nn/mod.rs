@@ -1,0 +1,49 @@
+//! Mixed-ready neural network layers: dfdx's transformer layers with their precision-critical
+//! operations in f32, for mpx's promise of "typical neural network functions, like Attention,
+//! that are ready for mixed precision".
+//!
+//! | layer | dfdx counterpart | in f32 (a [`region`](crate::region)) | in the half type |
+//! |---|---|---|---|
+//! | [`LayerNorm1D`] | `LayerNorm1D` | mean, variance, `gamma`/`beta` | - |
+//! | [`MultiHeadAttention`] | `MultiHeadAttention` | `q k^T / sqrt(d)` scaling and softmax | projections, both matmuls |
+//! | [`TransformerEncoderBlock`] | `TransformerEncoderBlock` | its two layer norms and attention softmax | residual adds, feed-forward |
+//! | [`TransformerEncoder`] | `TransformerEncoder` | as the blocks | as the blocks |
+//! | [`vit::PatchEmbedding`] | - | - | a `Linear` over flattened patches |
+//! | [`vit::PositionEmbedding`] | - | - | the add |
+//! | [`vit::ClassToken`] | - | - | the concatenation |
+//! | [`vit::ClassificationHead`] | - | its layer norm | mean over tokens, `Linear` |
+//! | [`vit::Vit`] | - | as its layers | as its layers |
+//!
+//! Every layer has dfdx's field names and parameter layout, implements dfdx's
+//! `TensorCollection` (so `alloc_grads`, optimizers, `build_module` and mpx's casts and mixed
+//! steps work) and converts from and to dfdx's layer ([`DfdxLayer`], `From`). With `f32` each is
+//! bit-identical to dfdx's, forward and gradients.
+//!
+//! The precision: dfdx's `Module::forward` runs in the element's [`NativePrecision`] (f32, f16,
+//! `AMP<f16>`); [`ForwardIn::forward_in`] names it, which emulated bf16 (f32 storage) needs.
+//!
+//! # Examples
+//! ```
+//! use dfdx::prelude::*;
+//! use mpx_runtime::nn::TransformerEncoder;
+//! use mpx_runtime::precision::f16;
+//! let dev = Cpu::default();
+//! let enc = dev.build_module::<TransformerEncoder<8, 2, 16, 2>, f16>();
+//! let x: Tensor<Rank3<1, 3, 8>, f32, Cpu> = dev.tensor([[[30000.0; 8], [1.0; 8], [-2.0; 8]]]);
+//! let y = enc.forward(x.to_dtype::<f16>());
+//! assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
+//! ```
+
+mod cast;
+mod convert;
+mod encoder;
+mod layer_norm;
+mod mha;
+mod mixed;
+pub mod vit;
+
+pub use convert::*;
+pub use encoder::*;
+pub use layer_norm::*;
+pub use mha::*;
+pub use mixed::*;

@@ -1,0 +1,132 @@
+//! [`ClassificationHead`]: pool the tokens, normalize in f32, project to class logits.
+
+use dfdx::nn::Module;
+use dfdx::nn::modules::Linear;
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
+use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
+
+use crate::nn::mixed::{build_on_device, native_module};
+use crate::nn::{LayerNorm1D, MixedModule};
+use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::region::FullPrecision;
+
+/// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
+/// [`LayerNorm1D`] and a `Linear` to `C` logits; on a `(B, M)` input (a class token already
+/// taken out), the layer norm and the `Linear` only.
+///
+/// The mean and the layer norm run in one f32 region; the `Linear` in the half type.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::vit::ClassificationHead;
+/// let dev = Cpu::default();
+/// let head = dev.build_module::<ClassificationHead<8, 3>, f32>();
+/// let tokens: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal();
+/// let logits = head.forward(tokens.clone());
+/// // The same as the head on the mean token.
+/// let pooled = head.forward(tokens.mean::<Rank2<2, 8>, _>());
+/// assert_eq!(logits.array(), pooled.array());
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClassificationHead<const M: usize, const C: usize, E: Dtype = f32, D: Storage<E> = Cpu> {
+    /// Layer norm of the pooled token.
+    pub norm: LayerNorm1D<M, E, D>,
+    /// Projection to the class logits.
+    pub linear: Linear<M, C, E, D>,
+}
+
+build_on_device!(ClassificationHead[const M, const C]);
+native_module!(ClassificationHead[const M, const C]);
+
+/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
+macro_rules! collection {
+    ($($e:ty),*) => {$(
+        impl<const M: usize, const C: usize, D: Device<$e>> TensorCollection<$e, D>
+            for ClassificationHead<M, C, $e, D>
+        {
+            type To<E2: Dtype, D2: Device<E2>> = ClassificationHead<M, C, E2, D2>;
+
+            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
+                visitor: &mut V,
+            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+                visitor.visit_fields(
+                    (
+                        Self::module("norm", |s| &s.norm, |s| &mut s.norm),
+                        Self::module("linear", |s| &s.linear, |s| &mut s.linear),
+                    ),
+                    |(norm, linear)| ClassificationHead { norm, linear },
+                )
+            }
+        }
+    )*};
+}
+collection!(f32, f16, AMP<f16>);
+
+/// dfdx's `LayerNorm1D` on `(B, M)`, in f32, inside a region.
+fn layer_norm_f32<B: Dim, const M: usize>(
+    ln: &LayerNorm1D<M, f32, Cpu>,
+    eps: f64,
+    x: Tensor<(B, Const<M>), f32, Cpu, OwnedTape<f32, Cpu>>,
+) -> Tensor<(B, Const<M>), f32, Cpu, OwnedTape<f32, Cpu>> {
+    let shape = *x.shape();
+    let gamma = ln
+        .gamma
+        .retaped::<OwnedTape<f32, Cpu>>()
+        .broadcast_like(&shape);
+    let beta = ln
+        .beta
+        .retaped::<OwnedTape<f32, Cpu>>()
+        .broadcast_like(&shape);
+    x.normalize::<Axis<1>>(eps) * gamma + beta
+}
+
+impl<const M: usize, const C: usize, E, P, B, S, T>
+    MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>> for ClassificationHead<M, C, E, Cpu>
+where
+    E: FloatElement,
+    P: Precision<Elem = E>,
+    Cpu: Device<E>,
+    B: Dim,
+    S: Dim,
+    T: Tape<E, Cpu>,
+{
+    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
+
+    /// Mean over the tokens, then the head.
+    fn try_mixed_forward(
+        &self,
+        x: Tensor<(B, S, Const<M>), E, Cpu, T>,
+    ) -> Result<Self::Output, CpuError> {
+        let eps = self.norm.epsilon;
+        let pooled = FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| {
+            layer_norm_f32(ln, eps, x.mean::<(B, Const<M>), Axis<1>>())
+        })?;
+        self.linear.try_forward(pooled)
+    }
+}
+
+impl<const M: usize, const C: usize, E, P, B, T> MixedModule<P, Tensor<(B, Const<M>), E, Cpu, T>>
+    for ClassificationHead<M, C, E, Cpu>
+where
+    E: FloatElement,
+    P: Precision<Elem = E>,
+    Cpu: Device<E>,
+    B: Dim,
+    T: Tape<E, Cpu>,
+{
+    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
+
+    /// One pooled token (a class token) per example: the head without pooling.
+    fn try_mixed_forward(
+        &self,
+        x: Tensor<(B, Const<M>), E, Cpu, T>,
+    ) -> Result<Self::Output, CpuError> {
+        let eps = self.norm.epsilon;
+        let normed =
+            FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| layer_norm_f32(ln, eps, x))?;
+        self.linear.try_forward(normed)
+    }
+}
