@@ -28,9 +28,12 @@ pub(crate) struct Fp32Op {
     /// another count is some other function (`self.norm.normalize(x, eps)` is not dfdx's
     /// `normalize(eps)`). A loss takes `(prediction, target)` and then its scalars (`delta`).
     pub args: usize,
-    /// The PyTorch autocast name it corresponds to.
+    /// The PyTorch autocast name it corresponds to (documentation: `docs/dsl.md` renders it,
+    /// and a test checks the two agree).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub torch: &'static str,
-    /// Why it needs f32.
+    /// Why it needs f32 (documentation, as `torch`).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub why: &'static str,
 }
 
