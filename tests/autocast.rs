@@ -28,11 +28,7 @@ where
 }
 
 /// The same function without the attribute: everything runs in the tensors' own type.
-fn attention_plain<E: Dtype, T: Tape<E, Cpu>>(
-    q: Act<E, T>,
-    k: Act<E>,
-    v: Act<E>,
-) -> Act<E, T>
+fn attention_plain<E: Dtype, T: Tape<E, Cpu>>(q: Act<E, T>, k: Act<E>, v: Act<E>) -> Act<E, T>
 where
     Cpu: Device<E>,
 {
@@ -132,7 +128,10 @@ fn the_inputs_overflow_f16_only_in_the_statistics() {
 fn plain_f16_overflows_and_autocast_f16_stays_finite() {
     let plain = run::<f16>(attention_plain);
     let bad = plain.y.iter().chain(plain.grads.iter().flatten());
-    assert!(bad.clone().any(|x| !x.is_finite()), "plain f16 should overflow");
+    assert!(
+        bad.clone().any(|x| !x.is_finite()),
+        "plain f16 should overflow"
+    );
 
     let auto = run::<f16>(attention::<f16, _>);
     assert!(all_finite(&auto.y), "{:?}", auto.y);
@@ -179,7 +178,11 @@ fn autocast_f16_is_close_to_f32() {
     assert!(bounds.iter().all(|b| *b < 0.1), "{bounds:?}");
     for (i, bound) in bounds.iter().enumerate() {
         let (a, r) = (&auto.y[i * 8..][..8], &reference.y[i * 8..][..8]);
-        let worst = a.iter().zip(r).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+        let worst = a
+            .iter()
+            .zip(r)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
         assert!(worst <= *bound, "row {i}: {worst} > {bound}\n{a:?}\n{r:?}");
     }
     // Each gradient is a sum of products of two forward quantities (a softmax weight and a
@@ -190,9 +193,16 @@ fn autocast_f16_is_close_to_f32() {
     let rel = 2.0 * bounds.iter().fold(0.0f32, |m, b| m.max(*b));
     for (a, r) in auto.grads.iter().zip(&reference.grads) {
         let scale = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let worst = a.iter().zip(r).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+        let worst = a
+            .iter()
+            .zip(r)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
         let bound = rel * scale + 8.0 * 2.0f32.powi(-24);
-        assert!(scale > 0.0 && worst <= bound, "{worst} > {bound}\n{a:?}\n{r:?}");
+        assert!(
+            scale > 0.0 && worst <= bound,
+            "{worst} > {bound}\n{a:?}\n{r:?}"
+        );
     }
 }
 

@@ -37,7 +37,8 @@ pub(crate) struct Fp32Op {
     pub why: &'static str,
 }
 
-const LOSS: &str = "a loss reduces a whole batch to one value; f16 loses small terms and overflows large sums";
+const LOSS: &str =
+    "a loss reduces a whole batch to one value; f16 loses small terms and overflows large sums";
 const EXP: &str = "exp/log overflow or underflow f16's range (exp(11.1) > 65504)";
 const REDUCE: &str = "a reduction over many values passes 65504 or loses the small terms";
 const NORM: &str = "statistics over a row (sum of squares) overflow f16";
@@ -78,7 +79,9 @@ ops! {
 
 /// The f32 operation called `name` in the given form, if it is one.
 pub(crate) fn fp32_op(name: &str, form: Form) -> Option<&'static Fp32Op> {
-    FP32_OPS.iter().find(|op| op.name == name && op.form == form)
+    FP32_OPS
+        .iter()
+        .find(|op| op.name == name && op.form == form)
 }
 
 #[cfg(test)]

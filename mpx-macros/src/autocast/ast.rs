@@ -64,11 +64,11 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
 /// `sum` or `(sum, exp, ..)`: operation names.
 fn op_names(e: &syn::Expr) -> syn::Result<Vec<syn::Ident>> {
     let one = |e: &syn::Expr| match e {
-        syn::Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
-            p.path.get_ident().cloned().ok_or_else(|| {
-                syn::Error::new_spanned(e, "`skip` lists operation names")
-            })
-        }
+        syn::Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => p
+            .path
+            .get_ident()
+            .cloned()
+            .ok_or_else(|| syn::Error::new_spanned(e, "`skip` lists operation names")),
         other => Err(syn::Error::new_spanned(
             other,
             "`skip` lists operation names: `skip = sum` or `skip = (sum, exp)`",

@@ -84,8 +84,8 @@ impl<'a> Rewriter<'a> {
                     None => (name.as_str(), false),
                 };
                 let op = fp32_op(base, Form::Method)?;
-                let iterator_sum = base == "sum"
-                    && mc.turbofish.as_ref().is_some_and(|t| t.args.len() == 1);
+                let iterator_sum =
+                    base == "sum" && mc.turbofish.as_ref().is_some_and(|t| t.args.len() == 1);
                 (mc.args.len() == op.args
                     && !self.skipped(op)
                     && !iterator_sum

@@ -37,7 +37,12 @@ fn a_method_call_becomes_a_region_and_the_rest_is_untouched() {
 fn a_chain_of_operations_is_one_region_and_scalars_stay_inside() {
     let s = body(
         quote!(),
-        quote!((x * 2.0).exp().sum::<_, Axis<1>>().normalize::<Axis<0>>(self.eps)),
+        quote!(
+            (x * 2.0)
+                .exp()
+                .sum::<_, Axis<1>>()
+                .normalize::<Axis<0>>(self.eps)
+        ),
     );
     assert!(
         s.contains(&format!(
@@ -127,7 +132,9 @@ fn calls_that_cannot_be_tensor_operations_are_left() {
 fn skip_keeps_named_operations_in_the_half_type() {
     let s = body(quote!(skip = (sum, mean)), quote!(x.exp().sum() + y.mean()));
     assert!(
-        s.contains(&format!("{RUN} (x , | __mpx_x0 | __mpx_x0 . exp ()) . sum () + y . mean ()")),
+        s.contains(&format!(
+            "{RUN} (x , | __mpx_x0 | __mpx_x0 . exp ()) . sum () + y . mean ()"
+        )),
         "{s}"
     );
 }
@@ -137,7 +144,10 @@ fn half_type_from_the_arguments_and_the_crate_path() {
     let out = super::expand(
         quote!(half = AMP<f16>, crate = "my_mpx"),
         quote!(
-            fn try_forward(&self, x: Tensor<S, AMP<f16>, Cpu, T>) -> Result<Self::Output, Self::Error> {
+            fn try_forward(
+                &self,
+                x: Tensor<S, AMP<f16>, Cpu, T>,
+            ) -> Result<Self::Output, Self::Error> {
                 Ok(self.attn.forward(x).try_softmax::<Axis<1>>()?)
             }
         ),
@@ -149,7 +159,7 @@ fn half_type_from_the_arguments_and_the_crate_path() {
         "{s}"
     );
     // The signature is kept as written.
-    assert!(s.contains("fn try_forward (& self , x : Tensor < S , AMP < f16 > , Cpu , T >) -> Result < Self :: Output , Self :: Error >"), "{s}");
+    assert!(s.contains("fn try_forward (& self , x : Tensor < S , AMP < f16 > , Cpu , T > ,) -> Result < Self :: Output , Self :: Error >"), "{s}");
 }
 
 #[test]
@@ -166,7 +176,9 @@ fn closures_are_rewritten_and_nested_items_are_not() {
     );
     assert!(s.contains("fn helper (x : X) -> X { x . exp () }"), "{s}");
     assert!(
-        s.contains(&format!("| t : X | {RUN} (t , | __mpx_x0 | __mpx_x0 . ln ())")),
+        s.contains(&format!(
+            "| t : X | {RUN} (t , | __mpx_x0 | __mpx_x0 . ln ())"
+        )),
         "{s}"
     );
 }
@@ -198,13 +210,21 @@ fn no_tensor_operation_and_no_half_type_are_errors() {
     );
     let m = messages(&out);
     assert_eq!(m.len(), 2, "{m:#?}");
-    assert!(m[0].starts_with("`#[autocast]` cannot tell the half type"), "{}", m[0]);
+    assert!(
+        m[0].starts_with("`#[autocast]` cannot tell the half type"),
+        "{}",
+        m[0]
+    );
     assert!(
         m[1].starts_with("`#[autocast]` found no tensor operation to run in f32"),
         "{}",
         m[1]
     );
-    assert!(m[1].contains("`softmax`") && m[1].contains("`mse_loss`"), "{}", m[1]);
+    assert!(
+        m[1].contains("`softmax`") && m[1].contains("`mse_loss`"),
+        "{}",
+        m[1]
+    );
 }
 
 #[test]
@@ -244,7 +264,12 @@ fn every_error_is_reported_at_once_and_the_item_is_kept() {
 fn loops_and_closures_in_a_scalar_argument_are_their_own() {
     let s = body(
         quote!(),
-        quote!(x.powf(loop { break 2.0 }).powi((|| -> Option<i32> { Some(k?) })().unwrap_or(2))),
+        quote!(
+            x.powf(loop {
+                break 2.0;
+            })
+            .powi((|| -> Option<i32> { Some(k?) })().unwrap_or(2))
+        ),
     );
     assert_eq!(s.matches("FullPrecision").count(), 1, "{s}");
 }
@@ -262,4 +287,64 @@ fn arguments_must_be_well_formed() {
     let m = messages(&out);
     assert_eq!(m.len(), 1, "{m:#?}");
     assert!(m[0].contains("`skip` lists operation names"), "{}", m[0]);
+}
+
+/// The functions of `examples/<name>.rs` (methods of `impl` blocks included), by name, with their
+/// `#[autocast]` arguments if annotated; doc comments and `#[rustfmt::skip]` removed.
+fn example_fns(name: &str) -> Vec<(String, Option<TokenStream>, syn::ItemFn)> {
+    let path = format!("{}/../examples/{name}.rs", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the example exists");
+    let file: syn::File = syn::parse_file(&text).expect("the example parses");
+    let mut out = Vec::new();
+    let mut take = |attrs: &[syn::Attribute], f: syn::ItemFn| {
+        let args = attrs
+            .iter()
+            .find(|a| a.path().is_ident("autocast"))
+            .map(|a| match &a.meta {
+                syn::Meta::List(l) => l.tokens.clone(),
+                _ => TokenStream::new(),
+            });
+        let mut f = f;
+        f.attrs.retain(|a| {
+            !a.path().is_ident("autocast")
+                && !a.path().is_ident("doc")
+                && !a.path().segments.first().is_some_and(|s| s.ident == "rustfmt")
+        });
+        out.push((f.sig.ident.to_string(), args, f));
+    };
+    for item in file.items {
+        match item {
+            syn::Item::Fn(f) => take(&f.attrs.clone(), f),
+            syn::Item::Impl(i) => {
+                for it in i.items {
+                    if let syn::ImplItem::Fn(m) = it {
+                        let f: syn::ItemFn = syn::parse2(quote!(#m)).expect("a method parses as a fn");
+                        take(&m.attrs, f);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn the_expanded_example_is_what_the_macro_generates() {
+    let squeeze = |s: String| s.replace([' ', '\n'], "");
+    let expanded = example_fns("autocast-expanded");
+    let mut checked = 0;
+    for (name, args, f) in example_fns("autocast") {
+        let Some(args) = args else { continue };
+        let out = super::expand(args, quote!(#f));
+        assert!(messages(&out).is_empty(), "{out}");
+        let by_hand = expanded
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map(|(_, _, f)| quote!(#f).to_string())
+            .unwrap_or_else(|| panic!("`{name}` is missing from autocast-expanded.rs"));
+        assert_eq!(squeeze(out.to_string()), squeeze(by_hand), "{name}");
+        checked += 1;
+    }
+    assert_eq!(checked, 2, "the example annotates `try_forward` and `loss`");
 }
