@@ -99,4 +99,31 @@ mod tests {
         assert!(fp32_op("softmax", Form::Function).is_none());
         assert!(fp32_op("matmul", Form::Method).is_none());
     }
+
+    #[test]
+    fn the_docs_list_every_operation_of_the_table() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/dsl.md");
+        let docs = std::fs::read_to_string(path).expect("docs/dsl.md exists");
+        let section = docs
+            .split("### Operations run in f32")
+            .nth(1)
+            .expect("docs/dsl.md has the section `### Operations run in f32`");
+        let rows: Vec<&str> = section
+            .lines()
+            .skip_while(|l| !l.starts_with("|---"))
+            .skip(1)
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        let expected: Vec<String> = FP32_OPS
+            .iter()
+            .map(|op| {
+                let form = match op.form {
+                    Form::Function => "function",
+                    Form::Method => "method",
+                };
+                format!("| `{}` | {form} | {} | {} |", op.name, op.torch, op.why)
+            })
+            .collect();
+        assert_eq!(rows, expected, "docs/dsl.md's table of operations has drifted from ops.rs");
+    }
 }
