@@ -217,3 +217,56 @@ fn autocast_f32_is_bit_identical_to_the_plain_function() {
         assert_eq!(bits(a), bits(p));
     }
 }
+
+/// Log-sum-exp of each row, written by hand: the chain `exp().sum().ln()` is one region, and the
+/// shape of `sum` is inferred from the annotation, as without the attribute.
+#[autocast]
+fn row_logsumexp<H: Precision, T: Tape<H::Elem, Cpu>>(
+    x: Act<H::Elem, T>,
+) -> Tensor<Rank1<4>, H::Elem, Cpu, T> {
+    let lse: Tensor<Rank1<4>, H::Elem, Cpu, T> = x.exp().sum().ln();
+    lse
+}
+
+#[test]
+fn a_chain_of_operations_runs_in_f32_without_rounding_between() {
+    let dev = Cpu::default();
+    // exp(12) = 162755 > 65504: the plain f16 chain overflows at `exp`.
+    let rows: [[f32; 8]; 4] =
+        std::array::from_fn(|i| std::array::from_fn(|j| 12.0 - 0.25 * i as f32 + 0.125 * j as f32));
+    let x16: Act<f16> = dev.tensor(rows).to_dtype::<f16>();
+    let plain = x16.clone().exp().sum::<Rank1<4>, _>().ln();
+    assert!(plain.as_vec().iter().all(|v| v.is_infinite()));
+
+    let lse = row_logsumexp::<f16, _>(x16.leaky_trace());
+    // Reference: f64 log-sum-exp of the f16 inputs (exactly representable: multiples of 2^-3).
+    // The result (about 14.6, where f16's ulp is 2^-7) is rounded once to f16: half an ulp, plus
+    // f32's own rounding inside the region (about 2^-20): allow one ulp, 2^-7.
+    for (i, got) in lse.as_vec().iter().enumerate() {
+        let exact = rows[i].iter().map(|v| (*v as f64).exp()).sum::<f64>().ln();
+        assert!(
+            (got.to_f32() as f64 - exact).abs() <= 2f64.powi(-7),
+            "row {i}: {got} vs {exact}"
+        );
+    }
+    // Gradients: softmax of each row, finite and summing to 1 per row up to the rounding of its 8
+    // values (each below 1) to f16: 8 * 2^-11.
+    let g = lse.sum().backward();
+    let gx = g.get(&x16).as_vec();
+    for row in gx.chunks(8) {
+        let s: f32 = row.iter().map(|v| v.to_f32()).sum();
+        assert!(
+            row.iter().all(|v| v.is_finite()) && (s - 1.0).abs() < 8.0 * 2f32.powi(-11),
+            "{row:?}"
+        );
+    }
+
+    // f32: bit-identical to the chain without the attribute.
+    let x32: Act<f32> = dev.tensor(rows);
+    let auto = row_logsumexp::<f32, _>(x32.leaky_trace());
+    let plain = x32.leaky_trace().exp().sum::<Rank1<4>, _>().ln();
+    assert_eq!(bits(&auto.as_vec()), bits(&plain.as_vec()));
+    let ga = auto.sum().backward();
+    let gp = plain.sum().backward();
+    assert_eq!(bits(&ga.get(&x32).as_vec()), bits(&gp.get(&x32).as_vec()));
+}

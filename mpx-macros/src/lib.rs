@@ -63,14 +63,17 @@ pub fn mixed_step(args: TokenStream, item: TokenStream) -> TokenStream {
 /// fn norm_then_scale<H: Precision, T: Tape<H::Elem, Cpu>>(
 ///     x: Tensor<Rank2<2, 4>, H::Elem, Cpu, T>,
 ///     w: Tensor<Rank2<2, 4>, H::Elem, Cpu>,
-/// ) -> Tensor<Rank2<2, 4>, H::Elem, Cpu, T> {
+/// ) -> Tensor<Rank2<2, 4>, H::Elem, Cpu, T>
+/// where
+///     Cpu: Device<H::Elem>,
+/// {
 ///     x.normalize::<Axis<1>>(1e-5) * w // normalize runs in f32, the product in H
 /// }
 ///
 /// let dev = Cpu::default();
 /// let x = dev.tensor([[30000.0f32, 30000.0, 30000.0, 1.0], [1.0, 2.0, 3.0, 4.0]]);
-/// let w = dev.ones::<Rank2<2, 4>>();
-/// let y = norm_then_scale::<f16, _>(x.to_dtype::<f16>(), w.to_dtype::<f16>());
+/// let w: Tensor<Rank2<2, 4>, f32, Cpu> = dev.ones();
+/// let y = norm_then_scale::<f16, _>(x.clone().to_dtype::<f16>(), w.to_dtype::<f16>());
 /// assert!(y.as_vec().iter().all(|v| v.is_finite()));
 /// let plain = x.to_dtype::<f16>().normalize::<Axis<1>>(1e-5);
 /// assert!(plain.as_vec().iter().any(|v| !v.is_finite()));

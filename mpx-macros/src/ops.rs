@@ -124,6 +124,9 @@ mod tests {
                 format!("| `{}` | {form} | {} | {} |", op.name, op.torch, op.why)
             })
             .collect();
-        assert_eq!(rows, expected, "docs/dsl.md's table of operations has drifted from ops.rs");
+        assert_eq!(
+            rows, expected,
+            "docs/dsl.md's table of operations has drifted from ops.rs"
+        );
     }
 }

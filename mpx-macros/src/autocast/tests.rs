@@ -308,7 +308,10 @@ fn example_fns(name: &str) -> Vec<(String, Option<TokenStream>, syn::ItemFn)> {
         f.attrs.retain(|a| {
             !a.path().is_ident("autocast")
                 && !a.path().is_ident("doc")
-                && a.path().segments.first().is_none_or(|s| s.ident != "rustfmt")
+                && a.path()
+                    .segments
+                    .first()
+                    .is_none_or(|s| s.ident != "rustfmt")
         });
         out.push((f.sig.ident.to_string(), args, f));
     };
@@ -318,7 +321,8 @@ fn example_fns(name: &str) -> Vec<(String, Option<TokenStream>, syn::ItemFn)> {
             syn::Item::Impl(i) => {
                 for it in i.items {
                     if let syn::ImplItem::Fn(m) = it {
-                        let f: syn::ItemFn = syn::parse2(quote!(#m)).expect("a method parses as a fn");
+                        let f: syn::ItemFn =
+                            syn::parse2(quote!(#m)).expect("a method parses as a fn");
                         take(&m.attrs, f);
                     }
                 }
