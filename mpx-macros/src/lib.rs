@@ -49,8 +49,9 @@ pub fn mixed_step(args: TokenStream, item: TokenStream) -> TokenStream {
 /// parameter is bounded by `Precision` or `HalfPrecision`; needed on an `impl Module` method whose
 /// `H` belongs to the `impl`), `skip = (sum, ..)` (operations to leave in `H`), `crate = "path"`
 /// (the `mpx` facade's path). A method whose receiver cannot be a tensor (a literal, a range,
-/// `self`, an iterator: `v.iter().sum()`) is left alone; write a scalar method as a path call
-/// (`f32::exp(v)`) or use `skip` to keep any other call out. CPU only. See `docs/dsl.md`.
+/// `self` or its fields, an iterator: `v.iter().sum()`) is left alone; write a scalar method as a
+/// path call (`f32::exp(v)`) or use `skip` to keep any other call out. CPU only. See
+/// `docs/dsl.md`.
 ///
 /// # Examples
 /// ```

@@ -13,6 +13,7 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
 
+use crate::full_precision::valid::is_self;
 use crate::ops::{Form, Fp32Op, fp32_op};
 
 /// Method names whose result is an iterator: a table method called on one (`.iter().sum()`) is
@@ -266,7 +267,7 @@ fn is_try_form(e: &syn::Expr) -> bool {
 }
 
 /// `false` for receivers that cannot be a dfdx tensor: literals, ranges, arrays, tuples,
-/// references, casts, macros, `self`, and iterators (`.iter().sum()`).
+/// references, casts, macros, `self` and its fields, and iterators (`.iter().sum()`).
 fn may_be_tensor(receiver: &syn::Expr) -> bool {
     match receiver {
         syn::Expr::Lit(_)
@@ -281,6 +282,9 @@ fn may_be_tensor(receiver: &syn::Expr) -> bool {
         syn::Expr::Paren(p) => may_be_tensor(&p.expr),
         syn::Expr::Group(g) => may_be_tensor(&g.expr),
         syn::Expr::Path(p) => !p.path.is_ident("self"),
+        // `self.ln.normalize(x)` is a module's method: a tensor field is moved out only through
+        // `.clone()` (`self.w.clone().exp()`, which is wrapped).
+        syn::Expr::Field(f) => !is_self(&f.base),
         syn::Expr::MethodCall(mc) => {
             let name = mc.method.to_string();
             !ITERATOR_ADAPTERS.contains(&name.as_str())
