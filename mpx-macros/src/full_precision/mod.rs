@@ -11,7 +11,7 @@
 
 pub(crate) mod ast;
 mod expand;
-mod valid;
+pub(crate) mod valid;
 
 use proc_macro2::TokenStream;
 

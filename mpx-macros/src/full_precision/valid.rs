@@ -75,7 +75,7 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
 
     let half = match &args.half {
         Some(h) => Some(h.clone()),
-        None => find_half(&sig.generics, &sig.ident, cx),
+        None => find_half(&sig.generics, &sig.ident, "full_precision", cx),
     };
 
     // `None` inside means `check_params` recorded why.
@@ -142,8 +142,14 @@ fn named_inputs(names: &[syn::Ident], sig: &syn::Signature, cx: &mut Ctxt) -> Ve
     found
 }
 
-/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one.
-fn find_half(generics: &syn::Generics, ident: &syn::Ident, cx: &mut Ctxt) -> Option<syn::Type> {
+/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one;
+/// otherwise an error on `ident` naming the attribute `#[<attr>]` (shared with `#[autocast]`).
+pub(crate) fn find_half(
+    generics: &syn::Generics,
+    ident: &syn::Ident,
+    attr: &str,
+    cx: &mut Ctxt,
+) -> Option<syn::Type> {
     let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
         bounds.iter().any(|b| match b {
             syn::TypeParamBound::Trait(t) => t
@@ -179,7 +185,7 @@ fn find_half(generics: &syn::Generics, ident: &syn::Ident, cx: &mut Ctxt) -> Opt
         0 => {
             cx.error_spanned(
                 ident,
-                "`#[full_precision]` cannot tell the half type: add a type parameter `H: mpx::precision::Precision` (tensors of element `H::Elem`), or name it with `#[full_precision(half = H)]` (e.g. for a method whose `H` belongs to the `impl`)",
+                format!("`#[{attr}]` cannot tell the half type: add a type parameter `H: mpx::precision::Precision` (tensors of element `H::Elem`), or name it with `#[{attr}(half = H)]` (e.g. for a method whose `H` belongs to the `impl`)"),
             );
             None
         }
@@ -188,7 +194,7 @@ fn find_half(generics: &syn::Generics, ident: &syn::Ident, cx: &mut Ctxt) -> Opt
             cx.error_spanned(
                 ident,
                 format!(
-                    "`#[full_precision]` found several precision parameters ({}); name the caller's with `half = ..`",
+                    "`#[{attr}]` found several precision parameters ({}); name the caller's with `half = ..`",
                     names.join(", ")
                 ),
             );

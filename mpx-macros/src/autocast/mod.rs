@@ -1,0 +1,92 @@
+//! `#[autocast]`: parse ([`ast`]) -> validate ([`valid`]) -> expand ([`expand`]).
+//!
+//! ```text
+//! #[autocast]
+//! fn attend<H: Precision, T: Tape<H::Elem, Cpu>>(s: Tensor<S, H::Elem, Cpu, T>, v: ..) -> .. {
+//!     s.softmax::<Axis<1>>().matmul(v)
+//! }
+//! // becomes
+//! fn attend<H: Precision, T: Tape<H::Elem, Cpu>>(s: Tensor<S, H::Elem, Cpu, T>, v: ..) -> .. {
+//!     ::mpx::__private::mpx_runtime::region::FullPrecision::<H>::run(s, |__mpx_x0| {
+//!         __mpx_x0.softmax::<Axis<1>>()
+//!     })
+//!     .matmul(v)
+//! }
+//! ```
+//!
+//! Which calls are wrapped: those named in the table of [`crate::ops`], with dfdx's number of
+//! arguments, except a method whose receiver cannot be a tensor (a literal, a range, an array, a
+//! tuple, a reference, a cast, a macro, `self`, or an iterator such as `v.iter().sum()`) and a
+//! `sum::<T>()` with one type argument (`Iterator::sum`; dfdx's takes two). Calls inside macro
+//! invocations and nested items are not seen.
+
+pub(crate) mod ast;
+mod expand;
+mod valid;
+
+use proc_macro2::TokenStream;
+use syn::visit_mut::VisitMut;
+
+use crate::ctxt::{Ctxt, runtime_path, with_errors};
+use crate::full_precision::item_head;
+
+/// Entry point: the rewritten function, or the errors followed by the user's item unchanged.
+pub fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut cx = Ctxt::default();
+    let parsed_args = ast::parse_args(args, &mut cx);
+    let f = match syn::parse2::<syn::Item>(item.clone()) {
+        Ok(syn::Item::Fn(f)) => Some(f),
+        Ok(other) => {
+            cx.error_spanned(
+                item_head(&other),
+                "`#[autocast]` applies to a function or a method with a body (a forward function, or `try_forward` inside `impl Module<..> for ..`)",
+            );
+            None
+        }
+        Err(err) => {
+            cx.push(syn::Error::new(
+                err.span(),
+                format!("`#[autocast]` applies to a function or a method with a body ({err})"),
+            ));
+            None
+        }
+    };
+    let rewritten = f.map(|mut f| {
+        let plan = valid::check(&parsed_args, &f, &mut cx);
+        let root = runtime_path(parsed_args.krate.as_ref());
+        // Without a half type (already reported) the body is still read for its own errors.
+        let half = plan.half.unwrap_or_else(|| syn::parse_quote!(H));
+        let mut rw = expand::Rewriter::new(&root, &half, &plan.skip);
+        rw.visit_block_mut(&mut f.block);
+        for err in rw.errors {
+            cx.push(err);
+        }
+        if rw.wrapped == 0 {
+            cx.error_spanned(&f.sig.ident, nothing_to_wrap());
+        }
+        f
+    });
+    match (cx.check(), rewritten) {
+        (Ok(()), Some(f)) => quote::quote!(#f),
+        (Err(err), _) => with_errors(item, err),
+        // Unreachable in practice: a missing rewrite always comes with a recorded error.
+        (Ok(()), None) => with_errors(
+            item,
+            syn::Error::new(
+                proc_macro2::Span::call_site(),
+                "`#[autocast]` could not rewrite this item",
+            ),
+        ),
+    }
+}
+
+/// The error for a function with no tensor operation of the table.
+fn nothing_to_wrap() -> String {
+    format!(
+        "`#[autocast]` found no tensor operation to run in f32 in this function: it wraps calls of {} on dfdx tensors; remove the attribute from a function without them",
+        valid::op_list()
+    )
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,54 @@
+//! Validation: the function kind, the half type and `skip`, all recorded at once.
+
+use super::ast::Args;
+use crate::ctxt::Ctxt;
+use crate::full_precision::valid::find_half;
+use crate::ops::FP32_OPS;
+
+/// A checked function, ready to rewrite.
+pub(crate) struct Plan {
+    /// The caller's precision type: the regions return their results in it. `None` when it
+    /// could not be told (the error is recorded; the body is still read for its own errors).
+    pub half: Option<syn::Type>,
+    /// Names of the operations left in the half type (`skip = ..`).
+    pub skip: Vec<String>,
+}
+
+/// Rejects what cannot be rewritten; every problem is recorded in `cx`.
+pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Plan {
+    let sig = &f.sig;
+    if let Some(t) = &sig.constness {
+        cx.error_spanned(
+            t,
+            "`#[autocast]` cannot rewrite a `const fn`: tensor code is not const",
+        );
+    }
+    let mut skip = Vec::new();
+    for name in args.skip.iter().flatten() {
+        let s = name.to_string();
+        if !FP32_OPS.iter().any(|op| op.name == s) {
+            cx.error_spanned(
+                name,
+                format!(
+                    "`skip` names `{s}`, which `#[autocast]` does not wrap; it wraps {}",
+                    op_list()
+                ),
+            );
+        } else if skip.contains(&s) {
+            cx.error_spanned(name, format!("`{s}` is listed twice in `skip`"));
+        } else {
+            skip.push(s);
+        }
+    }
+    let half = match &args.half {
+        Some(h) => Some(h.clone()),
+        None => find_half(&sig.generics, &sig.ident, "autocast", cx),
+    };
+    Plan { half, skip }
+}
+
+/// Every operation of the table, as error messages list them: `` `softmax`, `exp`, .. ``.
+pub(crate) fn op_list() -> String {
+    let names: Vec<String> = FP32_OPS.iter().map(|op| format!("`{}`", op.name)).collect();
+    names.join(", ")
+}
