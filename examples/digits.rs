@@ -9,6 +9,8 @@
 //! keeps an f32 master, runs forward and backward in f16 on a working copy, computes the loss in
 //! f32, and scales it with a dynamic loss scale that starts deliberately too high (2^20), so
 //! the first steps overflow f16, are skipped, and the scale backs off.
+//!
+//! The loss curves of both runs go to `target/plots/digits_loss.svg`.
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
