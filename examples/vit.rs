@@ -25,6 +25,8 @@
 mod digits;
 #[path = "common/heap.rs"]
 mod heap;
+#[path = "common/measure.rs"]
+mod measure;
 #[path = "common/plot.rs"]
 mod plot;
 #[path = "common/train.rs"]
@@ -320,6 +322,97 @@ where
         .collect()
 }
 
+// ---- step time -------------------------------------------------------------------------------
+
+/// One f32 training step per call, from `init`, cycling through `batches`.
+fn f32_stepper<'a>(
+    init: &Master,
+    lr: f64,
+    batches: &'a [(Patches<f32>, Labels, [usize; BATCH])],
+) -> impl FnMut() + 'a {
+    let mut model = init.clone();
+    let mut opt = adam(&model, lr);
+    let mut grads = Some(model.alloc_grads());
+    let mut i = 0;
+    move || {
+        let (x, y, _) = &batches[i % batches.len()];
+        i += 1;
+        let g = grads
+            .take()
+            .expect("gradients are put back after every step");
+        let out = model.forward(x.clone().traced(g));
+        let mut g = cross_entropy_with_logits_loss(out, y.clone()).backward();
+        opt.update(&mut model, &g).expect("all parameters used");
+        model.zero_grads(&mut g);
+        grads = Some(g);
+    }
+}
+
+/// One mixed training step in `H` per call (input cast, forward, backward, update), from `init`,
+/// cycling through `batches`.
+fn mixed_stepper<'a, H>(
+    init: &Master,
+    lr: f64,
+    batches: &'a [(Patches<f32>, Labels, [usize; BATCH])],
+) -> Result<impl FnMut() + 'a, Box<dyn Error>>
+where
+    H: VitHalf,
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
+        + Module<
+            Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+            Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
+        >,
+    Patches<f32>: Cast<H, Output = Patches<H::Elem>>,
+{
+    let mut master = init.clone();
+    let mut opt = adam(&master, lr);
+    let mut ws = MixedWorkspace::<H, _>::new(&master)?;
+    let mut scaling = DynamicLossScale::builder().initial(2f32.powi(15)).build()?;
+    let mut i = 0;
+    Ok(move || {
+        let (x, y, _) = &batches[i % batches.len()];
+        i += 1;
+        let xh = cast_to_half_precision::<H, _>(x);
+        let g = filter_value_and_grad_with_aux(
+            &master,
+            &mut scaling,
+            &mut ws,
+            |m, tape| m.forward(xh.put_tape(tape)),
+            |out| (cross_entropy_with_logits_loss(out, y.clone()), ()),
+        )
+        .expect("the workspace belongs to this master")
+        .0;
+        let finite = g.grads_finite;
+        optimizer_update(&mut master, &mut opt, &g, finite)
+            .expect("the optimizer belongs to this master");
+    })
+}
+
+/// Median time of one training step of each run in `names`, measured in interleaved rounds (one
+/// step of each run per round) so that a busy neighbour slows every run alike.
+fn step_times(
+    names: &[&str],
+    init: &Master,
+    lr: f64,
+    batches: &[(Patches<f32>, Labels, [usize; BATCH])],
+    rounds: usize,
+) -> Result<Vec<Duration>, Box<dyn Error>> {
+    let mut steppers: Vec<Box<dyn FnMut() + '_>> = Vec::new();
+    for name in names {
+        steppers.push(match *name {
+            "f32" => Box::new(f32_stepper(init, lr, batches)),
+            "f16" => Box::new(mixed_stepper::<f16>(init, lr, batches)?),
+            _ => Box::new(mixed_stepper::<bf16>(init, lr, batches)?),
+        });
+    }
+    let mut ops: Vec<&mut dyn FnMut()> = steppers
+        .iter_mut()
+        .map(|s| s.as_mut() as &mut dyn FnMut())
+        .collect();
+    Ok(measure::measure(rounds, &mut ops))
+}
+
 // ---- memory ------------------------------------------------------------------------------------
 
 /// Measured bytes of one precision's training state.
@@ -454,14 +547,15 @@ fn main() -> Result<(), Box<dyn Error>> {
     }
 
     // ---- the results table
+    const ROUNDS: usize = 30;
+    let names: Vec<&str> = runs.iter().map(|(n, _)| *n).collect();
+    let timing_batches = vit_batches(&dev, &d, 0);
+    let times = step_times(&names, &init, plan.lr, &timing_batches, ROUNDS)?;
     let f32_acc = runs
         .iter()
         .find(|(n, _)| *n == "f32")
         .map(|(_, r)| r.test_acc);
-    let f32_time = runs
-        .iter()
-        .find(|(n, _)| *n == "f32")
-        .map(|(_, r)| r.step_time);
+    let f32_time = names.iter().position(|n| *n == "f32").map(|i| times[i]);
     println!();
     println!(
         "| run  | test accuracy | vs f32 (points) | step time | step time vs f32 | peak heap during training | skipped steps |"
@@ -469,19 +563,23 @@ fn main() -> Result<(), Box<dyn Error>> {
     println!(
         "|------|---------------|-----------------|-----------|------------------|---------------------------|---------------|"
     );
-    for (name, r) in &runs {
+    for ((name, r), time) in runs.iter().zip(&times) {
         let gap = f32_acc.map_or("-".to_string(), |a| format!("{:+.2}", r.test_acc - a));
         let ratio = f32_time.map_or("-".to_string(), |t| {
-            format!("x{:.2}", r.step_time.as_secs_f64() / t.as_secs_f64())
+            format!("x{:.2}", time.as_secs_f64() / t.as_secs_f64())
         });
         println!(
             "| {name:<4} | {:>12.2}% | {gap:>15} | {:>6.2} ms | {ratio:>16} | {:>21.1} KiB | {:>13} |",
             r.test_acc,
-            r.step_time.as_secs_f64() * 1e3,
+            time.as_secs_f64() * 1e3,
             kib(r.peak_bytes),
             r.skipped
         );
     }
+    println!(
+        "\nstep time: median of {ROUNDS} interleaved rounds after training (one full step of each run per round, batch {BATCH}, input cast included); \
+         peak heap: the most heap in use during the run's training, above what was in use when it started."
+    );
 
     // ---- the memory table
     let (x, y, _) = vit_batches(&dev, &d, 0).swap_remove(0);
