@@ -62,6 +62,8 @@ type Master = VitModel<f32, Cpu>;
 type Patches<E> = Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, E, Cpu>;
 type Labels = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
 type Logits<E, T> = Tensor<Rank2<BATCH, CLASSES>, E, Cpu, T>;
+/// One training batch: patches, one-hot labels, classes.
+type VitBatch = (Patches<f32>, Labels, [usize; BATCH]);
 
 /// Which runs to train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -94,7 +96,7 @@ struct Args {
 }
 
 /// One epoch's batches, as patches.
-fn vit_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<(Patches<f32>, Labels, [usize; BATCH])> {
+fn vit_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<VitBatch> {
     epoch_batches::<BATCH>(dev, d, epoch)
         .into_iter()
         .map(|(x, y, labels)| (patch_tensor::<BATCH>(dev, &x.as_vec()), y, labels))
@@ -325,11 +327,7 @@ where
 // ---- step time -------------------------------------------------------------------------------
 
 /// One f32 training step per call, from `init`, cycling through `batches`.
-fn f32_stepper<'a>(
-    init: &Master,
-    lr: f64,
-    batches: &'a [(Patches<f32>, Labels, [usize; BATCH])],
-) -> impl FnMut() + 'a {
+fn f32_stepper<'a>(init: &Master, lr: f64, batches: &'a [VitBatch]) -> impl FnMut() + 'a {
     let mut model = init.clone();
     let mut opt = adam(&model, lr);
     let mut grads = Some(model.alloc_grads());
@@ -353,7 +351,7 @@ fn f32_stepper<'a>(
 fn mixed_stepper<'a, H>(
     init: &Master,
     lr: f64,
-    batches: &'a [(Patches<f32>, Labels, [usize; BATCH])],
+    batches: &'a [VitBatch],
 ) -> Result<impl FnMut() + 'a, Box<dyn Error>>
 where
     H: VitHalf,
@@ -389,14 +387,17 @@ where
     })
 }
 
+/// One training step of one run per call.
+type Stepper<'a> = Box<dyn FnMut() + 'a>;
+
 /// A stepper (see [`f32_stepper`], [`mixed_stepper`]) for each run in `names`.
 fn steppers<'a>(
     names: &[&str],
     init: &Master,
     lr: f64,
-    batches: &'a [(Patches<f32>, Labels, [usize; BATCH])],
-) -> Result<Vec<Box<dyn FnMut() + 'a>>, Box<dyn Error>> {
-    let mut out: Vec<Box<dyn FnMut() + 'a>> = Vec::new();
+    batches: &'a [VitBatch],
+) -> Result<Vec<Stepper<'a>>, Box<dyn Error>> {
+    let mut out: Vec<Stepper<'a>> = Vec::new();
     for name in names {
         out.push(match *name {
             "f32" => Box::new(f32_stepper(init, lr, batches)),
@@ -410,11 +411,7 @@ fn steppers<'a>(
 /// Runs two steps of each run in `names` on throwaway copies, before anything is measured: the
 /// one-time allocations of the process (thread pools, matmul scratch) then land outside every
 /// run's peak heap, instead of in the first run's.
-fn warm_up(
-    names: &[&str],
-    init: &Master,
-    batches: &[(Patches<f32>, Labels, [usize; BATCH])],
-) -> Result<(), Box<dyn Error>> {
+fn warm_up(names: &[&str], init: &Master, batches: &[VitBatch]) -> Result<(), Box<dyn Error>> {
     for mut step in steppers(names, init, 1e-3, batches)? {
         step();
         step();
@@ -428,7 +425,7 @@ fn step_times(
     names: &[&str],
     init: &Master,
     lr: f64,
-    batches: &[(Patches<f32>, Labels, [usize; BATCH])],
+    batches: &[VitBatch],
     rounds: usize,
 ) -> Result<Vec<Duration>, Box<dyn Error>> {
     let mut steps = steppers(names, init, lr, batches)?;
