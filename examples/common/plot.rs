@@ -91,8 +91,8 @@ pub fn loss_curves(
 }
 
 /// Draws a grouped bar chart: one group per category (`categories`), one bar per run in each
-/// group (`runs`: `(name, one value per category)`), values in KiB on the y axis; writes it as an
-/// SVG file at `path`.
+/// group (`runs`: `(name, one value per category)`), the y axis described by `y_desc`; writes it
+/// as an SVG file at `path`.
 pub fn grouped_bars(
     path: &Path,
     title: &str,

@@ -67,12 +67,6 @@ pub fn test_accuracy(
     100.0 * hits as f64 / n as f64
 }
 
-/// The tensor `[[f32; C]; B]` as `B` rows (the shape every logits array here has).
-pub fn rows<const B: usize>(t: Tensor<Rank2<B, CLASSES>, f32, Cpu>) -> Vec<[f32; CLASSES]> {
-    use dfdx::prelude::AsArray;
-    t.array().to_vec()
-}
-
 /// What one training run reports.
 pub struct RunResult {
     /// Test accuracy, percent.
