@@ -9,6 +9,8 @@
 //! keeps an f32 master, runs forward and backward in f16 on a working copy, computes the loss in
 //! f32, and scales it with a dynamic loss scale that starts deliberately too high (2^20), so
 //! the first steps overflow f16, are skipped, and the scale backs off.
+//!
+//! The loss curves of both runs go to `target/plots/digits_loss.svg`.
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
@@ -17,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
 use digits::{CLASSES, Digits, FEATURES};
-use indicatif::{ProgressBar, ProgressStyle};
 use mpx::cast::{cast_module, cast_to_half_precision};
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
@@ -25,6 +26,12 @@ use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad_with_aux, o
 
 #[path = "common/heap.rs"]
 mod heap;
+#[path = "common/plot.rs"]
+mod plot;
+#[path = "common/train.rs"]
+mod train;
+
+use train::{RunResult, bar, correct, say};
 
 #[global_allocator]
 static ALLOC: heap::Counting = heap::Counting;
@@ -43,79 +50,18 @@ type Mlp = (
 );
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;
-type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
 
-/// The batches of one epoch (the same for both runs), the last partial batch dropped.
-fn epoch_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<(X, Y, [usize; BATCH])> {
-    d.epoch_order(epoch)
-        .chunks_exact(BATCH)
-        .map(|idx| {
-            let (x, y) = d.train_batch(dev, idx);
-            (x, y, std::array::from_fn(|r| d.train_y[idx[r]]))
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-            if v > bv { (i, v) } else { (bi, bv) }
-        })
-        .0
-}
-
-fn correct(logits: &[[f32; CLASSES]; BATCH], labels: &[usize; BATCH]) -> usize {
-    logits
-        .iter()
-        .zip(labels)
-        .filter(|(row, l)| argmax(&row[..]) == **l)
-        .count()
+/// One epoch's batches (the same for both runs).
+fn epoch_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<train::Batch<BATCH>> {
+    train::epoch_batches::<BATCH>(dev, d, epoch)
 }
 
 /// Test accuracy in percent. `logits_of` maps a batch of test images to logits.
-fn test_accuracy(dev: &Cpu, d: &Digits, logits_of: impl Fn(X) -> [[f32; CLASSES]; BATCH]) -> f64 {
-    let mut hits = 0;
-    let n = d.test_len();
-    for start in (0..n).step_by(BATCH) {
-        // Pad the last batch with zeros; only real images are counted.
-        let mut x = vec![0.0f32; BATCH * FEATURES];
-        let real = BATCH.min(n - start);
-        x[..real * FEATURES]
-            .copy_from_slice(&d.test_x[start * FEATURES..(start + real) * FEATURES]);
-        let logits = logits_of(dev.tensor_from_vec(x, (Const, Const)));
-        hits += (0..real)
-            .filter(|&r| argmax(&logits[r]) == d.test_y[start + r])
-            .count();
-    }
-    100.0 * hits as f64 / n as f64
-}
-
-struct RunResult {
-    test_acc: f64,
-    step_time: Duration,
-    peak_bytes: usize,
-    skipped: u64,
-}
-
-/// Prints a line above the progress bar (or plainly when the bar is hidden, e.g. output piped).
-fn say(pb: &ProgressBar, line: String) {
-    if pb.is_hidden() {
-        println!("{line}");
-    } else {
-        pb.println(line);
-    }
-}
-
-fn bar(name: &str, steps: usize) -> ProgressBar {
-    let pb = ProgressBar::new(steps as u64);
-    pb.set_style(
-        ProgressStyle::with_template("{prefix:>11} [{bar:40}] {pos}/{len} steps  {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    pb.set_prefix(name.to_string());
-    pb
+fn test_accuracy(d: &Digits, logits_of: impl Fn(X) -> [[f32; CLASSES]; BATCH]) -> f64 {
+    let dev = Cpu::default();
+    train::test_accuracy(d, BATCH, |px| {
+        logits_of(dev.tensor_from_vec(px, (Const, Const))).to_vec()
+    })
 }
 
 // ---- f32 ---------------------------------------------------------------------------------------
@@ -135,6 +81,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
     let mut grads = model.alloc_grads();
     let mut busy = Duration::ZERO;
     let mut steps = 0u32;
+    let mut epoch_loss = Vec::with_capacity(EPOCHS);
     for epoch in 0..EPOCHS {
         let (mut loss_sum, mut hits) = (0.0f32, 0usize);
         let batches = epoch_batches(dev, d, epoch);
@@ -153,6 +100,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
             pb.inc(1);
         }
         let n = batches.len();
+        epoch_loss.push(loss_sum / n as f32);
         say(
             &pb,
             format!(
@@ -165,12 +113,13 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
     }
     let peak_bytes = heap::peak() - baseline;
     pb.finish_and_clear();
-    let test_acc = test_accuracy(dev, d, |x| model.forward(x).array());
+    let test_acc = test_accuracy(d, |x| model.forward(x).array());
     RunResult {
         test_acc,
         step_time: busy / steps,
         peak_bytes,
         skipped: 0,
+        epoch_loss,
     }
 }
 
@@ -199,6 +148,7 @@ fn train_mixed(
     let mut ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(50);
     let mut busy = Duration::ZERO;
     let mut steps = 0u32;
+    let mut epoch_loss = Vec::with_capacity(EPOCHS);
     for epoch in 0..EPOCHS {
         let (mut loss_sum, mut hits, mut finite_steps) = (0.0f32, 0usize, 0usize);
         let (mut grew, mut backed_off, mut skipped) = (0, 0, 0);
@@ -238,6 +188,11 @@ fn train_mixed(
             pb.set_message(format!("scale {}", scaling.loss_scale()));
             pb.inc(1);
         }
+        epoch_loss.push(if finite_steps > 0 {
+            loss_sum / finite_steps as f32
+        } else {
+            f32::NAN
+        });
         say(
             &pb,
             format!(
@@ -257,7 +212,7 @@ fn train_mixed(
     pb.finish_and_clear();
     // Inference in half precision too: a fresh f16 cast of the trained master.
     let half = cast_module::<f16, f32, _>(&master);
-    let test_acc = test_accuracy(dev, d, |x| {
+    let test_acc = test_accuracy(d, |x| {
         half.forward(cast_to_half_precision::<f16, _>(&x))
             .to_dtype::<f32>()
             .array()
@@ -267,6 +222,7 @@ fn train_mixed(
         step_time: busy / steps,
         peak_bytes,
         skipped: ws.skipped_steps(),
+        epoch_loss,
     })
 }
 
@@ -305,6 +261,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mixed.step_time.as_secs_f64() / f32_run.step_time.as_secs_f64(),
         mixed.peak_bytes as f64 / f32_run.peak_bytes as f64
     );
+    let loss_path = plot::plot_dir()?.join("digits_loss.svg");
+    plot::loss_curves(
+        &loss_path,
+        "MLP on 8x8 digits: training loss",
+        &[
+            ("f32", &f32_run.epoch_loss),
+            ("mixed f16", &mixed.epoch_loss),
+        ],
+    )?;
+    println!("loss curves: {}", loss_path.display());
     if gap > 1.0 {
         return Err(format!("mixed precision is {gap:.2} points from f32, more than 1").into());
     }
