@@ -56,7 +56,7 @@ fn train_epoch(
             .backward_with(__mpx_loss, |__mpx_loss| __mpx_loss.backward())
         };
         {
-            let __mpx_grads = &*(&grads);
+            let __mpx_grads = ::mpx::__private::mpx_runtime::step::__macro_support::shared(&grads);
             ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>({
                 use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
                 (scaler).__mpx_by_mut()

@@ -10,6 +10,10 @@
 //! - that with an f32 working copy and scale 1 the converted loop gives parameters bit-identical
 //!   to the original's.
 
+// The loops are other people's code, kept as written (one has 8 parameters once the scaler is
+// added), and the harness passes them around as closures.
+#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
 };

@@ -75,6 +75,18 @@ pub enum RegionError {
     NotRebuilt,
 }
 
+/// dfdx's modules report errors as `CpuError`, so a layer built on regions (`mpx::nn`) passes
+/// a region's error on as one: a device error as itself, [`RegionError::NotRebuilt`] as
+/// `CpuError::WrongNumElements` (the module's tensors did not line up with its description).
+impl From<RegionError> for CpuError {
+    fn from(e: RegionError) -> Self {
+        match e {
+            RegionError::Device(e) => e,
+            RegionError::NotRebuilt => CpuError::WrongNumElements,
+        }
+    }
+}
+
 /// A flattened handle on a contiguous tensor: same id (so the same gradient entry), shape `(n,)`.
 type Flat<E> = Tensor<(usize,), E, Cpu>;
 

@@ -126,7 +126,7 @@ impl Rewriter {
                 };
                 let method = &m.method;
                 quote!({
-                    let __mpx_grads = &*(#grads);
+                    let __mpx_grads = #root::step::__macro_support::shared(#grads);
                     #scaler.update_with(#master, |__mpx_master| (#opt).#method(__mpx_master, __mpx_grads))
                 })
             }

@@ -117,6 +117,7 @@ where
         FullPrecision::<P>::try_run_with(self, x, |ln, x| {
             x.normalize(eps) * ln.gamma.clone() + ln.beta.clone()
         })
+        .map_err(CpuError::from)
     }
 }
 
@@ -141,6 +142,7 @@ macro_rules! batched {
                     let beta = ln.beta.retaped::<OwnedTape<f32, Cpu>>().broadcast_like(&shape);
                     x * gamma + beta
                 })
+                .map_err(CpuError::from)
             }
         }
     };

@@ -57,7 +57,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
 {
     /// Fails to compile when `NUM_HEADS` does not divide `K_DIM` and `V_DIM`.
     pub(crate) const TYPE_CHECK: () = assert!(
-        H > 0 && K % H == 0 && V % H == 0,
+        H > 0 && K.is_multiple_of(H) && V.is_multiple_of(H),
         "MultiHeadAttention: NUM_HEADS must divide K_DIM and V_DIM (both default to EMBED_DIM)"
     );
 }

@@ -207,12 +207,15 @@ macro_rules! integer_input {
 }
 integer_input!(usize, u32, u64, i32, i64, bool);
 
+type SeedFn<E> = Box<dyn FnOnce(&mut Gradients<f32, Cpu>) -> Result<Vec<E>, CpuError>>;
+type ApplyFn<E> = Box<dyn FnOnce(&mut Gradients<E, Cpu>, Vec<E>) -> Result<(), CpuError>>;
+
 /// A widened output waiting for its tape, and what its backward seeds.
 struct Seed<E: dfdx::dtypes::Unit> {
     /// Reads the output's f32 gradient and writes it, scaled and rounded, into the half graph.
-    seed: Box<dyn FnOnce(&mut Gradients<f32, Cpu>) -> Result<Vec<E>, CpuError>>,
+    seed: SeedFn<E>,
     /// Adds the rounded seed to the half output's gradient.
-    apply: Box<dyn FnOnce(&mut Gradients<E, Cpu>, Vec<E>) -> Result<(), CpuError>>,
+    apply: ApplyFn<E>,
 }
 
 /// An output of a model's forward pass, as it leaves the half region: half tensors are widened

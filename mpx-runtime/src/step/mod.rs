@@ -82,4 +82,10 @@ pub mod __macro_support {
         }
     }
     impl<T: ?Sized> ByMut for T {}
+
+    /// A shared borrow of what the user passed as the gradients (`&grads`, or a `&mut`
+    /// binding, which coerces), without moving a `&mut` binding.
+    pub fn shared<T: ?Sized>(t: &T) -> &T {
+        t
+    }
 }

@@ -44,6 +44,12 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// A forward pass's working copy and gradient buffers.
+type Prepared<'a, H, M> = (
+    &'a mut WorkingCopy<H, M>,
+    Gradients<<H as crate::precision::Precision>::Elem, Cpu>,
+);
+
 /// The typed workspace for master model `M` in precision `H`.
 pub(crate) struct Working<H: StepPrecision, M: MasterModel>
 where
@@ -95,10 +101,7 @@ where
 
     /// The working copy, cast from `master` if it is not fresh, and a gradient buffer for its
     /// forward pass.
-    pub(crate) fn prepare(
-        &mut self,
-        master: &M,
-    ) -> Result<(&mut WorkingCopy<H, M>, Gradients<H::Elem, Cpu>), StepError> {
+    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, M>, StepError> {
         if !self.fresh || self.half.is_none() {
             let half = match self.half.take() {
                 Some(mut half) if !H::IDENTITY => {
