@@ -111,7 +111,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
         let loss32 = loss.array();
         // f16 keeps 11 significant bits (a relative step of 2^-11, about 5e-4). The logits pass
         // two encoder blocks and a handful of updates in f16, so the loss near 2.3 may drift by a
-        // few such steps (seen: 3e-4); 5e-3 allows about 10 of them, far below the gap a wrong
+        // few such steps (seen: 5e-4); 5e-3 allows about 10 of them, far below the gap a wrong
         // update or a mis-scaled gradient opens (a single skipped Adam step moves it by ~1e-2).
         assert!(
             (loss16 - loss32).abs() < 5e-3,
