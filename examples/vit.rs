@@ -17,9 +17,13 @@
 //! mixed runs keep an f32 master and Adam on it, run forward and backward on a half working copy
 //! (`mpx::step`), compute the loss in f32, and scale it with a dynamic loss scale.
 //!
-//! The model is in `examples/common/vit_model.rs` (16 patches of 2x2 pixels, dfdx's
-//! `TransformerEncoder`). Its layer norms and attention softmax run in the half type here: the
-//! layers of dfdx do not keep them in f32.
+//! The model is mpx's [`DigitsVit`] (`mpx::nn::vit`): 16 patches of 2x2 pixels, width 32, two
+//! `mpx::nn` encoder blocks (4 heads, feed-forward 64), mean pooling and a layer-norm + linear
+//! head. Its layers keep the precision-critical operations in f32 regions: the layer-norm
+//! statistics and the attention softmax (and the head's pooling) run in f32, their results rounded
+//! to the half type; the matmuls and residual adds run in the half type. The mixed runs call
+//! `forward_in::<H, _>` (which emulated bf16 needs: its tensors are f32, and only `H` says where
+//! to round to bf16).
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
@@ -31,8 +35,6 @@ mod measure;
 mod plot;
 #[path = "common/train.rs"]
 mod train;
-#[path = "common/vit_model.rs"]
-mod vit_model;
 
 use std::error::Error;
 use std::time::{Duration, Instant};
@@ -40,6 +42,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use dfdx::{optim::*, prelude::*};
 use mpx::cast::{Cast, cast_module, cast_to_half_precision};
+use mpx::nn::vit::DigitsVit;
+use mpx::nn::{ForwardIn, MixedModule};
 use mpx::precision::{HalfPrecision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
 use mpx::step::{
@@ -47,23 +51,34 @@ use mpx::step::{
     optimizer_update,
 };
 
-use digits::{CLASSES, Digits};
+use digits::{CLASSES, Digits, FEATURES};
 use train::{RunResult, bar, correct, epoch_batches, say, test_accuracy};
-use vit_model::{
-    DIM, FF, HEADS, LAYERS, PATCH, PATCH_PIXELS, PATCHES, VitModel, build_vit, patch_tensor,
-};
 
 #[global_allocator]
 static ALLOC: heap::Counting = heap::Counting;
 
 const BATCH: usize = 32;
 
-type Master = VitModel<f32, Cpu>;
-type Patches<E> = Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, E, Cpu>;
+/// What [`DigitsVit`] is, for the printout.
+const MODEL: &str = "16 patches of 2x2 pixels, width 32, 2 mpx::nn encoder blocks (4 heads, feed-forward 64; layer norms and attention softmax in f32), mean pool, layer norm + linear head";
+
+type Master = DigitsVit<f32, Cpu>;
+/// A batch of flattened 8x8 images (`DigitsVit` cuts them into patches itself).
+type Images<E> = Tensor<Rank2<BATCH, FEATURES>, E, Cpu>;
 type Labels = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
 type Logits<E, T> = Tensor<Rank2<BATCH, CLASSES>, E, Cpu, T>;
-/// One training batch: patches, one-hot labels, classes.
-type VitBatch = (Patches<f32>, Labels, [usize; BATCH]);
+/// One training batch: images, one-hot labels, classes.
+type VitBatch = (Images<f32>, Labels, [usize; BATCH]);
+
+/// The f32 master ViT, built on `dev` (its initialisation draws from `dev`'s seed).
+fn build_vit(dev: &Cpu) -> Master {
+    dev.build_module::<DigitsVit, f32>()
+}
+
+/// A batch of `BATCH` images (row-major f32 pixels) as a tensor.
+fn image_tensor(dev: &Cpu, images: Vec<f32>) -> Images<f32> {
+    dev.tensor_from_vec(images, (Const, Const))
+}
 
 /// Which runs to train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -95,12 +110,9 @@ struct Args {
     seed: u64,
 }
 
-/// One epoch's batches, as patches.
+/// One epoch's batches.
 fn vit_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<VitBatch> {
     epoch_batches::<BATCH>(dev, d, epoch)
-        .into_iter()
-        .map(|(x, y, labels)| (patch_tensor::<BATCH>(dev, &x.as_vec()), y, labels))
-        .collect()
 }
 
 /// How long and how fast every run trains.
@@ -174,10 +186,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master, plan: Plan) -> RunResult {
     let peak_bytes = heap::peak() - baseline;
     pb.finish_and_clear();
     let test_acc = test_accuracy(d, BATCH, |px| {
-        model
-            .forward(patch_tensor::<BATCH>(dev, &px))
-            .array()
-            .to_vec()
+        model.forward(image_tensor(dev, px)).array().to_vec()
     });
     RunResult {
         test_acc,
@@ -212,11 +221,12 @@ where
     H: VitHalf,
     Cpu: Device<H::Elem>,
     WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
-        + Module<
-            Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        + MixedModule<
+            H,
+            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
-        > + Module<Patches<H::Elem>, Output = Logits<H::Elem, NoneTape>>,
-    Patches<f32>: Cast<H, Output = Patches<H::Elem>>,
+        > + MixedModule<H, Images<H::Elem>, Output = Logits<H::Elem, NoneTape>>,
+    Images<f32>: Cast<H, Output = Images<H::Elem>>,
 {
     let Plan { epochs, lr: _ } = plan;
     let mut master = init.clone();
@@ -245,7 +255,7 @@ where
                 &master,
                 &mut scaling,
                 &mut ws,
-                |m, tape| m.forward(xh.put_tape(tape)),
+                |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
                 |out| {
                     let logits = out.retaped::<NoneTape>().array();
                     (cross_entropy_with_logits_loss(out, y.clone()), logits)
@@ -297,9 +307,7 @@ where
     // Inference in the half precision too: a fresh cast of the trained master.
     let half = cast_module::<H, f32, _>(&master);
     let test_acc = test_accuracy(d, BATCH, |px| {
-        let out = half.forward(cast_to_half_precision::<H, _>(&patch_tensor::<BATCH>(
-            dev, &px,
-        )));
+        let out = half.forward_in::<H, _>(cast_to_half_precision::<H, _>(&image_tensor(dev, px)));
         widen_rows::<H>(&out)
     });
     Ok(RunResult {
@@ -357,11 +365,12 @@ where
     H: VitHalf,
     Cpu: Device<H::Elem>,
     WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
-        + Module<
-            Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        + MixedModule<
+            H,
+            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
         >,
-    Patches<f32>: Cast<H, Output = Patches<H::Elem>>,
+    Images<f32>: Cast<H, Output = Images<H::Elem>>,
 {
     let mut master = init.clone();
     let mut opt = adam(&master, lr);
@@ -376,7 +385,7 @@ where
             &master,
             &mut scaling,
             &mut ws,
-            |m, tape| m.forward(xh.put_tape(tape)),
+            |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
             |out| (cross_entropy_with_logits_loss(out, y.clone()), ()),
         )
         .expect("the workspace belongs to this master")
@@ -477,7 +486,7 @@ fn retained<T>(f: impl FnOnce() -> T) -> (T, usize) {
 
 /// Adam's state for the f32 master: the heap its first update leaves behind (its two moment
 /// buffers are allocated there). The same for every precision: the optimizer runs on the master.
-fn adam_state_bytes(dev: &Cpu, x: &Patches<f32>, y: &Labels) -> usize {
+fn adam_state_bytes(dev: &Cpu, x: &Images<f32>, y: &Labels) -> usize {
     let mut model = build_vit(dev);
     let mut opt = adam(&model, 1e-3);
     let out = model.forward(x.clone().traced(model.alloc_grads()));
@@ -486,7 +495,7 @@ fn adam_state_bytes(dev: &Cpu, x: &Patches<f32>, y: &Labels) -> usize {
     bytes
 }
 
-fn memory_f32(x: &Patches<f32>, y: &Labels) -> Memory {
+fn memory_f32(x: &Images<f32>, y: &Labels) -> Memory {
     let dev = Cpu::seed_from_u64(1);
     let (model, weights) = retained(|| build_vit(&dev));
     let (grads, gradients) = retained(|| model.alloc_grads());
@@ -501,16 +510,17 @@ fn memory_f32(x: &Patches<f32>, y: &Labels) -> Memory {
     }
 }
 
-fn memory_mixed<H>(x: &Patches<f32>, y: &Labels) -> Memory
+fn memory_mixed<H>(x: &Images<f32>, y: &Labels) -> Memory
 where
     H: VitHalf,
     Cpu: Device<H::Elem>,
     WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
-        + Module<
-            Tensor<Rank3<BATCH, PATCHES, PATCH_PIXELS>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        + MixedModule<
+            H,
+            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
         >,
-    Patches<f32>: Cast<H, Output = Patches<H::Elem>>,
+    Images<f32>: Cast<H, Output = Images<H::Elem>>,
 {
     let dev = Cpu::seed_from_u64(1);
     let (master, master_bytes) = retained(|| build_vit(&dev));
@@ -519,7 +529,7 @@ where
     let (half_grads, half_grad_bytes) = retained(|| working.alloc_grads());
     let (_master_grads, master_grad_bytes) = retained(|| master.alloc_grads());
     let xh = cast_to_half_precision::<H, _>(x);
-    let (out, activations) = retained(|| working.forward(xh.traced(half_grads)));
+    let (out, activations) = retained(|| working.forward_in::<H, _>(xh.traced(half_grads)));
     drop(out);
     Memory {
         weights,
@@ -553,7 +563,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let init = build_vit(&dev);
     let params = init.num_trainable_params();
     println!(
-        "ViT: {PATCHES} patches of {PATCH}x{PATCH} pixels, width {DIM}, {LAYERS} dfdx encoder blocks ({HEADS} heads, feed-forward {FF}), mean pool, linear head; {} parameters; batch {BATCH}, Adam lr {} with cosine decay to 0, {epochs} epochs, seed {}",
+        "ViT: {MODEL}; {} parameters; batch {BATCH}, Adam lr {} with cosine decay to 0, {epochs} epochs, seed {}",
         params, args.lr, args.seed
     );
 
