@@ -111,13 +111,13 @@ pub fn bias_act_into(
     Ok(())
 }
 
-/// Backward epilogue for f16 gradients: with `relu`, zeroes `dy` where the layer's output `y` is
-/// not positive (ReLU's mask, from the output: `y > 0` exactly where the pre-activation was);
-/// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
+/// Backward epilogue for f16 gradients: with `relu_out = Some(y)`, zeroes `dy` where the layer's
+/// ReLU output `y` is not positive (ReLU's mask, read from the output: `y > 0` exactly where the
+/// pre-activation was); then adds the column sums of (masked) `dy` to `bias_grad` in f32.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `dy` and `y` differ in length or are not whole rows of
-/// `bias_grad.len()`.
+/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or `y` differs from
+/// `dy` in length.
 ///
 /// # Examples
 /// ```
@@ -126,21 +126,21 @@ pub fn bias_act_into(
 /// let h = |v: [f32; 4]| v.map(f16::from_f32);
 /// let (mut dy, y) = (h([1.0, 2.0, 3.0, 4.0]), h([0.5, 0.0, 1.0, 2.0]));
 /// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f16(&mut dy, &y, true, &mut db).unwrap();
+/// relu_mask_bias_grad_f16(&mut dy, Some(&y), &mut db).unwrap();
 /// assert_eq!(dy, h([1.0, 0.0, 3.0, 4.0]));
 /// assert_eq!(db, [4.0, 4.0]);
 /// ```
 pub fn relu_mask_bias_grad_f16(
     dy: &mut [f16],
-    y: &[f16],
-    relu: bool,
+    relu_out: Option<&[f16]>,
     bias_grad: &mut [f32],
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
-    check_rows(dy.len(), y.len(), cols)?;
+    check_rows(dy.len(), relu_out.map(<[f16]>::len), cols)?;
     let mut row32 = vec![0.0f32; cols];
-    for (drow, yrow) in dy.chunks_exact_mut(cols).zip(y.chunks_exact(cols)) {
-        if relu {
+    for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
+        if let Some(y) = relu_out {
+            let yrow = &y[r * cols..(r + 1) * cols];
             let (d, yb): (&mut [u16], &[u16]) =
                 (drow.reinterpret_cast_mut(), yrow.reinterpret_cast());
             // y > 0: sign clear, not zero, not NaN (positive infinity counts as positive)
@@ -166,20 +166,20 @@ pub fn relu_mask_bias_grad_f16(
 /// use mpx_runtime::kernels::relu_mask_bias_grad_f32;
 /// let (mut dy, y) = ([1.0f32, 2.0, 3.0, 4.0], [-0.0f32, 1.0, 1.0, f32::NAN]);
 /// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f32(&mut dy, &y, true, &mut db).unwrap();
+/// relu_mask_bias_grad_f32(&mut dy, Some(&y), &mut db).unwrap();
 /// assert_eq!(dy, [0.0, 2.0, 3.0, 0.0]);
 /// assert_eq!(db, [3.0, 2.0]);
 /// ```
 pub fn relu_mask_bias_grad_f32(
     dy: &mut [f32],
-    y: &[f32],
-    relu: bool,
+    relu_out: Option<&[f32]>,
     bias_grad: &mut [f32],
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
-    check_rows(dy.len(), y.len(), cols)?;
-    for (drow, yrow) in dy.chunks_exact_mut(cols).zip(y.chunks_exact(cols)) {
-        if relu {
+    check_rows(dy.len(), relu_out.map(<[f32]>::len), cols)?;
+    for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
+        if let Some(y) = relu_out {
+            let yrow = &y[r * cols..(r + 1) * cols];
             drow.iter_mut().zip(yrow).for_each(|(d, y)| {
                 if !(*y > 0.0) {
                     *d = 0.0;
@@ -194,8 +194,10 @@ pub fn relu_mask_bias_grad_f32(
     Ok(())
 }
 
-fn check_rows(dy: usize, y: usize, cols: usize) -> Result<(), KernelError> {
-    expect_len("y", y, dy)?;
+fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelError> {
+    if let Some(y) = y {
+        expect_len("y", y, dy)?;
+    }
     if cols == 0 || dy % cols != 0 {
         return Err(KernelError::Length {
             what: "dy (whole rows of bias_grad.len())",
