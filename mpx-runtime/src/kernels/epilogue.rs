@@ -181,7 +181,7 @@ pub fn relu_mask_bias_grad_f32(
         if let Some(y) = relu_out {
             let yrow = &y[r * cols..(r + 1) * cols];
             drow.iter_mut().zip(yrow).for_each(|(d, y)| {
-                if !(*y > 0.0) {
+                if y.is_nan() || *y <= 0.0 {
                     *d = 0.0;
                 }
             });

@@ -50,6 +50,10 @@
 //! assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
 //! ```
 
+// The AVX-512 intrinsics are stable since Rust 1.89 and the AVX512-FP16 ones since 1.94: the
+// workspace's `rust-version` must be at least 1.94 for this module (set in the root Cargo.toml).
+#![allow(clippy::incompatible_msrv)]
+
 mod avx2;
 mod avx512;
 mod driver;

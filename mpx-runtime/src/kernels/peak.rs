@@ -67,8 +67,8 @@ mod x86 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn avx2(iters: usize) -> usize {
-        let (m, a) = (_mm256_set1_ps(0.999), _mm256_set1_ps(1e-3));
-        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        let (m, a) = std::hint::black_box((_mm256_set1_ps(0.999), _mm256_set1_ps(1e-3)));
+        let mut acc = std::hint::black_box([_mm256_set1_ps(1.0); CHAINS]);
         for _ in 0..iters {
             for x in acc.iter_mut() {
                 *x = _mm256_fmadd_ps(*x, m, a);
@@ -82,8 +82,8 @@ mod x86 {
     /// The CPU must support AVX-512 F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn avx512(iters: usize) -> usize {
-        let (m, a) = (_mm512_set1_ps(0.999), _mm512_set1_ps(1e-3));
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        let (m, a) = std::hint::black_box((_mm512_set1_ps(0.999), _mm512_set1_ps(1e-3)));
+        let mut acc = std::hint::black_box([_mm512_set1_ps(1.0); CHAINS]);
         for _ in 0..iters {
             for x in acc.iter_mut() {
                 *x = _mm512_fmadd_ps(*x, m, a);
@@ -98,9 +98,9 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
     pub(super) unsafe fn fp16(iters: usize) -> usize {
         // 0.999 and 1e-3 as f16 bit patterns
-        let m = _mm512_castsi512_ph(_mm512_set1_epi16(0x3bfe));
-        let a = _mm512_castsi512_ph(_mm512_set1_epi16(0x1419));
-        let mut acc = [_mm512_castsi512_ph(_mm512_set1_epi16(0x3c00)); CHAINS];
+        let m = std::hint::black_box(_mm512_castsi512_ph(_mm512_set1_epi16(0x3bfe)));
+        let a = std::hint::black_box(_mm512_castsi512_ph(_mm512_set1_epi16(0x1419)));
+        let mut acc = std::hint::black_box([_mm512_castsi512_ph(_mm512_set1_epi16(0x3c00)); CHAINS]);
         for _ in 0..iters {
             for x in acc.iter_mut() {
                 *x = _mm512_fmadd_ph(*x, m, a);

@@ -204,7 +204,7 @@ fn epilogues_match_scalar_references() {
     let mut dy = dy0.clone();
     let mut db = vec![0.5f32; cols];
     relu_mask_bias_grad_f16(&mut dy, Some(&y), &mut db).unwrap();
-    for j in 0..cols {
+    for (j, got) in db.iter().enumerate() {
         let mut s = 0.5f64;
         for r in 0..rows {
             let idx = r * cols + j;
@@ -216,7 +216,7 @@ fn epilogues_match_scalar_references() {
             assert_eq!(dy[idx].to_bits(), want.to_bits());
             s += want.to_f64();
         }
-        assert!((db[j] as f64 - s).abs() <= 1e-6, "{j}");
+        assert!((*got as f64 - s).abs() <= 1e-6, "{j}");
     }
     assert!(relu_mask_bias_grad_f16(&mut dy, Some(&y[1..]), &mut db).is_err());
 }

@@ -402,7 +402,8 @@ fn read<S: Shape, E: LinearElem, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
 /// check in the same pass).
 ///
 /// # Errors
-/// [`KernelError`] if the slices do not hold `rows x O`, `rows x I` and `O x I` values.
+/// [`KernelError::Length`] if `dz` and `x` are not whole rows (`rows` of them) or `dst` does not
+/// hold `O x I` values.
 ///
 /// # Examples
 /// ```
@@ -418,8 +419,21 @@ pub fn write_weight_grad<E: LinearElem>(
     rows: usize,
     dst: &mut [E],
 ) -> Result<(), KernelError> {
-    let o = if rows == 0 { 0 } else { dz.len() / rows };
-    let i = if rows == 0 { 0 } else { x.len() / rows };
+    let o = dz.len().checked_div(rows).unwrap_or(0);
+    let i = x.len().checked_div(rows).unwrap_or(0);
+    for (what, len, expected) in [
+        ("dz", dz.len(), rows * o),
+        ("x", x.len(), rows * i),
+        ("dst", dst.len(), o * i),
+    ] {
+        if len != expected {
+            return Err(KernelError::Length {
+                what,
+                len,
+                expected,
+            });
+        }
+    }
     let mut dw = vec![0.0f32; o * i];
     gemm(
         MatRef::row_major(E::operand(dz), rows, o).t(),
