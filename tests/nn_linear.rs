@@ -327,3 +327,43 @@ fn mlp_of_fused_layers_trains_in_f16_to_the_f32_loss() {
         "f16 {end16} vs f32 {end32}"
     );
 }
+
+/// A batch of more rows than the layer's f32 scratch holds (computed in chunks) matches dfdx.
+#[test]
+fn long_batches_are_computed_in_chunks_and_match_dfdx() {
+    let dev = Cpu::seed_from_u64(9);
+    let dl = dev.build_module::<Linear<8, 6>, f32>();
+    let rows = 1100;
+    let x: Tensor<(usize, Const<8>), f32, Cpu> = dev.sample_normal_like(&(rows, Const));
+    let c: Tensor<(usize, Const<6>), f32, Cpu> = dev.sample_normal_like(&(rows, Const));
+    let want_y = dl.forward(x.clone());
+    let g_want = (dl.forward(x.clone().traced(Gradients::leaky())) * c.clone())
+        .sum()
+        .backward();
+    let l: nn::Linear<8, 6, f32> = dl.clone().into();
+    let y = l.forward(x.clone());
+    let g = (l.forward(x.clone().traced(Gradients::leaky())) * c.clone())
+        .sum()
+        .backward();
+    // S of y: |x|·|W|ᵀ + |b|; of dX: |c|·|W|
+    let s_y = x.clone().abs().matmul(dl.weight.clone().abs().permute())
+        + dl.bias.clone().abs().broadcast_like(&(rows, Const::<6>));
+    let s_dx = c.clone().abs().matmul(dl.weight.clone().abs());
+    let close = |what: &str, a: Vec<f32>, b: Vec<f32>, s: Vec<f32>, k: usize| {
+        for (j, ((a, b), s)) in a.iter().zip(&b).zip(&s).enumerate() {
+            let bound = 2.0 * f32_error_bound(k + 2) * (*s as f64) * 1.01;
+            assert!(
+                ((a - b) as f64).abs() <= bound,
+                "{what}[{j}]: {a} vs {b}, bound {bound}"
+            );
+        }
+    };
+    close("y", y.as_vec(), want_y.as_vec(), s_y.as_vec(), 8);
+    close(
+        "dX",
+        g.get(&x).as_vec(),
+        g_want.get(&x).as_vec(),
+        s_dx.as_vec(),
+        6,
+    );
+}

@@ -2,6 +2,8 @@
 //! micro-panels, and the loops around a micro-kernel. All safe Rust; the micro-kernels are the
 //! only `unsafe` calls, each checked by the kernel's own length assertions.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -101,7 +103,7 @@ pub fn gemm_on<'a>(
             rs: b.row_stride,
             cs: b.col_stride,
         };
-        blocked(&fp16::micro(), m, n, k, a, b, c);
+        split(&fp16::micro(), m, n, k, a, b, c);
         return Ok(());
     }
     let (ad, bd) = (widen(&a), widen(&b));
@@ -116,9 +118,9 @@ pub fn gemm_on<'a>(
         cs: b.col_stride,
     };
     match path {
-        KernelPath::Avx512Fp16 | KernelPath::Avx512 => blocked(&avx512::micro(), m, n, k, a, b, c),
-        KernelPath::Avx2Fma => blocked(&avx2::micro(), m, n, k, a, b, c),
-        KernelPath::Portable => blocked(&portable::micro(), m, n, k, a, b, c),
+        KernelPath::Avx512Fp16 | KernelPath::Avx512 => split(&avx512::micro(), m, n, k, a, b, c),
+        KernelPath::Avx2Fma => split(&avx2::micro(), m, n, k, a, b, c),
+        KernelPath::Portable => split(&portable::micro(), m, n, k, a, b, c),
     }
     Ok(())
 }
@@ -182,6 +184,69 @@ fn widen(m: &MatRef<'_>) -> Option<Vec<f32>> {
             Some(out)
         }
     }
+}
+
+/// Products smaller than this many multiply-adds run on one thread (a thread costs tens of µs).
+const PAR_MIN_WORK: usize = 1 << 21;
+
+/// 0: not set (use up to 2 threads where the CPU has them).
+static MAX_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets how many threads one GEMM may use: 1 keeps every product on the calling thread; 2 (the
+/// default on CPUs with at least two hardware threads) splits large products into two halves of
+/// rows. Values above 2 count as 2.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{max_threads, set_max_threads};
+/// set_max_threads(1);
+/// assert_eq!(max_threads(), 1);
+/// set_max_threads(0); // back to the default
+/// assert!(max_threads() >= 1);
+/// ```
+pub fn set_max_threads(n: usize) {
+    MAX_THREADS.store(n.min(2), Ordering::Relaxed);
+}
+
+/// The threads one GEMM may use (see [`set_max_threads`]).
+///
+/// # Examples
+/// ```
+/// assert!(mpx_runtime::kernels::max_threads() <= 2);
+/// ```
+pub fn max_threads() -> usize {
+    match MAX_THREADS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
+        n => n,
+    }
+}
+
+/// Runs [`blocked`] on one thread, or on two halves of C's rows (each thread packs its own panels;
+/// the halves are disjoint slices of C).
+fn split<T: Copy + Default + Send + Sync>(
+    k: &Micro<T>,
+    m: usize,
+    n: usize,
+    kd: usize,
+    a: Src<'_, T>,
+    b: Src<'_, T>,
+    c: &mut [f32],
+) {
+    if max_threads() < 2 || m * n * kd < PAR_MIN_WORK || m < 2 * k.mr {
+        return blocked(k, m, n, kd, a, b, c);
+    }
+    let mid = (m / 2).div_ceil(k.mr) * k.mr;
+    let (c0, c1) = c.split_at_mut(mid * n);
+    // rows mid.. of A start mid * row_stride values further on
+    let a1 = Src {
+        data: &a.data[mid * a.rs..],
+        rs: a.rs,
+        cs: a.cs,
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| blocked(k, m - mid, n, kd, a1, b, c1));
+        blocked(k, mid, n, kd, a, b, c0);
+    });
 }
 
 /// The blocked loops (BLIS order: k blocks, column blocks, row blocks, then micro-tiles).

@@ -15,6 +15,12 @@
 //! | [`KernelPath::Avx2Fma`] | f32 FMA, AVX2 | widened, f32 FMA | as f32, after rounding |
 //! | [`KernelPath::Portable`] | plain Rust | widened, plain Rust | as f32, after rounding |
 //!
+//! # Threads
+//! A large product (at least 2^21 multiply-adds) is split into two halves of rows computed on two
+//! threads (`std::thread::scope`) where the CPU has two hardware threads; each element is computed
+//! by the same instructions either way, so results are bit-identical. [`set_max_threads`]`(1)`
+//! keeps everything on the calling thread (dfdx 0.13's CPU matmul is single-threaded).
+//!
 //! # Error bounds
 //! Let `u32 = 2^-24` and `u16 = 2^-11` be the unit roundoffs of f32 and f16, `γ(n, u) =
 //! n·u / (1 - n·u)`, and `S = Σ_k |a_ik|·|b_kj|` over the operands as the kernel sees them (after
@@ -65,7 +71,7 @@ mod path;
 mod peak;
 mod portable;
 
-pub use driver::{gemm, gemm_on};
+pub use driver::{gemm, gemm_on, max_threads, set_max_threads};
 pub use epilogue::{
     Activation, Dst, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };

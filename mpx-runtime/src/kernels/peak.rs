@@ -100,7 +100,8 @@ mod x86 {
         // 0.999 and 1e-3 as f16 bit patterns
         let m = std::hint::black_box(_mm512_castsi512_ph(_mm512_set1_epi16(0x3bfe)));
         let a = std::hint::black_box(_mm512_castsi512_ph(_mm512_set1_epi16(0x1419)));
-        let mut acc = std::hint::black_box([_mm512_castsi512_ph(_mm512_set1_epi16(0x3c00)); CHAINS]);
+        let mut acc =
+            std::hint::black_box([_mm512_castsi512_ph(_mm512_set1_epi16(0x3c00)); CHAINS]);
         for _ in 0..iters {
             for x in acc.iter_mut() {
                 *x = _mm512_fmadd_ph(*x, m, a);

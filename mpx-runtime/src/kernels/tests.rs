@@ -220,3 +220,32 @@ fn epilogues_match_scalar_references() {
     }
     assert!(relu_mask_bias_grad_f16(&mut dy, Some(&y[1..]), &mut db).is_err());
 }
+
+#[test]
+fn two_threads_give_the_same_bits_as_one() {
+    // 96 x 80 x 1024 multiply-adds: above the threshold for splitting
+    let (m, n, k) = (96, 80, 1024);
+    let (a, b) = (values(m * k, 11), values(k * n, 12));
+    for path in KernelPath::supported() {
+        let mut c = [vec![0.0f32; m * n], vec![0.0f32; m * n]];
+        for (threads, out) in [1, 2].into_iter().zip(c.iter_mut()) {
+            set_max_threads(threads);
+            gemm_on(
+                path,
+                MatRef::row_major_f32(&a, m, k),
+                MatRef::row_major_f32(&b, k, n).t().t(),
+                out,
+                false,
+            )
+            .unwrap();
+        }
+        set_max_threads(0);
+        assert_eq!(c[0], c[1], "{path:?}");
+        check(
+            path,
+            MatRef::row_major_f32(&a, m, k),
+            MatRef::row_major_f32(&b, k, n),
+            false,
+        );
+    }
+}

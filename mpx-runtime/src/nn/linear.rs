@@ -382,6 +382,10 @@ impl LinearElem for AMP<f16> {
     }
 }
 
+/// Rows per GEMM call in the forward and in `dX`: bounds the f32 scratch (`ROW_CHUNK x O` or
+/// `ROW_CHUNK x I` values) whatever the batch.
+const ROW_CHUNK: usize = 512;
+
 /// Kernel errors cannot happen here (the layer's shapes are fixed by its types); should one, it
 /// is reported as dfdx's shape error.
 fn shape_err(_: KernelError) -> CpuError {
@@ -457,19 +461,24 @@ where
         let (x, mut tape) = x.try_contiguous()?.split_tape();
         let rows = x.shape().num_elements() / I;
         let (xv, wv) = (read(&x), read(&self.weight));
-        let mut acc = vec![0.0f32; rows * O];
-        gemm(
-            MatRef::row_major(E::operand(&xv), rows, I),
-            MatRef::row_major(E::operand(&wv), O, I).t(),
-            &mut acc,
-            false,
-        )
-        .map_err(shape_err)?;
-        drop((xv, wv));
         let mut bias = vec![0.0f32; O];
         E::to_f32_slice(&read(&self.bias), &mut bias);
         let mut y = vec![E::default(); rows * O];
-        bias_act_into(&mut acc, &bias, A::ACT, E::dst(&mut y)).map_err(shape_err)?;
+        // f32 sums for at most ROW_CHUNK rows at a time, so the scratch stays small at any batch
+        let mut acc = vec![0.0f32; rows.min(ROW_CHUNK) * O];
+        for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
+            let r = xc.len() / I;
+            let acc = &mut acc[..r * O];
+            gemm(
+                MatRef::row_major(E::operand(xc), r, I),
+                MatRef::row_major(E::operand(&wv), O, I).t(),
+                acc,
+                false,
+            )
+            .map_err(shape_err)?;
+            bias_act_into(acc, &bias, A::ACT, E::dst(yc)).map_err(shape_err)?;
+        }
+        drop((xv, wv, acc));
         let y = x.device().try_tensor_from_vec(y, out)?;
         if T::OWNS_TAPE {
             let (w, b, yk) = (self.weight.clone(), self.bias.clone(), y.clone());
@@ -501,15 +510,21 @@ fn backward<const I: usize, const O: usize, E: LinearElem, Sx: Shape, Sy: Shape>
     write_weight_grad(&dz, &xv, rows, &mut grads.get_or_alloc_mut(w)?[..]).map_err(shape_err)?;
     drop(xv);
     let wv = read(w);
-    let mut dx = vec![0.0f32; rows * I];
-    gemm(
-        MatRef::row_major(E::operand(&dz), rows, O),
-        MatRef::row_major(E::operand(&wv), O, I),
-        &mut dx,
-        false,
-    )
-    .map_err(shape_err)?;
-    add_f32_into(&dx, E::dst(&mut grads.get_or_alloc_mut(x)?[..])).map_err(shape_err)
+    let gx = &mut grads.get_or_alloc_mut(x)?[..];
+    let mut dx = vec![0.0f32; rows.min(ROW_CHUNK) * I];
+    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
+        let r = dzc.len() / O;
+        let dx = &mut dx[..r * I];
+        gemm(
+            MatRef::row_major(E::operand(dzc), r, O),
+            MatRef::row_major(E::operand(&wv), O, I),
+            dx,
+            false,
+        )
+        .map_err(shape_err)?;
+        add_f32_into(dx, E::dst(gxc)).map_err(shape_err)?;
+    }
+    Ok(())
 }
 
 impl<const I: usize, const O: usize, E: LinearElem, A: FusedActivation, T: Tape<E, Cpu>>
