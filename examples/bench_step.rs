@@ -16,11 +16,11 @@
 use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
-use mpx::kernels::{MatRef, Operand, active_path, gemm};
+use mpx::boundary::MasterModel;
+use mpx::kernels::{MatRef, Operand, active_path, gemm, max_threads, set_max_threads};
 use mpx::nn;
 use mpx::precision::{AMP, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
-use mpx::boundary::MasterModel;
 use mpx::step::{
     MixedWorkspace, StepPrecision, StepTimings, WorkingCopy, filter_value_and_grad,
     optimizer_update,
@@ -318,7 +318,9 @@ fn main() {
     let mut mpx_bf = Mixed::<bf16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
     let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
     let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
-    let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain): (Acc, Acc, Acc) = Default::default();
+    let mut mpx_half1 = Mixed::<f16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain, mut a_mpx_half1): (Acc, Acc, Acc, Acc) =
+        Default::default();
     let mut gemm_f16 = GemmStep::new();
     let mut t_gemm_f16 = vec![];
     let (warmup, rounds, per_round) = (2, 7, 3);
@@ -372,6 +374,14 @@ fn main() {
                 Acc::plain(&mut a_mpx_plain, r);
             }
         }
+        set_max_threads(2);
+        for _ in 0..per_round {
+            let r = mpx_half1.step();
+            if keep {
+                Acc::mixed(&mut a_mpx_half1, r);
+            }
+        }
+        set_max_threads(0);
         for _ in 0..per_round {
             let t = gemm_f16.run();
             if keep {
@@ -389,6 +399,7 @@ fn main() {
     let t_mpx_bf = Acc::med(&mut a_mpx_bf.total);
     let t_mpx_plain = Acc::med(&mut a_mpx_plain.total);
     let t_gemm = Acc::med(&mut t_gemm_f16);
+    let t_mpx_half1 = Acc::med(&mut a_mpx_half1.total);
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
 
     println!(
@@ -436,6 +447,10 @@ fn main() {
         t_mpx_half / t_plain
     );
     println!(
+        "| f2 | row f with mpx's GEMM on two threads (`set_max_threads(2)`; dfdx's matmul uses one) / dfdx f32 step | - | {:.2} ({t_mpx_half1:.1} ms) |",
+        t_mpx_half1 / t_plain
+    );
+    println!(
         "| g | same, emulated bf16 / dfdx f32 step | <= 1.0 | {:.2} ({t_mpx_bf:.1} ms) |",
         t_mpx_bf / t_plain
     );
@@ -455,7 +470,11 @@ fn main() {
         mib(mem_f16_mpx.process),
         mib(mem_f32.process)
     );
-    println!("\nKernel path of mpx's layers: {:?}", active_path());
+    println!(
+        "\nKernel path of mpx's layers: {:?}; GEMM threads: {} (row f2: 2)",
+        active_path(),
+        max_threads()
+    );
 
     println!("\nBreakdown (median ms per step):\n");
     println!(
@@ -479,7 +498,11 @@ fn main() {
     row("mixed AMP<f16>", &mut a_amp, t_amp);
     row("mixed emulated bf16", &mut a_bf, t_bf);
     row("f: mixed f16, mpx layers", &mut a_mpx_half, t_mpx_half);
-    row("g: mixed emulated bf16, mpx layers", &mut a_mpx_bf, t_mpx_bf);
+    row(
+        "g: mixed emulated bf16, mpx layers",
+        &mut a_mpx_bf,
+        t_mpx_bf,
+    );
     row("h: plain f32, mpx layers", &mut a_mpx_plain, t_mpx_plain);
     let fb = Acc::med(&mut a_mpx_half.fwd_bwd);
     println!(

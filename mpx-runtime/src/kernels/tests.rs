@@ -229,6 +229,7 @@ fn two_threads_give_the_same_bits_as_one() {
     for path in KernelPath::supported() {
         let mut c = [vec![0.0f32; m * n], vec![0.0f32; m * n]];
         for (threads, out) in [1, 2].into_iter().zip(c.iter_mut()) {
+            // 2 threads where the CPU has them (this machine has 2 cores)
             set_max_threads(threads);
             gemm_on(
                 path,
