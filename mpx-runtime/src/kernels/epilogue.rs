@@ -111,44 +111,122 @@ pub fn bias_act_into(
     Ok(())
 }
 
-/// Backward epilogue for f16 gradients: with `relu_out = Some(y)`, zeroes `dy` where the layer's
-/// ReLU output `y` is not positive (ReLU's mask, read from the output: `y > 0` exactly where the
-/// pre-activation was); then adds the column sums of (masked) `dy` to `bias_grad` in f32.
+/// ReLU's derivative as one bit per element (set: the output was positive, the gradient passes).
+/// Made from the layer's output in the forward pass, so the backward needs neither the output
+/// nor the pre-activation (1/16 of an f16 activation's memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReluMask {
+    bits: Vec<u64>,
+    len: usize,
+}
+
+impl ReluMask {
+    /// The mask of ReLU outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::kernels::ReluMask;
+    /// use mpx_runtime::precision::f16;
+    /// let m = ReluMask::from_f16(&[f16::from_f32(1.0), f16::ZERO, f16::NAN]);
+    /// assert_eq!(m.len(), 3);
+    /// assert_eq!((m.get(0), m.get(1), m.get(2)), (true, false, false));
+    /// ```
+    pub fn from_f16(y: &[f16]) -> Self {
+        let yb: &[u16] = y.reinterpret_cast();
+        Self::from_fn(yb.len(), |i| (1..=0x7c00).contains(&yb[i]))
+    }
+
+    /// The mask of ReLU outputs `y` in f32: `y > 0`.
+    ///
+    /// # Examples
+    /// ```
+    /// let m = mpx_runtime::kernels::ReluMask::from_f32(&[-0.0, 2.0]);
+    /// assert_eq!((m.get(0), m.get(1)), (false, true));
+    /// ```
+    pub fn from_f32(y: &[f32]) -> Self {
+        Self::from_fn(y.len(), |i| y[i] > 0.0)
+    }
+
+    fn from_fn(len: usize, pass: impl Fn(usize) -> bool) -> Self {
+        let mut bits = vec![0u64; len.div_ceil(64)];
+        for (w, word) in bits.iter_mut().enumerate() {
+            let end = (w * 64 + 64).min(len);
+            for i in w * 64..end {
+                *word |= u64::from(pass(i)) << (i - w * 64);
+            }
+        }
+        Self { bits, len }
+    }
+
+    /// Number of elements.
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(mpx_runtime::kernels::ReluMask::from_f32(&[]).is_empty());
+    /// ```
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mask has no elements.
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).is_empty());
+    /// ```
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether element `i` passes (false past the end).
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).get(5));
+    /// ```
+    pub fn get(&self, i: usize) -> bool {
+        i < self.len && (self.bits[i / 64] >> (i % 64)) & 1 == 1
+    }
+
+    /// Zeroes `row` (elements `start..start + row.len()`) where the mask is clear.
+    fn apply<T: Copy>(&self, start: usize, row: &mut [T], zero: T) {
+        for (j, v) in row.iter_mut().enumerate() {
+            if !self.get(start + j) {
+                *v = zero;
+            }
+        }
+    }
+}
+
+/// Backward epilogue for f16 gradients: with a ReLU `mask`, zeroes `dy` where the mask is clear;
+/// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or `y` differs from
-/// `dy` in length.
+/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or the mask's length
+/// differs from `dy`'s.
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::kernels::relu_mask_bias_grad_f16;
+/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f16};
 /// use mpx_runtime::precision::f16;
 /// let h = |v: [f32; 4]| v.map(f16::from_f32);
 /// let (mut dy, y) = (h([1.0, 2.0, 3.0, 4.0]), h([0.5, 0.0, 1.0, 2.0]));
 /// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f16(&mut dy, Some(&y), &mut db).unwrap();
+/// relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y)), &mut db).unwrap();
 /// assert_eq!(dy, h([1.0, 0.0, 3.0, 4.0]));
 /// assert_eq!(db, [4.0, 4.0]);
 /// ```
 pub fn relu_mask_bias_grad_f16(
     dy: &mut [f16],
-    relu_out: Option<&[f16]>,
+    mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
-    check_rows(dy.len(), relu_out.map(<[f16]>::len), cols)?;
+    check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
     let mut row32 = vec![0.0f32; cols];
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
-        if let Some(y) = relu_out {
-            let yrow = &y[r * cols..(r + 1) * cols];
-            let (d, yb): (&mut [u16], &[u16]) =
-                (drow.reinterpret_cast_mut(), yrow.reinterpret_cast());
-            // y > 0: sign clear, not zero, not NaN (positive infinity counts as positive)
-            d.iter_mut().zip(yb).for_each(|(d, &y)| {
-                if !(1..=0x7c00).contains(&y) {
-                    *d = 0;
-                }
-            });
+        if let Some(m) = mask {
+            m.apply(r * cols, drow, f16::ZERO);
         }
         drow.convert_to_f32_slice(&mut row32);
         bias_grad.iter_mut().zip(&row32).for_each(|(g, v)| *g += *v);
@@ -163,28 +241,23 @@ pub fn relu_mask_bias_grad_f16(
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::kernels::relu_mask_bias_grad_f32;
+/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f32};
 /// let (mut dy, y) = ([1.0f32, 2.0, 3.0, 4.0], [-0.0f32, 1.0, 1.0, f32::NAN]);
 /// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f32(&mut dy, Some(&y), &mut db).unwrap();
+/// relu_mask_bias_grad_f32(&mut dy, Some(&ReluMask::from_f32(&y)), &mut db).unwrap();
 /// assert_eq!(dy, [0.0, 2.0, 3.0, 0.0]);
 /// assert_eq!(db, [3.0, 2.0]);
 /// ```
 pub fn relu_mask_bias_grad_f32(
     dy: &mut [f32],
-    relu_out: Option<&[f32]>,
+    mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
-    check_rows(dy.len(), relu_out.map(<[f32]>::len), cols)?;
+    check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
-        if let Some(y) = relu_out {
-            let yrow = &y[r * cols..(r + 1) * cols];
-            drow.iter_mut().zip(yrow).for_each(|(d, y)| {
-                if y.is_nan() || *y <= 0.0 {
-                    *d = 0.0;
-                }
-            });
+        if let Some(m) = mask {
+            m.apply(r * cols, drow, 0.0);
         }
         bias_grad
             .iter_mut()

@@ -73,7 +73,8 @@ mod portable;
 
 pub use driver::{gemm, gemm_on, max_threads, set_max_threads};
 pub use epilogue::{
-    Activation, Dst, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
+    Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,
+    relu_mask_bias_grad_f32,
 };
 pub use error::KernelError;
 pub use mat::{MatRef, Operand};

@@ -203,7 +203,7 @@ fn epilogues_match_scalar_references() {
         .collect();
     let mut dy = dy0.clone();
     let mut db = vec![0.5f32; cols];
-    relu_mask_bias_grad_f16(&mut dy, Some(&y), &mut db).unwrap();
+    relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y)), &mut db).unwrap();
     for (j, got) in db.iter().enumerate() {
         let mut s = 0.5f64;
         for r in 0..rows {
@@ -218,7 +218,7 @@ fn epilogues_match_scalar_references() {
         }
         assert!((*got as f64 - s).abs() <= 1e-6, "{j}");
     }
-    assert!(relu_mask_bias_grad_f16(&mut dy, Some(&y[1..]), &mut db).is_err());
+    assert!(relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y[1..])), &mut db).is_err());
 }
 
 #[test]

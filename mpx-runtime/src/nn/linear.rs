@@ -23,14 +23,12 @@ use dfdx::nn::modules::ReLU as DfdxReLU;
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
 use dfdx::nn::{BuildModule, BuildOnDevice, Module, NonMutableModule};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2, Shape};
-use dfdx::tensor::{
-    Cpu, CpuError, Gradients, PutTape, SplitTape, Storage, Tape, Tensor, TensorFromVec,
-};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::kernels::{
-    Activation, Dst, KernelError, MatRef, Operand, add_f32_into, bias_act_into, gemm,
+    Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 use crate::precision::{AMP, FloatBits, FloatElement, Precision, amp_as_f16, amp_as_f16_mut, f16};
@@ -326,10 +324,12 @@ pub trait LinearElem: FloatElement {
     fn operand(v: &[Self]) -> Operand<'_>;
     /// The values as a pass's destination.
     fn dst(v: &mut [Self]) -> Dst<'_>;
-    /// ReLU mask (where `relu_out` is given) and bias-gradient column sums, in one pass.
+    /// ReLU's mask of outputs `y`.
+    fn relu_mask(y: &[Self]) -> ReluMask;
+    /// ReLU mask (where given) and bias-gradient column sums, in one pass.
     fn mask_bias_grad(
         dy: &mut [Self],
-        relu_out: Option<&[Self]>,
+        mask: Option<&ReluMask>,
         bias_grad: &mut [f32],
     ) -> Result<(), KernelError>;
 }
@@ -341,12 +341,15 @@ impl LinearElem for f32 {
     fn dst(v: &mut [Self]) -> Dst<'_> {
         Dst::F32(v)
     }
+    fn relu_mask(y: &[Self]) -> ReluMask {
+        ReluMask::from_f32(y)
+    }
     fn mask_bias_grad(
         dy: &mut [Self],
-        relu_out: Option<&[Self]>,
+        mask: Option<&ReluMask>,
         bias_grad: &mut [f32],
     ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f32(dy, relu_out, bias_grad)
+        relu_mask_bias_grad_f32(dy, mask, bias_grad)
     }
 }
 
@@ -357,12 +360,15 @@ impl LinearElem for f16 {
     fn dst(v: &mut [Self]) -> Dst<'_> {
         Dst::F16(v)
     }
+    fn relu_mask(y: &[Self]) -> ReluMask {
+        ReluMask::from_f16(y)
+    }
     fn mask_bias_grad(
         dy: &mut [Self],
-        relu_out: Option<&[Self]>,
+        mask: Option<&ReluMask>,
         bias_grad: &mut [f32],
     ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f16(dy, relu_out, bias_grad)
+        relu_mask_bias_grad_f16(dy, mask, bias_grad)
     }
 }
 
@@ -373,12 +379,15 @@ impl LinearElem for AMP<f16> {
     fn dst(v: &mut [Self]) -> Dst<'_> {
         Dst::F16(amp_as_f16_mut(v))
     }
+    fn relu_mask(y: &[Self]) -> ReluMask {
+        ReluMask::from_f16(amp_as_f16(y))
+    }
     fn mask_bias_grad(
         dy: &mut [Self],
-        relu_out: Option<&[Self]>,
+        mask: Option<&ReluMask>,
         bias_grad: &mut [f32],
     ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f16(amp_as_f16_mut(dy), relu_out.map(amp_as_f16), bias_grad)
+        relu_mask_bias_grad_f16(amp_as_f16_mut(dy), mask, bias_grad)
     }
 }
 
@@ -478,39 +487,45 @@ where
             .map_err(shape_err)?;
             bias_act_into(acc, &bias, A::ACT, E::dst(yc)).map_err(shape_err)?;
         }
-        drop((xv, wv, acc));
+        drop((wv, acc));
+        let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| E::relu_mask(&y));
         let y = x.device().try_tensor_from_vec(y, out)?;
         if T::OWNS_TAPE {
-            let (w, b, yk) = (self.weight.clone(), self.bias.clone(), y.clone());
+            // The op keeps the input's values (moved, not copied again), the weight (shared with
+            // the model), the ReLU mask (1 bit per output) and ghosts for the gradient entries.
+            let (x_id, b_id, y_id, w) =
+                (x.ghost(), self.bias.ghost(), y.ghost(), self.weight.clone());
             tape.add_backward_op(move |grads| {
-                backward::<I, O, E, _, _>(grads, &x, &w, &b, &yk, A::ACT, rows)
+                let mut dz: Vec<E> = slice::<E>(grads.get_or_alloc_mut(&y_id)?).to_vec();
+                let mut db = vec![0.0f32; O];
+                E::mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
+                drop(mask);
+                add_f32_into(&db, E::dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
+                    .map_err(shape_err)?;
+                write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w)?))
+                    .map_err(shape_err)?;
+                drop(xv);
+                input_grad::<E, I, O>(&dz, &w, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
             });
         }
         Ok(y.put_tape(tape))
     }
 }
 
-/// The fused backward: mask and bias gradient, then `dW += dZᵀ·X` and `dX += dZ·W`.
-fn backward<const I: usize, const O: usize, E: LinearElem, Sx: Shape, Sy: Shape>(
-    grads: &mut Gradients<E, Cpu>,
-    x: &Tensor<Sx, E, Cpu>,
+/// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
+/// does not resolve).
+fn slice<E: LinearElem>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
+    &mut v[..]
+}
+
+/// `gx += dZ·W`, in row chunks of f32 sums.
+fn input_grad<E: LinearElem, const I: usize, const O: usize>(
+    dz: &[E],
     w: &Tensor<Rank2<O, I>, E, Cpu>,
-    b: &Tensor<Rank1<O>, E, Cpu>,
-    y: &Tensor<Sy, E, Cpu>,
-    act: Activation,
-    rows: usize,
+    gx: &mut [E],
 ) -> Result<(), CpuError> {
-    let mut dz: Vec<E> = grads.get_or_alloc_mut(y)?[..].to_vec();
-    let yv = (act == Activation::ReLU).then(|| read(y));
-    let mut db = vec![0.0f32; O];
-    E::mask_bias_grad(&mut dz, yv.as_deref(), &mut db).map_err(shape_err)?;
-    drop(yv);
-    add_f32_into(&db, E::dst(&mut grads.get_or_alloc_mut(b)?[..])).map_err(shape_err)?;
-    let xv = read(x);
-    write_weight_grad(&dz, &xv, rows, &mut grads.get_or_alloc_mut(w)?[..]).map_err(shape_err)?;
-    drop(xv);
     let wv = read(w);
-    let gx = &mut grads.get_or_alloc_mut(x)?[..];
+    let rows = dz.len() / O;
     let mut dx = vec![0.0f32; rows.min(ROW_CHUNK) * I];
     for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
         let r = dzc.len() / O;
