@@ -190,9 +190,25 @@ impl ReluMask {
 
     /// Zeroes `row` (elements `start..start + row.len()`) where the mask is clear.
     fn apply<T: Copy>(&self, start: usize, row: &mut [T], zero: T) {
-        for (j, v) in row.iter_mut().enumerate() {
-            if !self.get(start + j) {
-                *v = zero;
+        // whole 64-bit words where aligned, bit by bit at the edges
+        let mut j = 0;
+        while j < row.len() {
+            let i = start + j;
+            if i % 64 == 0 && j + 64 <= row.len() {
+                let word = self.bits[i / 64];
+                if word != u64::MAX {
+                    for (b, v) in row[j..j + 64].iter_mut().enumerate() {
+                        if (word >> b) & 1 == 0 {
+                            *v = zero;
+                        }
+                    }
+                }
+                j += 64;
+            } else {
+                if !self.get(i) {
+                    row[j] = zero;
+                }
+                j += 1;
             }
         }
     }
