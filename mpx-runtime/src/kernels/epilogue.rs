@@ -10,6 +10,12 @@ use half::slice::HalfFloatSliceExt;
 use super::KernelError;
 
 /// The activation fused after a Linear layer's GEMM.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::Activation;
+/// assert_eq!(Activation::default(), Activation::Identity);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activation {
     /// `y = z`.
@@ -20,6 +26,14 @@ pub enum Activation {
 }
 
 /// A destination of a pass: f32 or f16 values.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{add_f32_into, Dst};
+/// let mut g = [1.0f32, 2.0];
+/// add_f32_into(&[1.0, 1.0], Dst::F32(&mut g)).unwrap();
+/// assert_eq!(g, [2.0, 3.0]);
+/// ```
 #[derive(Debug)]
 pub enum Dst<'a> {
     /// f32 values (also emulated bf16 storage).
@@ -114,6 +128,12 @@ pub fn bias_act_into(
 /// ReLU's derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
+///
+/// # Examples
+/// ```
+/// let m = mpx_runtime::kernels::ReluMask::from_f32(&[0.5, -1.0]);
+/// assert!(m.get(0) && !m.get(1));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReluMask {
     bits: Vec<u64>,

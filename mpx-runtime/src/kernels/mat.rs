@@ -3,6 +3,16 @@
 use half::f16;
 
 /// The values of an operand and how the kernel reads them.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{gemm, MatRef, Operand};
+/// // 1 + 2^-9 is not a bf16 value: as Bf16 it is read as 1.0
+/// let a = [1.0f32 + 1.0 / 512.0];
+/// let mut c = [0.0f32];
+/// gemm(MatRef::row_major(Operand::Bf16(&a), 1, 1), MatRef::row_major_f32(&[1.0], 1, 1), &mut c, false).unwrap();
+/// assert_eq!(c, [1.0]);
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub enum Operand<'a> {
     /// f32 values.
@@ -24,6 +34,15 @@ impl Operand<'_> {
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{MatRef, Operand};
+/// let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+/// // every other column of a 2x6 matrix, as a 2x3 view
+/// let m = MatRef { values: Operand::F32(&v), rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
+/// assert_eq!(m.t().rows, 3);
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
     /// The values.

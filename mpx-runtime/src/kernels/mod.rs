@@ -82,6 +82,11 @@ pub use path::{KernelPath, active_path, detected_path, with_path};
 pub use peak::peak_fma_flops;
 
 /// The f16 FMA path moves its partial sums into f32 after at most this many products.
+///
+/// # Examples
+/// ```
+/// assert_eq!(mpx_runtime::kernels::FP16_FLUSH, 32);
+/// ```
 pub const FP16_FLUSH: usize = 32;
 
 /// `γ(n, u) = n·u / (1 - n·u)`, the classic bound on the relative error of an n-term sum.

@@ -7,6 +7,14 @@ use super::KernelError;
 
 /// The instruction set a kernel runs on. See the [module docs](super) for what each does with
 /// f32, f16 and bf16 operands.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::KernelPath;
+/// for path in KernelPath::ALL {
+///     println!("{path:?}: {}", if path.is_supported() { "supported" } else { "not on this CPU" });
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
     /// AVX-512 F with AVX512-FP16: f16 operands are multiplied and summed in f16.

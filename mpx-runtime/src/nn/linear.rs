@@ -34,6 +34,13 @@ use crate::kernels::{
 use crate::precision::{AMP, FloatBits, FloatElement, Precision, amp_as_f16, amp_as_f16_mut, f16};
 
 /// The activation a [`FusedLinear`] applies, as a type (dfdx builds modules from types).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::Activation;
+/// use mpx_runtime::nn::{act, FusedActivation};
+/// assert_eq!(<act::ReLU as FusedActivation>::ACT, Activation::ReLU);
+/// ```
 pub trait FusedActivation: 'static + Debug + Clone + Copy + Default + Send + Sync {
     /// The activation the kernels apply.
     const ACT: Activation;
@@ -44,6 +51,12 @@ pub mod act {
     use super::{Activation, FusedActivation};
 
     /// No activation: a plain linear layer.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::nn::{act, FusedActivation};
+    /// assert_eq!(act::Identity::ACT, mpx_runtime::kernels::Activation::Identity);
+    /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct Identity;
     impl FusedActivation for Identity {
@@ -51,6 +64,12 @@ pub mod act {
     }
 
     /// `max(z, 0)` after the linear map.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::nn::{act, FusedActivation};
+    /// assert_eq!(act::ReLU::ACT, mpx_runtime::kernels::Activation::ReLU);
+    /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct ReLU;
     impl FusedActivation for ReLU {
@@ -80,10 +99,31 @@ pub struct FusedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E>, 
 }
 
 /// A fused linear layer without activation: a drop-in for dfdx's `Linear<I, O, E, D>`.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// let dev = Cpu::default();
+/// let dl = dev.build_module::<Linear<3, 2>, f32>();
+/// let l: mpx_runtime::nn::Linear<3, 2, f32> = dl.clone().into();
+/// let x = dev.tensor([[1.0f32, 2.0, 3.0]]);
+/// let (a, b) = (l.forward(x.clone()).array(), dl.forward(x).array());
+/// assert!((a[0][0] - b[0][0]).abs() < 1e-6 && (a[0][1] - b[0][1]).abs() < 1e-6);
+/// ```
 pub type Linear<const I: usize, const O: usize, E, D = Cpu> =
     FusedLinear<I, O, E, D, act::Identity>;
 
 /// A fused linear layer followed by ReLU: a drop-in for dfdx's `(Linear<I, O>, ReLU)`.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let l = dev.build_module::<mpx_runtime::nn::builder::LinearReLU<3, 2>, f16>();
+/// let y = l.forward(dev.tensor([[1.0f32, 2.0, 3.0]]).to_dtype::<f16>());
+/// assert!(y.as_vec().iter().all(|v| v.to_f32() >= 0.0));
+/// ```
 pub type LinearReLU<const I: usize, const O: usize, E, D = Cpu> =
     FusedLinear<I, O, E, D, act::ReLU>;
 
@@ -319,6 +359,14 @@ cast_for!(f32, f16, AMP<f16>);
 // ---- the fused op ------------------------------------------------------------------------------
 
 /// The element types the fused layers compute in: `f32`, `f16` and `AMP<f16>`.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::Operand;
+/// use mpx_runtime::nn::LinearElem;
+/// use mpx_runtime::precision::f16;
+/// assert!(matches!(f16::operand(&[f16::ONE]), Operand::F16(_)));
+/// ```
 pub trait LinearElem: FloatElement {
     /// The values as a GEMM operand.
     fn operand(v: &[Self]) -> Operand<'_>;
