@@ -524,8 +524,11 @@ fn main() {
 /// The 9 GEMMs of one step of the MLP at batch 256 (per layer `X·Wᵀ`, `dY·W`, `dYᵀ·X`), with f16
 /// operands on the active kernel path: the matmul share of row f.
 struct GemmStep {
-    ops: Vec<(Vec<f16>, Vec<f16>, Vec<f32>, usize, usize, usize, u8)>,
+    ops: Vec<GemmOp>,
 }
+
+/// One product: A and B values, C, (m, n, k), and which of the three layouts.
+type GemmOp = (Vec<f16>, Vec<f16>, Vec<f32>, usize, usize, usize, u8);
 
 impl GemmStep {
     fn new() -> Self {

@@ -16,6 +16,12 @@ use mpx::scaling::DynamicLossScale;
 use mpx::step::{MixedWorkspace, filter_value_and_grad, optimizer_update};
 
 const B: usize = 13;
+
+/// A layer's forward on a traced batch.
+type Layer<'a> = dyn Fn(
+        Tensor<Rank2<B, I>, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Tensor<Rank2<B, O>, f32, Cpu, OwnedTape<f32, Cpu>>
+    + 'a;
 const I: usize = 70;
 const O: usize = 45;
 
@@ -107,8 +113,7 @@ fn f32_forward_and_gradients_match_dfdx_linear_on_every_path() {
 
         for path in KernelPath::supported() {
             with_path(path, || {
-                let run = |m: &dyn Fn(Tensor<Rank2<B, I>, f32, Cpu, OwnedTape<f32, Cpu>>) -> Tensor<Rank2<B, O>, f32, Cpu, OwnedTape<f32, Cpu>>,
-                           ids: (&Tensor<Rank2<O, I>, f32, Cpu>, &Tensor<Rank1<O>, f32, Cpu>)| {
+                let run = |m: &Layer<'_>, ids: (&Tensor<Rank2<O, I>, f32, Cpu>, &Tensor<Rank1<O>, f32, Cpu>)| {
                     let g = Gradients::leaky();
                     let xt = x.clone().traced(g);
                     let y1 = m(xt.with_empty_tape());
