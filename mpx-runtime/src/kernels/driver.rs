@@ -2,7 +2,7 @@
 //! micro-panels, and the loops around a micro-kernel. All safe Rust; the micro-kernels are the
 //! only `unsafe` calls, each checked by the kernel's own length assertions.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -83,6 +83,7 @@ pub fn gemm_on<'a>(
     accumulate: bool,
 ) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
+    let _count = CountTime(std::time::Instant::now());
     if !accumulate {
         c.fill(0.0);
     }
@@ -184,6 +185,35 @@ fn widen(m: &MatRef<'_>) -> Option<Vec<f32>> {
             Some(out)
         }
     }
+}
+
+/// Nanoseconds spent in [`gemm_on`] (all threads, since the process started).
+static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Adds the time since its start to [`GEMM_NANOS`] when dropped (on every return path).
+struct CountTime(std::time::Instant);
+
+impl Drop for CountTime {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        GEMM_NANOS.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+/// Total wall-clock nanoseconds spent inside [`gemm`] / [`gemm_on`] calls so far, summed over
+/// calling threads: the difference across a training step is that step's matmul time (for
+/// profiling; costs two clock reads per call).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{gemm, gemm_nanos, MatRef};
+/// let before = gemm_nanos();
+/// let mut c = [0.0f32];
+/// gemm(MatRef::row_major_f32(&[1.0], 1, 1), MatRef::row_major_f32(&[1.0], 1, 1), &mut c, false).unwrap();
+/// assert!(gemm_nanos() > before);
+/// ```
+pub fn gemm_nanos() -> u64 {
+    GEMM_NANOS.load(Ordering::Relaxed)
 }
 
 /// Products smaller than this many multiply-adds run on one thread (a thread costs tens of µs).

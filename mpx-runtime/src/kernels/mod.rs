@@ -71,7 +71,7 @@ mod path;
 mod peak;
 mod portable;
 
-pub use driver::{gemm, gemm_on, max_threads, set_max_threads};
+pub use driver::{gemm, gemm_nanos, gemm_on, max_threads, set_max_threads};
 pub use epilogue::{
     Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,
     relu_mask_bias_grad_f32,
