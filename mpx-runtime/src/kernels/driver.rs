@@ -2,6 +2,7 @@
 //! micro-panels, and the loops around a micro-kernel. All safe Rust; the micro-kernels are the
 //! only `unsafe` calls, each checked by the kernel's own length assertions.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use half::f16;
@@ -219,25 +220,21 @@ pub fn gemm_nanos() -> u64 {
 /// Products smaller than this many multiply-adds run on one thread (a thread costs tens of µs).
 const PAR_MIN_WORK: usize = 1 << 21;
 
-/// 0: not set (one thread).
+/// 0: not set (two threads where the CPU has them).
 static MAX_THREADS: AtomicUsize = AtomicUsize::new(0);
 
-/// Sets how many threads one GEMM may use: 1 (the default) keeps every product on the calling
-/// thread; 2 splits large products into two halves of rows, where the CPU has two hardware
-/// threads. Values above 2 count as 2; 0 restores the default.
-///
-/// One thread is the default because on the shared 2-core machine this was measured on, a second
-/// thread made the step slower (see `examples/bench_step.rs`, rows f and f2); on an idle
-/// multi-core CPU two threads can pay off.
+/// Sets how many threads one GEMM may use: 2 (the default, where the CPU has two hardware
+/// threads) splits large products into two halves of rows; 1 keeps every product on the calling
+/// thread. Values above 2 count as 2; 0 restores the default. (dfdx 0.13's CPU matmul uses all
+/// cores through rayon.)
 ///
 /// # Examples
 /// ```
 /// use mpx_runtime::kernels::{max_threads, set_max_threads};
+/// set_max_threads(1);
 /// assert_eq!(max_threads(), 1);
-/// set_max_threads(2);
-/// assert!(max_threads() >= 1 && max_threads() <= 2); // 1 on a single-threaded CPU
 /// set_max_threads(0); // back to the default
-/// assert_eq!(max_threads(), 1);
+/// assert!(max_threads() >= 1 && max_threads() <= 2); // 1 on a single-threaded CPU
 /// ```
 pub fn set_max_threads(n: usize) {
     MAX_THREADS.store(n.min(2), Ordering::Relaxed);
@@ -251,14 +248,14 @@ pub fn set_max_threads(n: usize) {
 /// ```
 pub fn max_threads() -> usize {
     match MAX_THREADS.load(Ordering::Relaxed) {
-        0 | 1 => 1,
+        1 => 1,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
     }
 }
 
 /// Runs [`blocked`] on one thread, or on two halves of C's rows (each thread packs its own panels;
 /// the halves are disjoint slices of C).
-fn split<T: Copy + Default + Send + Sync>(
+fn split<T: Packed + Send + Sync>(
     k: &Micro<T>,
     m: usize,
     n: usize,
@@ -285,7 +282,7 @@ fn split<T: Copy + Default + Send + Sync>(
 }
 
 /// The blocked loops (BLIS order: k blocks, column blocks, row blocks, then micro-tiles).
-fn blocked<T: Copy + Default>(
+fn blocked<T: Packed>(
     k: &Micro<T>,
     m: usize,
     n: usize,
@@ -294,20 +291,73 @@ fn blocked<T: Copy + Default>(
     b: Src<'_, T>,
     c: &mut [f32],
 ) {
+    T::with_buffers(|apack, bpack| blocked_in(k, m, n, kd, a, b, c, apack, bpack));
+}
+
+/// Packing buffers reused by each thread across calls (no page faults for fresh allocations).
+pub(crate) trait Packed: Copy + Default + 'static {
+    /// Runs `f` with this thread's two packing buffers of this type.
+    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R;
+}
+
+thread_local! {
+    static PACK_F32: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static PACK_U16: RefCell<(Vec<u16>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+impl Packed for f32 {
+    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R {
+        PACK_F32.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut bufs) => {
+                let (a, b) = &mut *bufs;
+                f(a, b)
+            }
+            // re-entered on this thread (cannot happen today): use fresh buffers
+            Err(_) => f(&mut Vec::new(), &mut Vec::new()),
+        })
+    }
+}
+
+impl Packed for u16 {
+    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R {
+        PACK_U16.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut bufs) => {
+                let (a, b) = &mut *bufs;
+                f(a, b)
+            }
+            Err(_) => f(&mut Vec::new(), &mut Vec::new()),
+        })
+    }
+}
+
+/// [`blocked`] with the packing buffers given (resized as needed; every packed value is written
+/// before it is read, padding included).
+#[allow(clippy::too_many_arguments)]
+fn blocked_in<T: Copy + Default>(
+    k: &Micro<T>,
+    m: usize,
+    n: usize,
+    kd: usize,
+    a: Src<'_, T>,
+    b: Src<'_, T>,
+    c: &mut [f32],
+    apack: &mut Vec<T>,
+    bpack: &mut Vec<T>,
+) {
     let (mr, nr) = (k.mr, k.nr);
-    let mut apack = vec![T::default(); k.mc.div_ceil(mr) * mr * k.kc];
-    let mut bpack = vec![T::default(); k.nc.div_ceil(nr) * nr * k.kc];
+    apack.resize(k.mc.div_ceil(mr) * mr * k.kc, T::default());
+    bpack.resize(k.nc.div_ceil(nr) * nr * k.kc, T::default());
     let mut tmp = vec![0.0f32; mr * nr];
     for pc in (0..kd).step_by(k.kc) {
         let kc = k.kc.min(kd - pc);
         for jc in (0..n).step_by(k.nc) {
             let nc = k.nc.min(n - jc);
             let npanels = nc.div_ceil(nr);
-            pack_b(&mut bpack, b, pc, kc, jc, nc, nr);
+            pack_b(bpack, b, pc, kc, jc, nc, nr);
             for ic in (0..m).step_by(k.mc) {
                 let mc = k.mc.min(m - ic);
                 let mpanels = mc.div_ceil(mr);
-                pack_a(&mut apack, a, ic, mc, pc, kc, mr);
+                pack_a(apack, a, ic, mc, pc, kc, mr);
                 for jp in 0..npanels {
                     let cols = nr.min(nc - jp * nr);
                     let bp = &bpack[jp * nr * kc..(jp + 1) * nr * kc];
