@@ -6,9 +6,8 @@
 //! cargo run --release --example bench_kernels
 //! ```
 //!
-//! mpx's GEMM splits large products over two threads by default (rows marked "1 thread(s)" use
-//! `set_max_threads(1)`); dfdx 0.13's CPU matmul uses all cores through rayon. Peaks are per
-//! thread. Times are medians
+//! mpx's GEMM runs on one thread by default; rows marked "2 thread(s)" use `set_max_threads(2)`.
+//! dfdx 0.13's CPU matmul uses all cores through rayon. Peaks are per thread. Times are medians
 //! of 11 runs of all 9 products; rounds of the configurations are interleaved.
 
 use std::time::Instant;
@@ -152,12 +151,12 @@ fn main() {
     let mut configs = vec![];
     for path in KernelPath::supported() {
         for dtype in ["f32", "f16", "bf16"] {
-            configs.push((path, dtype, 1));
+            configs.push((path, dtype, 0));
         }
     }
-    // the best path, default threads
-    configs.push((KernelPath::supported()[0], "f32", 0));
-    configs.push((KernelPath::supported()[0], "f16", 0));
+    // the best path, two threads
+    configs.push((KernelPath::supported()[0], "f32", 2));
+    configs.push((KernelPath::supported()[0], "f16", 2));
     // dfdx reference tensors
     let dev = Cpu::default();
     let dfdx_case = |c: &Case| {
@@ -226,7 +225,9 @@ fn main() {
             total * 1e3
         );
     };
+    set_max_threads(2);
     let threads = max_threads();
+    set_max_threads(0);
     for (ci, &(path, dtype, t1)) in configs.iter().enumerate() {
         let peak_of = if path == KernelPath::Avx512Fp16 && dtype != "f16" {
             peaks.get(&KernelPath::Avx512).copied()
@@ -241,7 +242,7 @@ fn main() {
             (_, "bf16") => "rounded to bf16, f32 FMA",
             _ => "f32 FMA",
         };
-        let th = if t1 == 1 { 1 } else { threads };
+        let th = if t1 == 2 { threads } else { 1 };
         let peak_of = peak_of.map(|p| p * th as f64);
         row(
             format!("mpx {path:?} ({how}), {th} thread(s)"),

@@ -220,21 +220,26 @@ pub fn gemm_nanos() -> u64 {
 /// Products smaller than this many multiply-adds run on one thread (a thread costs tens of µs).
 const PAR_MIN_WORK: usize = 1 << 21;
 
-/// 0: not set (two threads where the CPU has them).
+/// 0: not set (one thread).
 static MAX_THREADS: AtomicUsize = AtomicUsize::new(0);
 
-/// Sets how many threads one GEMM may use: 2 (the default, where the CPU has two hardware
-/// threads) splits large products into two halves of rows; 1 keeps every product on the calling
-/// thread. Values above 2 count as 2; 0 restores the default. (dfdx 0.13's CPU matmul uses all
+/// Sets how many threads one GEMM may use: 1 (the default) keeps every product on the calling
+/// thread; 2 splits large products into two halves of rows where the CPU has two hardware
+/// threads. Values above 2 count as 2; 0 restores the default. (dfdx 0.13's CPU matmul uses all
 /// cores through rayon.)
+///
+/// One thread is the default because on the shared 2-core machine this was measured on, the
+/// static two-way split was slower than one thread in most runs (`examples/bench_kernels.rs`,
+/// `examples/bench_step.rs` row f2); on an idle machine it matched dfdx's two-thread matmul.
 ///
 /// # Examples
 /// ```
 /// use mpx_runtime::kernels::{max_threads, set_max_threads};
-/// set_max_threads(1);
 /// assert_eq!(max_threads(), 1);
-/// set_max_threads(0); // back to the default
+/// set_max_threads(2);
 /// assert!(max_threads() >= 1 && max_threads() <= 2); // 1 on a single-threaded CPU
+/// set_max_threads(0); // back to the default
+/// assert_eq!(max_threads(), 1);
 /// ```
 pub fn set_max_threads(n: usize) {
     MAX_THREADS.store(n.min(2), Ordering::Relaxed);
@@ -248,13 +253,13 @@ pub fn set_max_threads(n: usize) {
 /// ```
 pub fn max_threads() -> usize {
     match MAX_THREADS.load(Ordering::Relaxed) {
-        1 => 1,
+        0 | 1 => 1,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
     }
 }
 
-/// Runs [`blocked`] on one thread, or on two halves of C's rows (each thread packs its own panels;
-/// the halves are disjoint slices of C).
+/// Runs [`blocked`] on one thread, or on two halves of C's rows (each thread packs its own panels
+/// into its own reused buffers; the halves are disjoint slices of C).
 fn split<T: Packed + Send + Sync>(
     k: &Micro<T>,
     m: usize,
@@ -275,9 +280,11 @@ fn split<T: Packed + Send + Sync>(
         rs: a.rs,
         cs: a.cs,
     };
-    std::thread::scope(|s| {
-        s.spawn(|| blocked(k, m - mid, n, kd, a1, b, c1));
-        blocked(k, mid, n, kd, a, b, c0);
+    T::with_buffers(|[a0p, b0p, a1p, b1p]| {
+        std::thread::scope(|s| {
+            s.spawn(|| blocked_in(k, m - mid, n, kd, a1, b, c1, a1p, b1p));
+            blocked_in(k, mid, n, kd, a, b, c0, a0p, b0p);
+        });
     });
 }
 
@@ -291,44 +298,36 @@ fn blocked<T: Packed>(
     b: Src<'_, T>,
     c: &mut [f32],
 ) {
-    T::with_buffers(|apack, bpack| blocked_in(k, m, n, kd, a, b, c, apack, bpack));
+    T::with_buffers(|[apack, bpack, ..]| blocked_in(k, m, n, kd, a, b, c, apack, bpack));
 }
 
-/// Packing buffers reused by each thread across calls (no page faults for fresh allocations).
+/// Packing buffers reused across calls: two sets per calling thread (the second for the helper
+/// thread of a split product), so no call pays page faults for fresh allocations.
 pub(crate) trait Packed: Copy + Default + 'static {
-    /// Runs `f` with this thread's two packing buffers of this type.
-    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R;
+    /// Runs `f` with this thread's two sets of packing buffers of this type.
+    fn with_buffers<R>(f: impl FnOnce(&mut [Vec<Self>; 4]) -> R) -> R;
 }
 
 thread_local! {
-    static PACK_F32: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-    static PACK_U16: RefCell<(Vec<u16>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static PACK_F32: RefCell<[Vec<f32>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
+    static PACK_U16: RefCell<[Vec<u16>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
 }
 
-impl Packed for f32 {
-    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R {
-        PACK_F32.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut bufs) => {
-                let (a, b) = &mut *bufs;
-                f(a, b)
+macro_rules! packed {
+    ($t:ty, $cell:ident) => {
+        impl Packed for $t {
+            fn with_buffers<R>(f: impl FnOnce(&mut [Vec<Self>; 4]) -> R) -> R {
+                $cell.with(|cell| match cell.try_borrow_mut() {
+                    Ok(mut bufs) => f(&mut bufs),
+                    // re-entered on this thread (cannot happen today): fresh buffers
+                    Err(_) => f(&mut Default::default()),
+                })
             }
-            // re-entered on this thread (cannot happen today): use fresh buffers
-            Err(_) => f(&mut Vec::new(), &mut Vec::new()),
-        })
-    }
+        }
+    };
 }
-
-impl Packed for u16 {
-    fn with_buffers<R>(f: impl FnOnce(&mut Vec<Self>, &mut Vec<Self>) -> R) -> R {
-        PACK_U16.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut bufs) => {
-                let (a, b) = &mut *bufs;
-                f(a, b)
-            }
-            Err(_) => f(&mut Vec::new(), &mut Vec::new()),
-        })
-    }
-}
+packed!(f32, PACK_F32);
+packed!(u16, PACK_U16);
 
 /// [`blocked`] with the packing buffers given (resized as needed; every packed value is written
 /// before it is read, padding included).

@@ -16,11 +16,10 @@
 //! | [`KernelPath::Portable`] | plain Rust | widened, plain Rust | as f32, after rounding |
 //!
 //! # Threads
-//! A large product (at least 2^21 multiply-adds) is split into two halves of rows computed on two
-//! threads (`std::thread::scope`) where the CPU has two hardware threads; each element is computed
-//! by the same instructions either way, so results are bit-identical. [`set_max_threads`]`(1)`
-//! keeps every product on the calling thread. (dfdx 0.13's CPU matmul uses all cores, through
-//! rayon.)
+//! By default every product runs on the calling thread. [`set_max_threads`]`(2)` splits a large
+//! product (at least 2^21 multiply-adds) into two halves of rows computed on two threads
+//! (`std::thread::scope`); each element is computed by the same instructions either way, so
+//! results are bit-identical. (dfdx 0.13's CPU matmul uses all cores, through rayon.)
 //!
 //! # Error bounds
 //! Let `u32 = 2^-24` and `u16 = 2^-11` be the unit roundoffs of f32 and f16, `γ(n, u) =
