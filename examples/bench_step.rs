@@ -1,5 +1,7 @@
-//! Benchmark of the mixed-precision step (issue 3's table): MLP 512-1024-1024-10, Adam, batch 256
-//! for time, batch 4096 for memory. Every ratio is measured in this one run.
+//! Benchmark of the mixed-precision step (issue 3's table, and issue 10's rows f-i): MLP
+//! 512-1024-1024-10, Adam, batch 256 for time, batch 4096 for memory. Every ratio is measured in
+//! this one run. Rows f-i build the same MLP (same initial weights) from mpx's fused layers
+//! (`mpx::nn::LinearReLU`, `mpx::nn::Linear`) instead of dfdx's `Linear` + `ReLU`.
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -14,6 +16,9 @@
 use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
+use mpx::boundary::MasterModel;
+use mpx::kernels::{active_path, gemm_nanos, max_threads, set_max_threads};
+use mpx::nn;
 use mpx::precision::{AMP, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
 use mpx::step::{
@@ -55,7 +60,24 @@ type Mlp = (
 );
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 
-fn adam(m: &Master) -> Adam<Master, f32, Cpu> {
+/// The same MLP from mpx's fused layers.
+type MpxMlp = (
+    nn::builder::LinearReLU<512, 1024>,
+    nn::builder::LinearReLU<1024, 1024>,
+    nn::builder::Linear<1024, 10>,
+);
+type MpxMaster = <MpxMlp as BuildOnDevice<Cpu, f32>>::Built;
+
+/// The dfdx model's parameters in mpx's layers (same initial weights).
+fn to_mpx(m: &Master) -> MpxMaster {
+    (
+        (m.0.clone(), ReLU).into(),
+        (m.2.clone(), ReLU).into(),
+        m.4.clone().into(),
+    )
+}
+
+fn adam<M: dfdx::nn::tensor_collection::TensorCollection<f32, Cpu>>(m: &M) -> Adam<M, f32, Cpu> {
     Adam::new(
         m,
         AdamConfig {
@@ -80,16 +102,24 @@ fn data<const B: usize>(
 }
 
 /// A plain dfdx f32 training loop (gradients reused through `alloc_grads`/`zero_grads`).
-struct Plain<const B: usize> {
-    model: Master,
-    opt: Adam<Master, f32, Cpu>,
+struct Plain<const B: usize, M = Master> {
+    model: M,
+    opt: Adam<M, f32, Cpu>,
     grads: Option<Gradients<f32, Cpu>>,
     x: Tensor<Rank2<B, 512>, f32, Cpu>,
     y: Tensor<Rank2<B, 10>, f32, Cpu>,
 }
 
-impl<const B: usize> Plain<B> {
-    fn new(dev: &Cpu, init: &Master) -> Self {
+impl<const B: usize, M> Plain<B, M>
+where
+    M: dfdx::nn::tensor_collection::TensorCollection<f32, Cpu>
+        + Clone
+        + Module<
+            Tensor<Rank2<B, 512>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank2<B, 10>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        >,
+{
+    fn new(dev: &Cpu, init: &M) -> Self {
         let model = init.clone();
         let (x, y) = data::<B>(dev);
         Self {
@@ -115,24 +145,25 @@ impl<const B: usize> Plain<B> {
 }
 
 /// The mixed loop with working-copy precision `H`.
-struct Mixed<H: StepPrecision, L: LossScale, const B: usize>
+struct Mixed<H: StepPrecision, L: LossScale, const B: usize, M: MasterModel = Master>
 where
     Cpu: Device<H::Elem>,
 {
-    master: Master,
-    opt: Adam<Master, f32, Cpu>,
-    ws: MixedWorkspace<H, Master>,
+    master: M,
+    opt: Adam<M, f32, Cpu>,
+    ws: MixedWorkspace<H, M>,
     scaling: L,
     x: Tensor<Rank2<B, 512>, f32, Cpu>,
     y: Tensor<Rank2<B, 10>, f32, Cpu>,
 }
 
-impl<H, L, const B: usize> Mixed<H, L, B>
+impl<H, L, const B: usize, M> Mixed<H, L, B, M>
 where
     H: StepPrecision,
     L: LossScale,
+    M: MasterModel + Clone,
     Cpu: Device<H::Elem>,
-    WorkingCopy<H, Master>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
+    WorkingCopy<H, M>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
         + Module<
             Tensor<Rank2<B, 512>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
@@ -140,7 +171,7 @@ where
     Tensor<Rank2<B, 512>, f32, Cpu>:
         mpx::cast::Cast<H, Output = Tensor<Rank2<B, 512>, H::Elem, Cpu>>,
 {
-    fn new(dev: &Cpu, init: &Master, scaling: L) -> Self {
+    fn new(dev: &Cpu, init: &M, scaling: L) -> Self {
         let master = init.clone();
         let (x, y) = data::<B>(dev);
         Self {
@@ -236,6 +267,14 @@ fn main() {
             m.step();
         })
     };
+    let init_mpx = to_mpx(&init);
+    let mem_f16_mpx = {
+        let mut m = Mixed::<f16, _, BIG, MpxMaster>::new(&dev, &init_mpx, dynamic());
+        m.step();
+        measure_peak(|| {
+            m.step();
+        })
+    };
 
     // dfdx alone, no mixed machinery: forward + backward of an f16 model on an f16 batch, and of
     // the f32 model, above the heap before the pass (gradients reused, batch resident).
@@ -275,7 +314,14 @@ fn main() {
     let mut half = Mixed::<f16, _, B>::new(&dev, &init, dynamic());
     let mut amp = Mixed::<AMP<f16>, _, B>::new(&dev, &init, dynamic());
     let mut bf = Mixed::<bf16, _, B>::new(&dev, &init, dynamic());
+    let mut mpx_half = Mixed::<f16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_bf = Mixed::<bf16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
     let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
+    let mut mpx_half1 = Mixed::<f16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain, mut a_mpx_half1): (Acc, Acc, Acc, Acc) =
+        Default::default();
+    let mut t_gemm_f16 = vec![];
     let (warmup, rounds, per_round) = (2, 7, 3);
     for round in 0..warmup + rounds {
         let keep = round >= warmup;
@@ -309,6 +355,34 @@ fn main() {
                 Acc::mixed(&mut a_bf, r);
             }
         }
+        for _ in 0..per_round {
+            let before = gemm_nanos();
+            let r = mpx_half.step();
+            if keep {
+                Acc::mixed(&mut a_mpx_half, r);
+                t_gemm_f16.push((gemm_nanos() - before) as f64 / 1e6);
+            }
+        }
+        for _ in 0..per_round {
+            let r = mpx_bf.step();
+            if keep {
+                Acc::mixed(&mut a_mpx_bf, r);
+            }
+        }
+        for _ in 0..per_round {
+            let r = mpx_plain.step();
+            if keep {
+                Acc::plain(&mut a_mpx_plain, r);
+            }
+        }
+        set_max_threads(2);
+        for _ in 0..per_round {
+            let r = mpx_half1.step();
+            if keep {
+                Acc::mixed(&mut a_mpx_half1, r);
+            }
+        }
+        set_max_threads(0);
     }
 
     let t_plain = Acc::med(&mut a_plain.total);
@@ -316,6 +390,11 @@ fn main() {
     let t_half = Acc::med(&mut a_half.total);
     let t_amp = Acc::med(&mut a_amp.total);
     let t_bf = Acc::med(&mut a_bf.total);
+    let t_mpx_half = Acc::med(&mut a_mpx_half.total);
+    let t_mpx_bf = Acc::med(&mut a_mpx_bf.total);
+    let t_mpx_plain = Acc::med(&mut a_mpx_plain.total);
+    let t_gemm = Acc::med(&mut t_gemm_f16);
+    let t_mpx_half1 = Acc::med(&mut a_mpx_half1.total);
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
 
     println!(
@@ -358,6 +437,39 @@ fn main() {
         "| e | emulated bf16 step time / f32 step time | - | {:.2} ({t_bf:.1} ms) |",
         t_bf / t_plain
     );
+    println!(
+        "| f | mixed f16 step, MLP of mpx's fused layers / dfdx f32 step | <= 0.5 | {:.2} ({t_mpx_half:.1} ms / {t_plain:.1} ms) |",
+        t_mpx_half / t_plain
+    );
+    println!(
+        "| f2 | row f with mpx's GEMM on two threads (`set_max_threads(2)`) / dfdx f32 step | - | {:.2} ({t_mpx_half1:.1} ms) |",
+        t_mpx_half1 / t_plain
+    );
+    println!(
+        "| g | same, emulated bf16 / dfdx f32 step | <= 1.0 | {:.2} ({t_mpx_bf:.1} ms) |",
+        t_mpx_bf / t_plain
+    );
+    println!(
+        "| h | mpx's fused layers in f32, plain loop / dfdx f32 step | report | {:.2} ({t_mpx_plain:.1} ms) |",
+        t_mpx_plain / t_plain
+    );
+    println!(
+        "| i | peak heap of row f's step at batch {BIG} / dfdx f32 step (above the heap before the step) | <= 0.55 | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        mem_f16_mpx.step as f64 / mem_f32.step as f64,
+        mib(mem_f16_mpx.step),
+        mib(mem_f32.step)
+    );
+    println!(
+        "| i' | same, absolute process peak | - | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        mem_f16_mpx.process as f64 / mem_f32.process as f64,
+        mib(mem_f16_mpx.process),
+        mib(mem_f32.process)
+    );
+    println!(
+        "\nKernel path of mpx's layers: {:?}; GEMM threads: {} (row f2: 2); dfdx's matmul: rayon, all cores",
+        active_path(),
+        max_threads()
+    );
 
     println!("\nBreakdown (median ms per step):\n");
     println!(
@@ -380,6 +492,19 @@ fn main() {
     row("mixed f16", &mut a_half, t_half);
     row("mixed AMP<f16>", &mut a_amp, t_amp);
     row("mixed emulated bf16", &mut a_bf, t_bf);
+    row("f: mixed f16, mpx layers", &mut a_mpx_half, t_mpx_half);
+    row(
+        "g: mixed emulated bf16, mpx layers",
+        &mut a_mpx_bf,
+        t_mpx_bf,
+    );
+    row("h: plain f32, mpx layers", &mut a_mpx_plain, t_mpx_plain);
+    let fb = Acc::med(&mut a_mpx_half.fwd_bwd);
+    println!(
+        "\nRow f's forward+backward ({fb:.2} ms): matmul (time inside mpx's GEMM calls during the step) {t_gemm:.2} ms; the rest ({:.2} ms) is element-wise work (bias, activation, mask, casts), copies, dfdx's tape and the loss. Optimizer: {:.2} ms.",
+        fb - t_gemm,
+        Acc::med(&mut a_mpx_half.opt)
+    );
     println!(
         "\nloss scale after the run: f16 {}, AMP<f16> {}, bf16 {}; skipped steps: f16 {}, AMP<f16> {}, bf16 {}",
         half.scaling.loss_scale(),

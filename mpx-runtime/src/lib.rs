@@ -9,6 +9,8 @@
 //! | [`cast`] | casting any tree between precisions |
 //! | [`scaling`] | loss scales: no-op, static, dynamic |
 //! | [`finite`] | bit-level finiteness checks |
+//! | [`kernels`] | mpx's own CPU GEMM (f32, f16, bf16) and fused element-wise passes |
+//! | [`nn`] | mixed-ready layers (a fused `Linear`) built on those kernels |
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
@@ -17,6 +19,7 @@
 pub mod boundary;
 pub mod cast;
 pub mod finite;
+pub mod kernels;
 pub mod mx;
 pub mod nn;
 pub mod policy;

@@ -1,0 +1,57 @@
+//! The AVX-512 f32 micro-kernel: 8 x 32 tile, 16 zmm accumulators.
+
+use super::driver::Micro;
+
+const MR: usize = 8;
+const NR: usize = 32;
+
+pub(crate) fn micro() -> Micro<f32> {
+    Micro {
+        mr: MR,
+        nr: NR,
+        kc: 256,
+        mc: 64,
+        nc: 512,
+        run: kernel,
+    }
+}
+
+/// `C[8 x 32] += Apack(kc x 8)ᵀ · Bpack(kc x 32)`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F. Slice lengths are asserted.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= kc * MR && b.len() >= kc * NR && c.len() >= (MR - 1) * ldc + NR);
+    // SAFETY: the caller guarantees AVX-512 F; every pointer offset stays within the lengths
+    // asserted above (p < kc, i < MR, column offsets < NR).
+    unsafe {
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for p in 0..kc {
+            let b0 = _mm512_loadu_ps(bp.add(p * NR));
+            let b1 = _mm512_loadu_ps(bp.add(p * NR + 16));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*ap.add(p * MR + i));
+                row[0] = _mm512_fmadd_ps(av, b0, row[0]);
+                row[1] = _mm512_fmadd_ps(av, b1, row[1]);
+            }
+        }
+        let cp = c.as_mut_ptr();
+        for (i, row) in acc.iter().enumerate() {
+            for (h, v) in row.iter().enumerate() {
+                let dst = cp.add(i * ldc + h * 16);
+                _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), *v));
+            }
+        }
+    }
+}
+
+/// Never called: [`KernelPath::Avx512`](super::KernelPath) is unsupported off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+    let _ = (kc, a, b, c, ldc);
+    unreachable!("AVX-512 kernel on a non-x86 target")
+}

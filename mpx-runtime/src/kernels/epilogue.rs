@@ -1,0 +1,349 @@
+//! Fused element-wise passes around a Linear layer's GEMMs: bias, activation and cast forward;
+//! activation mask and bias gradient backward; accumulation of an f32 result into a gradient.
+//!
+//! Each pass works row by row on short f32 buffers that stay in L1, and converts f16 with
+//! `half`'s slice conversions (F16C where the CPU has it), never one element at a time.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::KernelError;
+
+/// The activation fused after a Linear layer's GEMM.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::Activation;
+/// assert_eq!(Activation::default(), Activation::Identity);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// `y = z`.
+    #[default]
+    Identity,
+    /// `y = max(z, 0)`.
+    ReLU,
+}
+
+/// A destination of a pass: f32 or f16 values.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{add_f32_into, Dst};
+/// let mut g = [1.0f32, 2.0];
+/// add_f32_into(&[1.0, 1.0], Dst::F32(&mut g)).unwrap();
+/// assert_eq!(g, [2.0, 3.0]);
+/// ```
+#[derive(Debug)]
+pub enum Dst<'a> {
+    /// f32 values (also emulated bf16 storage).
+    F32(&'a mut [f32]),
+    /// f16 values (also `AMP<f16>`, viewed as f16).
+    F16(&'a mut [f16]),
+}
+
+impl Dst<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Dst::F32(v) => v.len(),
+            Dst::F16(v) => v.len(),
+        }
+    }
+}
+
+fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), KernelError> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            what,
+            len,
+            expected,
+        })
+    }
+}
+
+/// Forward epilogue: `out[r][j] = act(acc[r][j] + bias[j])`, rounded to `out`'s type. `acc` is a
+/// row-major `rows x bias.len()` GEMM result and is overwritten with the f32 values.
+///
+/// # Errors
+/// [`KernelError::Length`] if `acc` is not a whole number of rows of `bias.len()`, or `out`'s
+/// length differs from `acc`'s.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{bias_act_into, Activation, Dst};
+/// let mut acc = [1.0f32, -3.0, 0.5, 0.5];
+/// let mut out = [0.0f32; 4];
+/// bias_act_into(&mut acc, &[1.0, 1.0], Activation::ReLU, Dst::F32(&mut out)).unwrap();
+/// assert_eq!(out, [2.0, 0.0, 1.5, 1.5]);
+/// ```
+pub fn bias_act_into(
+    acc: &mut [f32],
+    bias: &[f32],
+    act: Activation,
+    out: Dst<'_>,
+) -> Result<(), KernelError> {
+    let cols = bias.len();
+    expect_len("out", out.len(), acc.len())?;
+    if cols == 0 || acc.len() % cols != 0 {
+        return Err(KernelError::Length {
+            what: "acc (whole rows of bias.len())",
+            len: acc.len(),
+            expected: acc.len() - acc.len() % cols.max(1),
+        });
+    }
+    let rows = acc.chunks_exact_mut(cols);
+    match (act, out) {
+        (Activation::Identity, Dst::F32(o)) => {
+            for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
+                for ((d, a), b) in orow.iter_mut().zip(row.iter()).zip(bias) {
+                    *d = *a + *b;
+                }
+            }
+        }
+        (Activation::ReLU, Dst::F32(o)) => {
+            for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
+                for ((d, a), b) in orow.iter_mut().zip(row.iter()).zip(bias) {
+                    *d = (*a + *b).max(0.0);
+                }
+            }
+        }
+        (act, Dst::F16(o)) => {
+            for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
+                if act == Activation::ReLU {
+                    row.iter_mut()
+                        .zip(bias)
+                        .for_each(|(a, b)| *a = (*a + *b).max(0.0));
+                } else {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += *b);
+                }
+                orow.convert_from_f32_slice(row);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// ReLU's derivative as one bit per element (set: the output was positive, the gradient passes).
+/// Made from the layer's output in the forward pass, so the backward needs neither the output
+/// nor the pre-activation (1/16 of an f16 activation's memory).
+///
+/// # Examples
+/// ```
+/// let m = mpx_runtime::kernels::ReluMask::from_f32(&[0.5, -1.0]);
+/// assert!(m.get(0) && !m.get(1));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReluMask {
+    bits: Vec<u64>,
+    len: usize,
+}
+
+impl ReluMask {
+    /// The mask of ReLU outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::kernels::ReluMask;
+    /// use mpx_runtime::precision::f16;
+    /// let m = ReluMask::from_f16(&[f16::from_f32(1.0), f16::ZERO, f16::NAN]);
+    /// assert_eq!(m.len(), 3);
+    /// assert_eq!((m.get(0), m.get(1), m.get(2)), (true, false, false));
+    /// ```
+    pub fn from_f16(y: &[f16]) -> Self {
+        let yb: &[u16] = y.reinterpret_cast();
+        Self::from_fn(yb.len(), |i| (1..=0x7c00).contains(&yb[i]))
+    }
+
+    /// The mask of ReLU outputs `y` in f32: `y > 0`.
+    ///
+    /// # Examples
+    /// ```
+    /// let m = mpx_runtime::kernels::ReluMask::from_f32(&[-0.0, 2.0]);
+    /// assert_eq!((m.get(0), m.get(1)), (false, true));
+    /// ```
+    pub fn from_f32(y: &[f32]) -> Self {
+        Self::from_fn(y.len(), |i| y[i] > 0.0)
+    }
+
+    fn from_fn(len: usize, pass: impl Fn(usize) -> bool) -> Self {
+        let mut bits = vec![0u64; len.div_ceil(64)];
+        for (w, word) in bits.iter_mut().enumerate() {
+            let end = (w * 64 + 64).min(len);
+            for i in w * 64..end {
+                *word |= u64::from(pass(i)) << (i - w * 64);
+            }
+        }
+        Self { bits, len }
+    }
+
+    /// Number of elements.
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(mpx_runtime::kernels::ReluMask::from_f32(&[]).is_empty());
+    /// ```
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mask has no elements.
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).is_empty());
+    /// ```
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether element `i` passes (false past the end).
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).get(5));
+    /// ```
+    pub fn get(&self, i: usize) -> bool {
+        i < self.len && (self.bits[i / 64] >> (i % 64)) & 1 == 1
+    }
+
+    /// Zeroes `row` (elements `start..start + row.len()`) where the mask is clear.
+    fn apply<T: Copy>(&self, start: usize, row: &mut [T], zero: T) {
+        // whole 64-bit words where aligned, bit by bit at the edges
+        let mut j = 0;
+        while j < row.len() {
+            let i = start + j;
+            if i % 64 == 0 && j + 64 <= row.len() {
+                let word = self.bits[i / 64];
+                if word != u64::MAX {
+                    for (b, v) in row[j..j + 64].iter_mut().enumerate() {
+                        if (word >> b) & 1 == 0 {
+                            *v = zero;
+                        }
+                    }
+                }
+                j += 64;
+            } else {
+                if !self.get(i) {
+                    row[j] = zero;
+                }
+                j += 1;
+            }
+        }
+    }
+}
+
+/// Backward epilogue for f16 gradients: with a ReLU `mask`, zeroes `dy` where the mask is clear;
+/// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
+///
+/// # Errors
+/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or the mask's length
+/// differs from `dy`'s.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f16};
+/// use mpx_runtime::precision::f16;
+/// let h = |v: [f32; 4]| v.map(f16::from_f32);
+/// let (mut dy, y) = (h([1.0, 2.0, 3.0, 4.0]), h([0.5, 0.0, 1.0, 2.0]));
+/// let mut db = [0.0f32; 2];
+/// relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y)), &mut db).unwrap();
+/// assert_eq!(dy, h([1.0, 0.0, 3.0, 4.0]));
+/// assert_eq!(db, [4.0, 4.0]);
+/// ```
+pub fn relu_mask_bias_grad_f16(
+    dy: &mut [f16],
+    mask: Option<&ReluMask>,
+    bias_grad: &mut [f32],
+) -> Result<(), KernelError> {
+    let cols = bias_grad.len();
+    check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
+    let mut row32 = vec![0.0f32; cols];
+    for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
+        if let Some(m) = mask {
+            m.apply(r * cols, drow, f16::ZERO);
+        }
+        drow.convert_to_f32_slice(&mut row32);
+        bias_grad.iter_mut().zip(&row32).for_each(|(g, v)| *g += *v);
+    }
+    Ok(())
+}
+
+/// [`relu_mask_bias_grad_f16`] for f32 gradients.
+///
+/// # Errors
+/// As [`relu_mask_bias_grad_f16`].
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f32};
+/// let (mut dy, y) = ([1.0f32, 2.0, 3.0, 4.0], [-0.0f32, 1.0, 1.0, f32::NAN]);
+/// let mut db = [0.0f32; 2];
+/// relu_mask_bias_grad_f32(&mut dy, Some(&ReluMask::from_f32(&y)), &mut db).unwrap();
+/// assert_eq!(dy, [0.0, 2.0, 3.0, 0.0]);
+/// assert_eq!(db, [3.0, 2.0]);
+/// ```
+pub fn relu_mask_bias_grad_f32(
+    dy: &mut [f32],
+    mask: Option<&ReluMask>,
+    bias_grad: &mut [f32],
+) -> Result<(), KernelError> {
+    let cols = bias_grad.len();
+    check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
+    for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
+        if let Some(m) = mask {
+            m.apply(r * cols, drow, 0.0);
+        }
+        bias_grad
+            .iter_mut()
+            .zip(drow.iter())
+            .for_each(|(g, v)| *g += *v);
+    }
+    Ok(())
+}
+
+fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelError> {
+    if let Some(y) = y {
+        expect_len("y", y, dy)?;
+    }
+    if cols == 0 || dy % cols != 0 {
+        return Err(KernelError::Length {
+            what: "dy (whole rows of bias_grad.len())",
+            len: dy,
+            expected: dy - dy % cols.max(1),
+        });
+    }
+    Ok(())
+}
+
+/// `dst += src`, the sum rounded once to `dst`'s type: how a GEMM's f32 result is accumulated
+/// into a gradient entry.
+///
+/// # Errors
+/// [`KernelError::Length`] if the lengths differ.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{add_f32_into, Dst};
+/// use mpx_runtime::precision::f16;
+/// let mut g = [f16::from_f32(1.0); 3];
+/// add_f32_into(&[0.5, 1.0, 2.0], Dst::F16(&mut g)).unwrap();
+/// assert_eq!(g.map(f32::from), [1.5, 2.0, 3.0]);
+/// ```
+pub fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError> {
+    expect_len("dst", dst.len(), src.len())?;
+    match dst {
+        Dst::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
+        Dst::F16(d) => {
+            let mut buf = [0.0f32; 256];
+            for (dc, sc) in d.chunks_mut(256).zip(src.chunks(256)) {
+                let b = &mut buf[..dc.len()];
+                dc.convert_to_f32_slice(b);
+                b.iter_mut().zip(sc).for_each(|(b, s)| *b += *s);
+                dc.convert_from_f32_slice(b);
+            }
+        }
+    }
+    Ok(())
+}

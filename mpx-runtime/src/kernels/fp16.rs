@@ -1,0 +1,73 @@
+//! The AVX512-FP16 micro-kernel: f16 operands, f16 FMA, 8 x 64 tile (16 zmm of 32 halves), the
+//! partial sums moved into the f32 output every [`FP16_FLUSH`] products.
+//!
+//! Operands are f16 bit patterns (`u16`) and every intrinsic used takes integer or `__m512h`
+//! vectors, so the unstable `f16` primitive is never needed.
+
+use super::FP16_FLUSH;
+use super::driver::Micro;
+
+const MR: usize = 8;
+const NR: usize = 64;
+
+pub(crate) fn micro() -> Micro<u16> {
+    Micro {
+        mr: MR,
+        nr: NR,
+        kc: 256,
+        mc: 64,
+        nc: 512,
+        run: kernel,
+    }
+}
+
+/// `C[8 x 64] += Apack(kc x 8)ᵀ · Bpack(kc x 64)`, in runs of at most 32 f16 FMAs per output
+/// whose sums are then widened and added to `C` in f32.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and FP16. Slice lengths are asserted.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: &mut [f32], ldc: usize) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= kc * MR && b.len() >= kc * NR && c.len() >= (MR - 1) * ldc + NR);
+    // SAFETY: the caller guarantees AVX-512 F/BW/FP16; every pointer offset stays within the
+    // lengths asserted above (p < kc, i < MR, column offsets < NR); unaligned loads and stores.
+    unsafe {
+        let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        let mut start = 0;
+        while start < kc {
+            let end = kc.min(start + FP16_FLUSH);
+            let zero = _mm512_castsi512_ph(_mm512_setzero_si512());
+            let mut acc = [[zero; 2]; MR];
+            for p in start..end {
+                let b0 = _mm512_castsi512_ph(_mm512_loadu_si512(bp.add(p * NR).cast()));
+                let b1 = _mm512_castsi512_ph(_mm512_loadu_si512(bp.add(p * NR + 32).cast()));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let av = _mm512_castsi512_ph(_mm512_set1_epi16(*ap.add(p * MR + i) as i16));
+                    row[0] = _mm512_fmadd_ph(av, b0, row[0]);
+                    row[1] = _mm512_fmadd_ph(av, b1, row[1]);
+                }
+            }
+            for (i, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    let bits = _mm512_castph_si512(*v);
+                    let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+                    let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(bits));
+                    let dst = cp.add(i * ldc + h * 32);
+                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), lo));
+                    let dst = dst.add(16);
+                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), hi));
+                }
+            }
+            start = end;
+        }
+    }
+}
+
+/// Never called: [`KernelPath::Avx512Fp16`](super::KernelPath) is unsupported off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: &mut [f32], ldc: usize) {
+    let _ = (kc, a, b, c, ldc);
+    unreachable!("AVX512-FP16 kernel on a non-x86 target")
+}

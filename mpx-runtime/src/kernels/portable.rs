@@ -1,0 +1,37 @@
+//! The portable micro-kernel: plain Rust that compilers vectorise for the baseline target.
+
+use super::driver::Micro;
+
+const MR: usize = 4;
+const NR: usize = 16;
+
+pub(crate) fn micro() -> Micro<f32> {
+    Micro {
+        mr: MR,
+        nr: NR,
+        kc: 256,
+        mc: 64,
+        nc: 512,
+        run: kernel,
+    }
+}
+
+/// `C[4 x 16] += Apack(kc x 4)ᵀ · Bpack(kc x 16)`: a separate multiply and add per product.
+fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+    let mut acc = [[0.0f32; NR]; MR];
+    for (ap, bp) in a[..kc * MR]
+        .chunks_exact(MR)
+        .zip(b[..kc * NR].chunks_exact(NR))
+    {
+        for (row, &av) in acc.iter_mut().zip(ap) {
+            for (x, &bv) in row.iter_mut().zip(bp) {
+                *x += av * bv;
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (d, s) in c[i * ldc..i * ldc + NR].iter_mut().zip(row) {
+            *d += *s;
+        }
+    }
+}

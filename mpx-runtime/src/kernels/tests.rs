@@ -1,0 +1,252 @@
+//! Every supported path against an f64 reference, within the bounds stated in the module docs.
+
+use half::f16;
+
+use super::*;
+
+/// Deterministic values in [-1, 1) (a small LCG), some exact zeros.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            if i % 17 == 0 {
+                0.0
+            } else {
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            }
+        })
+        .collect()
+}
+
+/// Element (i, j) of a view, as f64, as the kernel sees it (bf16 rounded).
+fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
+    let idx = i * m.row_stride + j * m.col_stride;
+    match m.values {
+        Operand::F32(v) => v[idx] as f64,
+        Operand::F16(v) => v[idx].to_f64(),
+        Operand::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
+    }
+}
+
+/// Checks `gemm_on(path, a, b)` against the f64 product, within `rel·S + abs` per element.
+fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let init = values(m * n, 99);
+    let mut c = if accumulate {
+        init.clone()
+    } else {
+        vec![f32::NAN; m * n]
+    };
+    gemm_on(path, a, b, &mut c, accumulate).unwrap();
+    let native = path == KernelPath::Avx512Fp16
+        && matches!((a.values, b.values), (Operand::F16(_), Operand::F16(_)));
+    let (rel, abs) = if native {
+        fp16_error_bound(k)
+    } else {
+        (f32_error_bound(k + 1), 0.0)
+    };
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut s) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let prod = at(&a, i, p) * at(&b, p, j);
+                exact += prod;
+                s += prod.abs();
+            }
+            if accumulate {
+                exact += init[i * n + j] as f64;
+                s += (init[i * n + j] as f64).abs();
+            }
+            let got = c[i * n + j] as f64;
+            assert!(
+                (got - exact).abs() <= rel * s + abs,
+                "{path:?} ({m}x{k})·({k}x{n}) at ({i},{j}): {got} vs {exact}, bound {}",
+                rel * s + abs
+            );
+        }
+    }
+}
+
+/// The three products of a Linear layer on shapes with partial tiles and more than one k block.
+fn linear_products(path: KernelPath, kind: &str) {
+    let (bsz, i, o) = (37, 300, 70);
+    let (x, w, dy) = (values(bsz * i, 1), values(o * i, 2), values(bsz * o, 3));
+    let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+    let (xh, wh, dyh) = (h(&x), h(&w), h(&dy));
+    let op = |v32: &'static str| -> (Operand<'_>, Operand<'_>, Operand<'_>) {
+        match v32 {
+            "f32" => (Operand::F32(&x), Operand::F32(&w), Operand::F32(&dy)),
+            "bf16" => (Operand::Bf16(&x), Operand::Bf16(&w), Operand::Bf16(&dy)),
+            _ => (Operand::F16(&xh), Operand::F16(&wh), Operand::F16(&dyh)),
+        }
+    };
+    let kind: &'static str = match kind {
+        "f32" => "f32",
+        "bf16" => "bf16",
+        _ => "f16",
+    };
+    let (xo, wo, dyo) = op(kind);
+    let (xm, wm, dym) = (
+        MatRef::row_major(xo, bsz, i),
+        MatRef::row_major(wo, o, i),
+        MatRef::row_major(dyo, bsz, o),
+    );
+    check(path, xm, wm.t(), false); // forward X·Wᵀ
+    check(path, dym, wm, true); // dX += dY·W
+    check(path, dym.t(), xm, true); // dW += dYᵀ·X
+}
+
+#[test]
+fn every_supported_path_meets_its_bound_on_f32_f16_bf16() {
+    let supported = KernelPath::supported();
+    assert!(supported.contains(&KernelPath::Portable));
+    for path in supported {
+        for kind in ["f32", "f16", "bf16"] {
+            linear_products(path, kind);
+        }
+    }
+}
+
+#[test]
+fn fp16_bound_is_about_260_times_the_f32_bound_and_holds_at_step_shapes() {
+    let (rel, _) = fp16_error_bound(1024);
+    let r = rel / f32_error_bound(1024);
+    // γ(32, 2^-11) / γ(1024, 2^-24) = 2^13·32/1024 ≈ 256; the f16 FMA is much coarser per product
+    assert!(r > 200.0 && r < 300.0, "{r}");
+    if KernelPath::Avx512Fp16.is_supported() {
+        let (a, b) = (values(64 * 1024, 5), values(1024 * 80, 6));
+        let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let (ah, bh) = (h(&a), h(&b));
+        check(
+            KernelPath::Avx512Fp16,
+            MatRef::row_major_f16(&ah, 64, 1024),
+            MatRef::row_major_f16(&bh, 1024, 80),
+            false,
+        );
+    }
+}
+
+#[test]
+fn forcing_a_path_needs_the_cpu_features() {
+    for path in KernelPath::ALL {
+        let r = with_path(path, active_path);
+        if path.is_supported() {
+            assert_eq!(r, Ok(path));
+        } else {
+            assert!(matches!(r, Err(KernelError::Unsupported { .. })));
+        }
+    }
+    assert_eq!(active_path(), detected_path());
+}
+
+#[test]
+fn shape_errors_are_reported() {
+    let a = [0.0f32; 6];
+    let mut c = [0.0f32; 4];
+    let r = gemm(
+        MatRef::row_major_f32(&a, 2, 3),
+        MatRef::row_major_f32(&a, 2, 3),
+        &mut c,
+        false,
+    );
+    assert!(matches!(r, Err(KernelError::InnerMismatch { .. })));
+    let r = gemm(
+        MatRef::row_major_f32(&a, 2, 3),
+        MatRef::row_major_f32(&a[..5], 3, 2),
+        &mut c,
+        false,
+    );
+    assert!(matches!(
+        r,
+        Err(KernelError::OperandTooShort { name: "B", .. })
+    ));
+    let r = gemm(
+        MatRef::row_major_f32(&a, 2, 3),
+        MatRef::row_major_f32(&a, 3, 2),
+        &mut c[..3],
+        false,
+    );
+    assert!(matches!(r, Err(KernelError::OutputLength { .. })));
+}
+
+#[test]
+fn epilogues_match_scalar_references() {
+    let (rows, cols) = (5, 300);
+    let acc0 = values(rows * cols, 7);
+    let bias = values(cols, 8);
+    for act in [Activation::Identity, Activation::ReLU] {
+        let f = |z: f32| {
+            if act == Activation::ReLU {
+                z.max(0.0)
+            } else {
+                z
+            }
+        };
+        let mut acc = acc0.clone();
+        let mut out = vec![f16::ZERO; rows * cols];
+        bias_act_into(&mut acc, &bias, act, Dst::F16(&mut out)).unwrap();
+        for (idx, o) in out.iter().enumerate() {
+            assert_eq!(*o, f16::from_f32(f(acc0[idx] + bias[idx % cols])));
+        }
+    }
+    // backward: mask from the output, column sums in f32
+    let y: Vec<f16> = values(rows * cols, 9)
+        .iter()
+        .map(|&v| f16::from_f32(v.max(0.0)))
+        .collect();
+    let dy0: Vec<f16> = values(rows * cols, 10)
+        .iter()
+        .map(|&v| f16::from_f32(v))
+        .collect();
+    let mut dy = dy0.clone();
+    let mut db = vec![0.5f32; cols];
+    relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y)), &mut db).unwrap();
+    for (j, got) in db.iter().enumerate() {
+        let mut s = 0.5f64;
+        for r in 0..rows {
+            let idx = r * cols + j;
+            let want = if y[idx].to_f32() > 0.0 {
+                dy0[idx]
+            } else {
+                f16::ZERO
+            };
+            assert_eq!(dy[idx].to_bits(), want.to_bits());
+            s += want.to_f64();
+        }
+        assert!((*got as f64 - s).abs() <= 1e-6, "{j}");
+    }
+    assert!(relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y[1..])), &mut db).is_err());
+}
+
+#[test]
+fn two_threads_give_the_same_bits_as_one() {
+    // 96 x 80 x 1024 multiply-adds: above the threshold for splitting
+    let (m, n, k) = (96, 80, 1024);
+    let (a, b) = (values(m * k, 11), values(k * n, 12));
+    for path in KernelPath::supported() {
+        let mut c = [vec![0.0f32; m * n], vec![0.0f32; m * n]];
+        for (threads, out) in [1, 2].into_iter().zip(c.iter_mut()) {
+            // 2 threads where the CPU has them (this machine has 2 cores)
+            set_max_threads(threads);
+            gemm_on(
+                path,
+                MatRef::row_major_f32(&a, m, k),
+                MatRef::row_major_f32(&b, k, n).t().t(),
+                out,
+                false,
+            )
+            .unwrap();
+        }
+        set_max_threads(0);
+        assert_eq!(c[0], c[1], "{path:?}");
+        check(
+            path,
+            MatRef::row_major_f32(&a, m, k),
+            MatRef::row_major_f32(&b, k, n),
+            false,
+        );
+    }
+}

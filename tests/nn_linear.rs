@@ -1,0 +1,374 @@
+//! mpx's fused `Linear` / `LinearReLU` against dfdx's `Linear` (f32) and an exact f64 reference
+//! (f16, `AMP<f16>`), on every kernel path this CPU supports, and a small MLP trained in f16 with
+//! the mixed step.
+//!
+//! Tolerances come from the kernels' stated bounds: with `S = Σ|a||b|` (plus `|bias|`), an f32
+//! result is within `γ(K+1, 2^-24)·S` of exact, so two f32 implementations differ by at most twice
+//! that; an f16 result adds one rounding to f16 (`2^-11` relative, `2^-25` absolute near zero)
+//! and, on the AVX512-FP16 path, the f16-sum bound `fp16_error_bound(K)`.
+
+use dfdx::shapes::Shape;
+use dfdx::{optim::*, prelude::*};
+use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
+use mpx::nn::{self, IntoMpx};
+use mpx::precision::{AMP, f16};
+use mpx::scaling::DynamicLossScale;
+use mpx::step::{MixedWorkspace, filter_value_and_grad, optimizer_update};
+
+const B: usize = 13;
+
+/// A layer's forward on a traced batch.
+type Layer<'a> = dyn Fn(
+        Tensor<Rank2<B, I>, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Tensor<Rank2<B, O>, f32, Cpu, OwnedTape<f32, Cpu>>
+    + 'a;
+const I: usize = 70;
+const O: usize = 45;
+
+/// Exact (f64) forward and gradients of `sum(act(x·Wᵀ + b) * c)`, with the `S` of each entry.
+struct Reference {
+    y: Vec<(f64, f64)>,
+    dx: Vec<(f64, f64)>,
+    dw: Vec<(f64, f64)>,
+    db: Vec<(f64, f64)>,
+}
+
+fn reference(x: &[f64], w: &[f64], b: &[f64], c: &[f64], relu: bool) -> Reference {
+    let mut y = vec![(0.0, 0.0); B * O];
+    let mut dz = vec![0.0; B * O];
+    for r in 0..B {
+        for o in 0..O {
+            let (mut z, mut s) = (b[o], b[o].abs());
+            for i in 0..I {
+                z += x[r * I + i] * w[o * I + i];
+                s += (x[r * I + i] * w[o * I + i]).abs();
+            }
+            let keep = !relu || z > 0.0;
+            y[r * O + o] = (if keep { z } else { 0.0 }, s);
+            dz[r * O + o] = if keep { c[r * O + o] } else { 0.0 };
+        }
+    }
+    let mut dx = vec![(0.0, 0.0); B * I];
+    for r in 0..B {
+        for i in 0..I {
+            for o in 0..O {
+                dx[r * I + i].0 += dz[r * O + o] * w[o * I + i];
+                dx[r * I + i].1 += (dz[r * O + o] * w[o * I + i]).abs();
+            }
+        }
+    }
+    let mut dw = vec![(0.0, 0.0); O * I];
+    let mut db = vec![(0.0, 0.0); O];
+    for o in 0..O {
+        for r in 0..B {
+            db[o].0 += dz[r * O + o];
+            db[o].1 += dz[r * O + o].abs();
+            for i in 0..I {
+                dw[o * I + i].0 += dz[r * O + o] * x[r * I + i];
+                dw[o * I + i].1 += (dz[r * O + o] * x[r * I + i]).abs();
+            }
+        }
+    }
+    Reference { y, dx, dw, db }
+}
+
+fn f64s<E: Into<f64> + Copy>(v: &[E]) -> Vec<f64> {
+    v.iter().map(|&x| x.into()).collect()
+}
+
+/// Checks `got` against exact values: `|got - exact| ≤ rel·S + out_rel·|exact| + abs`, where `K`
+/// is the inner dimension of the entry.
+fn within(what: &str, got: &[f64], exact: &[(f64, f64)], bound: impl Fn(f64, f64) -> f64) {
+    assert_eq!(got.len(), exact.len(), "{what}");
+    for (k, (g, (e, s))) in got.iter().zip(exact).enumerate() {
+        assert!(
+            (g - e).abs() <= bound(*e, *s),
+            "{what}[{k}]: {g} vs exact {e} (S = {s}), bound {}",
+            bound(*e, *s)
+        );
+    }
+}
+
+/// f32: mpx's layer against dfdx's `Linear` (+ `ReLU`), on every path, with the layer used twice
+/// on one tape so that gradients accumulate.
+#[test]
+fn f32_forward_and_gradients_match_dfdx_linear_on_every_path() {
+    let dev = Cpu::seed_from_u64(3);
+    let dl = dev.build_module::<Linear<I, O>, f32>();
+    let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
+    for relu in [false, true] {
+        // dfdx: loss = sum(act(l(x))·c) + sum(act(l(2x))·c)
+        let xt = x.clone().traced(Gradients::leaky());
+        let y1 = dl.forward(xt.with_empty_tape());
+        let y1 = if relu { y1.relu() } else { y1 };
+        let y2 = dl.forward(xt * 2.0);
+        let y2 = if relu { y2.relu() } else { y2 };
+        let want_grads = ((y1 * c.clone()).sum() + (y2 * c.clone()).sum()).backward();
+        let want_y = if relu {
+            dl.forward(x.clone()).relu()
+        } else {
+            dl.forward(x.clone())
+        };
+
+        for path in KernelPath::supported() {
+            with_path(path, || {
+                let run = |m: &Layer<'_>, ids: (&Tensor<Rank2<O, I>, f32, Cpu>, &Tensor<Rank1<O>, f32, Cpu>)| {
+                    let g = Gradients::leaky();
+                    let xt = x.clone().traced(g);
+                    let y1 = m(xt.with_empty_tape());
+                    let y2 = m(xt * 2.0);
+                    let g = ((y1 * c.clone()).sum() + (y2 * c.clone()).sum()).backward();
+                    (g.get(ids.0).as_vec(), g.get(ids.1).as_vec(), g.get(&x).as_vec())
+                };
+                let (y, (gw, gb, gx)) = if relu {
+                    let l: nn::LinearReLU<I, O, f32> = (dl.clone(), ReLU).into();
+                    (l.forward(x.clone()).as_vec(), run(&|t| l.forward(t), (&l.weight, &l.bias)))
+                } else {
+                    let l: nn::Linear<I, O, f32> = dl.clone().into();
+                    (l.forward(x.clone()).as_vec(), run(&|t| l.forward(t), (&l.weight, &l.bias)))
+                };
+                // exact values for the bound's S (x2 input: S doubles, use 3x to cover both terms)
+                let r = reference(&f64s(&x.as_vec()), &f64s(&dl.weight.as_vec()), &f64s(&dl.bias.as_vec()), &f64s(&c.as_vec()), relu);
+                let two = |k: usize, mult: f64| move |_: f64, s: f64| 2.0 * f32_error_bound(k + 2) * mult * s;
+                let pairs = |ours: &[f32], theirs: Vec<f32>, exact: &[(f64, f64)]| -> Vec<(f64, f64)> {
+                    // dfdx's value as the "exact" entry, the reference's S as the scale
+                    ours.iter().zip(theirs).zip(exact).map(|((_, t), (_, s))| (t as f64, *s)).collect()
+                };
+                within(&format!("{path:?} relu={relu} y"), &f64s(&y), &pairs(&y, want_y.as_vec(), &r.y), two(I, 1.0));
+                // the two uses add: scales are at most 3x the single-use S
+                within(&format!("{path:?} relu={relu} dW"), &f64s(&gw), &pairs(&gw, want_grads.get(&dl.weight).as_vec(), &r.dw), two(2 * B, 3.0));
+                within(&format!("{path:?} relu={relu} db"), &f64s(&gb), &pairs(&gb, want_grads.get(&dl.bias).as_vec(), &r.db), two(2 * B, 2.0));
+                within(&format!("{path:?} relu={relu} dX"), &f64s(&gx), &pairs(&gx, want_grads.get(&x).as_vec(), &r.dx), two(2 * O, 3.0));
+            })
+            .unwrap();
+        }
+    }
+}
+
+/// The bound of an f16 result with inner dimension `k` on `path`: accumulation, then one rounding.
+fn f16_bound(path: KernelPath, k: usize) -> impl Fn(f64, f64) -> f64 {
+    let (rel, abs) = if path == KernelPath::Avx512Fp16 {
+        fp16_error_bound(k + 1)
+    } else {
+        (f32_error_bound(k + 1), 0.0)
+    };
+    let u16 = 2f64.powi(-11);
+    move |e: f64, s: f64| rel * s * (1.0 + u16) + abs + u16 * e.abs() + 2f64.powi(-25)
+}
+
+/// The values of a tensor of any float dtype, as f64.
+fn vals<S: Shape, E: mpx::precision::FloatElement>(t: &Tensor<S, E, Cpu>) -> Vec<f64> {
+    let h = t.as_vec();
+    let mut v = vec![0.0f32; h.len()];
+    E::to_f32_slice(&h, &mut v);
+    f64s(&v)
+}
+
+/// f16 and AMP<f16> layers against the exact values of their own f16 parameters and inputs.
+macro_rules! half_matches_exact {
+    ($name:ident, $e:ty) => {
+        #[test]
+        fn $name() {
+            type E = $e;
+            let dev = Cpu::seed_from_u64(5);
+            let dl = dev.build_module::<Linear<I, O>, f32>().to_dtype::<E>();
+            let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+            let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
+            let (x, c) = (x.to_dtype::<E>(), c.to_dtype::<E>());
+            for relu in [false, true] {
+                let r = reference(
+                    &vals(&x),
+                    &vals(&dl.weight),
+                    &vals(&dl.bias),
+                    &vals(&c),
+                    relu,
+                );
+                for path in KernelPath::supported() {
+                    with_path(path, || {
+                        let (y, g, w, b) = if relu {
+                            let l: nn::LinearReLU<I, O, E> = (dl.clone(), ReLU).into();
+                            let y = l.forward(x.clone().traced(Gradients::leaky()));
+                            let (y, t) = y.split_tape();
+                            let g = (y.clone().put_tape(t) * c.clone()).sum().backward();
+                            (y, g, l.weight.clone(), l.bias.clone())
+                        } else {
+                            let l: nn::Linear<I, O, E> = dl.clone().into();
+                            let y = l.forward(x.clone().traced(Gradients::leaky()));
+                            let (y, t) = y.split_tape();
+                            let g = (y.clone().put_tape(t) * c.clone()).sum().backward();
+                            (y, g, l.weight.clone(), l.bias.clone())
+                        };
+                        let tag = format!("{} {path:?} relu={relu}", stringify!($e));
+                        within(&format!("{tag} y"), &vals(&y), &r.y, f16_bound(path, I));
+                        within(
+                            &format!("{tag} dW"),
+                            &vals(&g.get(&w)),
+                            &r.dw,
+                            f16_bound(path, B),
+                        );
+                        within(
+                            &format!("{tag} db"),
+                            &vals(&g.get(&b)),
+                            &r.db,
+                            f16_bound(KernelPath::Portable, B),
+                        );
+                        within(
+                            &format!("{tag} dX"),
+                            &vals(&g.get(&x)),
+                            &r.dx,
+                            f16_bound(path, O),
+                        );
+                    })
+                    .unwrap();
+                }
+            }
+        }
+    };
+}
+
+half_matches_exact!(
+    f16_forward_and_gradients_are_within_the_f16_bound_of_exact_on_every_path,
+    f16
+);
+half_matches_exact!(
+    amp_f16_forward_and_gradients_are_within_the_f16_bound_of_exact_on_every_path,
+    AMP<f16>
+);
+
+/// A rank-3 input is the same rows as a rank-2 one.
+#[test]
+fn rank3_input_equals_rank2_rows() {
+    let dev = Cpu::seed_from_u64(7);
+    let l = dev.build_module::<nn::builder::LinearReLU<6, 5>, f32>();
+    let x: Tensor<Rank3<2, 3, 6>, f32, Cpu> = dev.sample_normal();
+    let y3 = l.forward(x.clone());
+    let y2 = l.forward(x.clone().reshape::<Rank2<6, 6>>());
+    assert_eq!(y3.as_vec(), y2.as_vec());
+    let y1 = l.forward(x.reshape::<Rank2<6, 6>>().select(dev.tensor(4)));
+    assert_eq!(y1.as_vec(), y2.as_vec()[20..25].to_vec());
+}
+
+/// Conversions move the parameters unchanged, both ways.
+#[test]
+fn conversions_keep_parameters() {
+    let dev = Cpu::seed_from_u64(8);
+    let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+    let (w0, b2) = (model.0.weight.as_vec(), model.2.bias.as_vec());
+    let (a, relu, b) = model.into_mpx();
+    assert_eq!(
+        (a.weight.as_vec(), b.bias.as_vec()),
+        (w0.clone(), b2.clone())
+    );
+    let fused = nn::LinearReLU::from((dfdx::nn::modules::Linear::from(a), relu));
+    let (back, _relu): (dfdx::nn::modules::Linear<4, 8, f32, Cpu>, ReLU) = fused.into();
+    assert_eq!(back.weight.as_vec(), w0);
+    let b_back: dfdx::nn::modules::Linear<8, 2, f32, Cpu> = b.into();
+    assert_eq!(b_back.bias.as_vec(), b2);
+}
+
+type MpxMlp = (
+    nn::builder::LinearReLU<16, 32>,
+    nn::builder::LinearReLU<32, 32>,
+    nn::builder::Linear<32, 4>,
+);
+
+/// Mean cross-entropy after `steps` Adam steps of the mixed step with working precision `H`.
+fn train<H: mpx::step::StepPrecision>(steps: usize) -> (f32, f32)
+where
+    Cpu: Device<H::Elem>,
+    mpx::step::WorkingCopy<H, <MpxMlp as BuildOnDevice<Cpu, f32>>::Built>:
+        dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
+            + Module<
+                Tensor<Rank2<64, 16>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+                Output = Tensor<Rank2<64, 4>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+            >,
+    Tensor<Rank2<64, 16>, f32, Cpu>:
+        mpx::cast::Cast<H, Output = Tensor<Rank2<64, 16>, H::Elem, Cpu>>,
+{
+    let dev = Cpu::seed_from_u64(11);
+    let mut master = dev.build_module::<MpxMlp, f32>();
+    let mut opt = Adam::new(
+        &master,
+        AdamConfig {
+            lr: 3e-3,
+            ..Default::default()
+        },
+    );
+    let mut ws = MixedWorkspace::<H, _>::new(&master).unwrap();
+    let mut scaling = DynamicLossScale::builder().initial(1024.0).build().unwrap();
+    // a fixed batch whose labels come from a fixed random linear map: learnable
+    let x: Tensor<Rank2<64, 16>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
+    let proj: Tensor<Rank2<16, 4>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
+    let y = (x.clone().matmul(proj) * 4.0).softmax::<Axis<1>>();
+    let xh = mpx::cast::cast_tree::<H, _>(&x);
+    let mut first = None;
+    let mut last = 0.0;
+    for _ in 0..steps {
+        let g = filter_value_and_grad(
+            &master,
+            &mut scaling,
+            &mut ws,
+            |m, t| m.forward(xh.clone().put_tape(t)),
+            |o| cross_entropy_with_logits_loss(o, y.clone()),
+        )
+        .unwrap();
+        first.get_or_insert(g.loss);
+        last = g.loss;
+        let finite = g.grads_finite;
+        optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+    }
+    (first.unwrap(), last)
+}
+
+#[test]
+fn mlp_of_fused_layers_trains_in_f16_to_the_f32_loss() {
+    let (start32, end32) = train::<f32>(60);
+    let (start16, end16) = train::<f16>(60);
+    assert!(end32 < 0.5 * start32, "f32 learns: {start32} -> {end32}");
+    assert!(end16 < 0.5 * start16, "f16 learns: {start16} -> {end16}");
+    assert!(
+        (end16 - end32).abs() <= 0.05 * end32 + 0.01,
+        "f16 {end16} vs f32 {end32}"
+    );
+}
+
+/// A batch of more rows than the layer's f32 scratch holds (computed in chunks) matches dfdx.
+#[test]
+fn long_batches_are_computed_in_chunks_and_match_dfdx() {
+    let dev = Cpu::seed_from_u64(9);
+    let dl = dev.build_module::<Linear<8, 6>, f32>();
+    let rows = 1100;
+    let x: Tensor<(usize, Const<8>), f32, Cpu> = dev.sample_normal_like(&(rows, Const));
+    let c: Tensor<(usize, Const<6>), f32, Cpu> = dev.sample_normal_like(&(rows, Const));
+    let want_y = dl.forward(x.clone());
+    let g_want = (dl.forward(x.clone().traced(Gradients::leaky())) * c.clone())
+        .sum()
+        .backward();
+    let l: nn::Linear<8, 6, f32> = dl.clone().into();
+    let y = l.forward(x.clone());
+    let g = (l.forward(x.clone().traced(Gradients::leaky())) * c.clone())
+        .sum()
+        .backward();
+    // S of y: |x|·|W|ᵀ + |b|; of dX: |c|·|W|
+    let s_y = x.clone().abs().matmul(dl.weight.clone().abs().permute())
+        + dl.bias.clone().abs().broadcast_like(&(rows, Const::<6>));
+    let s_dx = c.clone().abs().matmul(dl.weight.clone().abs());
+    let close = |what: &str, a: Vec<f32>, b: Vec<f32>, s: Vec<f32>, k: usize| {
+        for (j, ((a, b), s)) in a.iter().zip(&b).zip(&s).enumerate() {
+            let bound = 2.0 * f32_error_bound(k + 2) * (*s as f64) * 1.01;
+            assert!(
+                ((a - b) as f64).abs() <= bound,
+                "{what}[{j}]: {a} vs {b}, bound {bound}"
+            );
+        }
+    };
+    close("y", y.as_vec(), want_y.as_vec(), s_y.as_vec(), 8);
+    close(
+        "dX",
+        g.get(&x).as_vec(),
+        g_want.get(&x).as_vec(),
+        s_dx.as_vec(),
+        6,
+    );
+}
