@@ -75,7 +75,7 @@ impl Case {
             m,
             n,
             k,
-            bt: idx % 3 == 0,
+            bt: idx.is_multiple_of(3),
             at: idx % 3 == 2,
         }
     }

@@ -86,7 +86,7 @@ pub fn bias_act_into(
 ) -> Result<(), KernelError> {
     let cols = bias.len();
     expect_len("out", out.len(), acc.len())?;
-    if cols == 0 || acc.len() % cols != 0 {
+    if cols == 0 || !acc.len().is_multiple_of(cols) {
         return Err(KernelError::Length {
             what: "acc (whole rows of bias.len())",
             len: acc.len(),
@@ -214,7 +214,7 @@ impl ReluMask {
         let mut j = 0;
         while j < row.len() {
             let i = start + j;
-            if i % 64 == 0 && j + 64 <= row.len() {
+            if i.is_multiple_of(64) && j + 64 <= row.len() {
                 let word = self.bits[i / 64];
                 if word != u64::MAX {
                     for (b, v) in row[j..j + 64].iter_mut().enumerate() {
@@ -307,7 +307,7 @@ fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelErro
     if let Some(y) = y {
         expect_len("y", y, dy)?;
     }
-    if cols == 0 || dy % cols != 0 {
+    if cols == 0 || !dy.is_multiple_of(cols) {
         return Err(KernelError::Length {
             what: "dy (whole rows of bias_grad.len())",
             len: dy,

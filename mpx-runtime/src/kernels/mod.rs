@@ -57,8 +57,7 @@
 //! ```
 
 // The AVX-512 intrinsics are stable since Rust 1.89 and the AVX512-FP16 ones since 1.94: the
-// workspace's `rust-version` must be at least 1.94 for this module (set in the root Cargo.toml).
-#![allow(clippy::incompatible_msrv)]
+// workspace's `rust-version` is 1.94 for this module.
 
 mod avx2;
 mod avx512;
