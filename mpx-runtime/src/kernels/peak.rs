@@ -5,7 +5,7 @@ use super::{KernelError, KernelPath};
 /// Independent accumulator chains: enough to hide FMA latency on two FMA ports.
 const CHAINS: usize = 12;
 
-/// Runs `iters` rounds of [`CHAINS`] independent vector FMAs on `path` and returns the floating
+/// Runs `iters` rounds of `CHAINS` independent vector FMAs on `path` and returns the floating
 /// point operations performed (2 per lane per FMA). Time it to get the peak: FLOP / seconds.
 /// For [`KernelPath::Avx512Fp16`] the FMAs are f16 (`vfmadd231ph`), for the others f32.
 ///
