@@ -43,23 +43,23 @@ pub trait StepPrecision: Precision {
     /// Returns `true` when every value was finite. `src` and `dst` have the same length.
     fn transfer(src: &[Self::Elem], inv_scale: f32, dst: &mut [f32]) -> bool;
 
-    /// Checks finiteness and multiplies by `inv_scale` in place (the [`IDENTITY`] path).
+    /// Checks finiteness and multiplies by `inv_scale` in place (the [`IDENTITY`] path),
+    /// chunk by chunk through f32: widen, unscale and check, round back, and check again (a
+    /// value can overflow when it is rounded back). Returns `true` when every value was finite.
     ///
     /// [`IDENTITY`]: StepPrecision::IDENTITY
-    fn unscale_in_place(values: &mut [Self::Elem], inv_scale: f32) -> bool;
-}
-
-/// In-place unscale for f16 storage, chunk by chunk through an f32 buffer.
-fn unscale_f16_in_place(values: &mut [f16], inv_scale: f32) -> bool {
-    let mut buf = [0.0f32; 1024];
-    let mut finite = true;
-    for chunk in values.chunks_mut(buf.len()) {
-        let tmp = &mut buf[..chunk.len()];
-        <f16 as crate::precision::FloatElement>::to_f32_slice(chunk, tmp);
-        finite &= unscale_in_place_checked(tmp, inv_scale);
-        <f16 as crate::precision::FloatElement>::from_f32_slice(tmp, chunk);
+    fn unscale_in_place(values: &mut [Self::Elem], inv_scale: f32) -> bool {
+        let mut buf = [0.0f32; 1024];
+        let mut finite = true;
+        for chunk in values.chunks_mut(buf.len()) {
+            let tmp = &mut buf[..chunk.len()];
+            Self::widen(chunk, tmp);
+            finite &= unscale_in_place_checked(tmp, inv_scale);
+            Self::from_f32_slice(tmp, chunk);
+            finite &= crate::finite::all_finite_slice(chunk);
+        }
+        finite
     }
-    finite
 }
 
 fn checked<E: crate::precision::FloatElement>(src: &[E], inv_scale: f32, dst: &mut [f32]) -> bool {
@@ -86,9 +86,6 @@ impl StepPrecision for f32 {
 
 impl StepPrecision for f16 {
     const IDENTITY: bool = false;
-    fn unscale_in_place(values: &mut [f16], inv_scale: f32) -> bool {
-        unscale_f16_in_place(values, inv_scale)
-    }
     fn grad_slice(buf: &mut <Cpu as Storage<f16>>::Vec) -> &mut [f16] {
         buf
     }
@@ -102,9 +99,6 @@ impl StepPrecision for f16 {
 
 impl StepPrecision for AMP<f16> {
     const IDENTITY: bool = false;
-    fn unscale_in_place(values: &mut [AMP<f16>], inv_scale: f32) -> bool {
-        unscale_f16_in_place(crate::precision::amp_as_f16_mut(values), inv_scale)
-    }
     fn grad_slice(buf: &mut <Cpu as Storage<AMP<f16>>>::Vec) -> &mut [AMP<f16>] {
         buf
     }
@@ -118,11 +112,6 @@ impl StepPrecision for AMP<f16> {
 
 impl StepPrecision for bf16 {
     const IDENTITY: bool = false;
-    fn unscale_in_place(values: &mut [f32], inv_scale: f32) -> bool {
-        let copy = values.to_vec();
-        round_to_bf16(&copy, values);
-        unscale_in_place_checked(values, inv_scale)
-    }
     fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
         buf
     }
@@ -132,5 +121,32 @@ impl StepPrecision for bf16 {
     fn transfer(src: &[f32], inv_scale: f32, dst: &mut [f32]) -> bool {
         round_to_bf16(src, dst);
         unscale_in_place_checked(dst, inv_scale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_place_unscale_reports_a_value_that_overflows_when_rounded_back() {
+        // 60000 * 2 = 120000 is finite in f32 but not in f16 (max 65504).
+        let mut v = [f16::from_f32(60000.0), f16::from_f32(1.0)];
+        assert!(!<f16 as StepPrecision>::unscale_in_place(&mut v, 2.0));
+        let mut v = [f16::from_f32(1024.0), f16::from_f32(-3.0)];
+        assert!(<f16 as StepPrecision>::unscale_in_place(
+            &mut v,
+            1.0 / 1024.0
+        ));
+        assert_eq!(v, [f16::ONE, f16::from_f32(-3.0 / 1024.0)]);
+        let mut a = [AMP(f16::from_f32(60000.0))];
+        assert!(!<AMP<f16> as StepPrecision>::unscale_in_place(&mut a, 2.0));
+        // Emulated bf16 rounds to bf16 first (1 + 2^-9 -> 1), then unscales.
+        let mut b = [1.0 + 1.0 / 512.0, f32::NAN];
+        assert!(!<bf16 as StepPrecision>::unscale_in_place(&mut b, 0.5));
+        assert_eq!(b[0], 0.5);
+        let mut f = [3.0f32, 5.0];
+        assert!(<f32 as StepPrecision>::unscale_in_place(&mut f, 0.5));
+        assert_eq!(f, [1.5, 2.5]);
     }
 }
