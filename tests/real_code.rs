@@ -1,6 +1,7 @@
 //! Real dfdx training loops, converted to mixed precision with the attribute alone.
 //!
-//! `tests/real_code/<name>.rs` is a training loop from dfdx 0.13.0's own examples, kept as its
+//! `tests/real_code/<name>.rs` is a training loop from dfdx 0.13.0's own examples (`06-mnist`,
+//! `rl-dqn`, `rl-ppo`, `13-housing-nn-in-struct`, `generic-train-loop`), kept as its
 //! author wrote it, in f32 (synthetic data in place of downloads; a loop of `main` moved into a
 //! function where needed). `tests/real_code/<name>_mixed.rs` is the same file converted:
 //! `#[mpx::mixed_step(scaling = scaler)]` and a `scaler` parameter. The tests check
@@ -42,6 +43,9 @@ mod original {
     pub mod housing {
         include!("real_code/housing.rs");
     }
+    pub mod generic {
+        include!("real_code/generic.rs");
+    }
 }
 
 /// The converted loops, with an f16 working copy and a dynamic loss scale.
@@ -60,6 +64,9 @@ mod half {
     }
     pub mod housing {
         include!("real_code/housing_mixed.rs");
+    }
+    pub mod generic {
+        include!("real_code/generic_mixed.rs");
     }
 }
 
@@ -139,6 +146,10 @@ fn each_conversion_is_the_attribute_and_the_scaler_parameter() {
         (
             include_str!("real_code/housing.rs"),
             include_str!("real_code/housing_mixed.rs"),
+        ),
+        (
+            include_str!("real_code/generic.rs"),
+            include_str!("real_code/generic_mixed.rs"),
         ),
     ];
     for (original, mixed) in pairs {
@@ -454,4 +465,69 @@ fn housing_struct_method_converts_trains_and_is_exact_with_an_f32_working_copy()
     // The evaluation path (an untraced forward of the master) still runs in f32.
     let (x, _) = batches[0].clone();
     assert_eq!(p16.predict_batch(x.clone()).as_vec().len(), 32);
+}
+
+/// The data of `generic-train-loop.rs`'s `main`: 100 batches of 5 normal samples, label [0, 1].
+fn generic_data(
+    seed: u64,
+) -> Vec<(
+    Tensor<Rank2<5, 10>, f32, Cpu>,
+    Tensor<Rank2<5, 2>, f32, Cpu>,
+)> {
+    let dev = Cpu::default();
+    let mut rng = common::Lcg::new(seed);
+    (0..100)
+        .map(|_| {
+            let x: [[f32; 10]; 5] = std::array::from_fn(|_| rng.normals());
+            (dev.tensor(x), dev.tensor([[0.0, 1.0]; 5]))
+        })
+        .collect()
+}
+
+#[test]
+fn generic_loop_converts_and_trains_like_f32() {
+    type M = <Linear<10, 2> as BuildOnDevice<Cpu, f32>>::Built;
+    let dev = Cpu::seed_from_u64(12);
+    let init: M = dev.build_module::<Linear<10, 2>, f32>();
+    let data = generic_data(5);
+    let eval = |m: &M| -> f32 {
+        data.iter()
+            .map(|(x, y)| cross_entropy_with_logits_loss(m.forward(x.clone()), y.clone()).array())
+            .sum::<f32>()
+            / data.len() as f32
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (
+        Sgd::new(&a, Default::default()),
+        Sgd::new(&b, Default::default()),
+    );
+    original::generic::classification_train(
+        &mut a,
+        &mut oa,
+        cross_entropy_with_logits_loss,
+        data.clone().into_iter(),
+        1,
+    )
+    .unwrap();
+    let mut s16 = GradScaler::<f16>::default();
+    half::generic::classification_train(
+        &mut b,
+        &mut ob,
+        cross_entropy_with_logits_loss,
+        data.clone().into_iter(),
+        1,
+        &mut s16,
+    )
+    .unwrap();
+    let (l0, l32, l16) = (eval(&init), eval(&a), eval(&b));
+    println!("generic: loss before {l0}, after f32 {l32}, after f16 {l16}");
+    assert!(l32 < 0.5 * l0, "{l0} -> {l32}");
+    assert!(
+        (l16 - l32).abs() <= REL * l32 + ABS,
+        "f16 {l16} vs f32 {l32}"
+    );
+    assert_eq!(s16.applied_steps() + s16.skipped_steps(), 100);
+    // The step was specialised (E = f32, D = Cpu) and its model bounds extended by the macro;
+    // the model's weights moved in both runs.
+    assert_ne!(bits(&params(&b)), bits(&params(&init)));
 }

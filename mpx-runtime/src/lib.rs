@@ -27,3 +27,7 @@ pub mod precision;
 pub mod region;
 pub mod scaling;
 pub mod step;
+
+/// dfdx, for paths in code the macros generate. Not a public API.
+#[doc(hidden)]
+pub use dfdx as __dfdx;

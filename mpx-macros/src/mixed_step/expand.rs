@@ -22,6 +22,20 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         Some(Half::F32) => quote!(f32),
         None => quote!(_),
     };
+    // A step generic over its model runs on an f32 master on the CPU: specialise it (dtype ->
+    // f32, device -> Cpu) and add the working-copy bounds; the precision must then be concrete.
+    // A generic step needs the precision spelled out in its bounds: `half = ..`, else the first
+    // argument of a `GradScaler<..>` parameter type, else `f16` (`GradScaler`'s default).
+    let concrete = match (&plan.half, scaler_param_type(&f, &plan.scaling)) {
+        (Some(_), _) => half.clone(),
+        (None, Some(ty)) => scaler_half(&ty).unwrap_or_else(|| quote!(#root::precision::f16)),
+        (None, None) => quote!(#root::precision::f16),
+    };
+    let half = if super::generic::specialise(&mut f, &plan.master, &root, &concrete) {
+        concrete
+    } else {
+        half
+    };
     let mut rewriter = Rewriter {
         master_key: key(&plan.master),
         master: plan.master,
@@ -32,6 +46,40 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
     };
     rewriter.visit_block_mut(&mut f.block);
     quote!(#f)
+}
+
+/// The type a `&mut` scaler parameter points to (`scaler: &mut GradScaler<bf16>`), if the
+/// scaling place is such a parameter.
+fn scaler_param_type(f: &syn::ItemFn, scaling: &syn::Expr) -> Option<syn::Type> {
+    let syn::Expr::Path(p) = super::roles::place(scaling) else {
+        return None;
+    };
+    let name = p.path.get_ident()?;
+    f.sig.inputs.iter().find_map(|a| match a {
+        syn::FnArg::Typed(pt) if matches!(&*pt.pat, syn::Pat::Ident(pi) if pi.ident == *name) => {
+            match &*pt.ty {
+                syn::Type::Reference(r) => Some((*r.elem).clone()),
+                other => Some(other.clone()),
+            }
+        }
+        _ => None,
+    })
+}
+
+/// `H` of a `GradScaler<H, ..>` type, as written.
+fn scaler_half(ty: &syn::Type) -> Option<TokenStream> {
+    let syn::Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "GradScaler" {
+        return None;
+    }
+    match &last.arguments {
+        syn::PathArguments::AngleBracketed(a) => a.args.iter().find_map(|g| match g {
+            syn::GenericArgument::Type(t) => Some(quote!(#t)),
+            _ => None,
+        }),
+        _ => None,
+    }
 }
 
 struct Rewriter {

@@ -3,6 +3,7 @@
 
 mod ast;
 mod expand;
+mod generic;
 mod roles;
 mod valid;
 

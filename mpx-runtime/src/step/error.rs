@@ -65,3 +65,16 @@ pub enum StepError {
         scale: f32,
     },
 }
+
+/// dfdx reports a module's and a backward pass's errors as `CpuError`, so a step that returns
+/// dfdx's error type (`Result<_, D::Err>`) can still use `?` on a mixed backward pass: a device
+/// error passes through as itself; a workspace that does not match the model, or a cast that
+/// could not rebuild it, as `CpuError::WrongNumElements` (the tensors did not line up).
+impl From<StepError> for CpuError {
+    fn from(e: StepError) -> Self {
+        match e {
+            StepError::Device(e) => e,
+            _ => CpuError::WrongNumElements,
+        }
+    }
+}
