@@ -564,3 +564,67 @@ fn a_staged_forward_chains_its_gradients_through_f32_glue() {
     assert_ne!(b.0.weight.as_vec(), init.0.weight.as_vec());
     assert_eq!(params(&c), params(&a));
 }
+
+// ---- a model built from mpx's own layers ---------------------------------------------------
+
+type MpxMlp = (
+    mpx::nn::builder::LinearReLU<4, 16>,
+    mpx::nn::builder::Linear<16, 3>,
+);
+type MpxModel = <MpxMlp as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler)]
+fn mpx_layers_step(
+    model: &mut MpxModel,
+    opt: &mut Adam<MpxModel, f32, Cpu>,
+    x: &X,
+    y: &Y,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let loss = cross_entropy_with_logits_loss(out, y.clone());
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+fn mpx_layers_f32(model: &mut MpxModel, opt: &mut Adam<MpxModel, f32, Cpu>, x: &X, y: &Y) -> f32 {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let loss = cross_entropy_with_logits_loss(out, y.clone());
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[test]
+fn a_model_of_mpx_layers_trains_through_the_attribute() {
+    let dev = Cpu::seed_from_u64(11);
+    let init = dev.build_module::<MpxMlp, f32>();
+    let cfg = AdamConfig {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (Adam::new(&a, cfg), Adam::new(&b, cfg));
+    let (x, y) = batch(&dev, 5);
+    let mut scaler = GradScaler::default();
+    let (mut l32, mut l16) = (Vec::new(), Vec::new());
+    for _ in 0..30 {
+        l32.push(mpx_layers_f32(&mut a, &mut oa, &x, &y));
+        l16.push(mpx_layers_step(&mut b, &mut ob, &x, &y, &mut scaler));
+    }
+    let (a_last, b_last) = (l32[29], l16[29]);
+    assert!(
+        a_last < 0.9 * l32[0] && b_last < 0.9 * l16[0],
+        "{l32:?} {l16:?}"
+    );
+    assert!(
+        (a_last - b_last).abs() <= 0.02 * a_last + 1e-3,
+        "f32 {a_last} vs f16 {b_last}"
+    );
+    assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 30);
+}
