@@ -26,7 +26,7 @@ use proc_macro2::TokenStream;
 use crate::ctxt::Ctxt;
 
 /// Entry point of `#[derive(Cast)]`: the generated impls, or the collected errors.
-pub fn expand(input: TokenStream) -> TokenStream {
+pub(crate) fn expand(input: TokenStream) -> TokenStream {
     let input: syn::DeriveInput = match syn::parse2(input) {
         Ok(input) => input,
         Err(err) => return err.to_compile_error(),

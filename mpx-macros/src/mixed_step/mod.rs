@@ -13,7 +13,7 @@ use crate::ctxt::{Ctxt, with_errors};
 use crate::full_precision::item_head;
 
 /// Entry point: the rewritten step, or the errors followed by the user's item unchanged.
-pub fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
+pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut cx = Ctxt::default();
     let parsed_args = ast::parse_args(args, &mut cx);
     let f = match syn::parse2::<syn::Item>(item.clone()) {
