@@ -325,8 +325,13 @@ where
                 if scale == 1.0 {
                     H::from_f32_slice(g, &mut seed);
                 } else {
-                    let scaled: Vec<f32> = g.iter().map(|v| v * scale).collect();
-                    H::from_f32_slice(&scaled, &mut seed);
+                    // Scaled through a stack buffer, chunk by chunk: no second output-sized vector.
+                    let mut buf = [0.0f32; 1024];
+                    for (src, dst) in g.chunks(buf.len()).zip(seed.chunks_mut(buf.len())) {
+                        let b = &mut buf[..src.len()];
+                        b.iter_mut().zip(src).for_each(|(b, v)| *b = v * scale);
+                        H::from_f32_slice(b, dst);
+                    }
                 }
                 Ok(seed)
             }),

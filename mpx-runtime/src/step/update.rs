@@ -158,12 +158,12 @@ where
 }
 
 /// Copies changed non-parameter tensors (f32 values of the working copy after the forward pass)
-/// into the master.
-struct WriteState<'a> {
-    after: &'a [Vec<f32>],
-    changed: &'a [bool],
-    index: usize,
-    mismatch: Option<StepError>,
+/// into the master; `changed[j]` says whether tensor `j` is written.
+pub(super) struct WriteState<'a> {
+    pub(super) after: &'a [Vec<f32>],
+    pub(super) changed: &'a [bool],
+    pub(super) index: usize,
+    pub(super) mismatch: Option<StepError>,
 }
 
 impl TensorVisitor<f32, Cpu> for WriteState<'_> {

@@ -6,7 +6,7 @@ use std::sync::{Arc, PoisonError};
 
 use dfdx::nn::ZeroGrads;
 use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
 };
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
@@ -15,24 +15,13 @@ use dfdx::tensor_ops::Device;
 use super::StepPrecision;
 use super::error::StepError;
 use super::half_region::Stash;
-use super::workspace::{WorkingCopy, count_mismatch, len_mismatch, share};
+use super::update::WriteState;
+use super::workspace::{
+    MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share,
+};
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
 use crate::finite::all_finite_f32;
-
-/// A master gradient entry: hands out the master tensor's gradient buffer (it holds a data-free
-/// ghost of the tensor, keyed by the tensor's id; dfdx does not let the ghost's type be named).
-pub(crate) type MasterGhost = Box<
-    dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError> + Send + Sync,
->;
-
-/// Constrains a closure to the higher-ranked signature of [`MasterGhost`].
-fn entry<F>(f: F) -> F
-where
-    F: for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>,
-{
-    f
-}
 
 /// What the scaler does with its workspace without knowing the model's type.
 pub(crate) trait ErasedWorking: Any + Send + Sync {
@@ -66,10 +55,12 @@ where
     /// The reciprocal of the scale the last forward pass seeded its backward with (as the loss
     /// scale computes it).
     pub(crate) inv: f32,
-    master: Vec<MasterGhost>,
+    master: Vec<MasterSlot>,
     scratch: CastScratch,
     /// Non-parameter tensors (batch-norm statistics) of the working copy, widened.
     state: Vec<Vec<f32>>,
+    /// All `true`: every non-parameter tensor is written back on an applied step.
+    state_written: Vec<bool>,
 }
 
 impl<H: StepPrecision, M: MasterModel + Send + Sync + 'static> Working<H, M>
@@ -79,23 +70,17 @@ where
 {
     /// Records the master's layout; the working copy is cast on the first forward.
     pub(crate) fn new(master: &M) -> Result<Self, StepError> {
-        let mut layout = Layout {
-            master: Vec::new(),
-            state_lens: Vec::new(),
-        };
-        M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut layout,
-        })?;
+        let layout = master_layout(master)?;
         Ok(Self {
             half: None,
             fresh: false,
             pool: Vec::new(),
             stash: Arc::default(),
             inv: 1.0,
-            master: layout.master,
+            master: layout.slots,
             scratch: CastScratch::default(),
             state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
+            state_written: vec![true; layout.state_lens.len()],
         })
     }
 
@@ -154,7 +139,8 @@ where
                 return Err(e);
             }
             let mut write = WriteState {
-                values: &self.state,
+                after: &self.state,
+                changed: &self.state_written,
                 index: 0,
                 mismatch: None,
             };
@@ -218,7 +204,7 @@ where
             _ => {
                 // No half contribution: the gradients are plain f32 ones; still check them.
                 for ghost in &self.master {
-                    finite &= all_finite_f32(ghost(grads)?);
+                    finite &= all_finite_f32((ghost.get)(grads)?);
                 }
             }
         }
@@ -262,7 +248,7 @@ where
 {
     half_grads: &'a mut [Gradients<H::Elem, Cpu>],
     master_grads: &'a mut Gradients<f32, Cpu>,
-    master: &'a [MasterGhost],
+    master: &'a [MasterSlot],
     inv_scale: f32,
     finite: bool,
     index: usize,
@@ -293,7 +279,7 @@ where
             return Ok(None);
         };
         let n = t.shape().num_elements();
-        let dst = ghost(self.master_grads)?;
+        let dst = (ghost.get)(self.master_grads)?;
         if dst.len() != n {
             self.mismatch = Some(len_mismatch(i, dst.len(), n));
             return Ok(None);
@@ -308,37 +294,6 @@ where
             finite = add_unscaled::<H>(src, self.inv_scale, dst);
         }
         self.finite &= finite;
-        Ok(None)
-    }
-}
-
-/// Records a ghost of each trainable master tensor and the sizes of the others.
-struct Layout {
-    master: Vec<MasterGhost>,
-    state_lens: Vec<usize>,
-}
-
-impl TensorVisitor<f32, Cpu> for Layout {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let n = t.shape().num_elements();
-        if opts.do_gradient_update {
-            let ghost = t.ghost();
-            self.master
-                .push(Box::new(entry(move |g: &mut Gradients<f32, Cpu>| {
-                    Ok(&mut g.get_or_alloc_mut(&ghost)?[..])
-                })));
-        } else {
-            self.state_lens.push(n);
-        }
         Ok(None)
     }
 }
@@ -375,39 +330,6 @@ where
             Some(dst) if dst.len() == n => H::widen(&t.as_vec(), dst),
             Some(dst) => self.mismatch = Some(len_mismatch(j, dst.len(), n)),
             None => self.mismatch = Some(count_mismatch(self.out.len(), j + 1)),
-        }
-        Ok(None)
-    }
-}
-
-/// Writes f32 values into the master's non-parameter tensors.
-struct WriteState<'a> {
-    values: &'a [Vec<f32>],
-    index: usize,
-    mismatch: Option<StepError>,
-}
-
-impl TensorVisitor<f32, Cpu> for WriteState<'_> {
-    type Viewer = ViewTensorMut;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &mut Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        if opts.do_gradient_update || self.mismatch.is_some() {
-            return Ok(None);
-        }
-        let j = self.index;
-        self.index += 1;
-        let n = t.shape().num_elements();
-        match self.values.get(j) {
-            Some(v) if v.len() == n => t.copy_from(v),
-            Some(v) => self.mismatch = Some(len_mismatch(j, v.len(), n)),
-            None => self.mismatch = Some(count_mismatch(self.values.len(), j + 1)),
         }
         Ok(None)
     }

@@ -45,9 +45,11 @@ impl StepTimings {
 }
 
 /// Hands out one master gradient buffer; built once per trainable master tensor (it holds a
-/// data-free "ghost" of the tensor, keyed by the tensor's id).
-pub(super) type GradSlot =
-    Box<dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>>;
+/// data-free "ghost" of the tensor, keyed by the tensor's id; dfdx does not let the ghost's type
+/// be named). `Send + Sync`, so the state that holds it can be.
+pub(super) type GradSlot = Box<
+    dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError> + Send + Sync,
+>;
 
 /// A gradient buffer of the f32 master, with its element count.
 pub(super) struct MasterSlot {
@@ -142,14 +144,7 @@ where
             None => share::<H, M>(master)?.try_alloc_grads()?,
         };
         let master_grads = master.try_alloc_grads()?;
-        let mut layout = Layout {
-            slots: Vec::new(),
-            state_lens: Vec::new(),
-        };
-        M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut layout,
-        })?;
+        let layout = master_layout(master)?;
         let zero = H::Elem::default();
         let anchor = dev.try_zeros()?;
         let mut ws = Self {
@@ -311,10 +306,24 @@ where
     }
 }
 
-/// Records the master's layout and a gradient slot per trainable tensor.
-struct Layout {
-    slots: Vec<MasterSlot>,
-    state_lens: Vec<usize>,
+/// The master's layout: a gradient slot per trainable tensor, in visit order, and the element
+/// count of each non-parameter tensor (batch-norm statistics).
+pub(super) struct Layout {
+    pub(super) slots: Vec<MasterSlot>,
+    pub(super) state_lens: Vec<usize>,
+}
+
+/// Walks `master` once and records its [`Layout`].
+pub(super) fn master_layout<M: MasterModel>(master: &M) -> Result<Layout, CpuError> {
+    let mut layout = Layout {
+        slots: Vec::new(),
+        state_lens: Vec::new(),
+    };
+    M::iter_tensors(&mut RecursiveWalker {
+        m: master,
+        f: &mut layout,
+    })?;
+    Ok(layout)
 }
 
 impl TensorVisitor<f32, Cpu> for Layout {
