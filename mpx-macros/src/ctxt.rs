@@ -43,6 +43,64 @@ pub(crate) fn with_errors(item: TokenStream, err: syn::Error) -> TokenStream {
     out
 }
 
+/// Parses `key = value` attribute arguments with `syn::meta::parser`: `on_key` handles the keys
+/// it knows and returns `Ok(false)` for any other, which is recorded as "unknown argument,
+/// expected one of `valid`" with its value skipped; parsing goes on after every mistake, so all of
+/// them are reported at once.
+pub(crate) fn parse_keyed(
+    args: TokenStream,
+    cx: &mut Ctxt,
+    valid: &str,
+    mut on_key: impl FnMut(&str, &syn::meta::ParseNestedMeta<'_>, &mut Ctxt) -> syn::Result<bool>,
+) {
+    use syn::parse::Parser;
+    let parser = syn::meta::parser(|meta| {
+        let path = &meta.path;
+        let key = path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
+        if !on_key(&key, &meta, cx)? {
+            cx.error_spanned(
+                &meta.path,
+                format!("unknown argument `{key}`; expected one of {valid}"),
+            );
+            crate::full_precision::ast::skip_value(meta.input)?;
+        }
+        Ok(())
+    });
+    if let Err(err) = parser.parse2(args) {
+        cx.push(err);
+    }
+}
+
+/// The annotated item as a function, or an error (`what` says what the attribute applies to)
+/// recorded at the item's head.
+pub(crate) fn item_fn(
+    item: &TokenStream,
+    cx: &mut Ctxt,
+    attr: &str,
+    what: &str,
+) -> Option<syn::ItemFn> {
+    match syn::parse2::<syn::Item>(item.clone()) {
+        Ok(syn::Item::Fn(f)) => Some(f),
+        Ok(other) => {
+            cx.error_spanned(
+                crate::full_precision::item_head(&other),
+                format!("`#[{attr}]` applies to {what}"),
+            );
+            None
+        }
+        Err(err) => {
+            cx.push(syn::Error::new(
+                err.span(),
+                format!("`#[{attr}]` applies to {what} ({err})"),
+            ));
+            None
+        }
+    }
+}
+
 /// The path generated code names the runtime by: `::mpx::__private::mpx_runtime`, or
 /// `<crate>::__private::mpx_runtime` when `crate = "path"` overrides the facade's path.
 pub(crate) fn runtime_path(krate: Option<&syn::Path>) -> TokenStream {

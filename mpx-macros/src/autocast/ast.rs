@@ -1,10 +1,9 @@
 //! Parsing: the attribute's arguments.
 
 use proc_macro2::TokenStream;
-use syn::parse::Parser;
 
-use crate::ctxt::Ctxt;
-use crate::full_precision::ast::{set_once, skip_value};
+use crate::ctxt::{Ctxt, parse_keyed};
+use crate::full_precision::ast::set_once;
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `skip`, `crate`";
@@ -24,40 +23,28 @@ pub(crate) struct Args {
 /// so every mistake is reported at once.
 pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     let mut out = Args::default();
-    let parser = syn::meta::parser(|meta| {
-        let path = &meta.path;
-        let key = path
-            .get_ident()
-            .map(ToString::to_string)
-            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
-        match key.as_str() {
+    parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| {
+        Ok(match key {
             "half" => {
                 let v: syn::Type = meta.value()?.parse()?;
                 set_once(cx, &meta.path, &mut out.half, v, "half");
+                true
             }
             "skip" => {
                 let v: syn::Expr = meta.value()?.parse()?;
                 let names = op_names(&v)?;
                 set_once(cx, &meta.path, &mut out.skip, names, "skip");
+                true
             }
             "crate" => {
                 let lit: syn::LitStr = meta.value()?.parse()?;
                 let v: syn::Path = lit.parse()?;
                 set_once(cx, &meta.path, &mut out.krate, v, "crate");
+                true
             }
-            _ => {
-                cx.error_spanned(
-                    &meta.path,
-                    format!("unknown argument `{key}`; expected one of {VALID_ARGS}"),
-                );
-                skip_value(meta.input)?;
-            }
-        }
-        Ok(())
+            _ => false,
+        })
     });
-    if let Err(err) = parser.parse2(args) {
-        cx.push(err);
-    }
     out
 }
 

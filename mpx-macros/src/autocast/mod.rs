@@ -27,30 +27,18 @@ mod valid;
 use proc_macro2::TokenStream;
 use syn::visit_mut::VisitMut;
 
-use crate::ctxt::{Ctxt, runtime_path, with_errors};
-use crate::full_precision::item_head;
+use crate::ctxt::{Ctxt, item_fn, runtime_path, with_errors};
 
 /// Entry point: the rewritten function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut cx = Ctxt::default();
     let parsed_args = ast::parse_args(args, &mut cx);
-    let f = match syn::parse2::<syn::Item>(item.clone()) {
-        Ok(syn::Item::Fn(f)) => Some(f),
-        Ok(other) => {
-            cx.error_spanned(
-                item_head(&other),
-                "`#[autocast]` applies to a function or a method with a body (a forward function, or `try_forward` inside `impl Module<..> for ..`)",
-            );
-            None
-        }
-        Err(err) => {
-            cx.push(syn::Error::new(
-                err.span(),
-                format!("`#[autocast]` applies to a function or a method with a body ({err})"),
-            ));
-            None
-        }
-    };
+    let f = item_fn(
+        &item,
+        &mut cx,
+        "autocast",
+        "a function or a method with a body (a forward function, or `try_forward` inside `impl Module<..> for ..`)",
+    );
     let rewritten = f.map(|mut f| {
         let plan = valid::check(&parsed_args, &f, &mut cx);
         let root = runtime_path(parsed_args.krate.as_ref());

@@ -15,31 +15,18 @@ pub(crate) mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, with_errors};
+use crate::ctxt::{Ctxt, item_fn, with_errors};
 
 /// Entry point: the expanded function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut cx = Ctxt::default();
     let parsed_args = ast::parse_args(args, &mut cx);
-    let f = match syn::parse2::<syn::Item>(item.clone()) {
-        Ok(syn::Item::Fn(f)) => Some(f),
-        Ok(other) => {
-            cx.error_spanned(
-                item_head(&other),
-                "`#[full_precision]` applies to a function or a method with a body",
-            );
-            None
-        }
-        Err(err) => {
-            cx.push(syn::Error::new(
-                err.span(),
-                format!(
-                    "`#[full_precision]` applies to a function or a method with a body ({err})"
-                ),
-            ));
-            None
-        }
-    };
+    let f = item_fn(
+        &item,
+        &mut cx,
+        "full_precision",
+        "a function or a method with a body",
+    );
     let plan = f
         .as_ref()
         .and_then(|f| valid::check(&parsed_args, f, &mut cx));

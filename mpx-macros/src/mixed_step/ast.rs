@@ -1,10 +1,9 @@
 //! Parsing: the attribute's arguments. (The body's shape is read in [`super::valid`].)
 
 use proc_macro2::TokenStream;
-use syn::parse::Parser;
 
-use crate::ctxt::Ctxt;
-use crate::full_precision::ast::{set_once, skip_value};
+use crate::ctxt::{Ctxt, parse_keyed};
+use crate::full_precision::ast::set_once;
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `crate`";
@@ -40,16 +39,12 @@ pub(crate) struct Args {
 /// Parses the arguments, recording every unknown, duplicate or invalid one in `cx`.
 pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     let mut out = Args::default();
-    let parser = syn::meta::parser(|meta| {
-        let path = &meta.path;
-        let key = path
-            .get_ident()
-            .map(ToString::to_string)
-            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
-        match key.as_str() {
+    parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| {
+        Ok(match key {
             "scaling" => {
                 let v: syn::Expr = meta.value()?.parse()?;
-                set_once(cx, path, &mut out.scaling, v, "scaling");
+                set_once(cx, &meta.path, &mut out.scaling, v, "scaling");
+                true
             }
             "half" => {
                 let ty: syn::Type = meta.value()?.parse()?;
@@ -66,7 +61,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                     _ => None,
                 };
                 match half {
-                    Some(h) => set_once(cx, path, &mut out.half, h, "half"),
+                    Some(h) => set_once(cx, &meta.path, &mut out.half, h, "half"),
                     None => {
                         let shown = quote::quote!(#ty).to_string().replace(' ', "");
                         cx.error_spanned(
@@ -75,24 +70,16 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                         );
                     }
                 }
+                true
             }
             "crate" => {
                 let lit: syn::LitStr = meta.value()?.parse()?;
                 let v: syn::Path = lit.parse()?;
-                set_once(cx, path, &mut out.krate, v, "crate");
+                set_once(cx, &meta.path, &mut out.krate, v, "crate");
+                true
             }
-            _ => {
-                cx.error_spanned(
-                    path,
-                    format!("unknown argument `{key}`; expected one of {VALID_ARGS}"),
-                );
-                skip_value(meta.input)?;
-            }
-        }
-        Ok(())
+            _ => false,
+        })
     });
-    if let Err(err) = parser.parse2(args) {
-        cx.push(err);
-    }
     out
 }

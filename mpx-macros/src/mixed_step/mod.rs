@@ -9,30 +9,18 @@ mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, with_errors};
-use crate::full_precision::item_head;
+use crate::ctxt::{Ctxt, item_fn, with_errors};
 
 /// Entry point: the rewritten step, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let mut cx = Ctxt::default();
     let parsed_args = ast::parse_args(args, &mut cx);
-    let f = match syn::parse2::<syn::Item>(item.clone()) {
-        Ok(syn::Item::Fn(f)) => Some(f),
-        Ok(other) => {
-            cx.error_spanned(
-                item_head(&other),
-                "`#[mixed_step]` applies to a function that trains: a traced forward pass of the model, a backward pass and an optimizer update (a loop of them is fine)",
-            );
-            None
-        }
-        Err(err) => {
-            cx.push(syn::Error::new(
-                err.span(),
-                format!("`#[mixed_step]` applies to a training-step function ({err})"),
-            ));
-            None
-        }
-    };
+    let f = item_fn(
+        &item,
+        &mut cx,
+        "mixed_step",
+        "a function that trains: a traced forward pass of the model, a backward pass and an optimizer update (a loop of them is fine)",
+    );
     let plan = f
         .as_ref()
         .and_then(|f| valid::check(&parsed_args, f, &mut cx));
