@@ -2,7 +2,7 @@
 //!
 //! The facade crate: depend on `mpx` alone. It re-exports the runtime ([`mpx_runtime`]) and the
 //! attribute macros ([`mpx_macros`]).
-#![warn(missing_docs, unreachable_pub)]
+#![warn(missing_docs, unreachable_pub, clippy::pedantic)]
 
 pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
 pub use mpx_runtime::*;

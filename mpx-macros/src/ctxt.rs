@@ -38,7 +38,7 @@ impl Ctxt {
 /// The user's item unchanged, preceded by the errors (tokio's `token_stream_with_error`): the
 /// item keeps compiling so the IDE and the rest of the crate still see it.
 pub(crate) fn with_errors(item: TokenStream, err: syn::Error) -> TokenStream {
-    let mut out = err.to_compile_error();
+    let mut out = err.into_compile_error();
     out.extend(item);
     out
 }
@@ -56,10 +56,7 @@ pub(crate) fn parse_keyed(
     use syn::parse::Parser;
     let parser = syn::meta::parser(|meta| {
         let path = &meta.path;
-        let key = path
-            .get_ident()
-            .map(ToString::to_string)
-            .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""));
+        let key = key_of(path);
         if !on_key(&key, &meta, cx)? {
             cx.error_spanned(
                 &meta.path,
@@ -101,13 +98,22 @@ pub(crate) fn item_fn(
     }
 }
 
+/// An argument key as written: the identifier, or the whole path without spaces (`a::b`) so the
+/// "unknown argument" message quotes what the user wrote.
+pub(crate) fn key_of(path: &syn::Path) -> String {
+    path.get_ident().map_or_else(
+        || quote::quote!(#path).to_string().replace(' ', ""),
+        ToString::to_string,
+    )
+}
+
 /// The path generated code names the runtime by: `::mpx::__private::mpx_runtime`, or
 /// `<crate>::__private::mpx_runtime` when `crate = "path"` overrides the facade's path.
 pub(crate) fn runtime_path(krate: Option<&syn::Path>) -> TokenStream {
-    match krate {
-        Some(path) => quote::quote!(#path::__private::mpx_runtime),
-        None => quote::quote!(::mpx::__private::mpx_runtime),
-    }
+    krate.map_or_else(
+        || quote::quote!(::mpx::__private::mpx_runtime),
+        |path| quote::quote!(#path::__private::mpx_runtime),
+    )
 }
 
 /// Test helpers: read the messages of the `compile_error!`s in an expansion.

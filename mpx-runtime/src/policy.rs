@@ -314,12 +314,12 @@ impl PolicySpec {
     /// # Errors
     /// [`PolicyError`] naming the offending key, dtype or part and the valid choices.
     pub fn parse(policy: &str) -> Result<Self, PolicyError> {
+        const NAMES: [&str; 3] = ["params", "compute", "output"];
         if !policy.contains('=') {
             let d = DType::parse_in(policy, policy)?;
             return Ok(Self::new(d, d, d));
         }
         let mut slots: [Option<DType>; 3] = [None; 3];
-        const NAMES: [&str; 3] = ["params", "compute", "output"];
         for part in policy.split(',') {
             let mut kv = part.split('=');
             let (Some(key), Some(value), None) = (kv.next(), kv.next(), kv.next()) else {
@@ -393,6 +393,7 @@ type Marker<P, C, O> = PhantomData<fn() -> (P, C, O)>;
 /// assert_eq!(Policy::mixed_bfloat16().to_string(), "p=full,c=bf16,o=full");
 /// let _: Policy<f32, bf16, f32> = Policy::mixed_bfloat16();
 /// ```
+#[derive(Clone, Copy)]
 pub struct Policy<P: Precision, C: Precision, O: Precision> {
     _p: Marker<P, C, O>,
 }
@@ -450,12 +451,6 @@ impl Policy<f32, bf16, f32> {
     }
 }
 
-impl<P: Precision, C: Precision, O: Precision> Clone for Policy<P, C, O> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<P: Precision, C: Precision, O: Precision> Copy for Policy<P, C, O> {}
 impl<P: Precision, C: Precision, O: Precision> Default for Policy<P, C, O> {
     fn default() -> Self {
         Self::new()

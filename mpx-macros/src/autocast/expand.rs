@@ -125,7 +125,7 @@ impl<'a> Rewriter<'a> {
                 }
                 let receiver = std::mem::replace(&mut *mc.receiver, placeholder());
                 *mc.receiver = self.absorb_receiver(receiver, region);
-                for arg in mc.args.iter_mut() {
+                for arg in &mut mc.args {
                     self.scalar_arg(arg, &mc.method);
                 }
                 syn::Expr::MethodCall(mc)

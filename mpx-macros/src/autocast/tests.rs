@@ -1,5 +1,10 @@
 //! Expansion tests of `#[autocast]`: what is wrapped, what is left, and every error.
 
+#![allow(
+    clippy::needless_pass_by_value,
+    reason = "the helpers take the token streams `quote!` builds, as the macros' entry points do"
+)]
+
 use proc_macro2::TokenStream;
 use quote::quote;
 
@@ -343,11 +348,10 @@ fn the_expanded_example_is_what_the_macro_generates() {
         let Some(args) = args else { continue };
         let out = super::expand(args, quote!(#f));
         assert!(messages(&out).is_empty(), "{out}");
-        let by_hand = expanded
-            .iter()
-            .find(|(n, _, _)| *n == name)
-            .map(|(_, _, f)| quote!(#f).to_string())
-            .unwrap_or_else(|| panic!("`{name}` is missing from autocast-expanded.rs"));
+        let by_hand = expanded.iter().find(|(n, _, _)| *n == name).map_or_else(
+            || panic!("`{name}` is missing from autocast-expanded.rs"),
+            |(_, _, f)| quote!(#f).to_string(),
+        );
         assert_eq!(squeeze(out.to_string()), squeeze(by_hand), "{name}");
         checked += 1;
     }

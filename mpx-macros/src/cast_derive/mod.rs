@@ -33,7 +33,7 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     };
     let mut cx = Ctxt::default();
     let parsed = parse::parse(&input, &mut cx);
-    let plan = validate::validate(parsed, &mut cx);
+    let plan = validate::validate(&parsed, &mut cx);
     match (cx.check(), plan) {
         (Ok(()), Some(plan)) => expand::expand(&plan),
         (Err(err), _) => err.to_compile_error(),

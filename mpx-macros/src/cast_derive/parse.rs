@@ -4,7 +4,7 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned;
 
-use crate::ctxt::Ctxt;
+use crate::ctxt::{Ctxt, key_of};
 
 /// Keys a container `#[cast(...)]` accepts.
 pub(super) const CONTAINER_KEYS: &str = "`dtype`, `crate`";
@@ -106,8 +106,8 @@ fn parse_fields<'a>(fields: &'a syn::Fields, cx: &mut Ctxt) -> Vec<Field<'a>> {
             let member = match &f.ident {
                 Some(id) => syn::Member::Named(id.clone()),
                 None => syn::Member::Unnamed(syn::Index {
-                    index: i as u32,
                     span: f.ty.span(),
+                    ..syn::Index::from(i)
                 }),
             };
             let mut skip = None;
@@ -136,12 +136,6 @@ fn parse_fields<'a>(fields: &'a syn::Fields, cx: &mut Ctxt) -> Vec<Field<'a>> {
             }
         })
         .collect()
-}
-
-fn key_of(path: &syn::Path) -> String {
-    path.get_ident()
-        .map(ToString::to_string)
-        .unwrap_or_else(|| quote::quote!(#path).to_string().replace(' ', ""))
 }
 
 /// Stores `value` in `slot`, or records "duplicate argument" when it is already set.

@@ -1,5 +1,10 @@
 //! Expansion tests with `proc_macro2`: what the derive generates, and every error it reports.
 
+#![allow(
+    clippy::needless_pass_by_value,
+    reason = "the helpers take the token streams `quote!` builds, as the macros' entry points do"
+)]
+
 use quote::quote;
 
 use super::expand;

@@ -27,7 +27,7 @@ pub(super) struct Plan {
 }
 
 /// Validates `input`; returns `None` when the item cannot be derived for at all.
-pub(super) fn validate(input: Input<'_>, cx: &mut Ctxt) -> Option<Plan> {
+pub(super) fn validate(input: &Input<'_>, cx: &mut Ctxt) -> Option<Plan> {
     match input.kind {
         Kind::Struct => {}
         Kind::Enum(span) => {
@@ -114,10 +114,7 @@ pub(super) fn validate(input: Input<'_>, cx: &mut Ctxt) -> Option<Plan> {
         });
     }
 
-    let rt = match &input.krate {
-        Some(path) => quote::quote!(#path::__private::mpx_runtime),
-        None => quote::quote!(::mpx::__private::mpx_runtime),
-    };
+    let rt = crate::ctxt::runtime_path(input.krate.as_ref());
     Some(Plan {
         ident: input.ident.clone(),
         generics: input.generics.clone(),

@@ -12,7 +12,7 @@ use super::valid::{Params, Plan, is_self};
 const PARAMS: &str = "__mpx_params";
 
 /// Rewrites `f` according to `plan`.
-pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
+pub(crate) fn expand(args: &Args, plan: &Plan, mut f: syn::ItemFn) -> TokenStream {
     let root = crate::ctxt::runtime_path(args.krate.as_ref());
     let half = &plan.half;
 

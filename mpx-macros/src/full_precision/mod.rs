@@ -31,7 +31,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         .as_ref()
         .and_then(|f| valid::check(&parsed_args, f, &mut cx));
     match (cx.check(), f, plan) {
-        (Ok(()), Some(f), Some(plan)) => expand::expand(&parsed_args, plan, f),
+        (Ok(()), Some(f), Some(plan)) => expand::expand(&parsed_args, &plan, f),
         (Err(err), _, _) => with_errors(item, err),
         // Unreachable in practice: a missing plan always comes with a recorded error.
         _ => with_errors(

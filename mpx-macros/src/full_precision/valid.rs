@@ -127,10 +127,10 @@ fn named_inputs(names: &[syn::Ident], sig: &syn::Signature, cx: &mut Ctxt) -> Ve
         });
         match hit {
             Some((_, pt)) if matches!(*pt.ty, syn::Type::Reference(_)) => {
-                cx.error_spanned(&pt.ty, BORROWED)
+                cx.error_spanned(&pt.ty, BORROWED);
             }
             Some((i, _)) if found.contains(&i) => {
-                cx.error_spanned(name, format!("`{name}` is listed twice in `inputs`"))
+                cx.error_spanned(name, format!("`{name}` is listed twice in `inputs`"));
             }
             Some((i, _)) => found.push(i),
             None => cx.error_spanned(

@@ -60,15 +60,14 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                     }
                     _ => None,
                 };
-                match half {
-                    Some(h) => set_once(cx, &meta.path, &mut out.half, h, "half"),
-                    None => {
-                        let shown = quote::quote!(#ty).to_string().replace(' ', "");
-                        cx.error_spanned(
-                            &ty,
-                            format!("`half = {shown}` is not a precision a mixed step runs in; expected one of {VALID_HALF}"),
-                        );
-                    }
+                if let Some(h) = half {
+                    set_once(cx, &meta.path, &mut out.half, h, "half");
+                } else {
+                    let shown = quote::quote!(#ty).to_string().replace(' ', "");
+                    cx.error_spanned(
+                        &ty,
+                        format!("`half = {shown}` is not a precision a mixed step runs in; expected one of {VALID_HALF}"),
+                    );
                 }
                 true
             }

@@ -198,7 +198,7 @@ pub(crate) fn specialise(
         syn::parse_quote!('static),
     ];
     let mut placed = false;
-    for p in f.sig.generics.params.iter_mut() {
+    for p in &mut f.sig.generics.params {
         if let syn::GenericParam::Type(t) = p
             && t.ident == m
             && !t.bounds.is_empty()

@@ -129,7 +129,7 @@ impl Kernel {
             // SAFETY: the CPU supports AVX2, checked just above.
             return unsafe { self.quantize_rows_avx2(layout, x, scales, elems) };
         }
-        self.quantize_rows_impl(layout, x, scales, elems)
+        self.quantize_rows_impl(layout, x, scales, elems);
     }
 
     /// [`quantize_rows`](Kernel::quantize_rows) compiled for AVX2 (8 lanes instead of SSE2's 4).
@@ -142,7 +142,7 @@ impl Kernel {
         scales: &mut [u8],
         elems: &mut [u8],
     ) {
-        self.quantize_rows_impl(layout, x, scales, elems)
+        self.quantize_rows_impl(layout, x, scales, elems);
     }
 
     #[inline(always)]
@@ -206,7 +206,7 @@ impl Kernel {
             // SAFETY: the CPU supports AVX2, checked just above.
             return unsafe { self.dequantize_rows_avx2(layout, scales, elems, out) };
         }
-        self.dequantize_rows_impl(layout, scales, elems, out)
+        self.dequantize_rows_impl(layout, scales, elems, out);
     }
 
     /// [`dequantize_rows`](Kernel::dequantize_rows) compiled for AVX2.
@@ -219,7 +219,7 @@ impl Kernel {
         elems: &[u8],
         out: &mut [f32],
     ) {
-        self.dequantize_rows_impl(layout, scales, elems, out)
+        self.dequantize_rows_impl(layout, scales, elems, out);
     }
 
     #[inline(always)]
@@ -295,14 +295,14 @@ impl Kernel {
             // SAFETY: the CPU supports AVX2, checked just above.
             return unsafe { self.quantize_dequantize_rows_avx2(layout, x, out) };
         }
-        self.quantize_dequantize_rows_impl(layout, x, out)
+        self.quantize_dequantize_rows_impl(layout, x, out);
     }
 
     /// [`quantize_dequantize_rows`](Kernel::quantize_dequantize_rows) compiled for AVX2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn quantize_dequantize_rows_avx2(&self, layout: Layout, x: &[f32], out: &mut [f32]) {
-        self.quantize_dequantize_rows_impl(layout, x, out)
+        self.quantize_dequantize_rows_impl(layout, x, out);
     }
 
     #[inline(always)]
@@ -343,7 +343,7 @@ pub(crate) fn row_ranges(layout: Layout, bits: u32, threads: usize) -> Vec<(usiz
     let align = (1..=8usize)
         .find(|r| ((r * layout.cols % 8) * bits as usize).is_multiple_of(8))
         .unwrap_or(8);
-    let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let machine = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let threads = threads.min(machine).min(rows).max(1);
     let per = rows.div_ceil(threads).div_ceil(align) * align;
     if per == 0 || threads == 1 {
@@ -492,7 +492,7 @@ mod tests {
 
     #[test]
     fn threads_are_capped_at_the_rows_and_the_machine() {
-        let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let machine = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
         // [200000, 1] with usize::MAX threads once spawned one thread per row.
         let l = Layout::new(&[200_000, 1], 32, None).unwrap();
         for threads in [usize::MAX, 1_000_000, machine + 1] {

@@ -18,7 +18,7 @@ use super::tensor::quantize_dequantize_into;
 /// ```
 /// use dfdx::prelude::*;
 /// use mpx_runtime::mx::{MxFakeQuant, MxFormat, MxSpec};
-/// let dev: Cpu = Default::default();
+/// let dev = Cpu::default();
 /// let x: Tensor<Rank2<1, 4>, f32, Cpu> = dev.tensor([[0.3, 1.0, -2.6, 6.0]]);
 /// let spec = MxSpec::new(MxFormat::Fp4E2M1);
 /// let y = x.leaky_trace().mx_fake_quant(&spec);
@@ -29,10 +29,16 @@ use super::tensor::quantize_dequantize_into;
 pub trait MxFakeQuant: Sized {
     /// Fallible form of [`mx_fake_quant`](MxFakeQuant::mx_fake_quant): errors only on a device
     /// (allocation) error, like dfdx's `try_*` operations.
+    ///
+    /// # Errors
+    /// dfdx's [`CpuError`] when the output cannot be allocated.
     fn try_mx_fake_quant(self, spec: &MxSpec) -> Result<Self, CpuError>;
 
-    /// Quantize-dequantize forward, straight-through backward. Panics on a device (allocation)
-    /// error, as dfdx's infallible operations do.
+    /// Quantize-dequantize forward, straight-through backward.
+    ///
+    /// # Panics
+    /// On a device (allocation) error, as dfdx's infallible operations do.
+    #[must_use]
     fn mx_fake_quant(self, spec: &MxSpec) -> Self {
         match self.try_mx_fake_quant(spec) {
             Ok(t) => t,
@@ -78,7 +84,7 @@ mod tests {
 
     #[test]
     fn forward_matches_quantize_dequantize_and_gradients_accumulate() {
-        let dev: Cpu = Default::default();
+        let dev = Cpu::default();
         let x: Tensor<Rank2<3, 5>, f32, Cpu> = dev.sample_normal();
         let spec = MxSpec::new(MxFormat::Fp4E2M1).with_block_size(2).unwrap();
         let want = quantize_dequantize(&x.as_vec(), &[3, 5], &spec).unwrap();
@@ -92,7 +98,7 @@ mod tests {
 
     #[test]
     fn permuted_inputs_quantize_in_logical_order() {
-        let dev: Cpu = Default::default();
+        let dev = Cpu::default();
         let x: Tensor<Rank2<2, 3>, f32, Cpu> = dev.tensor([[1.0, 100.0, 3.0], [0.1, 0.2, 0.3]]);
         let spec = MxSpec::new(MxFormat::Fp4E2M1).with_block_size(2).unwrap();
         let xt: Tensor<Rank2<3, 2>, f32, Cpu, _> = x.leaky_trace().permute();

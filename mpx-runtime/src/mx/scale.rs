@@ -79,7 +79,7 @@ impl E8M0 {
         std::array::from_fn(|c| E8M0(c as u8).to_f32())
     }
 
-    /// A plain conversion of an arbitrary f32 (ml_dtypes' `float8_e8m0fnu` cast, *not* the MX
+    /// A plain conversion of an arbitrary f32 (`ml_dtypes`' `float8_e8m0fnu` cast, *not* the MX
     /// scale rule): the nearest power of two in the linear domain with ties up
     /// (`1.5 * 2^k -> 2^(k+1)`); positive values below 2^-127 give 2^-127; zero, negative,
     /// NaN, ±Inf and values >= 1.5 * 2^127 give NaN.
@@ -118,7 +118,7 @@ impl ScaleCodec {
     /// cleared, NaN-propagating): `floor(log2(amax)) - emax`, exactly, clamped below at `-bias`;
     /// `None` (a NaN block) for NaN or Inf, or past `+bias`.
     #[inline(always)]
-    pub(crate) fn shared_exponent(&self, amax_bits: u32, emax: i32) -> Option<i32> {
+    pub(crate) fn shared_exponent(self, amax_bits: u32, emax: i32) -> Option<i32> {
         if amax_bits >= 0x7f80_0000 {
             return None;
         }
@@ -135,13 +135,13 @@ impl ScaleCodec {
 
     /// The code of a shared exponent.
     #[inline(always)]
-    pub(crate) fn code(&self, shared: i32) -> u8 {
+    pub(crate) fn code(self, shared: i32) -> u8 {
         (shared + self.bias) as u8
     }
 
     /// The f32 value of a scale code (NaN for the NaN code or past it).
     #[inline(always)]
-    pub(crate) fn value(&self, code: u8) -> f32 {
+    pub(crate) fn value(self, code: u8) -> f32 {
         if code >= self.nan_code {
             f32::NAN
         } else {

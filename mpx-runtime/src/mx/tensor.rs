@@ -42,7 +42,7 @@ pub struct MxTensor {
 /// Threads to use: `0` means all available.
 pub(crate) fn thread_count(threads: usize) -> usize {
     if threads == 0 {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
     } else {
         threads
     }

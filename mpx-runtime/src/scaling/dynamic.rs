@@ -197,7 +197,7 @@ impl LossScale for DynamicLossScale {
 
     /// jmp's update, bit for bit (see the type's docs), then the optional max clip.
     fn adjust(&mut self, step_finite: bool) {
-        DynamicLossScale::adjust(self, step_finite)
+        DynamicLossScale::adjust(self, step_finite);
     }
 }
 
@@ -235,18 +235,21 @@ impl Default for DynamicLossScaleBuilder {
 
 impl DynamicLossScaleBuilder {
     /// The starting scale (default 2^15). It may lie below the min scale, as in jmp.
+    #[must_use]
     pub fn initial(mut self, scale: f32) -> Self {
         self.initial = scale;
         self
     }
 
     /// Consecutive finite steps before the scale grows (default 2000; at least 1).
+    #[must_use]
     pub fn period(mut self, period: u32) -> Self {
         self.period = period;
         self
     }
 
     /// Growth and backoff factor (default 2; finite and greater than 1).
+    #[must_use]
     pub fn factor(mut self, factor: f32) -> Self {
         self.factor = factor;
         self
@@ -254,12 +257,14 @@ impl DynamicLossScaleBuilder {
 
     /// The floor a backoff stops at (default 1; finite and greater than 2^-128, so that
     /// its reciprocal is finite).
+    #[must_use]
     pub fn min_scale(mut self, min: f32) -> Self {
         self.min_scale = min;
         self
     }
 
     /// A ceiling applied on every adjust (default: none). `65504.0` gives mpx's clip.
+    #[must_use]
     pub fn max_scale(mut self, max: f32) -> Self {
         self.max_scale = Some(max);
         self
@@ -290,7 +295,7 @@ impl DynamicLossScaleBuilder {
 
 /// Serialized form of [`DynamicLossScale`]: every field, validated when read back. Unknown
 /// fields are errors, so a misspelt field (`"maxscale"`) cannot restore silently.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DynamicState {
     loss_scale: f32,
