@@ -5,12 +5,20 @@
 //! cargo run --release --example digits
 //! ```
 //!
-//! Both runs start from the same weights and see the same batches in the same order. The mixed run
-//! keeps an f32 master, runs forward and backward in f16 on a working copy, computes the loss in
-//! f32, and scales it with a dynamic loss scale that starts deliberately too high (2^20), so
-//! the first steps overflow f16, are skipped, and the scale backs off.
+//! The training step is ordinary dfdx code ([`step_f32`]). The mixed run is the same code with one
+//! attribute, `#[mpx::mixed_step(scaling = scaler)]`, and one more parameter, the
+//! [`GradScaler`] ([`step_mixed`]): it keeps the f32 master, runs forward and backward in f16,
+//! computes the loss in f32, scales it with a dynamic loss scale that starts deliberately too high
+//! (2^20) so that the first steps overflow f16, are skipped and the scale backs off, and skips the
+//! update whenever the gradients are not finite.
 //!
-//! The loss curves of both runs go to `target/plots/digits_loss.svg`.
+//! Three runs start from the same weights and see the same batches in the same order:
+//! - `f32`: dfdx's `Linear` + `ReLU` layers, the plain step;
+//! - `f32, mpx layers`: the same parameters in mpx's fused layers (`mpx::nn::LinearReLU`,
+//!   `mpx::nn::Linear`), the plain step (what the layers alone change);
+//! - `mixed f16`: mpx's fused layers, the mixed step.
+//!
+//! The loss curves go to `target/plots/digits_loss.svg`.
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
@@ -22,7 +30,7 @@ use digits::{CLASSES, Digits, FEATURES};
 use mpx::cast::{cast_module, cast_to_half_precision};
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
-use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad_with_aux, optimizer_update};
+use mpx::step::GradScaler;
 
 #[path = "common/heap.rs"]
 mod heap;
@@ -49,169 +57,244 @@ type Mlp = (
     Linear<HIDDEN, CLASSES>,
 );
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+/// The same MLP in mpx's fused layers: one op per `Linear` + `ReLU` pair.
+type FusedMlp = (
+    mpx::nn::builder::LinearReLU<FEATURES, HIDDEN>,
+    mpx::nn::builder::LinearReLU<HIDDEN, HIDDEN>,
+    mpx::nn::builder::Linear<HIDDEN, CLASSES>,
+);
+type FusedMaster = <FusedMlp as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;
+type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
+type Logits = [[f32; CLASSES]; BATCH];
 
-/// One epoch's batches (the same for both runs).
+/// The dfdx model's parameters in mpx's fused layers (the same values).
+fn fused(m: &Master) -> FusedMaster {
+    (
+        (m.0.clone(), ReLU).into(),
+        (m.2.clone(), ReLU).into(),
+        m.4.clone().into(),
+    )
+}
+
+/// One epoch's batches (the same for every run).
 fn epoch_batches(dev: &Cpu, d: &Digits, epoch: usize) -> Vec<train::Batch<BATCH>> {
     train::epoch_batches::<BATCH>(dev, d, epoch)
 }
 
 /// Test accuracy in percent. `logits_of` maps a batch of test images to logits.
-fn test_accuracy(d: &Digits, logits_of: impl Fn(X) -> [[f32; CLASSES]; BATCH]) -> f64 {
+fn test_accuracy(d: &Digits, logits_of: impl Fn(X) -> Logits) -> f64 {
     let dev = Cpu::default();
     train::test_accuracy(d, BATCH, |px| {
         logits_of(dev.tensor_from_vec(px, (Const, Const))).to_vec()
     })
 }
 
-// ---- f32 ---------------------------------------------------------------------------------------
+// ---- the training step -------------------------------------------------------------------------
 
-fn train_f32(dev: &Cpu, d: &Digits, init: &Master) -> RunResult {
-    let mut model = init.clone();
-    let mut opt = Adam::new(
-        &model,
+/// One training step, as dfdx code is written: forward on the traced batch, cross-entropy,
+/// backward, Adam, gradients zeroed for the next step. Returns the loss, the logits and the
+/// gradients to reuse.
+fn step_f32<M>(
+    model: &mut M,
+    opt: &mut Adam<M, f32, Cpu>,
+    grads: Gradients<f32, Cpu>,
+    x: &X,
+    y: &Y,
+) -> (f32, Logits, Gradients<f32, Cpu>)
+where
+    M: TensorCollection<f32, Cpu>
+        + Module<
+            Tensor<Rank2<BATCH, FEATURES>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        >,
+{
+    let out = model.forward(x.clone().traced(grads));
+    let logits = out.retaped::<NoneTape>().array();
+    let loss = cross_entropy_with_logits_loss(out, y.clone());
+    let loss_value = loss.array();
+    let mut grads = loss.backward();
+    opt.update(model, &grads).expect("all parameters used");
+    model.zero_grads(&mut grads);
+    (loss_value, logits, grads)
+}
+
+/// The same step in mixed f16: the body of [`step_f32`] unchanged, the attribute and the scaler
+/// added.
+#[mpx::mixed_step(scaling = scaler)]
+fn step_mixed(
+    model: &mut FusedMaster,
+    opt: &mut Adam<FusedMaster, f32, Cpu>,
+    grads: Gradients<f32, Cpu>,
+    x: &X,
+    y: &Y,
+    scaler: &mut GradScaler<f16>,
+) -> (f32, Logits, Gradients<f32, Cpu>) {
+    let out = model.forward(x.clone().traced(grads));
+    let logits = out.retaped::<NoneTape>().array();
+    let loss = cross_entropy_with_logits_loss(out, y.clone());
+    let loss_value = loss.array();
+    let mut grads = loss.backward();
+    opt.update(model, &grads).expect("all parameters used");
+    model.zero_grads(&mut grads);
+    (loss_value, logits, grads)
+}
+
+fn adam<M: TensorCollection<f32, Cpu>>(model: &M) -> Adam<M, f32, Cpu> {
+    Adam::new(
+        model,
         AdamConfig {
             lr: 1e-3,
             ..Default::default()
         },
-    );
-    let batches_per_epoch = d.train_len() / BATCH;
-    let pb = bar("f32", EPOCHS * batches_per_epoch);
+    )
+}
+
+/// What a run's step reports: its loss and logits, and whether the update was applied.
+struct Stepped {
+    loss: f32,
+    logits: Logits,
+    applied: bool,
+}
+
+/// Trains `EPOCHS` epochs with `step`, timing every step, and reports the run. `describe` adds
+/// to each epoch's line (the loss scale of a mixed run).
+fn train_run(
+    name: &str,
+    dev: &Cpu,
+    d: &Digits,
+    mut step: impl FnMut(&X, &Y) -> Stepped,
+    describe: &mut dyn FnMut() -> String,
+) -> (Vec<f32>, Duration, usize) {
+    let pb = bar(name, EPOCHS * (d.train_len() / BATCH));
     let baseline = heap::reset_peak();
-    let mut grads = model.alloc_grads();
     let mut busy = Duration::ZERO;
     let mut steps = 0u32;
     let mut epoch_loss = Vec::with_capacity(EPOCHS);
     for epoch in 0..EPOCHS {
-        let (mut loss_sum, mut hits) = (0.0f32, 0usize);
-        let batches = epoch_batches(dev, d, epoch);
-        for (x, y, labels) in &batches {
+        let (mut loss_sum, mut hits, mut applied, mut skipped) = (0.0f32, 0usize, 0usize, 0usize);
+        for (x, y, labels) in &epoch_batches(dev, d, epoch) {
             let t = Instant::now();
-            let out = model.forward(x.clone().traced(grads));
-            let logits = out.retaped::<NoneTape>().array();
-            let loss = cross_entropy_with_logits_loss(out, y.clone());
-            loss_sum += loss.array();
-            grads = loss.backward();
-            opt.update(&mut model, &grads).expect("all parameters used");
-            model.zero_grads(&mut grads);
+            let s = step(x, y);
             busy += t.elapsed();
             steps += 1;
-            hits += correct(&logits, labels);
+            if s.applied {
+                loss_sum += s.loss;
+                applied += 1;
+                hits += correct(&s.logits, labels);
+            } else {
+                skipped += 1;
+            }
             pb.inc(1);
         }
-        let n = batches.len();
-        epoch_loss.push(loss_sum / n as f32);
+        let loss = loss_sum / applied.max(1) as f32;
+        epoch_loss.push(if applied > 0 { loss } else { f32::NAN });
+        let acc = 100.0 * hits as f64 / (applied.max(1) * BATCH) as f64;
+        let skips = if skipped > 0 {
+            format!("  skipped {skipped}")
+        } else {
+            String::new()
+        };
         say(
             &pb,
             format!(
-                "f32   epoch {:>2}: loss {:.4}  train acc {:5.1}%",
+                "{name:<16} epoch {:>2}: loss {loss:.4}  train acc {acc:5.1}%{}{skips}",
                 epoch + 1,
-                loss_sum / n as f32,
-                100.0 * hits as f64 / (n * BATCH) as f64
+                describe()
             ),
         );
     }
-    let peak_bytes = heap::peak() - baseline;
+    let peak = heap::peak() - baseline;
     pb.finish_and_clear();
+    (epoch_loss, busy / steps, peak)
+}
+
+// ---- the runs ----------------------------------------------------------------------------------
+
+/// The plain f32 step on `init` (dfdx's layers or mpx's fused layers).
+fn train_f32<M>(name: &str, dev: &Cpu, d: &Digits, init: &M) -> RunResult
+where
+    M: Clone
+        + TensorCollection<f32, Cpu>
+        + Module<
+            Tensor<Rank2<BATCH, FEATURES>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        > + Module<X, Output = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>>,
+{
+    let mut model = init.clone();
+    let mut opt = adam(&model);
+    let mut grads = Some(model.alloc_grads());
+    let (epoch_loss, step_time, peak_bytes) = train_run(
+        name,
+        dev,
+        d,
+        |x, y| {
+            let g = grads
+                .take()
+                .expect("gradients are handed back by every step");
+            let (loss, logits, g) = step_f32(&mut model, &mut opt, g, x, y);
+            grads = Some(g);
+            Stepped {
+                loss,
+                logits,
+                applied: true,
+            }
+        },
+        &mut String::new,
+    );
     let test_acc = test_accuracy(d, |x| model.forward(x).array());
     RunResult {
         test_acc,
-        step_time: busy / steps,
+        step_time,
         peak_bytes,
         skipped: 0,
         epoch_loss,
     }
 }
 
-// ---- mixed f16 ---------------------------------------------------------------------------------
-
+/// The mixed f16 step on mpx's fused layers.
 fn train_mixed(
     dev: &Cpu,
     d: &Digits,
-    init: &Master,
+    init: &FusedMaster,
 ) -> Result<RunResult, Box<dyn std::error::Error>> {
-    let mut master = init.clone();
-    let mut opt = Adam::new(
-        &master,
-        AdamConfig {
-            lr: 1e-3,
-            ..Default::default()
-        },
-    );
-    let mut scaling = DynamicLossScale::builder()
+    let mut model = init.clone();
+    let mut opt = adam(&model);
+    let mut grads = Some(model.alloc_grads());
+    let scaling = DynamicLossScale::builder()
         .initial(2f32.powi(20))
         .period(400)
         .build()?;
-    let batches_per_epoch = d.train_len() / BATCH;
-    let pb = bar("mixed f16", EPOCHS * batches_per_epoch);
-    let baseline = heap::reset_peak();
-    let mut ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(50);
-    let mut busy = Duration::ZERO;
-    let mut steps = 0u32;
-    let mut epoch_loss = Vec::with_capacity(EPOCHS);
-    for epoch in 0..EPOCHS {
-        let (mut loss_sum, mut hits, mut finite_steps) = (0.0f32, 0usize, 0usize);
-        let (mut grew, mut backed_off, mut skipped) = (0, 0, 0);
-        let scale_at_start = scaling.loss_scale();
-        let batches = epoch_batches(dev, d, epoch);
-        for (x, y, labels) in &batches {
-            let t = Instant::now();
-            let xh = cast_to_half_precision::<f16, _>(x);
-            let (g, logits) = filter_value_and_grad_with_aux(
-                &master,
-                &mut scaling,
-                &mut ws,
-                |m, tape| m.forward(xh.put_tape(tape)),
-                |out| {
-                    let logits = out.retaped::<NoneTape>().array();
-                    (cross_entropy_with_logits_loss(out, y.clone()), logits)
-                },
-            )?;
-            let (loss, applied, new, finite) =
-                (g.loss, g.applied_scale, g.new_scale, g.grads_finite);
-            let outcome = optimizer_update(&mut master, &mut opt, &g, finite)?;
-            busy += t.elapsed();
-            steps += 1;
-            match outcome {
-                UpdateOutcome::Applied => {
-                    loss_sum += loss;
-                    finite_steps += 1;
-                    hits += correct(&logits, labels);
-                }
-                UpdateOutcome::Skipped { .. } => skipped += 1,
+    let mut scaler = GradScaler::<f16>::new(scaling).with_max_consecutive_skips(50);
+    let mut scale_at_epoch_start = scaler.loss_scale();
+    let scale_line = std::cell::Cell::new(0.0f32);
+    let (epoch_loss, step_time, peak_bytes) = train_run(
+        "mixed f16",
+        dev,
+        d,
+        |x, y| {
+            let g = grads
+                .take()
+                .expect("gradients are handed back by every step");
+            let (loss, logits, g) = step_mixed(&mut model, &mut opt, g, x, y, &mut scaler);
+            grads = Some(g);
+            scale_line.set(scaler.loss_scale());
+            let applied = scaler.last_step().is_some_and(|r| r.is_applied());
+            Stepped {
+                loss,
+                logits,
+                applied,
             }
-            if new > applied {
-                grew += 1;
-            } else if new < applied {
-                backed_off += 1;
-            }
-            pb.set_message(format!("scale {}", scaling.loss_scale()));
-            pb.inc(1);
-        }
-        epoch_loss.push(if finite_steps > 0 {
-            loss_sum / finite_steps as f32
-        } else {
-            f32::NAN
-        });
-        say(
-            &pb,
-            format!(
-                "mixed epoch {:>2}: loss {:.4}  train acc {:5.1}%  scale {} -> {} ({} up, {} down)  skipped {}",
-                epoch + 1,
-                loss_sum / finite_steps.max(1) as f32,
-                100.0 * hits as f64 / (finite_steps.max(1) * BATCH) as f64,
-                scale_at_start,
-                scaling.loss_scale(),
-                grew,
-                backed_off,
-                skipped,
-            ),
-        );
-    }
-    let peak_bytes = heap::peak() - baseline;
-    pb.finish_and_clear();
+        },
+        &mut || {
+            let now = scale_line.get();
+            let line = format!("  scale {scale_at_epoch_start} -> {now}");
+            scale_at_epoch_start = now;
+            line
+        },
+    );
     // Inference in half precision too: a fresh f16 cast of the trained master.
-    let half = cast_module::<f16, f32, _>(&master);
+    let half = cast_module::<f16, f32, _>(&model);
     let test_acc = test_accuracy(d, |x| {
         half.forward(cast_to_half_precision::<f16, _>(&x))
             .to_dtype::<f32>()
@@ -219,9 +302,9 @@ fn train_mixed(
     });
     Ok(RunResult {
         test_acc,
-        step_time: busy / steps,
+        step_time,
         peak_bytes,
-        skipped: ws.skipped_steps(),
+        skipped: scaler.skipped_steps(),
         epoch_loss,
     })
 }
@@ -236,19 +319,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Mlp, f32>();
-    let f32_run = train_f32(&dev, &d, &init);
-    let mixed = train_mixed(&dev, &d, &init)?;
+    let f32_run = train_f32("f32", &dev, &d, &init);
+    let f32_fused = train_f32("f32, mpx layers", &dev, &d, &fused(&init));
+    let mixed = train_mixed(&dev, &d, &fused(&init))?;
 
     println!();
     println!(
-        "| run       | test accuracy | step time | peak heap during training | skipped steps |"
+        "| run             | test accuracy | step time | peak heap during training | skipped steps |"
     );
     println!(
-        "|-----------|---------------|-----------|---------------------------|---------------|"
+        "|-----------------|---------------|-----------|---------------------------|---------------|"
     );
-    for (name, r) in [("f32", &f32_run), ("mixed f16", &mixed)] {
+    for (name, r) in [
+        ("f32", &f32_run),
+        ("f32, mpx layers", &f32_fused),
+        ("mixed f16", &mixed),
+    ] {
         println!(
-            "| {name:<9} | {:>12.2}% | {:>6.3} ms | {:>21.1} KiB | {:>13} |",
+            "| {name:<15} | {:>12.2}% | {:>6.3} ms | {:>21.1} KiB | {:>13} |",
             r.test_acc,
             r.step_time.as_secs_f64() * 1e3,
             r.peak_bytes as f64 / 1024.0,
@@ -267,6 +355,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "MLP on 8x8 digits: training loss",
         &[
             ("f32", &f32_run.epoch_loss),
+            ("f32, mpx layers", &f32_fused.epoch_loss),
             ("mixed f16", &mixed.epoch_loss),
         ],
     )?;
