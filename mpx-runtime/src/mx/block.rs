@@ -13,7 +13,8 @@ use super::element::{Codec, decode_table_256, pow2};
 use super::error::MxError;
 use super::packing::{pack, packed_len, unpack};
 use super::scale::ScaleCodec;
-use super::spec::{MxSpec, Rounding};
+use super::element::Rounding;
+use super::spec::MxSpec;
 
 /// Codes staged per pack/unpack round (a multiple of 8, so every round ends on a byte).
 const STAGE: usize = 1024;
