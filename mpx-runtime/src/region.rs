@@ -131,7 +131,9 @@ pub trait RegionInput<E: Dtype> {
     fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError>;
 }
 
-impl<S: Shape, E: Precision<Elem = E> + Dtype, T: Tape<E, Cpu>> RegionInput<E> for Tensor<S, E, Cpu, T> {
+impl<S: Shape, E: Precision<Elem = E> + Dtype, T: Tape<E, Cpu>> RegionInput<E>
+    for Tensor<S, E, Cpu, T>
+{
     type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
     type Tape = T;
     fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, T), CpuError> {

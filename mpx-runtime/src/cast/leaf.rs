@@ -7,8 +7,8 @@ use std::cell::Cell;
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, Tensor, TensorFromVec};
 
-use super::{Cast, FloatLeaves, FloatSliceMut};
 use super::tensor_io::{read_tensor_bits, read_tensor_f32, stores_itself, update_tensor};
+use super::{Cast, FloatLeaves, FloatSliceMut};
 use crate::precision::{AMP, FloatBits, Precision, f16, sized};
 
 thread_local! {
@@ -136,7 +136,9 @@ impl FloatLeaves for AMP<f16> {
         visit(<AMP<f16> as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        visit(<AMP<f16> as Precision>::floats_mut(std::slice::from_mut(self)))
+        visit(<AMP<f16> as Precision>::floats_mut(std::slice::from_mut(
+            self,
+        )))
     }
 }
 

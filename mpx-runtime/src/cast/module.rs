@@ -223,12 +223,7 @@ where
             });
         }
         let vals = &self.s.flat[self.offset..self.offset + n];
-        write_tensor_from_f32::<P, S>(
-            t,
-            vals,
-            &mut self.s.tmp32,
-            &mut self.s.tmp16,
-        );
+        write_tensor_from_f32::<P, S>(t, vals, &mut self.s.tmp32, &mut self.s.tmp16);
         self.index += 1;
         self.offset += n;
         Ok(None)

@@ -2,10 +2,10 @@
 
 use super::block::{Kernel, Layout, for_row_ranges, for_row_ranges_out};
 use super::element::MxFormat;
+use super::element::Rounding;
 use super::error::MxError;
 use super::packing::{packed_len, unpack};
 use super::scale::ScaleCodec;
-use super::element::Rounding;
 use super::spec::MxSpec;
 
 /// A tensor quantized to an MX format: one scale code per block (one byte each) and the element

@@ -452,7 +452,8 @@ pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
     add_f32_into(&dw, as_dst(dst))
 }
 
-impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation> FusedLinear<I, O, E, Cpu, A>
+impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
+    FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {
@@ -537,8 +538,13 @@ fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
     Ok(())
 }
 
-impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation, T: Tape<E, Cpu>>
-    Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+impl<
+    const I: usize,
+    const O: usize,
+    E: Precision<Elem = E> + Dtype,
+    A: FusedActivation,
+    T: Tape<E, Cpu>,
+> Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {
@@ -550,8 +556,14 @@ where
     }
 }
 
-impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation, B: Dim, T: Tape<E, Cpu>>
-    Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+impl<
+    const I: usize,
+    const O: usize,
+    E: Precision<Elem = E> + Dtype,
+    A: FusedActivation,
+    B: Dim,
+    T: Tape<E, Cpu>,
+> Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {

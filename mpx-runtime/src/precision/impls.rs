@@ -202,7 +202,12 @@ mod tests {
         assert_eq!(w, [1.0]);
         assert_eq!(
             [f32::DTYPE, f16::DTYPE, <AMP<f16>>::DTYPE, bf16::DTYPE],
-            [DType::Float32, DType::Float16, DType::Float16, DType::BFloat16]
+            [
+                DType::Float32,
+                DType::Float16,
+                DType::Float16,
+                DType::BFloat16
+            ]
         );
     }
 }

@@ -52,6 +52,11 @@ use crate::policy::DType;
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
     /// `AMP<f16>` and `bf16`.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not an mpx precision: `Precision` is sealed",
+        label = "mpx implements `Precision` only for its own precision types",
+        note = "the precisions are `f32`, `f16`, `AMP<f16>` and the emulated `bf16` (`mpx::precision`); other formats (FP8, FP4, INT8) are MX block formats: see `mpx::mx`"
+    )]
     pub trait Sealed {}
 }
 

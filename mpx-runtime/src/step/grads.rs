@@ -12,11 +12,11 @@ use dfdx::tensor_ops::{Backward, Device};
 
 use std::time::Instant;
 
-use crate::precision::Precision;
 use super::error::StepError;
 use super::workspace::StepTimings;
 use super::workspace::{MasterSlot, MixedWorkspace, WorkingCopy, count_mismatch, len_mismatch};
 use crate::boundary::MasterModel;
+use crate::precision::Precision;
 use crate::scaling::LossScale;
 
 /// The result of a mixed gradient computation: the f32 loss, the scales, `grads_finite`, and f32

@@ -8,12 +8,12 @@ use dfdx::shapes::Rank0;
 use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
 use dfdx::tensor_ops::{Backward, Device};
 
+use super::WorkingCopy;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
 use super::report::StepReport;
 use super::update::{SkipReason, UpdateOutcome};
 use super::working::{ErasedWorking, Working};
-use super::WorkingCopy;
 use crate::boundary::MasterModel;
 use crate::precision::{Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};

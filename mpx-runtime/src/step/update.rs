@@ -6,10 +6,10 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
 use dfdx::tensor_ops::Device;
 
-use crate::precision::Precision;
 use super::error::StepError;
 use super::grads::MixedGrads;
 use crate::boundary::MasterModel;
+use crate::precision::Precision;
 
 /// Why a step was skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,6 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
-use crate::precision::Precision;
 use super::error::StepError;
 use super::half_region::Stash;
 use super::update::WriteState;
@@ -22,6 +21,7 @@ use super::workspace::{
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
 use crate::finite::all_finite_f32;
+use crate::precision::Precision;
 
 /// What the scaler does with its workspace without knowing the model's type.
 pub(crate) trait ErasedWorking: Any + Send + Sync {

@@ -11,10 +11,10 @@ use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, TensorFromVec, ZerosTensor};
 use dfdx::tensor_ops::Device;
 
-use crate::precision::Precision;
 use super::error::StepError;
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
+use crate::precision::Precision;
 
 /// The working copy of master model `M` in precision `H`: the same module with its float tensors
 /// stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for emulated bf16).
