@@ -12,7 +12,7 @@ use crate::precision::Precision;
 /// `P` matters beyond the element type for emulated [`bf16`](crate::precision::bf16): its
 /// tensors are f32, and only `P` says that region outputs and gradients are rounded to bf16.
 /// Each `mpx::nn` layer also implements dfdx's `Module`, which runs in its element type `E` as the
-/// precision (`E: Precision<Elem = E>`: f32, f16 or `AMP<f16>`).
+/// precision (`E: Precision<Elem = E> + Dtype`: f32, f16 or `AMP<f16>`).
 ///
 /// # Examples
 /// ```

@@ -21,7 +21,7 @@
 //! bit-identical to dfdx's, forward and gradients.
 //!
 //! The precision: dfdx's `Module::forward` runs in the element type as the precision (f32, f16,
-//! `AMP<f16>`: `E: Precision<Elem = E>`); [`ForwardIn::forward_in`] names it, which emulated bf16
+//! `AMP<f16>`: `E: Precision<Elem = E> + Dtype`); [`ForwardIn::forward_in`] names it, which emulated bf16
 //! (f32 storage) needs.
 //!
 //! # Examples

@@ -15,7 +15,8 @@
 //! | [`bf16`] | `f32` | yes | **emulated** bfloat16: see below |
 //!
 //! `f32`, `f16` and `AMP<f16>` store themselves (`Elem = Self`): code generic over a dfdx element
-//! type is written `E: Precision<Elem = E>`.
+//! type is written `E: Precision<Elem = E> + Dtype` (Rust does not carry `Elem`'s `Dtype` bound over
+//! to `E` through the equality, so it is spelled out).
 //!
 //! # Emulated bf16
 //! dfdx 0.13 cannot take `bf16` as a dtype (its device trait needs crate-private matmul kernels), so
