@@ -19,11 +19,10 @@ use dfdx::{optim::*, prelude::*};
 use mpx::boundary::MasterModel;
 use mpx::kernels::{active_path, gemm_nanos, max_threads, set_max_threads};
 use mpx::nn;
-use mpx::precision::{AMP, bf16, f16};
+use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
 use mpx::step::{
-    MixedWorkspace, StepPrecision, StepTimings, WorkingCopy, filter_value_and_grad,
-    optimizer_update,
+    MixedWorkspace, StepTimings, WorkingCopy, filter_value_and_grad, optimizer_update,
 };
 
 #[path = "common/heap.rs"]
@@ -145,7 +144,7 @@ where
 }
 
 /// The mixed loop with working-copy precision `H`.
-struct Mixed<H: StepPrecision, L: LossScale, const B: usize, M: MasterModel = Master>
+struct Mixed<H: Precision, L: LossScale, const B: usize, M: MasterModel = Master>
 where
     Cpu: Device<H::Elem>,
 {
@@ -159,7 +158,7 @@ where
 
 impl<H, L, const B: usize, M> Mixed<H, L, B, M>
 where
-    H: StepPrecision,
+    H: Precision,
     L: LossScale,
     M: MasterModel + Clone,
     Cpu: Device<H::Elem>,

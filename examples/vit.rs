@@ -44,11 +44,10 @@ use dfdx::{optim::*, prelude::*};
 use mpx::cast::{Cast, cast_module, cast_to_half_precision};
 use mpx::nn::vit::DigitsVit;
 use mpx::nn::{ForwardIn, MixedModule};
-use mpx::precision::{HalfPrecision, bf16, f16};
+use mpx::precision::{HalfPrecision, Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
 use mpx::step::{
-    MixedWorkspace, StepPrecision, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux,
-    optimizer_update,
+    MixedWorkspace, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
 };
 
 use digits::{CLASSES, Digits, FEATURES};
@@ -201,7 +200,7 @@ fn train_f32(dev: &Cpu, d: &Digits, init: &Master, plan: Plan) -> RunResult {
 
 /// The half precisions the mixed runs train in: f16 and emulated bf16. (What each run further
 /// needs of the ViT's working copy is spelled out on [`train_mixed`].)
-trait VitHalf: HalfPrecision + StepPrecision
+trait VitHalf: HalfPrecision
 where
     Cpu: Device<Self::Elem>,
 {
@@ -320,7 +319,7 @@ where
 }
 
 /// Half logits as f32 rows (exact widening).
-fn widen_rows<H: StepPrecision>(out: &Logits<H::Elem, NoneTape>) -> Vec<[f32; CLASSES]>
+fn widen_rows<H: Precision>(out: &Logits<H::Elem, NoneTape>) -> Vec<[f32; CLASSES]>
 where
     Cpu: Device<H::Elem>,
 {

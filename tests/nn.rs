@@ -11,7 +11,7 @@ use dfdx::nn::tensor_collection::{
 };
 use dfdx::prelude::*;
 use mpx::nn::{self, DfdxLayer};
-use mpx::precision::FloatElement;
+use mpx::precision::Precision;
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -25,7 +25,7 @@ struct GradsOf<'a, E: Dtype> {
     out: Vec<Vec<f32>>,
 }
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for GradsOf<'_, E>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for GradsOf<'_, E>
 where
     Cpu: Device<E>,
 {
@@ -41,14 +41,14 @@ where
         if opts.do_gradient_update {
             let g = self.grads.get(t).as_vec();
             let mut v = vec![0.0f32; g.len()];
-            E::to_f32_slice(&g, &mut v);
+            E::widen(&g, &mut v);
             self.out.push(v);
         }
         Ok(None)
     }
 }
 
-fn param_grads<E: FloatElement, M: TensorCollection<E, Cpu>>(
+fn param_grads<E: Precision<Elem = E> + Dtype, M: TensorCollection<E, Cpu>>(
     m: &M,
     grads: &Gradients<E, Cpu>,
 ) -> Vec<Vec<f32>>
@@ -193,9 +193,7 @@ mod vit_step {
     use mpx::nn::vit::Vit;
     use mpx::nn::{ForwardIn, MixedModule};
     use mpx::scaling::{DynamicLossScale, StaticLossScale};
-    use mpx::step::{
-        MixedWorkspace, StepPrecision, WorkingCopy, filter_value_and_grad, optimizer_update,
-    };
+    use mpx::step::{MixedWorkspace, WorkingCopy, filter_value_and_grad, optimizer_update};
 
     pub const BATCH: usize = 32;
     /// 8x8 digits in 4x4 patches: 4 tokens of 16 pixels, width 16, 2 heads, 2 blocks.
@@ -227,7 +225,11 @@ mod vit_step {
 
     /// One mixed gradient computation in precision `H` from `master`: the loss and the f32
     /// master gradients in visit order (all of them finite, or `None`).
-    pub fn gradients<H: StepPrecision>(master: &Model, x: &X, y: &Y) -> (f32, Option<Vec<f32>>)
+    pub fn gradients<H: mpx::precision::Precision>(
+        master: &Model,
+        x: &X,
+        y: &Y,
+    ) -> (f32, Option<Vec<f32>>)
     where
         Cpu: Device<H::Elem>,
         WorkingCopy<H, Model>: TensorCollection<H::Elem, Cpu>

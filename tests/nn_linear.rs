@@ -158,10 +158,12 @@ fn f16_bound(path: KernelPath, k: usize) -> impl Fn(f64, f64) -> f64 {
 }
 
 /// The values of a tensor of any float dtype, as f64.
-fn vals<S: Shape, E: mpx::precision::FloatElement>(t: &Tensor<S, E, Cpu>) -> Vec<f64> {
+fn vals<S: Shape, E: mpx::precision::Precision<Elem = E> + Dtype>(
+    t: &Tensor<S, E, Cpu>,
+) -> Vec<f64> {
     let h = t.as_vec();
     let mut v = vec![0.0f32; h.len()];
-    E::to_f32_slice(&h, &mut v);
+    E::widen(&h, &mut v);
     f64s(&v)
 }
 
@@ -274,7 +276,7 @@ type MpxMlp = (
 );
 
 /// Mean cross-entropy after `steps` Adam steps of the mixed step with working precision `H`.
-fn train<H: mpx::step::StepPrecision>(steps: usize) -> (f32, f32)
+fn train<H: mpx::precision::Precision>(steps: usize) -> (f32, f32)
 where
     Cpu: Device<H::Elem>,
     mpx::step::WorkingCopy<H, <MpxMlp as BuildOnDevice<Cpu, f32>>::Built>:

@@ -435,7 +435,7 @@ fn batch_norm_running_statistics_reach_the_master() {
 /// f32's and a falling loss.
 #[test]
 fn amp_and_emulated_bf16_working_copies_train() {
-    fn run<H: mpx::step::StepPrecision>(tolerance: f32)
+    fn run<H: mpx::precision::Precision>(tolerance: f32)
     where
         Cpu: dfdx::tensor_ops::Device<H::Elem>,
         mpx::step::WorkingCopy<H, MlpF32>: Module<
@@ -449,7 +449,7 @@ fn amp_and_emulated_bf16_working_copies_train() {
         let reference =
             cross_entropy_with_logits_loss(master.forward(x.leaky_trace()), y.clone()).backward();
         let mut xh = vec![H::Elem::default(); 40];
-        H::from_f32_slice(&x.as_vec(), &mut xh);
+        H::round(&x.as_vec(), &mut xh);
         let xh = dev.tensor_from_vec(xh, (Const::<5>, Const::<8>));
         let mut opt = Sgd::new(&master, Default::default());
         let mut ws = MixedWorkspace::<H, _>::new(&master).unwrap();
@@ -470,14 +470,14 @@ fn amp_and_emulated_bf16_working_copies_train() {
                 let want = reference.get(&master.0.weight).as_vec();
                 let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (a, b) in got.iter().zip(&want) {
-                    assert!((a - b).abs() <= tolerance * max, "{} {a} vs {b}", H::NAME);
+                    assert!((a - b).abs() <= tolerance * max, "{} {a} vs {b}", H::DTYPE);
                 }
             }
             losses.push(g.loss);
             let finite = g.grads_finite;
             optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
         }
-        assert!(losses[19] < losses[0], "{} {losses:?}", H::NAME);
+        assert!(losses[19] < losses[0], "{} {losses:?}", H::DTYPE);
     }
     // f16 keeps 11 significant bits, bf16 8: a few roundings along the path, relative to the
     // largest gradient.

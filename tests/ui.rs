@@ -1,5 +1,5 @@
 //! UI tests of the precision DSL (trybuild): every misuse in `tests/ui/{full_precision,mixed_step,
-//! autocast,boundary}` must fail to compile with the message pinned in its `.stderr`; the accepted forms in
+//! autocast,boundary,precision}` must fail to compile with the message pinned in its `.stderr`; the accepted forms in
 //! `tests/ui/pass` must compile and run.
 //!
 //! Regenerate the snapshots after a deliberate change with `TRYBUILD=overwrite cargo test --test ui`
@@ -37,5 +37,6 @@ fn ui() {
     t.compile_fail("tests/ui/mixed_step/*.rs");
     t.compile_fail("tests/ui/autocast/*.rs");
     t.compile_fail("tests/ui/boundary/*.rs");
+    t.compile_fail("tests/ui/precision/*.rs");
     t.pass("tests/ui/pass/*.rs");
 }

@@ -28,7 +28,7 @@
 //! ```
 
 use crate::cast::FloatLeaves;
-use crate::precision::{FloatBits, FloatElement};
+use crate::precision::{FloatBits, Precision};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -94,7 +94,7 @@ fn fold_u16(chunk: &[u16]) -> u16 {
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::{finite::bits_finite, precision::FloatElement};
+/// use mpx_runtime::{finite::bits_finite, precision::Precision};
 /// assert!(bits_finite(f32::bits(&[1.0, 2.0])));
 /// assert!(!bits_finite(f32::bits(&[1.0, f32::NEG_INFINITY])));
 /// ```
@@ -140,7 +140,7 @@ pub fn all_finite_f16(values: &[f16]) -> bool {
 /// assert!(all_finite_slice(&[AMP(f16::ONE)]));
 /// assert!(!all_finite_slice(&[0.0f32, f32::NAN]));
 /// ```
-pub fn all_finite_slice<E: FloatElement>(values: &[E]) -> bool {
+pub fn all_finite_slice<E: Precision<Elem = E>>(values: &[E]) -> bool {
     bits_finite(E::bits(values))
 }
 
@@ -199,7 +199,7 @@ pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
 /// // A finite source with an infinite reciprocal of the scale: what would be applied is not finite.
 /// assert_eq!(unscale_into_checked(&grads, f32::INFINITY, &mut out), Ok(false));
 /// ```
-pub fn unscale_into_checked<E: FloatElement>(
+pub fn unscale_into_checked<E: Precision<Elem = E>>(
     src: &[E],
     inv_scale: f32,
     dst: &mut [f32],
@@ -212,7 +212,7 @@ pub fn unscale_into_checked<E: FloatElement>(
     }
     let mut acc = 0u32;
     for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-        E::to_f32_slice(s, d);
+        E::widen(s, d);
         acc |= unscale_chunk(d, inv_scale);
     }
     Ok(acc & 0x8000_0000 == 0)

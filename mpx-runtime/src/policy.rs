@@ -191,24 +191,6 @@ impl DType {
         }
     }
 
-    /// The dtype a precision type stores or emulates (`AMP<f16>` is `Float16`).
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::policy::DType;
-    /// use mpx_runtime::precision::{AMP, bf16, f16};
-    /// assert_eq!(DType::of::<AMP<f16>>(), DType::Float16);
-    /// assert_eq!(DType::of::<bf16>(), DType::BFloat16);
-    /// ```
-    pub fn of<P: Precision>() -> DType {
-        match P::NAME {
-            "float16" => DType::Float16,
-            "bfloat16" => DType::BFloat16,
-            "float64" => DType::Float64,
-            _ => DType::Float32,
-        }
-    }
-
     /// Parses one jmp dtype name (exact, case-sensitive); `None` if unknown.
     fn from_jmp_name(s: &str) -> Option<DType> {
         Some(match s {
@@ -406,7 +388,7 @@ impl<P: Precision, C: Precision, O: Precision> Policy<P, C, O> {
 
     /// The policy as runtime values.
     pub fn spec(&self) -> PolicySpec {
-        PolicySpec::new(DType::of::<P>(), DType::of::<C>(), DType::of::<O>())
+        PolicySpec::new(P::DTYPE, C::DTYPE, O::DTYPE)
     }
 
     /// Casts the float leaves of `tree` to the parameter precision `P` (jmp's `cast_to_param`).

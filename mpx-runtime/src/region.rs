@@ -51,7 +51,7 @@ use dfdx::tensor::{
 };
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
 
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// Why [`FullPrecision::try_run_with`] failed.
 ///
@@ -108,14 +108,14 @@ impl<E: Dtype> Leaves<E> {
 }
 
 /// Converts a half tensor's values to an f32 tensor of the same shape (exact widening).
-fn widen<S: Shape, E: FloatElement, T>(
+fn widen<S: Shape, E: Precision<Elem = E> + Dtype, T>(
     x: &Tensor<S, E, Cpu, T>,
 ) -> Result<Tensor<S, f32, Cpu>, CpuError> {
     let n = x.shape().num_elements();
     let mut h = vec![E::default(); n];
     x.copy_into(&mut h);
     let mut v = vec![0.0f32; n];
-    E::to_f32_slice(&h, &mut v);
+    E::widen(&h, &mut v);
     x.device().try_tensor_from_vec(v, *x.shape())
 }
 
@@ -131,7 +131,9 @@ pub trait RegionInput<E: Dtype> {
     fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError>;
 }
 
-impl<S: Shape, E: FloatElement, T: Tape<E, Cpu>> RegionInput<E> for Tensor<S, E, Cpu, T> {
+impl<S: Shape, E: Precision<Elem = E> + Dtype, T: Tape<E, Cpu>> RegionInput<E>
+    for Tensor<S, E, Cpu, T>
+{
     type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
     type Tape = T;
     fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, T), CpuError> {
@@ -180,7 +182,7 @@ struct Widen<'a, E: Dtype> {
     leaves: &'a mut Leaves<E>,
 }
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for Widen<'_, E>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for Widen<'_, E>
 where
     Cpu: Device<E>,
 {
@@ -357,7 +359,7 @@ impl<H: Precision> FullPrecision<H> {
         let mut v = vec![0.0f32; n];
         y32.copy_into(&mut v);
         let mut h = vec![H::Elem::default(); n];
-        H::from_f32_slice(&v, &mut h);
+        H::round(&v, &mut h);
         let y: Tensor<S, H::Elem, Cpu> = dev.try_tensor_from_vec(h, shape)?;
         if !T::OWNS_TAPE {
             return Ok(y.put_tape(tape));
@@ -382,7 +384,7 @@ impl<H: Precision> FullPrecision<H> {
         let n = y.shape().num_elements();
         // Output gradient, widened to f32.
         let mut g32 = vec![0.0f32; n];
-        H::Elem::to_f32_slice(grads.get_or_alloc_mut(&y)?, &mut g32);
+        <H::Elem as Precision>::widen(grads.get_or_alloc_mut(&y)?, &mut g32);
         let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
 
         // What each leaf's gradient holds already (widened). A tensor passed twice shares one
@@ -401,7 +403,7 @@ impl<H: Precision> FullPrecision<H> {
                 None => {
                     first_of.push(i);
                     let mut s = vec![0.0f32; buf.len()];
-                    H::Elem::to_f32_slice(buf, &mut s);
+                    <H::Elem as Precision>::widen(buf, &mut s);
                     seeds.push(Some(s));
                 }
             }
@@ -439,7 +441,7 @@ impl<H: Precision> FullPrecision<H> {
         for (leaf, sum) in leaves.outer.iter().zip(sums) {
             if let Some(sum) = sum {
                 let buf = grads.get_or_alloc_mut(leaf)?;
-                H::from_f32_slice(&sum, buf);
+                H::round(&sum, buf);
             }
         }
         Ok(())

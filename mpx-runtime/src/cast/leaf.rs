@@ -4,13 +4,12 @@
 use std::any::Any;
 use std::cell::Cell;
 
-use dfdx::shapes::{HasShape, Shape};
+use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, Tensor, TensorFromVec};
 
+use super::tensor_io::{read_tensor_bits, read_tensor_f32, stores_itself, update_tensor};
 use super::{Cast, FloatLeaves, FloatSliceMut};
-use crate::precision::{
-    AMP, FloatBits, FloatElement, Precision, amp_as_f16_mut, f16, is_identity, sized,
-};
+use crate::precision::{AMP, FloatBits, Precision, f16, sized};
 
 thread_local! {
     /// Per-thread scratch for tensor reads, so that visiting or casting a tensor allocates nothing
@@ -28,10 +27,10 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f16>) -> R)
 
 /// Casts one float tensor to precision `P`: one read into scratch, one slice conversion, one new
 /// tensor. A cast that changes nothing (f16 to f16, f32 to f32) shares the storage, as `clone` does.
-pub(crate) fn cast_tensor<P: Precision, E: FloatElement, S: Shape>(
+pub(crate) fn cast_tensor<P: Precision, E: Precision<Elem = E> + Dtype, S: Shape>(
     t: &Tensor<S, E, Cpu>,
 ) -> Tensor<S, P::Elem, Cpu> {
-    if is_identity::<P>()
+    if stores_itself::<P>()
         && let Some(same) = (t as &dyn Any).downcast_ref::<Tensor<S, P::Elem, Cpu>>()
     {
         return same.clone();
@@ -39,9 +38,9 @@ pub(crate) fn cast_tensor<P: Precision, E: FloatElement, S: Shape>(
     let n = t.shape().num_elements();
     with_scratch(|s32, s16| {
         let vals = sized(s32, n);
-        E::read_tensor_f32(t, vals, s16);
+        read_tensor_f32(t, vals, s16);
         let mut out = vec![P::Elem::default(); n];
-        P::from_f32_slice(vals, &mut out);
+        P::round(vals, &mut out);
         t.device().tensor_from_vec(out, *t.shape())
     })
 }
@@ -57,10 +56,10 @@ macro_rules! float_tensor {
 
         impl<S: Shape> FloatLeaves for Tensor<S, $e, Cpu> {
             fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-                with_scratch(|a, b| visit(<$e as FloatElement>::read_tensor_bits(self, a, b)))
+                with_scratch(|a, b| visit(read_tensor_bits(self, a, b)))
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-                with_scratch(|a, b| <$e as FloatElement>::update_tensor(self, a, b, visit))
+                with_scratch(|a, b| update_tensor(self, a, b, visit))
             }
         }
     )*};
@@ -93,7 +92,7 @@ untouched_tensor!(
 
 fn scalar_to<P: Precision>(v: f32) -> P::Elem {
     let mut out = [P::Elem::default()];
-    P::from_f32_slice(&[v], &mut out);
+    P::round(&[v], &mut out);
     out[0]
 }
 
@@ -118,7 +117,7 @@ impl<P: Precision> Cast<P> for AMP<f16> {
 
 impl FloatLeaves for f32 {
     fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(f32::bits(std::slice::from_ref(self)))
+        visit(<f32 as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(FloatSliceMut::F32(std::slice::from_mut(self)))
@@ -126,7 +125,7 @@ impl FloatLeaves for f32 {
 }
 impl FloatLeaves for f16 {
     fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(f16::bits(std::slice::from_ref(self)))
+        visit(<f16 as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(FloatSliceMut::F16(std::slice::from_mut(self)))
@@ -134,12 +133,12 @@ impl FloatLeaves for f16 {
 }
 impl FloatLeaves for AMP<f16> {
     fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(<AMP<f16> as FloatElement>::bits(std::slice::from_ref(self)))
+        visit(<AMP<f16> as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        visit(FloatSliceMut::F16(amp_as_f16_mut(std::slice::from_mut(
+        visit(<AMP<f16> as Precision>::floats_mut(std::slice::from_mut(
             self,
-        ))))
+        )))
     }
 }
 

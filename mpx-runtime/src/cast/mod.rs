@@ -50,8 +50,13 @@ mod containers;
 mod dfdx_modules;
 mod leaf;
 mod module;
+mod tensor_io;
 
 use crate::precision::{FloatBits, HalfPrecision, Precision, bf16, f16};
+
+/// The mutable view of a float leaf that [`FloatLeaves::visit_floats_mut`] passes (defined in
+/// [`crate::precision`], next to [`FloatBits`]).
+pub use crate::precision::FloatSliceMut;
 
 pub use module::{
     CastError, CastScratch, cast_module, cast_module_into, module_visit_float_bits,
@@ -71,15 +76,6 @@ pub trait Cast<P: Precision> {
     type Output;
     /// Returns a copy of the tree with its float leaves converted to `P` (round to nearest even).
     fn cast(&self) -> Self::Output;
-}
-
-/// A mutable view of one floating-point leaf's values.
-#[derive(Debug)]
-pub enum FloatSliceMut<'a> {
-    /// f32 values (also emulated bf16).
-    F32(&'a mut [f32]),
-    /// f16 values (also `AMP<f16>`, viewed as f16).
-    F16(&'a mut [half::f16]),
 }
 
 /// Visits the floating-point leaves of a tree in place: the basis of [`crate::finite::all_finite`]

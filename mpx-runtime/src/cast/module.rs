@@ -6,13 +6,14 @@ use std::marker::PhantomData;
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
 };
-use dfdx::shapes::{HasShape, Shape};
+use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, Tensor};
 use dfdx::tensor_ops::Device;
 
 use super::FloatSliceMut;
 use super::leaf::{cast_tensor, with_scratch};
-use crate::precision::{FloatBits, FloatElement, Precision, f16};
+use super::tensor_io::{read_tensor_bits, read_tensor_f32, update_tensor, write_tensor_from_f32};
+use crate::precision::{FloatBits, Precision, f16};
 
 /// Why a module cast failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -76,7 +77,7 @@ impl CastScratch {
 
 struct Converter<P>(PhantomData<P>);
 
-impl<E: FloatElement, P: Precision> TensorVisitor<E, Cpu> for Converter<P>
+impl<E: Precision<Elem = E> + Dtype, P: Precision> TensorVisitor<E, Cpu> for Converter<P>
 where
     Cpu: Device<E> + Device<P::Elem>,
 {
@@ -120,7 +121,7 @@ where
 pub fn cast_module<P, E, M>(module: &M) -> M::To<P::Elem, Cpu>
 where
     P: Precision,
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
 {
@@ -151,7 +152,7 @@ where
 pub fn try_cast_module<P, E, M>(module: &M) -> Result<M::To<P::Elem, Cpu>, CastError>
 where
     P: Precision,
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
 {
@@ -168,7 +169,7 @@ struct Gather<'a> {
     s: &'a mut CastScratch,
 }
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for Gather<'_>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for Gather<'_>
 where
     Cpu: Device<E>,
 {
@@ -185,7 +186,7 @@ where
         let n = t.shape().num_elements();
         let start = self.s.flat.len();
         self.s.flat.resize(start + n, 0.0);
-        E::read_tensor_f32(t, &mut self.s.flat[start..], &mut self.s.tmp16);
+        read_tensor_f32(t, &mut self.s.flat[start..], &mut self.s.tmp16);
         self.s.lens.push(n);
         Ok(None)
     }
@@ -222,12 +223,7 @@ where
             });
         }
         let vals = &self.s.flat[self.offset..self.offset + n];
-        <P::Elem as FloatElement>::write_tensor_from_f32::<P, S>(
-            t,
-            vals,
-            &mut self.s.tmp32,
-            &mut self.s.tmp16,
-        );
+        write_tensor_from_f32::<P, S>(t, vals, &mut self.s.tmp32, &mut self.s.tmp16);
         self.index += 1;
         self.offset += n;
         Ok(None)
@@ -271,7 +267,7 @@ pub fn cast_module_into<P, E, M>(
 ) -> Result<(), CastError>
 where
     P: Precision,
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     M::To<P::Elem, Cpu>: TensorCollection<P::Elem, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
@@ -312,7 +308,7 @@ struct BitsVisitor<'a, 'v> {
 /// Stops a walk early (not an error).
 struct Stop;
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for BitsVisitor<'_, '_>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for BitsVisitor<'_, '_>
 where
     Cpu: Device<E>,
 {
@@ -326,7 +322,7 @@ where
         _: TensorOptions<S, E, Cpu>,
         t: &Tensor<S, E, Cpu>,
     ) -> Result<Option<Tensor<S, E, Cpu>>, Stop> {
-        let keep_going = with_scratch(|a, b| (self.visit)(E::read_tensor_bits(t, a, b)));
+        let keep_going = with_scratch(|a, b| (self.visit)(read_tensor_bits(t, a, b)));
         if keep_going { Ok(None) } else { Err(Stop) }
     }
 }
@@ -335,7 +331,7 @@ struct MutVisitor<'a> {
     visit: &'a mut dyn FnMut(FloatSliceMut<'_>),
 }
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for MutVisitor<'_>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for MutVisitor<'_>
 where
     Cpu: Device<E>,
 {
@@ -349,7 +345,7 @@ where
         _: TensorOptions<S, E, Cpu>,
         t: &mut Tensor<S, E, Cpu>,
     ) -> Result<Option<Tensor<S, E, Cpu>>, Self::Err> {
-        with_scratch(|a, b| E::update_tensor(t, a, b, self.visit));
+        with_scratch(|a, b| update_tensor(t, a, b, self.visit));
         Ok(None)
     }
 }
@@ -375,7 +371,7 @@ pub fn module_visit_float_bits<E, M>(
     visit: &mut dyn FnMut(FloatBits<'_>) -> bool,
 ) -> bool
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E>,
 {
@@ -406,7 +402,7 @@ where
 /// ```
 pub fn module_visit_floats_mut<E, M>(module: &mut M, visit: &mut dyn FnMut(FloatSliceMut<'_>))
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E>,
 {

@@ -9,11 +9,12 @@
 //! On x86-64 CPUs with AVX2 the kernels run a copy compiled for AVX2 (chosen at run time); the
 //! portable build targets SSE2 only. Both compute the same bits.
 
+use super::element::Rounding;
 use super::element::{Codec, decode_table_256, pow2};
 use super::error::MxError;
 use super::packing::{pack, packed_len, unpack};
 use super::scale::ScaleCodec;
-use super::spec::{MxSpec, Rounding};
+use super::spec::MxSpec;
 
 /// Codes staged per pack/unpack round (a multiple of 8, so every round ends on a byte).
 const STAGE: usize = 1024;

@@ -4,7 +4,25 @@
 use std::fmt;
 
 use super::error::MxError;
-use super::spec::Rounding;
+
+/// How element values halfway between two codes round.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::mx::{MxFormat, Rounding};
+/// // 1.25 lies halfway between FP4 E2M1's 1.0 (code 2, even) and 1.5 (code 3)
+/// assert_eq!(MxFormat::Fp4E2M1.encode_with(1.25, Rounding::NearestEven), Some(2));
+/// assert_eq!(MxFormat::Fp4E2M1.encode_with(1.25, Rounding::NearestAway), Some(3));
+/// assert_eq!(Rounding::default(), Rounding::NearestEven);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Rounding {
+    /// Round to nearest, ties to even (IEEE; ml_dtypes, torchao and pychop). The default.
+    #[default]
+    NearestEven,
+    /// Round to nearest, ties away from zero (microxcaling's default `round='nearest'`).
+    NearestAway,
+}
 
 /// Which special values a float element format has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

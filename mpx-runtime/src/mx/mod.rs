@@ -60,7 +60,7 @@ mod spec;
 mod stats;
 mod tensor;
 
-pub use element::{CustomFloat, CustomInt, MxFormat, SpecialValues};
+pub use element::{CustomFloat, CustomInt, MxFormat, Rounding, SpecialValues};
 pub use error::MxError;
 pub use fake_quant::MxFakeQuant;
 pub use linear::{
@@ -68,6 +68,6 @@ pub use linear::{
     builder,
 };
 pub use scale::E8M0;
-pub use spec::{MxSpec, Rounding};
+pub use spec::MxSpec;
 pub use stats::{FormatComparison, FormatTable, MxStatistics, compare_formats, format_table};
 pub use tensor::{MxTensor, quantize_dequantize, quantize_dequantize_into};

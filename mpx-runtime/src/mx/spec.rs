@@ -2,18 +2,8 @@
 
 use std::fmt;
 
-use super::element::MxFormat;
+use super::element::{MxFormat, Rounding};
 use super::error::MxError;
-
-/// How element values halfway between two codes round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Rounding {
-    /// Round to nearest, ties to even (IEEE; ml_dtypes, torchao and pychop). The default.
-    #[default]
-    NearestEven,
-    /// Round to nearest, ties away from zero (microxcaling's default `round='nearest'`).
-    NearestAway,
-}
 
 /// What to quantize to: an element format, the block size, the tie rule and the width of the
 /// shared scale's exponent. Always valid: the setters that can fail return a `Result`.

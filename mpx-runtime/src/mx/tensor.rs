@@ -2,10 +2,11 @@
 
 use super::block::{Kernel, Layout, for_row_ranges, for_row_ranges_out};
 use super::element::MxFormat;
+use super::element::Rounding;
 use super::error::MxError;
 use super::packing::{packed_len, unpack};
 use super::scale::ScaleCodec;
-use super::spec::{MxSpec, Rounding};
+use super::spec::MxSpec;
 
 /// A tensor quantized to an MX format: one scale code per block (one byte each) and the element
 /// codes packed at 4, 6 or 8 bits.

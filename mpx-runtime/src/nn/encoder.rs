@@ -12,7 +12,7 @@ use super::convert::dfdx_layer;
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::{MixedModule, build_on_device, native_module};
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::{AMP, Precision, f16};
 
 /// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
 /// type (dfdx's own modules), as in dfdx's encoder block.
@@ -161,7 +161,7 @@ macro_rules! block_forward {
             MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
             for TransformerEncoderBlock<M, H, F, E, Cpu>
         where
-            E: FloatElement,
+            E: Precision<Elem = E> + Dtype,
             P: Precision<Elem = E>,
             Cpu: Device<E>,
             $($d: Dim,)+

@@ -8,7 +8,7 @@ use dfdx::tensor_ops::{BroadcastTo, Device};
 
 use super::convert::dfdx_layer;
 use super::mixed::{MixedModule, build_on_device, native_module};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 use crate::region::FullPrecision;
 
 /// Layer normalization over the last axis, as dfdx's
@@ -105,7 +105,7 @@ impl<const M: usize, E: Dtype, D: Storage<E>> From<LayerNorm1D<M, E, D>>
     }
 }
 
-impl<const M: usize, E: FloatElement, P: Precision<Elem = E>, T: Tape<E, Cpu>>
+impl<const M: usize, E: Precision<Elem = E> + Dtype, P: Precision<Elem = E>, T: Tape<E, Cpu>>
     MixedModule<P, Tensor<Rank1<M>, E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
 where
     Cpu: Device<E>,
@@ -124,7 +124,7 @@ where
 /// Batched inputs: the statistics run over the last axis `$ax`, as in dfdx.
 macro_rules! batched {
     ($ax:literal; $($d:ident),+) => {
-        impl<$($d: Dim,)+ const M: usize, E: FloatElement, P: Precision<Elem = E>, T: Tape<E, Cpu>>
+        impl<$($d: Dim,)+ const M: usize, E: Precision<Elem = E> + Dtype, P: Precision<Elem = E>, T: Tape<E, Cpu>>
             MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
         where
             Cpu: Device<E>,

@@ -31,7 +31,7 @@ use crate::kernels::{
     Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
-use crate::precision::{AMP, FloatBits, FloatElement, Precision, amp_as_f16, amp_as_f16_mut, f16};
+use crate::precision::{AMP, FloatBits, Precision, f16};
 
 /// The activation a [`FusedLinear`] applies, as a type (dfdx builds modules from types).
 ///
@@ -358,84 +358,31 @@ cast_for!(f32, f16, AMP<f16>);
 
 // ---- the fused op ------------------------------------------------------------------------------
 
-/// The element types the fused layers compute in: `f32`, `f16` and `AMP<f16>`.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::Operand;
-/// use mpx_runtime::nn::LinearElem;
-/// use mpx_runtime::precision::f16;
-/// assert!(matches!(f16::operand(&[f16::ONE]), Operand::F16(_)));
-/// ```
-pub trait LinearElem: FloatElement {
-    /// The values as a GEMM operand.
-    fn operand(v: &[Self]) -> Operand<'_>;
-    /// The values as a pass's destination.
-    fn dst(v: &mut [Self]) -> Dst<'_>;
-    /// ReLU's mask of outputs `y`.
-    fn relu_mask(y: &[Self]) -> ReluMask;
-    /// ReLU mask (where given) and bias-gradient column sums, in one pass.
-    fn mask_bias_grad(
-        dy: &mut [Self],
-        mask: Option<&ReluMask>,
-        bias_grad: &mut [f32],
-    ) -> Result<(), KernelError>;
-}
-
-impl LinearElem for f32 {
-    fn operand(v: &[Self]) -> Operand<'_> {
-        Operand::F32(v)
-    }
-    fn dst(v: &mut [Self]) -> Dst<'_> {
-        Dst::F32(v)
-    }
-    fn relu_mask(y: &[Self]) -> ReluMask {
-        ReluMask::from_f32(y)
-    }
-    fn mask_bias_grad(
-        dy: &mut [Self],
-        mask: Option<&ReluMask>,
-        bias_grad: &mut [f32],
-    ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f32(dy, mask, bias_grad)
+/// `values` as a pass's destination.
+fn as_dst<E: Precision<Elem = E> + Dtype>(values: &mut [E]) -> Dst<'_> {
+    match E::floats_mut(values) {
+        FloatSliceMut::F32(v) => Dst::F32(v),
+        FloatSliceMut::F16(v) => Dst::F16(v),
     }
 }
 
-impl LinearElem for f16 {
-    fn operand(v: &[Self]) -> Operand<'_> {
-        Operand::F16(v)
-    }
-    fn dst(v: &mut [Self]) -> Dst<'_> {
-        Dst::F16(v)
-    }
-    fn relu_mask(y: &[Self]) -> ReluMask {
-        ReluMask::from_f16(y)
-    }
-    fn mask_bias_grad(
-        dy: &mut [Self],
-        mask: Option<&ReluMask>,
-        bias_grad: &mut [f32],
-    ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f16(dy, mask, bias_grad)
+/// ReLU's mask of outputs `y`.
+fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
+    match E::operand(y) {
+        Operand::F16(v) => ReluMask::from_f16(v),
+        Operand::F32(v) | Operand::Bf16(v) => ReluMask::from_f32(v),
     }
 }
 
-impl LinearElem for AMP<f16> {
-    fn operand(v: &[Self]) -> Operand<'_> {
-        Operand::F16(amp_as_f16(v))
-    }
-    fn dst(v: &mut [Self]) -> Dst<'_> {
-        Dst::F16(amp_as_f16_mut(v))
-    }
-    fn relu_mask(y: &[Self]) -> ReluMask {
-        ReluMask::from_f16(amp_as_f16(y))
-    }
-    fn mask_bias_grad(
-        dy: &mut [Self],
-        mask: Option<&ReluMask>,
-        bias_grad: &mut [f32],
-    ) -> Result<(), KernelError> {
-        relu_mask_bias_grad_f16(amp_as_f16_mut(dy), mask, bias_grad)
+/// ReLU mask (where given) and bias-gradient column sums, in one pass.
+fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
+    dy: &mut [E],
+    mask: Option<&ReluMask>,
+    bias_grad: &mut [f32],
+) -> Result<(), KernelError> {
+    match E::floats_mut(dy) {
+        FloatSliceMut::F32(v) => relu_mask_bias_grad_f32(v, mask, bias_grad),
+        FloatSliceMut::F16(v) => relu_mask_bias_grad_f16(v, mask, bias_grad),
     }
 }
 
@@ -449,7 +396,7 @@ fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }
 
-fn read<S: Shape, E: LinearElem, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
+fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
     let mut v = vec![E::default(); t.shape().num_elements()];
     t.copy_into(&mut v);
     v
@@ -474,7 +421,7 @@ fn read<S: Shape, E: LinearElem, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
 /// write_weight_grad(&[1.0f32, 2.0], &[1.0, 2.0, 3.0, 4.0], 2, &mut dw).unwrap();
 /// assert_eq!(dw, [1.0 + 7.0, 1.0 + 10.0]);
 /// ```
-pub fn write_weight_grad<E: LinearElem>(
+pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
     dz: &[E],
     x: &[E],
     rows: usize,
@@ -502,10 +449,11 @@ pub fn write_weight_grad<E: LinearElem>(
         &mut dw,
         false,
     )?;
-    add_f32_into(&dw, E::dst(dst))
+    add_f32_into(&dw, as_dst(dst))
 }
 
-impl<const I: usize, const O: usize, E: LinearElem, A: FusedActivation> FusedLinear<I, O, E, Cpu, A>
+impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
+    FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {
@@ -519,7 +467,7 @@ where
         let rows = x.shape().num_elements() / I;
         let (xv, wv) = (read(&x), read(&self.weight));
         let mut bias = vec![0.0f32; O];
-        E::to_f32_slice(&read(&self.bias), &mut bias);
+        E::widen(&read(&self.bias), &mut bias);
         let mut y = vec![E::default(); rows * O];
         // f32 sums for at most ROW_CHUNK rows at a time, so the scratch stays small at any batch
         let mut acc = vec![0.0f32; rows.min(ROW_CHUNK) * O];
@@ -533,10 +481,10 @@ where
                 false,
             )
             .map_err(shape_err)?;
-            bias_act_into(acc, &bias, A::ACT, E::dst(yc)).map_err(shape_err)?;
+            bias_act_into(acc, &bias, A::ACT, as_dst(yc)).map_err(shape_err)?;
         }
         drop((wv, acc));
-        let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| E::relu_mask(&y));
+        let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| relu_mask_of(&y));
         let y = x.device().try_tensor_from_vec(y, out)?;
         if T::OWNS_TAPE {
             // The op keeps the input's values (moved, not copied again), the weight (shared with
@@ -546,9 +494,9 @@ where
             tape.add_backward_op(move |grads| {
                 let mut dz: Vec<E> = slice::<E>(grads.get_or_alloc_mut(&y_id)?).to_vec();
                 let mut db = vec![0.0f32; O];
-                E::mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
+                mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
                 drop(mask);
-                add_f32_into(&db, E::dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
+                add_f32_into(&db, as_dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
                     .map_err(shape_err)?;
                 write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w)?))
                     .map_err(shape_err)?;
@@ -562,12 +510,12 @@ where
 
 /// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
 /// does not resolve).
-fn slice<E: LinearElem>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
+fn slice<E: Precision<Elem = E> + Dtype>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
     &mut v[..]
 }
 
 /// `gx += dZ·W`, in row chunks of f32 sums.
-fn input_grad<E: LinearElem, const I: usize, const O: usize>(
+fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
     dz: &[E],
     w: &Tensor<Rank2<O, I>, E, Cpu>,
     gx: &mut [E],
@@ -585,13 +533,18 @@ fn input_grad<E: LinearElem, const I: usize, const O: usize>(
             false,
         )
         .map_err(shape_err)?;
-        add_f32_into(dx, E::dst(gxc)).map_err(shape_err)?;
+        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
     }
     Ok(())
 }
 
-impl<const I: usize, const O: usize, E: LinearElem, A: FusedActivation, T: Tape<E, Cpu>>
-    Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+impl<
+    const I: usize,
+    const O: usize,
+    E: Precision<Elem = E> + Dtype,
+    A: FusedActivation,
+    T: Tape<E, Cpu>,
+> Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {
@@ -603,8 +556,14 @@ where
     }
 }
 
-impl<const I: usize, const O: usize, E: LinearElem, A: FusedActivation, B: Dim, T: Tape<E, Cpu>>
-    Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+impl<
+    const I: usize,
+    const O: usize,
+    E: Precision<Elem = E> + Dtype,
+    A: FusedActivation,
+    B: Dim,
+    T: Tape<E, Cpu>,
+> Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
 where
     Cpu: Device<E>,
 {
@@ -620,7 +579,7 @@ where
 impl<
     const I: usize,
     const O: usize,
-    E: LinearElem,
+    E: Precision<Elem = E> + Dtype,
     A: FusedActivation,
     B: Dim,
     S: Dim,

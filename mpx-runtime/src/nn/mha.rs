@@ -9,7 +9,7 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
 use super::convert::dfdx_layer;
 use super::mixed::{MixedModule, native_module};
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::{AMP, Precision, f16};
 use crate::region::FullPrecision;
 
 /// Multi-head attention, as dfdx's
@@ -145,7 +145,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, B, S1
     MixedModule<P, (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>)>
     for MultiHeadAttention<M, H, K, V, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,
@@ -203,7 +203,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, S1, S
         ),
     > for MultiHeadAttention<M, H, K, V, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     S1: Dim,
@@ -239,7 +239,7 @@ macro_rules! self_attention {
             MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
             for MultiHeadAttention<M, H, K, V, E, Cpu>
         where
-            E: FloatElement,
+            E: Precision<Elem = E> + Dtype,
             P: Precision<Elem = E>,
             Cpu: Device<E>,
             $($d: Dim,)+

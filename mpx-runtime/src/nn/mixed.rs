@@ -3,7 +3,7 @@
 
 use dfdx::tensor::CpuError;
 
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::Precision;
 
 /// A layer's forward pass in precision `P`: matmuls and residual adds in `P::Elem`, the
 /// precision-critical operations (layer-norm statistics, the attention softmax) in an f32
@@ -11,8 +11,8 @@ use crate::precision::{AMP, FloatElement, Precision, f16};
 ///
 /// `P` matters beyond the element type for emulated [`bf16`](crate::precision::bf16): its
 /// tensors are f32, and only `P` says that region outputs and gradients are rounded to bf16.
-/// Each `mpx::nn` layer also implements dfdx's `Module`, which runs in the element's
-/// [`NativePrecision`] (f32, f16 or `AMP<f16>`).
+/// Each `mpx::nn` layer also implements dfdx's `Module`, which runs in its element type `E` as the
+/// precision (`E: Precision<Elem = E> + Dtype`: f32, f16 or `AMP<f16>`).
 ///
 /// # Examples
 /// ```
@@ -96,45 +96,19 @@ pub trait ForwardIn {
 
 impl<T: ?Sized> ForwardIn for T {}
 
-/// The precision a dfdx element type stands for when nothing else is said: `f32` for `f32`,
-/// `f16` for `f16`, `AMP<f16>` for `AMP<f16>`. dfdx's `Module::forward` on an `mpx::nn` layer
-/// runs in it; emulated bf16 (f32 storage) must be named with [`ForwardIn::forward_in`].
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::nn::NativePrecision;
-/// use mpx_runtime::precision::{Precision, f16};
-/// assert_eq!(<<f16 as NativePrecision>::Native as Precision>::NAME, "float16");
-/// assert_eq!(<<f32 as NativePrecision>::Native as Precision>::NAME, "float32");
-/// ```
-pub trait NativePrecision: FloatElement {
-    /// The precision whose storage is `Self`.
-    type Native: Precision<Elem = Self>;
-}
-
-impl NativePrecision for f32 {
-    type Native = f32;
-}
-impl NativePrecision for f16 {
-    type Native = f16;
-}
-impl NativePrecision for AMP<f16> {
-    type Native = AMP<f16>;
-}
-
-/// Implements dfdx's `Module` (in the element's native precision) and `NonMutableModule` for an
-/// `mpx::nn` layer, by way of its [`MixedModule`] impls.
+/// Implements dfdx's `Module` (in the element type as the precision: f32, f16 or `AMP<f16>`) and
+/// `NonMutableModule` for an `mpx::nn` layer, by way of its [`MixedModule`] impls.
 macro_rules! native_module {
     ($name:ident [$(const $c:ident),*]) => {
-        impl<$(const $c: usize,)* E: $crate::nn::NativePrecision, X> dfdx::nn::Module<X>
+        impl<$(const $c: usize,)* E: $crate::precision::Precision<Elem = E> + dfdx::shapes::Dtype, X> dfdx::nn::Module<X>
             for $name<$($c,)* E, dfdx::tensor::Cpu>
         where
-            Self: $crate::nn::MixedModule<E::Native, X>,
+            Self: $crate::nn::MixedModule<E, X>,
         {
-            type Output = <Self as $crate::nn::MixedModule<E::Native, X>>::Output;
+            type Output = <Self as $crate::nn::MixedModule<E, X>>::Output;
             type Error = dfdx::tensor::CpuError;
             fn try_forward(&self, x: X) -> Result<Self::Output, dfdx::tensor::CpuError> {
-                $crate::nn::MixedModule::<E::Native, X>::try_mixed_forward(self, x)
+                $crate::nn::MixedModule::<E, X>::try_mixed_forward(self, x)
             }
         }
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>

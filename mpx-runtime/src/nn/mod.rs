@@ -20,8 +20,9 @@
 //! steps work) and converts from and to dfdx's layer ([`DfdxLayer`], `From`). With `f32` each is
 //! bit-identical to dfdx's, forward and gradients.
 //!
-//! The precision: dfdx's `Module::forward` runs in the element's [`NativePrecision`] (f32, f16,
-//! `AMP<f16>`); [`ForwardIn::forward_in`] names it, which emulated bf16 (f32 storage) needs.
+//! The precision: dfdx's `Module::forward` runs in the element type as the precision (f32, f16,
+//! `AMP<f16>`: `E: Precision<Elem = E> + Dtype`); [`ForwardIn::forward_in`] names it, which emulated bf16
+//! (f32 storage) needs.
 //!
 //! # Examples
 //! ```

@@ -12,11 +12,11 @@ use dfdx::tensor_ops::{Backward, Device};
 
 use std::time::Instant;
 
-use super::StepPrecision;
 use super::error::StepError;
 use super::workspace::StepTimings;
 use super::workspace::{MasterSlot, MixedWorkspace, WorkingCopy, count_mismatch, len_mismatch};
 use crate::boundary::MasterModel;
+use crate::precision::Precision;
 use crate::scaling::LossScale;
 
 /// The result of a mixed gradient computation: the f32 loss, the scales, `grads_finite`, and f32
@@ -28,7 +28,7 @@ use crate::scaling::LossScale;
 /// here `value` is [`loss`](MixedGrads::loss), `scaling_new` is the scale object you passed
 /// (adjusted in place; [`new_scale`](MixedGrads::new_scale) is its value), `grads_finite` is
 /// [`grads_finite`](MixedGrads::grads_finite) and `grad` is [`grads`](MixedGrads::grads).
-pub struct MixedGrads<'w, H: StepPrecision, M: MasterModel>
+pub struct MixedGrads<'w, H: Precision, M: MasterModel>
 where
     Cpu: Device<H::Elem>,
 {
@@ -45,7 +45,7 @@ where
     pub(super) ws: &'w MixedWorkspace<H, M>,
 }
 
-impl<H: StepPrecision, M: MasterModel> MixedGrads<'_, H, M>
+impl<H: Precision, M: MasterModel> MixedGrads<'_, H, M>
 where
     Cpu: Device<H::Elem>,
 {
@@ -126,7 +126,7 @@ pub fn filter_value_and_grad<'w, H, M, L, S, Fwd, LossFn>(
     loss: LossFn,
 ) -> Result<MixedGrads<'w, H, M>, StepError>
 where
-    H: StepPrecision,
+    H: Precision,
     M: MasterModel,
     L: LossScale + ?Sized,
     S: Shape,
@@ -184,7 +184,7 @@ pub fn filter_value_and_grad_with_aux<'w, H, M, L, S, A, Fwd, LossFn>(
     loss: LossFn,
 ) -> Result<(MixedGrads<'w, H, M>, A), StepError>
 where
-    H: StepPrecision,
+    H: Precision,
     M: MasterModel,
     L: LossScale + ?Sized,
     S: Shape,
@@ -241,7 +241,7 @@ where
 
     // 4. the output gradient, cast to the half type, seeds the half graph (a VJP).
     let mut g_half = vec![H::Elem::default(); g32.len()];
-    H::from_f32_slice(g32, &mut g_half);
+    H::round(g32, &mut g_half);
     drop(grads32);
     let out_ghost = out_half.ghost();
     half_tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
@@ -289,7 +289,7 @@ where
             None => {
                 return Err(StepError::WorkspaceMismatch {
                     expected: "f32 gradients for an identity working copy".into(),
-                    found: "another element type (a StepPrecision impl is inconsistent)".into(),
+                    found: "another element type (a Precision impl is inconsistent)".into(),
                 });
             }
         }
@@ -359,7 +359,7 @@ pub fn filter_grad<'w, H, M, L, S, Fwd, LossFn>(
     loss: LossFn,
 ) -> Result<MixedGrads<'w, H, M>, StepError>
 where
-    H: StepPrecision,
+    H: Precision,
     M: MasterModel,
     L: LossScale + ?Sized,
     S: Shape,
@@ -378,7 +378,7 @@ where
 
 /// Walks the working copy once: moves each trainable tensor's gradient to its master slot, and
 /// snapshots the non-parameter tensors the forward pass changed.
-struct Transfer<'a, H: StepPrecision>
+struct Transfer<'a, H: Precision>
 where
     Cpu: Device<H::Elem>,
 {
@@ -401,7 +401,7 @@ where
 /// Elements moved per chunk: widened, checked and unscaled while in cache, then zeroed.
 const CHUNK: usize = 4096;
 
-impl<H: StepPrecision> TensorVisitor<H::Elem, Cpu> for Transfer<'_, H>
+impl<H: Precision> TensorVisitor<H::Elem, Cpu> for Transfer<'_, H>
 where
     Cpu: Device<H::Elem>,
 {

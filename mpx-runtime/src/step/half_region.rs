@@ -24,7 +24,7 @@ use dfdx::tensor::{
 };
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo};
 
-use super::StepPrecision;
+use crate::precision::Precision;
 
 /// The working copy's half gradients of each finished backward, waiting to be moved to the
 /// master.
@@ -33,7 +33,7 @@ pub(crate) type Stash<E> = Arc<Mutex<Vec<Gradients<E, Cpu>>>>;
 type Writer = Box<dyn Fn(&mut Gradients<f32, Cpu>) -> Result<(), CpuError>>;
 
 /// The state of one region while its input enters and its output leaves.
-pub struct Region<H: StepPrecision>
+pub struct Region<H: Precision>
 where
     Cpu: Device<H::Elem>,
 {
@@ -54,7 +54,7 @@ where
     dev: Cpu,
 }
 
-impl<H: StepPrecision> Region<H>
+impl<H: Precision> Region<H>
 where
     Cpu: Device<H::Elem>,
 {
@@ -93,7 +93,7 @@ where
 }
 
 /// Rounds f32 values to precision `H` into a new tensor of the same shape.
-fn to_half<H: StepPrecision, S: Shape, T>(
+fn to_half<H: Precision, S: Shape, T>(
     x: &Tensor<S, f32, Cpu, T>,
 ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError>
 where
@@ -102,7 +102,7 @@ where
     let n = x.shape().num_elements();
     let values = x.as_vec();
     let mut half = vec![H::Elem::default(); n];
-    H::from_f32_slice(&values, &mut half);
+    H::round(&values, &mut half);
     x.device().try_tensor_from_vec(half, *x.shape())
 }
 
@@ -114,7 +114,7 @@ where
     label = "expected an f32 (or integer) tensor, traced or not, or a tuple of them",
     note = "pass the f32 batch as in an f32 step (`x.traced(grads)`): the mixed step rounds it to the half type itself; a half tensor can be widened with `mpx::cast::cast_to_f32(&t)`"
 )]
-pub trait HalfInput<H: StepPrecision>
+pub trait HalfInput<H: Precision>
 where
     Cpu: Device<H::Elem>,
 {
@@ -127,7 +127,7 @@ where
     fn enter(self, region: &mut Region<H>) -> Result<Self::Half, CpuError>;
 }
 
-impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>
+impl<H: Precision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>
 where
     Cpu: Device<H::Elem>,
 {
@@ -171,7 +171,7 @@ where
     }
 }
 
-impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, NoneTape>
+impl<H: Precision, S: Shape> HalfInput<H> for Tensor<S, f32, Cpu, NoneTape>
 where
     Cpu: Device<H::Elem>,
 {
@@ -183,7 +183,7 @@ where
 
 macro_rules! integer_input {
     ($($t:ty),*) => {$(
-        impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, OwnedTape<f32, Cpu>>
+        impl<H: Precision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, OwnedTape<f32, Cpu>>
         where
             Cpu: Device<H::Elem>,
         {
@@ -194,7 +194,7 @@ macro_rules! integer_input {
                 Ok(ids.put_tape(region.inner_tape()?))
             }
         }
-        impl<H: StepPrecision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, NoneTape>
+        impl<H: Precision, S: Shape> HalfInput<H> for Tensor<S, $t, Cpu, NoneTape>
         where
             Cpu: Device<H::Elem>,
         {
@@ -227,7 +227,7 @@ struct Seed<E: dfdx::dtypes::Unit> {
     label = "expected the model's half tensor output (or a tuple or `Result` of them)",
     note = "a mixed step runs the model's forward pass in half precision and widens its tensor output to f32"
 )]
-pub trait HalfOutput<H: StepPrecision>
+pub trait HalfOutput<H: Precision>
 where
     Cpu: Device<H::Elem>,
 {
@@ -257,7 +257,7 @@ where
     }
 }
 
-impl<H: StepPrecision> Region<H>
+impl<H: Precision> Region<H>
 where
     Cpu: Device<H::Elem>,
 {
@@ -298,7 +298,7 @@ where
     }
 }
 
-impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
+impl<H: Precision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
 where
     Cpu: Device<H::Elem>,
 {
@@ -323,14 +323,14 @@ where
                 let g = g32.get_or_alloc_mut(&y32_ghost)?;
                 let mut seed = vec![H::Elem::default(); n];
                 if scale == 1.0 {
-                    H::from_f32_slice(g, &mut seed);
+                    H::round(g, &mut seed);
                 } else {
                     // Scaled through a stack buffer, chunk by chunk: no second output-sized vector.
                     let mut buf = [0.0f32; 1024];
                     for (src, dst) in g.chunks(buf.len()).zip(seed.chunks_mut(buf.len())) {
                         let b = &mut buf[..src.len()];
                         b.iter_mut().zip(src).for_each(|(b, v)| *b = v * scale);
-                        H::from_f32_slice(b, dst);
+                        H::round(b, dst);
                     }
                 }
                 Ok(seed)
@@ -350,7 +350,7 @@ where
     }
 }
 
-impl<H: StepPrecision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, NoneTape>
+impl<H: Precision, S: Shape> HalfOutput<H> for Tensor<S, H::Elem, Cpu, NoneTape>
 where
     Cpu: Device<H::Elem>,
 {
@@ -368,7 +368,7 @@ where
     }
 }
 
-impl<H: StepPrecision, T: HalfOutput<H>, E: From<CpuError>> HalfOutput<H> for Result<T, E>
+impl<H: Precision, T: HalfOutput<H>, E: From<CpuError>> HalfOutput<H> for Result<T, E>
 where
     Cpu: Device<H::Elem>,
 {
@@ -387,7 +387,7 @@ where
 
 macro_rules! tuples {
     ($($name:ident),+) => {
-        impl<H: StepPrecision, $($name: HalfInput<H>),+> HalfInput<H> for ($($name,)+)
+        impl<H: Precision, $($name: HalfInput<H>),+> HalfInput<H> for ($($name,)+)
         where
             Cpu: Device<H::Elem>,
         {
@@ -398,7 +398,7 @@ macro_rules! tuples {
                 Ok(($($name.enter(region)?,)+))
             }
         }
-        impl<H: StepPrecision, $($name: HalfOutput<H>),+> HalfOutput<H> for ($($name,)+)
+        impl<H: Precision, $($name: HalfOutput<H>),+> HalfOutput<H> for ($($name,)+)
         where
             Cpu: Device<H::Elem>,
         {

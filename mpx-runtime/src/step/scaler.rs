@@ -8,14 +8,14 @@ use dfdx::shapes::Rank0;
 use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
 use dfdx::tensor_ops::{Backward, Device};
 
+use super::WorkingCopy;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
 use super::report::StepReport;
 use super::update::{SkipReason, UpdateOutcome};
 use super::working::{ErasedWorking, Working};
-use super::{StepPrecision, WorkingCopy};
 use crate::boundary::MasterModel;
-use crate::precision::f16;
+use crate::precision::{Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
 
 /// The state of mixed-precision training, kept across steps like PyTorch's `GradScaler`: the
@@ -73,7 +73,7 @@ use crate::scaling::{DynamicLossScale, LossScale};
 /// assert_eq!(scaler.applied_steps(), 3);
 /// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
-pub struct GradScaler<H: StepPrecision = f16, L: LossScale = DynamicLossScale> {
+pub struct GradScaler<H: Precision = f16, L: LossScale = DynamicLossScale> {
     scaling: L,
     working: Option<Box<dyn ErasedWorking>>,
     max_consecutive_skips: Option<u64>,
@@ -105,10 +105,10 @@ impl Pending {
     };
 }
 
-impl<H: StepPrecision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
+impl<H: Precision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradScaler")
-            .field("precision", &H::NAME)
+            .field("precision", &H::DTYPE.name())
             .field("loss_scale", &self.scaling.loss_scale())
             .field("applied_steps", &self.applied)
             .field("skipped_steps", &self.skipped)
@@ -119,7 +119,7 @@ impl<H: StepPrecision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
     }
 }
 
-impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
+impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// A scaler with the given loss scale (`DynamicLossScale`, `StaticLossScale` or
     /// `NoOpLossScale`). Buffers are allocated on the first forward pass.
     ///
@@ -608,7 +608,7 @@ impl<H: StepPrecision, L: LossScale> GradScaler<H, L> {
     }
 }
 
-impl<H: StepPrecision, L: LossScale + Default> Default for GradScaler<H, L> {
+impl<H: Precision, L: LossScale + Default> Default for GradScaler<H, L> {
     /// A scaler with the loss scale's default (for [`DynamicLossScale`]: jmp's and mpx's
     /// defaults).
     fn default() -> Self {
@@ -622,14 +622,14 @@ impl<H: StepPrecision, L: LossScale + Default> Default for GradScaler<H, L> {
     label = "expected a `GradScaler<{H}, _>` (or a `&mut` one)",
     note = "declare it once, outside the loop: `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());` (a field or a `&mut GradScaler` parameter works too); it holds the loss scale, the half working copy and the skip counters"
 )]
-pub trait MixedScaler<H: StepPrecision> {
+pub trait MixedScaler<H: Precision> {
     /// The loss scale type.
     type Loss: LossScale;
     /// The scaler itself.
     fn scaler(&mut self) -> &mut GradScaler<H, Self::Loss>;
 }
 
-impl<H: StepPrecision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
+impl<H: Precision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
     type Loss = L;
     fn scaler(&mut self) -> &mut GradScaler<H, L> {
         self
@@ -645,7 +645,7 @@ impl<H: StepPrecision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
 /// let mut s = GradScaler::<f16>::default();
 /// assert_eq!(scaler_of::<f16, _>(&mut s).loss_scale(), s.loss_scale());
 /// ```
-pub fn scaler_of<H: StepPrecision, S: MixedScaler<H> + ?Sized>(
+pub fn scaler_of<H: Precision, S: MixedScaler<H> + ?Sized>(
     s: &mut S,
 ) -> &mut GradScaler<H, S::Loss> {
     s.scaler()

@@ -6,10 +6,10 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::StepPrecision;
 use super::error::StepError;
 use super::grads::MixedGrads;
 use crate::boundary::MasterModel;
+use crate::precision::Precision;
 
 /// Why a step was skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +99,7 @@ pub fn optimizer_update<H, M, O>(
     grads_finite: bool,
 ) -> Result<UpdateOutcome, StepError>
 where
-    H: StepPrecision,
+    H: Precision,
     M: MasterModel,
     O: Optimizer<M, Cpu, f32>,
     Cpu: Device<H::Elem>,

@@ -12,7 +12,6 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::StepPrecision;
 use super::error::StepError;
 use super::half_region::Stash;
 use super::update::WriteState;
@@ -22,6 +21,7 @@ use super::workspace::{
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
 use crate::finite::all_finite_f32;
+use crate::precision::Precision;
 
 /// What the scaler does with its workspace without knowing the model's type.
 pub(crate) trait ErasedWorking: Any + Send + Sync {
@@ -40,7 +40,7 @@ type Prepared<'a, H, M> = (
 );
 
 /// The typed workspace for master model `M` in precision `H`.
-pub(crate) struct Working<H: StepPrecision, M: MasterModel>
+pub(crate) struct Working<H: Precision, M: MasterModel>
 where
     Cpu: Device<H::Elem>,
 {
@@ -63,7 +63,7 @@ where
     state_written: Vec<bool>,
 }
 
-impl<H: StepPrecision, M: MasterModel + Send + Sync + 'static> Working<H, M>
+impl<H: Precision, M: MasterModel + Send + Sync + 'static> Working<H, M>
 where
     Cpu: Device<H::Elem>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
@@ -160,7 +160,7 @@ where
     }
 }
 
-impl<H: StepPrecision, M: MasterModel + Send + Sync + 'static> ErasedWorking for Working<H, M>
+impl<H: Precision, M: MasterModel + Send + Sync + 'static> ErasedWorking for Working<H, M>
 where
     Cpu: Device<H::Elem>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
@@ -222,7 +222,7 @@ const CHUNK: usize = 1024;
 
 /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
 /// whether `dst` is finite afterwards.
-fn add_unscaled<H: StepPrecision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
+fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
     let mut buf = [0.0f32; CHUNK];
     let zero = H::Elem::default();
     for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
@@ -242,7 +242,7 @@ fn add_unscaled<H: StepPrecision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished
 /// backward) are added, unscaled, to the master's entry at the same position.
-struct Mover<'a, H: StepPrecision>
+struct Mover<'a, H: Precision>
 where
     Cpu: Device<H::Elem>,
 {
@@ -255,7 +255,7 @@ where
     mismatch: Option<StepError>,
 }
 
-impl<H: StepPrecision> TensorVisitor<H::Elem, Cpu> for Mover<'_, H>
+impl<H: Precision> TensorVisitor<H::Elem, Cpu> for Mover<'_, H>
 where
     Cpu: Device<H::Elem>,
 {
@@ -306,7 +306,7 @@ struct ReadState<'a, H> {
     marker: std::marker::PhantomData<H>,
 }
 
-impl<H: StepPrecision> TensorVisitor<H::Elem, Cpu> for ReadState<'_, H>
+impl<H: Precision> TensorVisitor<H::Elem, Cpu> for ReadState<'_, H>
 where
     Cpu: Device<H::Elem>,
 {

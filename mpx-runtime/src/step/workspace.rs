@@ -11,10 +11,10 @@ use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, TensorFromVec, ZerosTensor};
 use dfdx::tensor_ops::Device;
 
-use super::StepPrecision;
 use super::error::StepError;
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
+use crate::precision::Precision;
 
 /// The working copy of master model `M` in precision `H`: the same module with its float tensors
 /// stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for emulated bf16).
@@ -91,12 +91,12 @@ where
 /// assert_eq!(ws.skipped_steps(), 0);
 /// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
-pub struct MixedWorkspace<H: StepPrecision, M: MasterModel>
+pub struct MixedWorkspace<H: Precision, M: MasterModel>
 where
     Cpu: Device<H::Elem>,
 {
     pub(super) dev: Cpu,
-    /// `None` only for an [`IDENTITY`](StepPrecision::IDENTITY) precision between steps: its
+    /// `None` only for an [`IDENTITY`](Precision::IDENTITY) precision between steps: its
     /// working copy shares the master's buffers and is released before the update.
     pub(super) half: Option<WorkingCopy<H, M>>,
     /// The working copy's gradients; `None` only while a step holds them on its tape.
@@ -120,7 +120,7 @@ where
     pub(super) applied_steps: Cell<u64>,
 }
 
-impl<H: StepPrecision, M: MasterModel> MixedWorkspace<H, M>
+impl<H: Precision, M: MasterModel> MixedWorkspace<H, M>
 where
     Cpu: Device<H::Elem>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu>,
@@ -243,9 +243,9 @@ where
     }
 }
 
-/// The working copy of an [`IDENTITY`](StepPrecision::IDENTITY) precision: the master's own
+/// The working copy of an [`IDENTITY`](Precision::IDENTITY) precision: the master's own
 /// tensors (same ids, shared buffers, nothing copied).
-pub(super) fn share<H: StepPrecision, M: MasterModel>(
+pub(super) fn share<H: Precision, M: MasterModel>(
     master: &M,
 ) -> Result<WorkingCopy<H, M>, StepError>
 where
@@ -278,7 +278,7 @@ pub(super) fn len_mismatch(index: usize, expected: usize, found: usize) -> StepE
 /// is not `f32` it falls back to a converting copy.
 struct Share<H>(std::marker::PhantomData<H>);
 
-impl<H: StepPrecision> TensorVisitor<f32, Cpu> for Share<H>
+impl<H: Precision> TensorVisitor<f32, Cpu> for Share<H>
 where
     Cpu: Device<H::Elem>,
 {
@@ -301,7 +301,7 @@ where
         let mut src = vec![0.0f32; n];
         t.copy_into(&mut src);
         let mut dst = vec![H::Elem::default(); n];
-        H::from_f32_slice(&src, &mut dst);
+        H::round(&src, &mut dst);
         Ok(Some(t.device().try_tensor_from_vec(dst, *t.shape())?))
     }
 }

@@ -7,7 +7,7 @@ use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryConcatAlong};
 
 use crate::nn::MixedModule;
 use crate::nn::mixed::{build_on_device, native_module};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// A ViT class token: a learned `M`-vector prepended to each `(S, M)` sequence of a batch,
 /// giving `(B, S + 1, M)` (the length as a runtime `usize`, since stable Rust cannot add
@@ -57,7 +57,7 @@ impl<const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D> for ClassTok
 build_on_device!(ClassToken[const M]);
 native_module!(ClassToken[const M]);
 
-impl<const M: usize, E: FloatElement, D: Storage<E>> ClassToken<M, E, D>
+impl<const M: usize, E: Precision<Elem = E> + Dtype, D: Storage<E>> ClassToken<M, E, D>
 where
     Cpu: Device<E>,
 {
@@ -89,7 +89,7 @@ where
 impl<const M: usize, E, P, B, S, T> MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>>
     for ClassToken<M, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,

@@ -9,7 +9,7 @@ use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
 
 use crate::nn::mixed::{build_on_device, native_module};
 use crate::nn::{LayerNorm1D, MixedModule};
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::{AMP, Precision, f16};
 use crate::region::FullPrecision;
 
 /// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
@@ -86,7 +86,7 @@ fn layer_norm_f32<B: Dim, const M: usize>(
 impl<const M: usize, const C: usize, E, P, B, S, T>
     MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>> for ClassificationHead<M, C, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,
@@ -111,7 +111,7 @@ where
 impl<const M: usize, const C: usize, E, P, B, T> MixedModule<P, Tensor<(B, Const<M>), E, Cpu, T>>
     for ClassificationHead<M, C, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,

@@ -9,7 +9,7 @@ use dfdx::tensor_ops::Device;
 use super::{ClassificationHead, PatchEmbedding, PositionEmbedding};
 use crate::nn::mixed::native_module;
 use crate::nn::{MixedModule, TransformerEncoder};
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::{AMP, Precision, f16};
 
 /// A Vision Transformer for flattened square images `(B, PIXELS)`: `PATCHES` patches of
 /// `PATCH_DIM` pixels embedded to width `MODEL`, plus a learned position embedding, through
@@ -165,7 +165,7 @@ impl<
 > MixedModule<P, Tensor<(B, Const<PIXELS>), E, Cpu, T>>
     for Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,

@@ -9,7 +9,7 @@ use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
 use crate::nn::MixedModule;
 use crate::nn::mixed::native_module;
-use crate::precision::{AMP, FloatElement, Precision, f16};
+use crate::precision::{AMP, Precision, f16};
 
 /// Integer square root (the largest `r` with `r * r <= n`), at compile time.
 const fn isqrt(n: usize) -> usize {
@@ -92,7 +92,7 @@ impl<
     const PATCH_DIM: usize,
     const PATCHES: usize,
     const M: usize,
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     D: Storage<E>,
 > PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, D>
 where
@@ -180,7 +180,7 @@ impl<const PIXELS: usize, const PATCH_DIM: usize, const PATCHES: usize, const M:
     MixedModule<P, Tensor<(B, Const<PIXELS>), E, Cpu, T>>
     for PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,

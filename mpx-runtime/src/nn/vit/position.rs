@@ -7,7 +7,7 @@ use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryAdd};
 
 use crate::nn::MixedModule;
 use crate::nn::mixed::{build_on_device, native_module};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// A learned position embedding: `x + pos` for `x` of shape `(B, SEQ, M)` or `(SEQ, M)`, the
 /// add in the half type (a residual-style add).
@@ -77,7 +77,7 @@ impl<const SEQ: usize, const M: usize, E, P, B, T>
     MixedModule<P, Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>>
     for PositionEmbedding<SEQ, M, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,
@@ -96,7 +96,7 @@ where
 impl<const SEQ: usize, const M: usize, E, P, T> MixedModule<P, Tensor<Rank2<SEQ, M>, E, Cpu, T>>
     for PositionEmbedding<SEQ, M, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     T: Tape<E, Cpu>,
@@ -115,7 +115,7 @@ where
 impl<const SEQ: usize, const M: usize, E, P, B, T>
     MixedModule<P, Tensor<(B, usize, Const<M>), E, Cpu, T>> for PositionEmbedding<SEQ, M, E, Cpu>
 where
-    E: FloatElement,
+    E: Precision<Elem = E> + Dtype,
     P: Precision<Elem = E>,
     Cpu: Device<E>,
     B: Dim,

@@ -1,0 +1,206 @@
+//! Precision types: which element type a tensor is stored in, and how values are rounded into it.
+//!
+//! Two sealed traits describe every precision mpx knows; no other crate can implement them:
+//!
+//! - [`Precision`]: what a precision is. Its storage type (`Elem`), its jmp dtype, how f32 values
+//!   round into it and widen out of it, its bit view for finiteness checks, and the slice work a
+//!   mixed step does in it.
+//! - [`HalfPrecision`]: a precision that can be the compute precision of a mixed step.
+//!
+//! | marker | storage (`P::Elem`) | [`HalfPrecision`] | what it is |
+//! |---|---|---|---|
+//! | `f32` | `f32` | no | IEEE binary32: full precision |
+//! | [`f16`](struct@f16) | `f16` | yes | IEEE binary16, native dfdx dtype |
+//! | [`AMP<f16>`] | `AMP<f16>` | yes | dfdx's AMP wrapper: f16 storage, f32 accumulation in sums and optimizers |
+//! | [`bf16`] | `f32` | yes | **emulated** bfloat16: see below |
+//!
+//! `f32`, `f16` and `AMP<f16>` store themselves (`Elem = Self`): code generic over a dfdx element
+//! type is written `E: Precision<Elem = E> + Dtype` (Rust does not carry `Elem`'s `Dtype` bound over
+//! to `E` through the equality, so it is spelled out).
+//!
+//! # Emulated bf16
+//! dfdx 0.13 cannot take `bf16` as a dtype (its device trait needs crate-private matmul kernels), so
+//! `bf16` is emulated: tensors stay `f32`, and every value is rounded to the nearest bf16 (ties to
+//! even) wherever mpx casts: parameters, inputs, activations at region boundaries and gradients.
+//! Emulated bf16 reproduces bf16 numerics at those points and saves **no** memory; arithmetic
+//! between casts runs in f32.
+//!
+//! # Examples
+//! ```
+//! use mpx_runtime::policy::DType;
+//! use mpx_runtime::precision::{HalfPrecision, Precision, bf16, f16};
+//! assert_eq!(<f16 as Precision>::DTYPE, DType::Float16);
+//! let mut out = [0.0f32; 2];
+//! // 1 + 2^-9 is not a bf16 value: it rounds to 1.0 (ties to even).
+//! bf16::round(&[1.0 + 1.0 / 512.0, 3.0], &mut out);
+//! assert_eq!(out, [1.0, 3.0]);
+//! assert!(bf16::EMULATED);
+//! ```
+
+mod impls;
+mod slices;
+
+use dfdx::tensor::{Cpu, Storage};
+
+pub use dfdx::dtypes::AMP;
+pub use half::{bf16, f16};
+pub(crate) use slices::sized;
+pub use slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16};
+
+use crate::kernels::Operand;
+use crate::policy::DType;
+
+mod sealed {
+    /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
+    /// `AMP<f16>` and `bf16`.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not an mpx precision: `Precision` is sealed",
+        label = "mpx implements `Precision` only for its own precision types",
+        note = "the precisions are `f32`, `f16`, `AMP<f16>` and the emulated `bf16` (`mpx::precision`); other formats (FP8, FP4, INT8) are MX block formats: see `mpx::mx`"
+    )]
+    pub trait Sealed {}
+}
+
+/// A float slice seen as its IEEE bit patterns, for bit-level checks (finiteness, exact compares).
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::{FloatBits, Precision, f16};
+/// assert!(matches!(f32::bits(&[1.0]), FloatBits::F32(&[0x3f80_0000])));
+/// assert!(matches!(f16::bits(&[f16::ONE]), FloatBits::F16(&[0x3c00])));
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub enum FloatBits<'a> {
+    /// binary32 bit patterns (`f32`, also emulated bf16).
+    F32(&'a [u32]),
+    /// binary16 bit patterns (`f16` and `AMP<f16>`).
+    F16(&'a [u16]),
+}
+
+/// A mutable view of one floating-point leaf's values, as the in-place visitors
+/// ([`FloatLeaves::visit_floats_mut`](crate::cast::FloatLeaves::visit_floats_mut)) see it.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::{AMP, FloatSliceMut, Precision, f16};
+/// let mut v = [AMP(f16::ONE)];
+/// if let FloatSliceMut::F16(h) = <AMP<f16>>::floats_mut(&mut v) {
+///     h[0] = f16::from_f32(2.0);
+/// }
+/// assert_eq!(v[0].0, f16::from_f32(2.0));
+/// ```
+#[derive(Debug)]
+pub enum FloatSliceMut<'a> {
+    /// f32 values (also emulated bf16).
+    F32(&'a mut [f32]),
+    /// f16 values (also `AMP<f16>`, viewed as f16).
+    F16(&'a mut [f16]),
+}
+
+/// A precision: `f32`, [`f16`](struct@f16), [`AMP<f16>`] or (emulated) [`bf16`]. Sealed: only mpx
+/// implements it.
+///
+/// `Elem` is the dfdx dtype the values are stored in: the precision itself for `f32`, `f16` and
+/// `AMP<f16>`, `f32` for emulated bf16. Every method works on whole slices (through `half`'s SIMD
+/// slice conversions), never element by element.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::policy::DType;
+/// use mpx_runtime::precision::{Precision, bf16, f16};
+/// let mut h = [f16::ZERO; 2];
+/// f16::round(&[1.5, 65520.0], &mut h);
+/// assert_eq!(h[0], f16::from_f32(1.5));
+/// assert!(h[1].is_infinite()); // 65520 rounds past f16's max, 65504
+/// let mut wide = [0.0f32; 2];
+/// f16::widen(&h, &mut wide);
+/// assert_eq!(wide, [1.5, f32::INFINITY]);
+/// assert_eq!((bf16::DTYPE, bf16::DTYPE.name()), (DType::BFloat16, "bfloat16"));
+/// ```
+pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::Debug {
+    /// The dfdx element type tensors of this precision hold (a precision that stores itself).
+    type Elem: Precision<Elem = Self::Elem> + dfdx::shapes::Dtype;
+
+    /// The jmp dtype this precision stores or emulates (`AMP<f16>` is [`DType::Float16`]).
+    const DTYPE: DType;
+
+    /// `true` when casting to this precision changes nothing (only `f32`): a mixed step's working
+    /// copy then shares the master's buffers instead of copying them, and the gradients are
+    /// checked and unscaled where they are (mpx's `use_mixed_precision=False` path casts nothing
+    /// either). `GradScaler<f32, _>` with scale 1 reproduces a plain f32 step bit for bit.
+    const IDENTITY: bool;
+
+    /// Rounds f32 values into this precision's storage (same length), to nearest even; for
+    /// emulated bf16, into f32 values that are exactly bf16 values.
+    fn round(src: &[f32], dst: &mut [Self::Elem]);
+
+    /// Widens values of this precision into f32 (same length): exact for `f32`, `f16` and
+    /// `AMP<f16>`. Emulated bf16 rounds its f32 storage to bf16 here: this is where a real bf16
+    /// tensor would be cast.
+    fn widen(src: &[Self::Elem], dst: &mut [f32]);
+
+    /// The stored values as their raw IEEE bit patterns.
+    fn bits(src: &[Self::Elem]) -> FloatBits<'_>;
+
+    /// The stored values as the mutable view in-place visitors take.
+    fn floats_mut(values: &mut [Self::Elem]) -> FloatSliceMut<'_>;
+
+    /// The stored values as an operand of mpx's GEMM (emulated bf16: f32 values the kernels round
+    /// to bf16 while packing).
+    fn operand(values: &[Self::Elem]) -> Operand<'_>;
+
+    /// A gradient buffer (dfdx's private CPU vector) as a slice.
+    fn grad_slice(buf: &mut <Cpu as Storage<Self::Elem>>::Vec) -> &mut [Self::Elem]
+    where
+        Cpu: Storage<Self::Elem>;
+
+    /// Moves scaled gradients of this precision into f32 master gradients in one pass: widen
+    /// (emulated bf16: round to bf16 first), check finiteness on the scaled values, multiply by
+    /// `inv_scale`. Returns `true` when every value was finite. `src` and `dst` have the same
+    /// length (a mismatch is reported as not finite).
+    fn transfer(src: &[Self::Elem], inv_scale: f32, dst: &mut [f32]) -> bool;
+
+    /// Checks finiteness and multiplies by `inv_scale` in place (the [`IDENTITY`] path), chunk by
+    /// chunk through f32: widen, unscale and check, round back, and check again (a value can
+    /// overflow when it is rounded back). Returns `true` when every value was finite.
+    ///
+    /// [`IDENTITY`]: Precision::IDENTITY
+    fn unscale_in_place(values: &mut [Self::Elem], inv_scale: f32) -> bool {
+        let mut buf = [0.0f32; 1024];
+        let mut finite = true;
+        for chunk in values.chunks_mut(buf.len()) {
+            let tmp = &mut buf[..chunk.len()];
+            Self::widen(chunk, tmp);
+            finite &= crate::finite::unscale_in_place_checked(tmp, inv_scale);
+            Self::round(tmp, chunk);
+            finite &= crate::finite::all_finite_slice(chunk);
+        }
+        finite
+    }
+
+    /// The reused scratch buffer `n` values of this storage type are read into: `tmp32` for f32
+    /// storage, `tmp16` for f16 storage. Grows, never shrinks. For mpx's tensor reads; not a
+    /// public API.
+    #[doc(hidden)]
+    fn scratch<'a>(
+        tmp32: &'a mut Vec<f32>,
+        tmp16: &'a mut Vec<f16>,
+        n: usize,
+    ) -> &'a mut [Self::Elem];
+}
+
+/// Half precision: the compute precision of a mixed step. Implemented by [`f16`](struct@f16),
+/// [`AMP<f16>`] and the emulated [`bf16`]; sealed, as [`Precision`] is.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::{AMP, HalfPrecision, bf16, f16};
+/// assert_eq!(<AMP<f16>>::MAX, 65504.0);
+/// assert!(bf16::EMULATED && !f16::EMULATED);
+/// ```
+pub trait HalfPrecision: Precision {
+    /// `true` when values are stored in f32 and only rounded to this precision (bf16).
+    const EMULATED: bool;
+    /// Largest finite value of the half format (65504 for f16, about 3.39e38 for bf16).
+    const MAX: f32;
+}
