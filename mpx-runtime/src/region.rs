@@ -128,6 +128,9 @@ pub trait RegionInput<E: Dtype> {
     /// The outer tape the region's output carries.
     type Tape: Tape<E, Cpu>;
     /// Splits the tapes off, makes the f32 copies and records the leaves.
+    ///
+    /// # Errors
+    /// A device error (allocation) while making the f32 copies.
     fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError>;
 }
 
@@ -367,7 +370,7 @@ impl<H: Precision> FullPrecision<H> {
         let y_flat = y.clone().try_reshape_like(&(n,))?;
         let y32_flat = y32.try_reshape_like(&(n,))?;
         tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
-            Self::backward(grads, &leaves, y_flat, y32_flat, inner_tape)
+            Self::backward(grads, &leaves, &y_flat, y32_flat, inner_tape)
         });
         Ok(y.put_tape(tape))
     }
@@ -376,7 +379,7 @@ impl<H: Precision> FullPrecision<H> {
     fn backward(
         grads: &mut Gradients<H::Elem, Cpu>,
         leaves: &Leaves<H::Elem>,
-        y: Flat<H::Elem>,
+        y: &Flat<H::Elem>,
         y32: Flat<f32>,
         mut inner_tape: OwnedTape<f32, Cpu>,
     ) -> Result<(), CpuError> {
@@ -384,7 +387,7 @@ impl<H: Precision> FullPrecision<H> {
         let n = y.shape().num_elements();
         // Output gradient, widened to f32.
         let mut g32 = vec![0.0f32; n];
-        <H::Elem as Precision>::widen(grads.get_or_alloc_mut(&y)?, &mut g32);
+        <H::Elem as Precision>::widen(grads.get_or_alloc_mut(y)?, &mut g32);
         let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
 
         // What each leaf's gradient holds already (widened). A tensor passed twice shares one
@@ -395,17 +398,14 @@ impl<H: Precision> FullPrecision<H> {
         for (i, leaf) in leaves.outer.iter().enumerate() {
             let buf = grads.get_or_alloc_mut(leaf)?;
             let ptr = buf.as_ptr();
-            match buffers.iter().position(|p| *p == ptr && !buf.is_empty()) {
-                Some(j) => {
-                    first_of.push(first_of[j]);
-                    seeds.push(None);
-                }
-                None => {
-                    first_of.push(i);
-                    let mut s = vec![0.0f32; buf.len()];
-                    <H::Elem as Precision>::widen(buf, &mut s);
-                    seeds.push(Some(s));
-                }
+            if let Some(j) = buffers.iter().position(|p| *p == ptr && !buf.is_empty()) {
+                first_of.push(first_of[j]);
+                seeds.push(None);
+            } else {
+                first_of.push(i);
+                let mut s = vec![0.0f32; buf.len()];
+                <H::Elem as Precision>::widen(buf, &mut s);
+                seeds.push(Some(s));
             }
             buffers.push(ptr);
         }

@@ -18,7 +18,9 @@ impl<T: FloatLeaves> FloatLeaves for Vec<T> {
         self.iter().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        self.iter_mut().for_each(|x| x.visit_floats_mut(visit))
+        for x in self.iter_mut() {
+            x.visit_floats_mut(visit);
+        }
     }
 }
 
@@ -33,7 +35,9 @@ impl<T: FloatLeaves, const N: usize> FloatLeaves for [T; N] {
         self.iter().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        self.iter_mut().for_each(|x| x.visit_floats_mut(visit))
+        for x in self.iter_mut() {
+            x.visit_floats_mut(visit);
+        }
     }
 }
 
@@ -49,7 +53,7 @@ impl<T: FloatLeaves> FloatLeaves for Option<T> {
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         if let Some(x) = self {
-            x.visit_floats_mut(visit)
+            x.visit_floats_mut(visit);
         }
     }
 }
@@ -65,7 +69,7 @@ impl<T: FloatLeaves> FloatLeaves for Box<T> {
         (**self).visit_float_bits(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        (**self).visit_floats_mut(visit)
+        (**self).visit_floats_mut(visit);
     }
 }
 
@@ -86,7 +90,9 @@ impl<K, V: FloatLeaves, St> FloatLeaves for HashMap<K, V, St> {
         self.values().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        self.values_mut().for_each(|x| x.visit_floats_mut(visit))
+        for x in self.values_mut() {
+            x.visit_floats_mut(visit);
+        }
     }
 }
 
@@ -101,7 +107,9 @@ impl<K, V: FloatLeaves> FloatLeaves for BTreeMap<K, V> {
         self.values().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        self.values_mut().for_each(|x| x.visit_floats_mut(visit))
+        for x in self.values_mut() {
+            x.visit_floats_mut(visit);
+        }
     }
 }
 

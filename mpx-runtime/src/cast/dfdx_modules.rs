@@ -124,7 +124,7 @@ impl<T: FloatLeaves, const N: usize> FloatLeaves for Repeated<T, N> {
         self.modules.visit_float_bits(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        self.modules.visit_floats_mut(visit)
+        self.modules.visit_floats_mut(visit);
     }
 }
 

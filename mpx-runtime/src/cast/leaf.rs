@@ -120,7 +120,7 @@ impl FloatLeaves for f32 {
         visit(<f32 as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        visit(FloatSliceMut::F32(std::slice::from_mut(self)))
+        visit(FloatSliceMut::F32(std::slice::from_mut(self)));
     }
 }
 impl FloatLeaves for f16 {
@@ -128,7 +128,7 @@ impl FloatLeaves for f16 {
         visit(<f16 as Precision>::bits(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-        visit(FloatSliceMut::F16(std::slice::from_mut(self)))
+        visit(FloatSliceMut::F16(std::slice::from_mut(self)));
     }
 }
 impl FloatLeaves for AMP<f16> {
@@ -138,7 +138,7 @@ impl FloatLeaves for AMP<f16> {
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(<AMP<f16> as Precision>::floats_mut(std::slice::from_mut(
             self,
-        )))
+        )));
     }
 }
 

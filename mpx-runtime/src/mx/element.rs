@@ -17,7 +17,7 @@ use super::error::MxError;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Rounding {
-    /// Round to nearest, ties to even (IEEE; ml_dtypes, torchao and pychop). The default.
+    /// Round to nearest, ties to even (IEEE; `ml_dtypes`, torchao and pychop). The default.
     #[default]
     NearestEven,
     /// Round to nearest, ties away from zero (microxcaling's default `round='nearest'`).
@@ -290,7 +290,7 @@ impl MxFormat {
     }
 
     /// Fraction bits of an integer format's fixed point (`bits - 2`; `None` for floats).
-    fn int_frac_bits(&self) -> Option<u32> {
+    fn int_frac_bits(self) -> Option<u32> {
         if self.is_int() {
             Some(self.bits() - 2)
         } else {
@@ -666,7 +666,7 @@ mod tests {
                 if !(lo.is_finite() && hi.is_finite()) {
                     continue;
                 }
-                let mid = ((f64::from(lo) + f64::from(hi)) / 2.0) as f32;
+                let mid = f64::midpoint(f64::from(lo), f64::from(hi)) as f32;
                 let even = if c % 2 == 0 { c } else { c + 1 };
                 assert_eq!(f.encode(mid), Some(even as u8), "{f}: {lo}..{hi}");
                 assert_eq!(

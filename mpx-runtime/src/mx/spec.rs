@@ -70,6 +70,7 @@ impl MxSpec {
     }
 
     /// Sets the tie rule.
+    #[must_use]
     pub fn with_rounding(mut self, rounding: Rounding) -> MxSpec {
         self.rounding = rounding;
         self

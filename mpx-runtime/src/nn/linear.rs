@@ -1,9 +1,9 @@
-//! [`Linear`] and [`LinearReLU`]: dfdx's `Linear` (optionally followed by a ReLU) as one fused
+//! [`Linear`] and [`LinearReLU`]: dfdx's `Linear` (optionally followed by a `ReLU`) as one fused
 //! operation on the tape, computed by mpx's [kernels](crate::kernels).
 //!
 //! - **Forward:** one GEMM `X·Wᵀ` (f32 sums), then one pass adding the bias, applying the
 //!   activation and rounding to the layer's dtype.
-//! - **Backward** (one op on the tape): one pass applying ReLU's mask to `dY` and summing the bias
+//! - **Backward** (one op on the tape): one pass applying `ReLU`'s mask to `dY` and summing the bias
 //!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X` ([`write_weight_grad`]).
 //!
 //! The parameters are dfdx's (`weight: (O, I)`, `bias: (O,)`), so optimizers, `alloc_grads`,
@@ -113,7 +113,7 @@ pub struct FusedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E>, 
 pub type Linear<const I: usize, const O: usize, E, D = Cpu> =
     FusedLinear<I, O, E, D, act::Identity>;
 
-/// A fused linear layer followed by ReLU: a drop-in for dfdx's `(Linear<I, O>, ReLU)`.
+/// A fused linear layer followed by `ReLU`: a drop-in for dfdx's `(Linear<I, O>, ReLU)`.
 ///
 /// # Examples
 /// ```
@@ -366,7 +366,7 @@ fn as_dst<E: Precision<Elem = E> + Dtype>(values: &mut [E]) -> Dst<'_> {
     }
 }
 
-/// ReLU's mask of outputs `y`.
+/// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
     match E::operand(y) {
         Operand::F16(v) => ReluMask::from_f16(v),
@@ -374,7 +374,7 @@ fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
     }
 }
 
-/// ReLU mask (where given) and bias-gradient column sums, in one pass.
+/// `ReLU` mask (where given) and bias-gradient column sums, in one pass.
 fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
     dy: &mut [E],
     mask: Option<&ReluMask>,

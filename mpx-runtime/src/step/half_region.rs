@@ -148,7 +148,9 @@ where
             let mut v = vec![0.0f32; n];
             H::widen(H::grad_slice(g.get_or_alloc_mut(&ghost)?), &mut v);
             if inv != 1.0 {
-                v.iter_mut().for_each(|x| *x *= inv);
+                for x in &mut v {
+                    *x *= inv;
+                }
             }
             *capture.lock().unwrap_or_else(PoisonError::into_inner) = Some(v);
             Ok(())
@@ -252,7 +254,7 @@ where
         Self: Sized,
     {
         let w = self.widen(region)?;
-        region.bridge()?;
+        region.bridge();
         Ok(Self::attach(w, region))
     }
 }
@@ -262,9 +264,9 @@ where
     Cpu: Device<H::Elem>,
 {
     /// Registers the one backward op of the region on the inputs' f32 tape.
-    fn bridge(&mut self) -> Result<(), CpuError> {
+    fn bridge(&mut self) {
         let Some(mut inner) = self.inner.take() else {
-            return Ok(());
+            return;
         };
         let seeds = std::mem::take(&mut self.seeds);
         let writers = std::mem::take(&mut self.writers);
@@ -294,7 +296,6 @@ where
             Ok(())
         });
         self.outer = Some(outer);
-        Ok(())
     }
 }
 

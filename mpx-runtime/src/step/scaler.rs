@@ -6,7 +6,7 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::{Optimizer, OptimizerUpdateError};
 use dfdx::shapes::Rank0;
 use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
-use dfdx::tensor_ops::{Backward, Device};
+use dfdx::tensor_ops::Device;
 
 use super::WorkingCopy;
 use super::error::StepError;
@@ -156,6 +156,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// let scaler = GradScaler::<mpx_runtime::precision::f16>::default().with_max_consecutive_skips(10);
     /// assert_eq!(scaler.max_consecutive_skips(), Some(10));
     /// ```
+    #[must_use]
     pub fn with_max_consecutive_skips(mut self, limit: u64) -> Self {
         self.max_consecutive_skips = Some(limit);
         self
@@ -413,7 +414,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         &mut self,
         loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
     ) -> Result<Gradients<f32, Cpu>, StepError> {
-        self.try_backward_with(loss, |l| l.try_backward())
+        self.try_backward_with(loss, dfdx::tensor_ops::Backward::try_backward)
     }
 
     /// [`try_backward`](Self::try_backward) with the backward call given as a closure (what
@@ -569,32 +570,29 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         {
             w.finish_step(master, reason.is_none())?;
         }
-        let outcome = match reason {
-            Some(reason) => {
-                self.consecutive += 1;
-                self.skipped += 1;
-                if let Some(limit) = self.max_consecutive_skips
-                    && self.consecutive > limit
-                {
-                    self.scaling.adjust(false);
-                    return Err(StepError::TooManySkips {
-                        consecutive: self.consecutive,
-                        limit,
-                        scale: self.scaling.loss_scale(),
-                    });
-                }
-                UpdateOutcome::Skipped {
-                    reason,
+        let outcome = if let Some(reason) = reason {
+            self.consecutive += 1;
+            self.skipped += 1;
+            if let Some(limit) = self.max_consecutive_skips
+                && self.consecutive > limit
+            {
+                self.scaling.adjust(false);
+                return Err(StepError::TooManySkips {
                     consecutive: self.consecutive,
-                    total: self.skipped,
-                }
+                    limit,
+                    scale: self.scaling.loss_scale(),
+                });
             }
-            None => {
-                apply(master).map_err(StepError::Optimizer)?;
-                self.consecutive = 0;
-                self.applied += 1;
-                UpdateOutcome::Applied
+            UpdateOutcome::Skipped {
+                reason,
+                consecutive: self.consecutive,
+                total: self.skipped,
             }
+        } else {
+            apply(master).map_err(StepError::Optimizer)?;
+            self.consecutive = 0;
+            self.applied += 1;
+            UpdateOutcome::Applied
         };
         self.scaling.adjust(reason.is_none());
         self.last = Some(StepReport {

@@ -184,7 +184,7 @@ impl TensorVisitor<f32, Cpu> for WriteState<'_> {
         self.index += 1;
         match (self.after.get(j), self.changed.get(j)) {
             (Some(values), Some(true)) if values.len() == t.shape().num_elements() => {
-                t.copy_from(values)
+                t.copy_from(values);
             }
             (Some(_), Some(false)) => {}
             (Some(values), Some(_)) => {
@@ -192,7 +192,7 @@ impl TensorVisitor<f32, Cpu> for WriteState<'_> {
                     j,
                     values.len(),
                     t.shape().num_elements(),
-                ))
+                ));
             }
             _ => self.mismatch = Some(super::workspace::count_mismatch(self.after.len(), j + 1)),
         }

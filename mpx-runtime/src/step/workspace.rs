@@ -83,7 +83,7 @@ where
 /// use dfdx::prelude::*;
 /// use mpx_runtime::precision::f16;
 /// use mpx_runtime::step::MixedWorkspace;
-/// let dev: Cpu = Default::default();
+/// let dev = Cpu::default();
 /// let master = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
 /// let ws = MixedWorkspace::<f16, _>::new(&master)?.with_max_consecutive_skips(100);
 /// let half = ws.working_copy().expect("an f16 workspace keeps its working copy");
@@ -131,7 +131,7 @@ where
     /// # Errors
     /// [`StepError::Device`] when the device cannot allocate.
     pub fn new(master: &M) -> Result<Self, StepError> {
-        let dev: Cpu = Default::default();
+        let dev = Cpu::default();
         let half = if H::IDENTITY {
             None
         } else {
@@ -178,6 +178,7 @@ where
     /// [`optimizer_update`](super::optimizer_update) return [`StepError::TooManySkips`] (master
     /// and optimizer still untouched). Off by default. optax's `apply_if_finite` applies the bad
     /// update at that point instead; mpx and PyTorch have no limit.
+    #[must_use]
     pub fn with_max_consecutive_skips(mut self, limit: u64) -> Self {
         self.max_consecutive_skips = Some(limit);
         self

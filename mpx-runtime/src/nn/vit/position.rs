@@ -34,6 +34,10 @@ pub struct PositionEmbedding<const SEQ: usize, const M: usize, E: Dtype = f32, D
 }
 
 /// The sinusoidal table, written into `t`.
+#[allow(
+    clippy::unnecessary_wraps,
+    reason = "the signature `TensorOptions::reset_with` takes"
+)]
 fn sinusoid<const SEQ: usize, const M: usize, E: Dtype, D: Device<E>>(
     t: &mut Tensor<Rank2<SEQ, M>, E, D>,
 ) -> Result<(), D::Err> {
