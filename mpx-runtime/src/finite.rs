@@ -30,7 +30,6 @@
 use crate::cast::FloatLeaves;
 use crate::precision::{FloatBits, Precision};
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 /// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
 pub const CHUNK: usize = 4096;
@@ -239,23 +238,6 @@ pub fn unscale_in_place_checked(values: &mut [f32], inv_scale: f32) -> bool {
     acc & 0x8000_0000 == 0
 }
 
-/// Fused unscale and check for f16 values in place: widens each chunk to f32, multiplies by
-/// `inv_scale`, rounds back to f16 (nearest even). Returns whether every value was finite before,
-/// and every f16 value written back (what is applied) is finite too.
-pub(crate) fn unscale_f16_in_place_checked(values: &mut [f16], inv_scale: f32) -> bool {
-    let mut buf = vec![0.0f32; CHUNK.min(values.len())];
-    let mut acc = 0u32;
-    let mut acc16 = 0u16;
-    for chunk in values.chunks_mut(CHUNK) {
-        let tmp = &mut buf[..chunk.len()];
-        chunk.convert_to_f32_slice(tmp);
-        acc |= unscale_chunk(tmp, inv_scale);
-        chunk.convert_from_f32_slice(tmp);
-        acc16 |= fold_u16(f16_bits(chunk));
-    }
-    acc & 0x8000_0000 == 0 && acc16 & 0x8000 == 0
-}
-
 /// Multiplies a chunk by `inv` (skipped when `inv == 1`) and returns its finiteness fold: bit 31
 /// is set iff a value before or after the multiply is non-finite.
 #[inline]
@@ -271,15 +253,6 @@ fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
             | (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
     }
     acc
-}
-
-#[inline]
-fn f16_bits(values: &[f16]) -> &[u16] {
-    match f16::bits(values) {
-        FloatBits::F16(b) => b,
-        // f16::bits always returns the F16 view.
-        FloatBits::F32(_) => &[],
-    }
 }
 
 #[inline]
@@ -342,13 +315,13 @@ mod tests {
         assert!(!unscale_in_place_checked(&mut v, 2.0));
         assert!(v[CHUNK].is_infinite());
         let mut h = [f16::MAX, f16::NAN];
-        assert!(!unscale_f16_in_place_checked(&mut h, 0.5));
+        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 0.5));
         assert_eq!(h[0], f16::from_f32(32752.0));
         // f16 values finite in f32 after the multiply, but rounding back to f16 overflows.
         let mut h = [f16::ONE, f16::MAX];
-        assert!(!unscale_f16_in_place_checked(&mut h, 2.0));
+        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 2.0));
         let mut h = [f16::ONE, f16::from_f32(2.0)];
-        assert!(unscale_f16_in_place_checked(&mut h, 2.0));
+        assert!(<f16 as Precision>::unscale_in_place(&mut h, 2.0));
         assert_eq!(h, [f16::from_f32(2.0), f16::from_f32(4.0)]);
     }
 
@@ -362,7 +335,7 @@ mod tests {
         let mut v = [0.0f32];
         assert!(!unscale_in_place_checked(&mut v, inv), "0 * inf is NaN");
         let mut h = [f16::ONE];
-        assert!(!unscale_f16_in_place_checked(&mut h, inv));
+        assert!(!<f16 as Precision>::unscale_in_place(&mut h, inv));
         let mut dst = [0.0f32; 2];
         assert_eq!(
             unscale_into_checked(&[f16::ONE, f16::ZERO], inv, &mut dst),
