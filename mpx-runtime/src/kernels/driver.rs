@@ -104,13 +104,15 @@ pub(crate) fn gemm_threads<'a>(
 ) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
     let _count = CountTime(std::time::Instant::now());
-    if !accumulate {
-        c.fill(0.0);
-    }
     let (m, n, k) = (a.rows, b.cols, a.cols);
     if m == 0 || n == 0 || k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
         return Ok(());
     }
+    // each block zeroes its own part of C first (on its thread, just before using it)
+    let zero = !accumulate;
     if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) = (path, a.values, b.values)
     {
         let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
@@ -124,7 +126,7 @@ pub(crate) fn gemm_threads<'a>(
             rs: b.row_stride,
             cs: b.col_stride,
         };
-        run(&fp16::micro(), (m, n, k), a, b, c, threads);
+        run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
     }
     with_wide(|[wa, wb]| {
@@ -141,10 +143,10 @@ pub(crate) fn gemm_threads<'a>(
         let dims = (m, n, k);
         match path {
             KernelPath::Avx512Fp16 | KernelPath::Avx512 => {
-                run(&avx512::micro(), dims, a, b, c, threads);
+                run(&avx512::micro(), dims, a, b, (c, zero), threads);
             }
-            KernelPath::Avx2Fma => run(&avx2::micro(), dims, a, b, c, threads),
-            KernelPath::Portable => run(&portable::micro(), dims, a, b, c, threads),
+            KernelPath::Avx2Fma => run(&avx2::micro(), dims, a, b, (c, zero), threads),
+            KernelPath::Portable => run(&portable::micro(), dims, a, b, (c, zero), threads),
         }
     });
     Ok(())
@@ -364,7 +366,7 @@ fn run<T: Packed + Send + Sync>(
     (m, n, kd): (usize, usize, usize),
     a: Src<'_, T>,
     b: Src<'_, T>,
-    c: &mut [f32],
+    (c, zero): (&mut [f32], bool),
     threads: usize,
 ) {
     let threads = if m * n * kd < PAR_MIN_WORK {
@@ -376,7 +378,7 @@ fn run<T: Packed + Send + Sync>(
     let out = Out::new(c, m, n);
     let task = |t: usize| {
         let (rows, cols) = grid.block(t);
-        T::with_buffers(|buf| block(k, kd, a, b, out, rows, cols, buf));
+        T::with_buffers(|buf| block(k, kd, a, b, (out, zero), rows, cols, buf));
     };
     pool::for_each_block(grid.blocks(), threads - 1, &task);
 }
@@ -418,19 +420,27 @@ packed!(u16, PACK_U16);
 
 /// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
 /// over the whole inner dimension, in the BLIS loop order: k blocks, column blocks (pack B),
-/// row blocks (pack A), micro-tiles. Every packed value is written before it is read.
+/// row blocks (pack A), micro-tiles; with `zero`, the block of C is zeroed first. Every packed
+/// value is written before it is read.
 #[allow(clippy::too_many_arguments)]
 fn block<T: Copy + Default>(
     k: &Micro<T>,
     kd: usize,
     a: Src<'_, T>,
     b: Src<'_, T>,
-    out: Out,
+    (out, zero): (Out, bool),
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
     buf: &mut Buffers<T>,
 ) {
     let (mr, nr) = (k.mr, k.nr);
+    if zero {
+        for r in r0..r1 {
+            // SAFETY: row `r`, columns `c0..c1` lie in this thread's block; no other reference
+            // to them is alive.
+            unsafe { out.segment(r, c0, c1 - c0) }.fill(0.0);
+        }
+    }
     buf.a.resize(k.mc.div_ceil(mr) * mr * k.kc, T::default());
     buf.b.resize(k.nc.div_ceil(nr) * nr * k.kc, T::default());
     // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds

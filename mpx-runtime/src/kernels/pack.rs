@@ -48,7 +48,8 @@ pub(crate) fn pack_b<T: Copy + Default>(
 
 /// One panel: `lines` lines (rows of A or columns of B) from `l0`, each `kc` values from `pc`;
 /// `ls` is the stride between lines, `ks` along k. `panel[p * width + l]`, lines past `lines`
-/// zero.
+/// zero. The micro-kernels' widths get code with the width fixed at compile time (no index checks
+/// in the inner loops, no library call per small copy).
 #[allow(clippy::too_many_arguments)]
 fn panel_of<T: Copy + Default>(
     panel: &mut [T],
@@ -61,34 +62,109 @@ fn panel_of<T: Copy + Default>(
     ls: usize,
     ks: usize,
 ) {
-    let data = src.data;
+    let at = Lines {
+        data: src.data,
+        l0,
+        lines,
+        pc,
+        kc,
+        ls,
+        ks,
+    };
+    match width {
+        4 => panel_w::<T, 4>(panel, at),
+        6 => panel_w::<T, 6>(panel, at),
+        8 => panel_w::<T, 8>(panel, at),
+        16 => panel_w::<T, 16>(panel, at),
+        32 => panel_w::<T, 32>(panel, at),
+        64 => panel_w::<T, 64>(panel, at),
+        _ => panel_any(panel, at, width),
+    }
+}
+
+/// Where one panel's values are: see [`panel_of`].
+#[derive(Clone, Copy)]
+struct Lines<'a, T> {
+    data: &'a [T],
+    l0: usize,
+    lines: usize,
+    pc: usize,
+    kc: usize,
+    ls: usize,
+    ks: usize,
+}
+
+/// Values along k taken at once when the lines are contiguous along k.
+const KSTEP: usize = 8;
+
+/// [`panel_of`] for width `W`.
+fn panel_w<T: Copy + Default, const W: usize>(panel: &mut [T], at: Lines<'_, T>) {
+    let Lines {
+        data,
+        l0,
+        lines,
+        pc,
+        kc,
+        ls,
+        ks,
+    } = at;
+    if lines < W || (ls != 1 && ks != 1) {
+        return panel_any(panel, at, W);
+    }
+    let panel = &mut panel[..W * kc];
     if ls == 1 {
-        // lines contiguous: one copy of `lines` values per k
-        for (p, dst) in panel.chunks_exact_mut(width).enumerate() {
+        // lines contiguous: one fixed-size copy per k
+        for (p, dst) in panel.chunks_exact_mut(W).enumerate() {
             let start = (pc + p) * ks + l0;
-            dst[..lines].copy_from_slice(&data[start..start + lines]);
-            dst[lines..].fill(T::default());
+            let src: &[T; W] = data[start..start + W].try_into().expect("W values");
+            let dst: &mut [T; W] = dst.try_into().expect("chunks of W");
+            *dst = *src;
         }
         return;
     }
+    // k contiguous: transpose W lines x KSTEP values at a time
+    let line: [&[T]; W] = std::array::from_fn(|l| {
+        let start = (l0 + l) * ls + pc;
+        &data[start..start + kc]
+    });
+    let mut chunks = panel.chunks_exact_mut(W * KSTEP);
+    for (q, dst) in (&mut chunks).enumerate() {
+        let dst = &mut dst[..W * KSTEP]; // a constant length: the index checks below fold away
+        for (l, src) in line.iter().enumerate() {
+            let v: &[T; KSTEP] = src[q * KSTEP..(q + 1) * KSTEP]
+                .try_into()
+                .expect("KSTEP values");
+            for (p, &x) in v.iter().enumerate() {
+                dst[p * W + l] = x;
+            }
+        }
+    }
+    let done = kc - kc % KSTEP;
+    for (p, dst) in chunks.into_remainder().chunks_exact_mut(W).enumerate() {
+        for (d, src) in dst.iter_mut().zip(&line) {
+            *d = src[done + p];
+        }
+    }
+}
+
+/// [`panel_of`] for any width, strides and line count.
+fn panel_any<T: Copy + Default>(panel: &mut [T], at: Lines<'_, T>, width: usize) {
+    let Lines {
+        data,
+        l0,
+        lines,
+        pc,
+        kc,
+        ls,
+        ks,
+    } = at;
     if lines < width {
         panel.fill(T::default());
     }
-    if ks == 1 {
-        // k contiguous: each line is one slice, scattered with stride `width`
-        for l in 0..lines {
-            let start = (l0 + l) * ls + pc;
-            let line = &data[start..start + kc];
-            for (dst, &v) in panel.chunks_exact_mut(width).zip(line) {
-                dst[l] = v;
-            }
-        }
-    } else {
-        for l in 0..lines {
-            let base = (l0 + l) * ls + pc * ks;
-            for (p, dst) in panel.chunks_exact_mut(width).enumerate() {
-                dst[l] = data[base + p * ks];
-            }
+    for l in 0..lines {
+        let base = (l0 + l) * ls + pc * ks;
+        for (p, dst) in panel[..width * kc].chunks_exact_mut(width).enumerate() {
+            dst[l] = data[base + p * ks];
         }
     }
 }
