@@ -350,3 +350,38 @@ fn the_pool_runs_every_block_once_and_reports_panics() {
     });
     assert_eq!(sum.into_inner(), 45);
 }
+
+#[test]
+fn relu_masks_match_a_scalar_reference_on_every_f16_and_special_f32() {
+    let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let m = ReluMask::from_f16(&all);
+    assert_eq!(m.len(), all.len());
+    for (i, y) in all.iter().enumerate() {
+        // positive and not NaN (+inf passes)
+        assert_eq!(m.get(i), y.to_f32() > 0.0, "bits {:#06x}", y.to_bits());
+    }
+    let specials = [
+        0.0f32,
+        -0.0,
+        1e-45,
+        -1e-45,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3.0,
+    ];
+    let y: Vec<f32> = (0..200).map(|i| specials[i % specials.len()]).collect();
+    let m = ReluMask::from_f32(&y);
+    // apply through the public pass, rows of 50 (word boundaries fall inside rows)
+    let mut dy = vec![1.5f32; y.len()];
+    let mut db = vec![0.0f32; 50];
+    relu_mask_bias_grad_f32(&mut dy, Some(&m), &mut db).unwrap();
+    for (i, (d, v)) in dy.iter().zip(&y).enumerate() {
+        assert_eq!(m.get(i), *v > 0.0);
+        assert_eq!(
+            d.to_bits(),
+            if *v > 0.0 { 1.5f32 } else { 0.0 }.to_bits(),
+            "{i}"
+        );
+    }
+}
