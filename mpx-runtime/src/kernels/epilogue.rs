@@ -260,13 +260,17 @@ pub fn relu_mask_bias_grad_f16(
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
-    let mut row32 = vec![0.0f32; cols];
+    // widened 256 values at a time into a stack buffer: no allocation per call
+    let mut buf = [0.0f32; 256];
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
         if let Some(m) = mask {
             m.apply(r * cols, drow, f16::ZERO);
         }
-        drow.convert_to_f32_slice(&mut row32);
-        bias_grad.iter_mut().zip(&row32).for_each(|(g, v)| *g += *v);
+        for (dc, gc) in drow.chunks(256).zip(bias_grad.chunks_mut(256)) {
+            let b = &mut buf[..dc.len()];
+            dc.convert_to_f32_slice(b);
+            gc.iter_mut().zip(b.iter()).for_each(|(g, v)| *g += *v);
+        }
     }
     Ok(())
 }
