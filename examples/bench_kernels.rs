@@ -6,15 +6,16 @@
 //! cargo run --release --example bench_kernels
 //! ```
 //!
-//! mpx's GEMM runs on one thread by default; rows marked "2 thread(s)" use `set_max_threads(2)`.
-//! dfdx 0.13's CPU matmul uses all cores through rayon. Peaks are per thread. Times are medians
+//! mpx's GEMM uses all hardware threads by default; each configuration here is forced with
+//! `with_threads` (1 thread for every path, all threads for the best path). dfdx 0.13's CPU
+//! matmul uses all cores through rayon. Peaks are per thread. Times are medians
 //! of 11 runs of all 9 products; rounds of the configurations are interleaved.
 
 use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::kernels::{
-    KernelPath, MatRef, Operand, gemm_on, max_threads, peak_fma_flops, set_max_threads,
+    KernelPath, MatRef, Operand, available_threads, gemm_on, peak_fma_flops, with_threads,
 };
 use mpx::precision::f16;
 
@@ -151,12 +152,14 @@ fn main() {
     let mut configs = vec![];
     for path in KernelPath::supported() {
         for dtype in ["f32", "f16", "bf16"] {
-            configs.push((path, dtype, 0));
+            configs.push((path, dtype, 1));
         }
     }
-    // the best path, two threads
-    configs.push((KernelPath::supported()[0], "f32", 2));
-    configs.push((KernelPath::supported()[0], "f16", 2));
+    // the best path, all threads
+    let all = available_threads();
+    for dtype in ["f32", "f16", "bf16"] {
+        configs.push((KernelPath::supported()[0], dtype, all));
+    }
     // dfdx reference tensors
     let dev = Cpu::default();
     let dfdx_case = |c: &Case| {
@@ -175,16 +178,14 @@ fn main() {
     let mut times: Vec<Vec<Vec<f64>>> = vec![vec![vec![]; shapes.len()]; configs.len() + 2];
     for round in 0..rounds + 1 {
         for (ci, &(path, dtype, threads)) in configs.iter().enumerate() {
-            set_max_threads(threads);
             for (si, case) in cases.iter_mut().enumerate() {
                 let t = Instant::now();
-                case.run(path, dtype);
+                with_threads(threads, || case.run(path, dtype)).expect("threads >= 1");
                 if round > 0 {
                     times[ci][si].push(t.elapsed().as_secs_f64());
                 }
             }
         }
-        set_max_threads(0);
         for (si, (a, b, a16, b16)) in dfdx_t.iter().enumerate() {
             let t = Instant::now();
             std::hint::black_box(a.clone().matmul(b.clone()));
@@ -225,9 +226,6 @@ fn main() {
             total * 1e3
         );
     };
-    set_max_threads(2);
-    let threads = max_threads();
-    set_max_threads(0);
     for (ci, &(path, dtype, t1)) in configs.iter().enumerate() {
         let peak_of = if path == KernelPath::Avx512Fp16 && dtype != "f16" {
             peaks.get(&KernelPath::Avx512).copied()
@@ -242,7 +240,7 @@ fn main() {
             (_, "bf16") => "rounded to bf16, f32 FMA",
             _ => "f32 FMA",
         };
-        let th = if t1 == 2 { threads } else { 1 };
+        let th = t1;
         let peak_of = peak_of.map(|p| p * th as f64);
         row(
             format!("mpx {path:?} ({how}), {th} thread(s)"),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
 use mpx::boundary::MasterModel;
-use mpx::kernels::{active_path, gemm_nanos, max_threads, set_max_threads};
+use mpx::kernels::{active_path, gemm_nanos, max_threads, with_threads};
 use mpx::nn;
 use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
@@ -374,14 +374,15 @@ fn main() {
                 Acc::plain(&mut a_mpx_plain, r);
             }
         }
-        set_max_threads(2);
-        for _ in 0..per_round {
-            let r = mpx_half1.step();
-            if keep {
-                Acc::mixed(&mut a_mpx_half1, r);
+        with_threads(1, || {
+            for _ in 0..per_round {
+                let r = mpx_half1.step();
+                if keep {
+                    Acc::mixed(&mut a_mpx_half1, r);
+                }
             }
-        }
-        set_max_threads(0);
+        })
+        .expect("1 thread is valid");
     }
 
     let t_plain = Acc::med(&mut a_plain.total);
@@ -441,7 +442,7 @@ fn main() {
         t_mpx_half / t_plain
     );
     println!(
-        "| f2 | row f with mpx's GEMM on two threads (`set_max_threads(2)`) / dfdx f32 step | - | {:.2} ({t_mpx_half1:.1} ms) |",
+        "| f2 | row f with mpx's GEMM on one thread (`with_threads(1)`) / dfdx f32 step | - | {:.2} ({t_mpx_half1:.1} ms) |",
         t_mpx_half1 / t_plain
     );
     println!(
@@ -465,7 +466,7 @@ fn main() {
         mib(mem_f32.process)
     );
     println!(
-        "\nKernel path of mpx's layers: {:?}; GEMM threads: {} (row f2: 2); dfdx's matmul: rayon, all cores",
+        "\nKernel path of mpx's layers: {:?}; GEMM threads: {} (row f2: 1); dfdx's matmul: rayon, all cores",
         active_path(),
         max_threads()
     );

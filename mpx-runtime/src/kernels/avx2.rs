@@ -19,14 +19,15 @@ pub(crate) fn micro() -> Micro<f32> {
 /// `C[6 x 16] += Apack(kc x 6)ᵀ · Bpack(kc x 16)`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA. Slice lengths are asserted.
+/// The CPU must support AVX2 and FMA. `c` must be valid for reads and writes of `MR` rows of `NR`
+/// values at stride `ldc`, untouched by anyone else during the call. Packed lengths are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
     use std::arch::x86_64::*;
-    assert!(a.len() >= kc * MR && b.len() >= kc * NR && c.len() >= (MR - 1) * ldc + NR);
-    // SAFETY: the caller guarantees AVX2+FMA; every pointer offset stays within the lengths
-    // asserted above (p < kc, i < MR, column offsets < NR).
+    assert!(a.len() >= kc * MR && b.len() >= kc * NR);
+    // SAFETY: the caller guarantees AVX2+FMA; packed-operand offsets stay within the lengths
+    // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.
     unsafe {
         let (ap, bp) = (a.as_ptr(), b.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
@@ -39,7 +40,7 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
                 row[1] = _mm256_fmadd_ps(av, b1, row[1]);
             }
         }
-        let cp = c.as_mut_ptr();
+        let cp = c;
         for (i, row) in acc.iter().enumerate() {
             for (h, v) in row.iter().enumerate() {
                 let dst = cp.add(i * ldc + h * 8);
@@ -51,7 +52,7 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
 
 /// Never called: [`KernelPath::Avx2Fma`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
     let _ = (kc, a, b, c, ldc);
     unreachable!("AVX2 kernel on a non-x86 target")
 }

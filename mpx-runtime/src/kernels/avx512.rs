@@ -19,14 +19,15 @@ pub(crate) fn micro() -> Micro<f32> {
 /// `C[8 x 32] += Apack(kc x 8)ᵀ · Bpack(kc x 32)`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F. Slice lengths are asserted.
+/// The CPU must support AVX-512 F. `c` must be valid for reads and writes of `MR` rows of `NR`
+/// values at stride `ldc`, untouched by anyone else during the call. Packed lengths are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
     use std::arch::x86_64::*;
-    assert!(a.len() >= kc * MR && b.len() >= kc * NR && c.len() >= (MR - 1) * ldc + NR);
-    // SAFETY: the caller guarantees AVX-512 F; every pointer offset stays within the lengths
-    // asserted above (p < kc, i < MR, column offsets < NR).
+    assert!(a.len() >= kc * MR && b.len() >= kc * NR);
+    // SAFETY: the caller guarantees AVX-512 F; packed-operand offsets stay within the lengths
+    // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.
     unsafe {
         let (ap, bp) = (a.as_ptr(), b.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -39,7 +40,7 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
                 row[1] = _mm512_fmadd_ps(av, b1, row[1]);
             }
         }
-        let cp = c.as_mut_ptr();
+        let cp = c;
         for (i, row) in acc.iter().enumerate() {
             for (h, v) in row.iter().enumerate() {
                 let dst = cp.add(i * ldc + h * 16);
@@ -51,7 +52,7 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
 
 /// Never called: [`KernelPath::Avx512`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
     let _ = (kc, a, b, c, ldc);
     unreachable!("AVX-512 kernel on a non-x86 target")
 }

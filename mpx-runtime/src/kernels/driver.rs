@@ -1,22 +1,36 @@
-//! The blocked GEMM driver: operand preparation (widening, bf16 rounding), packing into
-//! micro-panels, and the loops around a micro-kernel. All safe Rust; the micro-kernels are the
-//! only `unsafe` calls, each checked by the kernel's own length assertions.
+//! The blocked GEMM driver: operand preparation (widening, bf16 rounding), the loops around a
+//! micro-kernel, and the split of large products over threads. Packing lives in
+//! [`pack`](super::pack); the micro-kernels are the only `unsafe` calls, plus the shared view of
+//! the output that lets threads write disjoint blocks of it.
+//!
+//! # Threads
+//! A product of at least [`PAR_MIN_WORK`] multiply-adds is cut into a grid of blocks of `C`
+//! (whole micro-tiles, see [`Grid`]), which the calling thread and up to [`max_threads`]` - 1`
+//! helper threads of a persistent [pool](super::pool) claim one at a time from an atomic
+//! counter, so a thread slowed by a busy neighbour simply takes fewer blocks. Each block runs the same k blocks
+//! in the same order with the same micro-tile grid as the one-thread run, so every output element
+//! sees the same operations: results are bit-identical for any thread count.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::mat::{MatRef, Operand};
-use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, portable};
+use super::pack::{Src, pack_a, pack_b};
+use super::threads::max_threads;
+use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
 use crate::precision::round_to_bf16;
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
-/// The function may require CPU features: a `Micro` is only built by [`micro_for`] after the path
-/// was checked to be supported.
-pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], &mut [f32], usize);
+/// # Safety (for callers)
+/// The path's CPU features must be present (a `Micro` is only built after [`check`] accepted
+/// the path), and `c` must be valid for reads and writes of `mr` rows of `nr` values at stride
+/// `ldc`, with no other access to those values during the call. The kernels assert the lengths
+/// of the packed slices themselves.
+pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], *mut f32, usize);
 
 /// A micro-kernel and its blocking.
 pub(crate) struct Micro<T> {
@@ -26,14 +40,6 @@ pub(crate) struct Micro<T> {
     pub(crate) mc: usize,
     pub(crate) nc: usize,
     pub(crate) run: MicroFn<T>,
-}
-
-/// A prepared operand: values in the packed type, with strides.
-#[derive(Clone, Copy)]
-struct Src<'a, T> {
-    data: &'a [T],
-    rs: usize,
-    cs: usize,
 }
 
 /// `C = A·B` (or `C += A·B` with `accumulate`) on the [active path](super::active_path). `C` is
@@ -83,15 +89,30 @@ pub fn gemm_on<'a>(
     c: &mut [f32],
     accumulate: bool,
 ) -> Result<(), KernelError> {
+    gemm_threads(path, a, b, c, accumulate, max_threads())
+}
+
+/// [`gemm_on`] on at most `threads` threads (not capped: tests use more threads than cores to
+/// check that the split never changes a bit).
+pub(crate) fn gemm_threads<'a>(
+    path: KernelPath,
+    a: MatRef<'a>,
+    b: MatRef<'a>,
+    c: &mut [f32],
+    accumulate: bool,
+    threads: usize,
+) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
     let _count = CountTime(std::time::Instant::now());
-    if !accumulate {
-        c.fill(0.0);
-    }
     let (m, n, k) = (a.rows, b.cols, a.cols);
     if m == 0 || n == 0 || k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
         return Ok(());
     }
+    // each block zeroes its own part of C first (on its thread, just before using it)
+    let zero = !accumulate;
     if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) = (path, a.values, b.values)
     {
         let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
@@ -105,25 +126,29 @@ pub fn gemm_on<'a>(
             rs: b.row_stride,
             cs: b.col_stride,
         };
-        split(&fp16::micro(), m, n, k, a, b, c);
+        run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
     }
-    let (ad, bd) = (widen(&a), widen(&b));
-    let a = Src {
-        data: ad.as_deref().unwrap_or_else(|| f32_values(&a)),
-        rs: a.row_stride,
-        cs: a.col_stride,
-    };
-    let b = Src {
-        data: bd.as_deref().unwrap_or_else(|| f32_values(&b)),
-        rs: b.row_stride,
-        cs: b.col_stride,
-    };
-    match path {
-        KernelPath::Avx512Fp16 | KernelPath::Avx512 => split(&avx512::micro(), m, n, k, a, b, c),
-        KernelPath::Avx2Fma => split(&avx2::micro(), m, n, k, a, b, c),
-        KernelPath::Portable => split(&portable::micro(), m, n, k, a, b, c),
-    }
+    with_wide(|[wa, wb]| {
+        let a = Src {
+            data: prepared(&a, wa),
+            rs: a.row_stride,
+            cs: a.col_stride,
+        };
+        let b = Src {
+            data: prepared(&b, wb),
+            rs: b.row_stride,
+            cs: b.col_stride,
+        };
+        let dims = (m, n, k);
+        match path {
+            KernelPath::Avx512Fp16 | KernelPath::Avx512 => {
+                run(&avx512::micro(), dims, a, b, (c, zero), threads);
+            }
+            KernelPath::Avx2Fma => run(&avx2::micro(), dims, a, b, (c, zero), threads),
+            KernelPath::Portable => run(&portable::micro(), dims, a, b, (c, zero), threads),
+        }
+    });
     Ok(())
 }
 
@@ -161,29 +186,33 @@ fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<
     Ok(())
 }
 
-/// The f32 values of an f32 operand (the others were widened by [`widen`]).
-fn f32_values<'a>(m: &MatRef<'a>) -> &'a [f32] {
-    match m.values {
-        Operand::F32(v) => &v[..m.needed()],
-        // widen() returned Some for these; never reached
-        Operand::F16(_) | Operand::Bf16(_) => &[],
+/// Runs `f` with this thread's two reusable buffers for widened or rounded operands (fresh
+/// ones if re-entered).
+fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 2]) -> R) -> R {
+    thread_local! {
+        static WIDE: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
     }
+    WIDE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut bufs) => f(&mut bufs),
+        Err(_) => f(&mut Default::default()),
+    })
 }
 
-/// f16 operands widened to f32 (SIMD slice conversion), bf16 operands rounded; `None` for f32.
-fn widen(m: &MatRef<'_>) -> Option<Vec<f32>> {
+/// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
+/// conversion) and bf16 operands rounded into `buf`.
+fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     let n = m.needed();
     match m.values {
-        Operand::F32(_) => None,
+        Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
-            let mut out = vec![0.0f32; n];
-            v[..n].convert_to_f32_slice(&mut out);
-            Some(out)
+            buf.resize(n, 0.0);
+            v[..n].convert_to_f32_slice(buf);
+            buf
         }
         Operand::Bf16(v) => {
-            let mut out = vec![0.0f32; n];
-            round_to_bf16(&v[..n], &mut out);
-            Some(out)
+            buf.resize(n, 0.0);
+            round_to_bf16(&v[..n], buf);
+            buf
         }
     }
 }
@@ -217,110 +246,170 @@ pub fn gemm_nanos() -> u64 {
     GEMM_NANOS.load(Ordering::Relaxed)
 }
 
-/// Products smaller than this many multiply-adds run on one thread (a thread costs tens of µs).
-const PAR_MIN_WORK: usize = 1 << 21;
+/// Products smaller than this many multiply-adds run on the calling thread only (starting a
+/// scoped thread costs tens of µs).
+pub(crate) const PAR_MIN_WORK: usize = 1 << 21;
 
-/// 0: not set (one thread).
-static MAX_THREADS: AtomicUsize = AtomicUsize::new(0);
+/// Blocks per thread a split product aims at: more than one, so a thread slowed by other work
+/// on the machine hands blocks to the others; few, since each block packs its own operands.
+const BLOCKS_PER_THREAD: usize = 3;
 
-/// Sets how many threads one GEMM may use: 1 (the default) keeps every product on the calling
-/// thread; 2 splits large products into two halves of rows where the CPU has two hardware
-/// threads. Values above 2 count as 2; 0 restores the default. (dfdx 0.13's CPU matmul uses all
-/// cores through rayon.)
-///
-/// One thread is the default because on the shared 2-core machine this was measured on, the
-/// static two-way split was slower than one thread in most runs (`examples/bench_kernels.rs`,
-/// `examples/bench_step.rs` row f2); on an idle machine it matched dfdx's two-thread matmul.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{max_threads, set_max_threads};
-/// assert_eq!(max_threads(), 1);
-/// set_max_threads(2);
-/// assert!(max_threads() >= 1 && max_threads() <= 2); // 1 on a single-threaded CPU
-/// set_max_threads(0); // back to the default
-/// assert_eq!(max_threads(), 1);
-/// ```
-pub fn set_max_threads(n: usize) {
-    MAX_THREADS.store(n.min(2), Ordering::Relaxed);
-}
-
-/// The threads one GEMM may use (see [`set_max_threads`]).
-///
-/// # Examples
-/// ```
-/// assert!(mpx_runtime::kernels::max_threads() <= 2);
-/// ```
-pub fn max_threads() -> usize {
-    match MAX_THREADS.load(Ordering::Relaxed) {
-        0 | 1 => 1,
-        _ => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
-    }
-}
-
-/// Runs [`blocked`] on one thread, or on two halves of C's rows (each thread packs its own panels
-/// into its own reused buffers; the halves are disjoint slices of C).
-fn split<T: Packed + Send + Sync>(
-    k: &Micro<T>,
+/// How a product is cut into blocks of `C`: `mb x nb` (multiples of the micro-tile, the last ones
+/// shorter), numbered row block by row block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grid {
     m: usize,
     n: usize,
-    kd: usize,
+    mb: usize,
+    nb: usize,
+    col_blocks: usize,
+    blocks: usize,
+}
+
+impl Grid {
+    /// The grid for `threads` threads: one block for one thread; else about
+    /// [`BLOCKS_PER_THREAD`] blocks per thread, cut along columns first (a column block packs
+    /// only its own part of B), blocks no narrower than 8 micro-tiles either way (so a product
+    /// splits only if it is at least 16 micro-tiles tall or wide).
+    pub(crate) fn new(m: usize, n: usize, mr: usize, nr: usize, threads: usize) -> Self {
+        let (mb, nb) = if threads <= 1 {
+            (m.max(1), n.max(1))
+        } else {
+            let target = threads * BLOCKS_PER_THREAD;
+            let col_pieces = target.min(n / (8 * nr)).max(1);
+            let row_pieces = target.div_ceil(col_pieces).min(m / (8 * mr)).max(1);
+            (
+                m.div_ceil(row_pieces).next_multiple_of(mr),
+                n.div_ceil(col_pieces).next_multiple_of(nr),
+            )
+        };
+        let col_blocks = n.div_ceil(nb);
+        Grid {
+            m,
+            n,
+            mb,
+            nb,
+            col_blocks,
+            blocks: col_blocks * m.div_ceil(mb),
+        }
+    }
+
+    /// Number of blocks.
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Block `t`: its rows and columns of `C`, as half-open ranges.
+    pub(crate) fn block(&self, t: usize) -> ((usize, usize), (usize, usize)) {
+        let (r0, c0) = (
+            (t / self.col_blocks) * self.mb,
+            (t % self.col_blocks) * self.nb,
+        );
+        (
+            (r0, (r0 + self.mb).min(self.m)),
+            (c0, (c0 + self.nb).min(self.n)),
+        )
+    }
+}
+
+/// The output `C` (row-major, `rows x ld`) shared by the threads of one product. Each thread
+/// writes only inside the blocks it claimed, which are disjoint; nothing else touches `C` until
+/// the threads are joined.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    rows: usize,
+    ld: usize,
+}
+
+// SAFETY: `Out` is a pointer into a `&mut [f32]` borrowed until every block is done; threads only
+// access disjoint blocks of it (see `Out::segment` and `Out::tile`), so sharing it is as sound
+// as handing out disjoint `&mut` sub-slices.
+unsafe impl Send for Out {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn new(c: &mut [f32], rows: usize, ld: usize) -> Self {
+        assert_eq!(c.len(), rows * ld);
+        Out {
+            ptr: c.as_mut_ptr(),
+            rows,
+            ld,
+        }
+    }
+
+    /// Pointer to element `(r, col)` of a full `mr x nr` tile, checked to lie inside `C`.
+    fn tile(&self, r: usize, col: usize, mr: usize, nr: usize) -> *mut f32 {
+        assert!(r + mr <= self.rows && col + nr <= self.ld);
+        // SAFETY: `r * ld + col < rows * ld`, inside the borrowed slice (asserted above).
+        unsafe { self.ptr.add(r * self.ld + col) }
+    }
+
+    /// Columns `col..col + len` of row `r`.
+    ///
+    /// # Safety
+    /// The caller owns this segment: it lies in a block claimed by the calling thread, and no
+    /// other reference to it is alive.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn segment(&self, r: usize, col: usize, len: usize) -> &mut [f32] {
+        assert!(r < self.rows && col + len <= self.ld);
+        // SAFETY: in bounds (asserted above); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ld + col), len) }
+    }
+}
+
+/// Runs the product on up to `threads` threads: the calling thread and helpers of the
+/// [pool](super::pool) claim blocks of the [`Grid`] until none is left.
+fn run<T: Packed + Send + Sync>(
+    k: &Micro<T>,
+    (m, n, kd): (usize, usize, usize),
     a: Src<'_, T>,
     b: Src<'_, T>,
-    c: &mut [f32],
+    (c, zero): (&mut [f32], bool),
+    threads: usize,
 ) {
-    if max_threads() < 2 || m * n * kd < PAR_MIN_WORK || m < 2 * k.mr {
-        return blocked(k, m, n, kd, a, b, c);
-    }
-    let mid = (m / 2).div_ceil(k.mr) * k.mr;
-    let (c0, c1) = c.split_at_mut(mid * n);
-    // rows mid.. of A start mid * row_stride values further on
-    let a1 = Src {
-        data: &a.data[mid * a.rs..],
-        rs: a.rs,
-        cs: a.cs,
+    let threads = if m * n * kd < PAR_MIN_WORK {
+        1
+    } else {
+        threads.max(1)
     };
-    T::with_buffers(|[a0p, b0p, a1p, b1p]| {
-        std::thread::scope(|s| {
-            s.spawn(|| blocked_in(k, m - mid, n, kd, a1, b, c1, a1p, b1p));
-            blocked_in(k, mid, n, kd, a, b, c0, a0p, b0p);
-        });
-    });
+    let grid = Grid::new(m, n, k.mr, k.nr, threads);
+    let out = Out::new(c, m, n);
+    let task = |t: usize| {
+        let (rows, cols) = grid.block(t);
+        T::with_buffers(|buf| block(k, kd, a, b, (out, zero), rows, cols, buf));
+    };
+    pool::for_each_block(grid.blocks(), threads - 1, &task);
 }
 
-/// The blocked loops (BLIS order: k blocks, column blocks, row blocks, then micro-tiles).
-fn blocked<T: Packed>(
-    k: &Micro<T>,
-    m: usize,
-    n: usize,
-    kd: usize,
-    a: Src<'_, T>,
-    b: Src<'_, T>,
-    c: &mut [f32],
-) {
-    T::with_buffers(|[apack, bpack, ..]| blocked_in(k, m, n, kd, a, b, c, apack, bpack));
+/// Packing buffers of one thread.
+#[derive(Default)]
+pub(crate) struct Buffers<T> {
+    a: Vec<T>,
+    b: Vec<T>,
 }
 
-/// Packing buffers reused across calls: two sets per calling thread (the second for the helper
-/// thread of a split product), so no call pays page faults for fresh allocations.
+/// Packing buffers reused across calls, one set per thread (the pool's helpers are
+/// persistent), so no call pays page faults for fresh allocations.
 pub(crate) trait Packed: Copy + Default + 'static {
-    /// Runs `f` with this thread's two sets of packing buffers of this type.
-    fn with_buffers<R>(f: impl FnOnce(&mut [Vec<Self>; 4]) -> R) -> R;
+    /// Runs `f` with this thread's packing buffers of this type.
+    fn with_buffers<R>(f: impl FnOnce(&mut Buffers<Self>) -> R) -> R;
 }
 
 thread_local! {
-    static PACK_F32: RefCell<[Vec<f32>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
-    static PACK_U16: RefCell<[Vec<u16>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
+    static PACK_F32: RefCell<Buffers<f32>> = RefCell::new(Buffers::default());
+    static PACK_U16: RefCell<Buffers<u16>> = RefCell::new(Buffers::default());
 }
 
 macro_rules! packed {
     ($t:ty, $cell:ident) => {
         impl Packed for $t {
-            fn with_buffers<R>(f: impl FnOnce(&mut [Vec<Self>; 4]) -> R) -> R {
+            fn with_buffers<R>(f: impl FnOnce(&mut Buffers<Self>) -> R) -> R {
                 $cell.with(|cell| match cell.try_borrow_mut() {
                     Ok(mut bufs) => f(&mut bufs),
                     // re-entered on this thread (cannot happen today): fresh buffers
-                    Err(_) => f(&mut Default::default()),
+                    Err(_) => f(&mut Buffers::default()),
                 })
             }
         }
@@ -329,55 +418,63 @@ macro_rules! packed {
 packed!(f32, PACK_F32);
 packed!(u16, PACK_U16);
 
-/// [`blocked`] with the packing buffers given (resized as needed; every packed value is written
-/// before it is read, padding included).
+/// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
+/// over the whole inner dimension, in the BLIS loop order: k blocks, column blocks (pack B),
+/// row blocks (pack A), micro-tiles; with `zero`, the block of C is zeroed first. Every packed
+/// value is written before it is read.
 #[allow(clippy::too_many_arguments)]
-fn blocked_in<T: Copy + Default>(
+fn block<T: Copy + Default>(
     k: &Micro<T>,
-    m: usize,
-    n: usize,
     kd: usize,
     a: Src<'_, T>,
     b: Src<'_, T>,
-    c: &mut [f32],
-    apack: &mut Vec<T>,
-    bpack: &mut Vec<T>,
+    (out, zero): (Out, bool),
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+    buf: &mut Buffers<T>,
 ) {
     let (mr, nr) = (k.mr, k.nr);
-    apack.resize(k.mc.div_ceil(mr) * mr * k.kc, T::default());
-    bpack.resize(k.nc.div_ceil(nr) * nr * k.kc, T::default());
-    let mut tmp = vec![0.0f32; mr * nr];
+    if zero {
+        for r in r0..r1 {
+            // SAFETY: row `r`, columns `c0..c1` lie in this thread's block; no other reference
+            // to them is alive.
+            unsafe { out.segment(r, c0, c1 - c0) }.fill(0.0);
+        }
+    }
+    buf.a.resize(k.mc.div_ceil(mr) * mr * k.kc, T::default());
+    buf.b.resize(k.nc.div_ceil(nr) * nr * k.kc, T::default());
+    // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds
+    let mut tmp = [-0.0f32; MAX_TILE];
+    let tmp = &mut tmp[..mr * nr];
     for pc in (0..kd).step_by(k.kc) {
         let kc = k.kc.min(kd - pc);
-        for jc in (0..n).step_by(k.nc) {
-            let nc = k.nc.min(n - jc);
-            let npanels = nc.div_ceil(nr);
-            pack_b(bpack, b, pc, kc, jc, nc, nr);
-            for ic in (0..m).step_by(k.mc) {
-                let mc = k.mc.min(m - ic);
-                let mpanels = mc.div_ceil(mr);
-                pack_a(apack, a, ic, mc, pc, kc, mr);
-                for jp in 0..npanels {
-                    let cols = nr.min(nc - jp * nr);
-                    let bp = &bpack[jp * nr * kc..(jp + 1) * nr * kc];
-                    for ip in 0..mpanels {
-                        let rows = mr.min(mc - ip * mr);
-                        let ap = &apack[ip * mr * kc..(ip + 1) * mr * kc];
-                        let ci = (ic + ip * mr) * n + jc + jp * nr;
+        for jc in (c0..c1).step_by(k.nc) {
+            let nc = k.nc.min(c1 - jc);
+            pack_b(&mut buf.b, b, (pc, kc), (jc, nc), nr);
+            for ic in (r0..r1).step_by(k.mc) {
+                let mc = k.mc.min(r1 - ic);
+                pack_a(&mut buf.a, a, (ic, mc), (pc, kc), mr);
+                for jp in 0..nc.div_ceil(nr) {
+                    let (col, cols) = (jc + jp * nr, nr.min(nc - jp * nr));
+                    let bp = &buf.b[jp * nr * kc..(jp + 1) * nr * kc];
+                    for ip in 0..mc.div_ceil(mr) {
+                        let (row, rows) = (ic + ip * mr, mr.min(mc - ip * mr));
+                        let ap = &buf.a[ip * mr * kc..(ip + 1) * mr * kc];
                         if rows == mr && cols == nr {
-                            // SAFETY: `k` comes from `micro_for`-style constructors used only after
-                            // the path's CPU features were checked (`gemm_on` -> `check`); the
-                            // micro-kernel asserts its slice lengths itself.
-                            unsafe { (k.run)(kc, ap, bp, &mut c[ci..], n) };
+                            let ct = out.tile(row, col, mr, nr);
+                            // SAFETY: `k` is built only after `check` accepted its path; the tile
+                            // lies inside C (`Out::tile` asserts it) and inside this thread's
+                            // block, which no other thread touches.
+                            unsafe { (k.run)(kc, ap, bp, ct, out.ld) };
                         } else {
-                            tmp.fill(0.0);
+                            tmp.fill(-0.0);
                             // SAFETY: as above; `tmp` holds mr x nr values with row stride nr.
-                            unsafe { (k.run)(kc, ap, bp, &mut tmp, nr) };
-                            for r in 0..rows {
-                                let row = &mut c[ci + r * n..ci + r * n + cols];
-                                for (d, s) in row.iter_mut().zip(&tmp[r * nr..r * nr + cols]) {
-                                    *d += *s;
-                                }
+                            unsafe { (k.run)(kc, ap, bp, tmp.as_mut_ptr(), nr) };
+                            for (r, t) in tmp.chunks_exact(nr).take(rows).enumerate() {
+                                // SAFETY: row `row + r`, columns `col..col + cols` lie in this
+                                // thread's block; no other reference to them is alive.
+                                let dst = unsafe { out.segment(row + r, col, cols) };
+                                dst.iter_mut().zip(t).for_each(|(d, s)| *d += *s);
                             }
                         }
                     }
@@ -387,70 +484,5 @@ fn blocked_in<T: Copy + Default>(
     }
 }
 
-/// Packs rows `ic..ic+mc`, columns `pc..pc+kc` of A into micro-panels of `mr` rows, k-major
-/// (`pack[panel][p][i]`), zero-padding the last panel.
-fn pack_a<T: Copy + Default>(
-    pack: &mut [T],
-    a: Src<'_, T>,
-    ic: usize,
-    mc: usize,
-    pc: usize,
-    kc: usize,
-    mr: usize,
-) {
-    for ip in 0..mc.div_ceil(mr) {
-        let panel = &mut pack[ip * mr * kc..(ip + 1) * mr * kc];
-        for i in 0..mr {
-            let r = ic + ip * mr + i;
-            if r >= ic + mc {
-                for p in 0..kc {
-                    panel[p * mr + i] = T::default();
-                }
-                continue;
-            }
-            let base = r * a.rs + pc * a.cs;
-            for p in 0..kc {
-                panel[p * mr + i] = a.data[base + p * a.cs];
-            }
-        }
-    }
-}
-
-/// Packs rows `pc..pc+kc`, columns `jc..jc+nc` of B into micro-panels of `nr` columns, k-major
-/// (`pack[panel][p][j]`), zero-padding the last panel. Reads along B's contiguous direction.
-fn pack_b<T: Copy + Default>(
-    pack: &mut [T],
-    b: Src<'_, T>,
-    pc: usize,
-    kc: usize,
-    jc: usize,
-    nc: usize,
-    nr: usize,
-) {
-    for jp in 0..nc.div_ceil(nr) {
-        let panel = &mut pack[jp * nr * kc..(jp + 1) * nr * kc];
-        let cols = nr.min(nc - jp * nr);
-        let c0 = jc + jp * nr;
-        if b.cs == 1 {
-            for p in 0..kc {
-                let src = &b.data[(pc + p) * b.rs + c0..(pc + p) * b.rs + c0 + cols];
-                let dst = &mut panel[p * nr..(p + 1) * nr];
-                dst[..cols].copy_from_slice(src);
-                dst[cols..].fill(T::default());
-            }
-        } else {
-            for j in 0..nr {
-                if j >= cols {
-                    for p in 0..kc {
-                        panel[p * nr + j] = T::default();
-                    }
-                    continue;
-                }
-                let base = pc * b.rs + (c0 + j) * b.cs;
-                for p in 0..kc {
-                    panel[p * nr + j] = b.data[base + p * b.rs];
-                }
-            }
-        }
-    }
-}
+/// The largest micro-tile of any kernel (8 x 64, AVX512-FP16).
+const MAX_TILE: usize = 8 * 64;

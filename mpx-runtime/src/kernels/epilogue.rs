@@ -153,7 +153,7 @@ impl ReluMask {
     /// ```
     pub fn from_f16(y: &[f16]) -> Self {
         let yb: &[u16] = y.reinterpret_cast();
-        Self::from_fn(yb.len(), |i| (1..=0x7c00).contains(&yb[i]))
+        Self::from_values(yb, |&b| b.wrapping_sub(1) < 0x7c00)
     }
 
     /// The mask of ReLU outputs `y` in f32: `y > 0`.
@@ -164,18 +164,20 @@ impl ReluMask {
     /// assert_eq!((m.get(0), m.get(1)), (false, true));
     /// ```
     pub fn from_f32(y: &[f32]) -> Self {
-        Self::from_fn(y.len(), |i| y[i] > 0.0)
+        Self::from_values(y, |&v| v > 0.0)
     }
 
-    fn from_fn(len: usize, pass: impl Fn(usize) -> bool) -> Self {
-        let mut bits = vec![0u64; len.div_ceil(64)];
-        for (w, word) in bits.iter_mut().enumerate() {
-            let end = (w * 64 + 64).min(len);
-            for i in w * 64..end {
-                *word |= u64::from(pass(i)) << (i - w * 64);
-            }
-        }
-        Self { bits, len }
+    /// One bit per value, 64 values per word (branch-free, so the compiler vectorises it).
+    fn from_values<T>(y: &[T], pass: impl Fn(&T) -> bool) -> Self {
+        let bits = y
+            .chunks(64)
+            .map(|c| {
+                c.iter()
+                    .enumerate()
+                    .fold(0u64, |w, (b, v)| w | (u64::from(pass(v)) << b))
+            })
+            .collect();
+        Self { bits, len: y.len() }
     }
 
     /// Number of elements.
@@ -217,10 +219,9 @@ impl ReluMask {
             if i.is_multiple_of(64) && j + 64 <= row.len() {
                 let word = self.bits[i / 64];
                 if word != u64::MAX {
+                    // a select, not a conditional store: vectorises
                     for (b, v) in row[j..j + 64].iter_mut().enumerate() {
-                        if (word >> b) & 1 == 0 {
-                            *v = zero;
-                        }
+                        *v = if (word >> b) & 1 == 1 { *v } else { zero };
                     }
                 }
                 j += 64;
@@ -259,13 +260,17 @@ pub fn relu_mask_bias_grad_f16(
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
-    let mut row32 = vec![0.0f32; cols];
+    // widened 256 values at a time into a stack buffer: no allocation per call
+    let mut buf = [0.0f32; 256];
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
         if let Some(m) = mask {
             m.apply(r * cols, drow, f16::ZERO);
         }
-        drow.convert_to_f32_slice(&mut row32);
-        bias_grad.iter_mut().zip(&row32).for_each(|(g, v)| *g += *v);
+        for (dc, gc) in drow.chunks(256).zip(bias_grad.chunks_mut(256)) {
+            let b = &mut buf[..dc.len()];
+            dc.convert_to_f32_slice(b);
+            gc.iter_mut().zip(b.iter()).for_each(|(g, v)| *g += *v);
+        }
     }
     Ok(())
 }

@@ -60,6 +60,11 @@ pub enum KernelError {
         /// The length required.
         expected: usize,
     },
+    /// A thread count of zero was asked for.
+    #[error(
+        "GEMM thread count must be at least 1 (it is capped at the machine's available parallelism)"
+    )]
+    ZeroThreads,
     /// The CPU lacks the instructions of the forced path.
     #[error(
         "kernel path {path:?} needs CPU features this CPU lacks; supported here: {supported:?}"

@@ -25,16 +25,18 @@ pub(crate) fn micro() -> Micro<u16> {
 /// whose sums are then widened and added to `C` in f32.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and FP16. Slice lengths are asserted.
+/// The CPU must support AVX-512 F, BW and FP16. `c` must be valid for reads and writes of `MR` rows of `NR`
+/// values at stride `ldc`, untouched by anyone else during the call. Packed lengths are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
-unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
     use std::arch::x86_64::*;
-    assert!(a.len() >= kc * MR && b.len() >= kc * NR && c.len() >= (MR - 1) * ldc + NR);
-    // SAFETY: the caller guarantees AVX-512 F/BW/FP16; every pointer offset stays within the
-    // lengths asserted above (p < kc, i < MR, column offsets < NR); unaligned loads and stores.
+    assert!(a.len() >= kc * MR && b.len() >= kc * NR);
+    // SAFETY: the caller guarantees AVX-512 F/BW/FP16; packed-operand offsets stay within the
+    // lengths asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C
+    // tile; unaligned loads and stores.
     unsafe {
-        let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c);
         let mut start = 0;
         while start < kc {
             let end = kc.min(start + FP16_FLUSH);
@@ -67,7 +69,7 @@ unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: &mut [f32], ldc: usize) {
 
 /// Never called: [`KernelPath::Avx512Fp16`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: &mut [f32], ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
     let _ = (kc, a, b, c, ldc);
     unreachable!("AVX512-FP16 kernel on a non-x86 target")
 }

@@ -16,10 +16,13 @@
 //! | [`KernelPath::Portable`] | plain Rust | widened, plain Rust | as f32, after rounding |
 //!
 //! # Threads
-//! By default every product runs on the calling thread. [`set_max_threads`]`(2)` splits a large
-//! product (at least 2^21 multiply-adds) into two halves of rows computed on two threads
-//! (`std::thread::scope`); each element is computed by the same instructions either way, so
-//! results are bit-identical. (dfdx 0.13's CPU matmul uses all cores, through rayon.)
+//! A large product (at least 2^21 multiply-adds) runs on all the machine's hardware threads
+//! ([`available_threads`]): it is cut into blocks of the output that the calling thread and the
+//! helper threads of a small persistent pool (started on first use) claim one at a time. Each output element is
+//! computed by the same instructions in the same order whatever the thread count, so results are
+//! bit-identical. [`set_max_threads`] caps the count process-wide, [`with_threads`] forces it for
+//! the current thread (tests and benchmarks). (dfdx 0.13's CPU matmul also uses all cores,
+//! through rayon.)
 //!
 //! # Error bounds
 //! Let `u32 = 2^-24` and `u16 = 2^-11` be the unit roundoffs of f32 and f16, `γ(n, u) =
@@ -42,8 +45,9 @@
 //!
 //! # Safety
 //! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
-//! features were detected) and two peak-throughput loops. Packing, edges and the drivers are safe
-//! Rust over slices.
+//! features were detected), two peak-throughput loops, and the driver's shared view of the output,
+//! through which threads write disjoint blocks of it. Packing and the element-wise passes are
+//! safe Rust over slices.
 //!
 //! # Examples
 //! ```
@@ -66,11 +70,14 @@ mod epilogue;
 mod error;
 mod fp16;
 mod mat;
+mod pack;
 mod path;
 mod peak;
+mod pool;
 mod portable;
+mod threads;
 
-pub use driver::{gemm, gemm_nanos, gemm_on, max_threads, set_max_threads};
+pub use driver::{gemm, gemm_nanos, gemm_on};
 pub use epilogue::{
     Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,
     relu_mask_bias_grad_f32,
@@ -79,6 +86,7 @@ pub use error::KernelError;
 pub use mat::{MatRef, Operand};
 pub use path::{KernelPath, active_path, detected_path, with_path};
 pub use peak::peak_fma_flops;
+pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 
 /// The f16 FMA path moves its partial sums into f32 after at most this many products.
 ///

@@ -17,7 +17,11 @@ pub(crate) fn micro() -> Micro<f32> {
 }
 
 /// `C[4 x 16] += Apack(kc x 4)ᵀ · Bpack(kc x 16)`: a separate multiply and add per product.
-fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
+///
+/// # Safety
+/// `c` must be valid for reads and writes of `MR` rows of `NR` values at stride `ldc`, untouched
+/// by anyone else during the call.
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
     let mut acc = [[0.0f32; NR]; MR];
     for (ap, bp) in a[..kc * MR]
         .chunks_exact(MR)
@@ -30,7 +34,9 @@ fn kernel(kc: usize, a: &[f32], b: &[f32], c: &mut [f32], ldc: usize) {
         }
     }
     for (i, row) in acc.iter().enumerate() {
-        for (d, s) in c[i * ldc..i * ldc + NR].iter_mut().zip(row) {
+        // SAFETY: row `i` of the tile: `NR` values the caller guarantees are ours.
+        let dst = unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), NR) };
+        for (d, s) in dst.iter_mut().zip(row) {
             *d += *s;
         }
     }

@@ -221,32 +221,167 @@ fn epilogues_match_scalar_references() {
     assert!(relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y[1..])), &mut db).is_err());
 }
 
+/// Runs `gemm_threads` on `threads` threads and returns the output's bits.
+fn bits_on(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, threads: usize) -> Vec<u32> {
+    let mut c = values(a.rows * b.cols, 21);
+    driver::gemm_threads(path, a, b, &mut c, true, threads).unwrap();
+    c.iter().map(|v| v.to_bits()).collect()
+}
+
 #[test]
-fn two_threads_give_the_same_bits_as_one() {
-    // 96 x 80 x 1024 multiply-adds: above the threshold for splitting
-    let (m, n, k) = (96, 80, 1024);
-    let (a, b) = (values(m * k, 11), values(k * n, 12));
-    for path in KernelPath::supported() {
-        let mut c = [vec![0.0f32; m * n], vec![0.0f32; m * n]];
-        for (threads, out) in [1, 2].into_iter().zip(c.iter_mut()) {
-            // 2 threads where the CPU has them (this machine has 2 cores)
-            set_max_threads(threads);
-            gemm_on(
-                path,
-                MatRef::row_major_f32(&a, m, k),
-                MatRef::row_major_f32(&b, k, n).t().t(),
-                out,
-                false,
-            )
-            .unwrap();
+fn any_thread_count_gives_the_same_bits_as_one() {
+    // (m, n, k, A stored transposed, B stored transposed): all above the split threshold, with
+    // partial tiles, a split along rows only (n = 10) and along columns only (m = 10)
+    let shapes = [
+        (150, 300, 100, false, true),
+        (10, 1100, 200, true, false),
+        (260, 10, 900, false, false),
+    ];
+    for (m, n, k, at, bt) in shapes {
+        assert!(m * n * k >= driver::PAR_MIN_WORK);
+        let (a, b) = (values(m * k, 13), values(k * n, 14));
+        let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let (ah, bh) = (h(&a), h(&b));
+        let ops = [
+            (Operand::F32(&a), Operand::F32(&b)),
+            (Operand::F16(&ah), Operand::F16(&bh)),
+            (Operand::Bf16(&a), Operand::Bf16(&b)),
+        ];
+        for (ao, bo) in ops {
+            let am = if at {
+                MatRef::row_major(ao, k, m).t()
+            } else {
+                MatRef::row_major(ao, m, k)
+            };
+            let bm = if bt {
+                MatRef::row_major(bo, n, k).t()
+            } else {
+                MatRef::row_major(bo, k, n)
+            };
+            for path in KernelPath::supported() {
+                let one = bits_on(path, am, bm, 1);
+                for threads in 2..=4 {
+                    assert_eq!(
+                        one,
+                        bits_on(path, am, bm, threads),
+                        "{path:?} {m}x{n}x{k} on {threads} threads"
+                    );
+                }
+            }
         }
-        set_max_threads(0);
-        assert_eq!(c[0], c[1], "{path:?}");
+        // and the split result is right (gemm_on uses every available thread)
         check(
-            path,
+            detected_path(),
             MatRef::row_major_f32(&a, m, k),
             MatRef::row_major_f32(&b, k, n),
             false,
+        );
+    }
+}
+
+#[test]
+fn the_grid_covers_every_element_once_and_splits_large_products() {
+    for (m, n) in [
+        (1, 1),
+        (10, 1100),
+        (260, 10),
+        (256, 1024),
+        (1024, 512),
+        (37, 70),
+    ] {
+        for (mr, nr) in [(6, 16), (8, 32), (8, 64), (4, 16)] {
+            for threads in 1..=5 {
+                let g = driver::Grid::new(m, n, mr, nr, threads);
+                let mut seen = vec![0u8; m * n];
+                for t in 0..g.blocks() {
+                    let ((r0, r1), (c0, c1)) = g.block(t);
+                    assert!(
+                        r0 % mr == 0 && c0 % nr == 0,
+                        "blocks start on tile boundaries"
+                    );
+                    for r in r0..r1 {
+                        for c in c0..c1 {
+                            seen[r * n + c] += 1;
+                        }
+                    }
+                }
+                assert!(seen.iter().all(|&s| s == 1), "{m}x{n} {mr}x{nr} {threads}");
+                if threads == 1 {
+                    assert_eq!(g.blocks(), 1);
+                } else if m >= 16 * mr || n >= 16 * nr {
+                    assert!(g.blocks() >= 2, "{m}x{n} {mr}x{nr} {threads}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn thread_counts_are_validated_and_restored() {
+    assert_eq!(with_threads(0, || ()), Err(KernelError::ZeroThreads));
+    let before = max_threads();
+    assert_eq!(
+        with_threads(usize::MAX, max_threads),
+        Ok(available_threads())
+    );
+    let nested = with_threads(1, || (max_threads(), with_threads(2, max_threads)));
+    assert_eq!(nested, Ok((1, Ok(2.min(available_threads())))));
+    assert_eq!(max_threads(), before);
+}
+
+#[test]
+fn the_pool_runs_every_block_once_and_reports_panics() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let counts: Vec<AtomicUsize> = (0..50).map(|_| AtomicUsize::new(0)).collect();
+    for extra in [0, 1, 3] {
+        pool::for_each_block(counts.len(), extra, &|t| {
+            counts[t].fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 3));
+    let r = std::panic::catch_unwind(|| {
+        pool::for_each_block(20, 2, &|t| assert_ne!(t, 7, "block 7 fails"));
+    });
+    assert!(r.is_err());
+    // the pool still works after a panic
+    let sum = AtomicUsize::new(0);
+    pool::for_each_block(10, 2, &|t| {
+        sum.fetch_add(t, Ordering::Relaxed);
+    });
+    assert_eq!(sum.into_inner(), 45);
+}
+
+#[test]
+fn relu_masks_match_a_scalar_reference_on_every_f16_and_special_f32() {
+    let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let m = ReluMask::from_f16(&all);
+    assert_eq!(m.len(), all.len());
+    for (i, y) in all.iter().enumerate() {
+        // positive and not NaN (+inf passes)
+        assert_eq!(m.get(i), y.to_f32() > 0.0, "bits {:#06x}", y.to_bits());
+    }
+    let specials = [
+        0.0f32,
+        -0.0,
+        1e-45,
+        -1e-45,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3.0,
+    ];
+    let y: Vec<f32> = (0..200).map(|i| specials[i % specials.len()]).collect();
+    let m = ReluMask::from_f32(&y);
+    // apply through the public pass, rows of 50 (word boundaries fall inside rows)
+    let mut dy = vec![1.5f32; y.len()];
+    let mut db = vec![0.0f32; 50];
+    relu_mask_bias_grad_f32(&mut dy, Some(&m), &mut db).unwrap();
+    for (i, (d, v)) in dy.iter().zip(&y).enumerate() {
+        assert_eq!(m.get(i), *v > 0.0);
+        assert_eq!(
+            d.to_bits(),
+            if *v > 0.0 { 1.5f32 } else { 0.0 }.to_bits(),
+            "{i}"
         );
     }
 }
