@@ -24,7 +24,10 @@ pub(crate) fn micro() -> Micro<f32> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
+    };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
     // SAFETY: the caller guarantees AVX2+FMA; packed-operand offsets stay within the lengths
     // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.

@@ -24,7 +24,10 @@ pub(crate) fn micro() -> Micro<f32> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+        _mm512_storeu_ps,
+    };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
     // SAFETY: the caller guarantees AVX-512 F; packed-operand offsets stay within the lengths
     // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.

@@ -125,7 +125,7 @@ pub fn bias_act_into(
     Ok(())
 }
 
-/// ReLU's derivative as one bit per element (set: the output was positive, the gradient passes).
+/// `ReLU`'s derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
 ///
@@ -141,7 +141,7 @@ pub struct ReluMask {
 }
 
 impl ReluMask {
-    /// The mask of ReLU outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
+    /// The mask of `ReLU` outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
     ///
     /// # Examples
     /// ```
@@ -156,7 +156,7 @@ impl ReluMask {
         Self::from_values(yb, |&b| b.wrapping_sub(1) < 0x7c00)
     }
 
-    /// The mask of ReLU outputs `y` in f32: `y > 0`.
+    /// The mask of `ReLU` outputs `y` in f32: `y > 0`.
     ///
     /// # Examples
     /// ```
@@ -235,7 +235,7 @@ impl ReluMask {
     }
 }
 
-/// Backward epilogue for f16 gradients: with a ReLU `mask`, zeroes `dy` where the mask is clear;
+/// Backward epilogue for f16 gradients: with a `ReLU` `mask`, zeroes `dy` where the mask is clear;
 /// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
 ///
 /// # Errors

@@ -30,7 +30,11 @@ pub(crate) fn micro() -> Micro<u16> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
 unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_castph_si512, _mm512_castsi512_ph, _mm512_castsi512_si256,
+        _mm512_cvtph_ps, _mm512_extracti64x4_epi64, _mm512_fmadd_ph, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_set1_epi16, _mm512_setzero_si512, _mm512_storeu_ps,
+    };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
     // SAFETY: the caller guarantees AVX-512 F/BW/FP16; packed-operand offsets stay within the
     // lengths asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C

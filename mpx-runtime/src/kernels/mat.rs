@@ -107,6 +107,7 @@ impl<'a> MatRef<'a> {
     /// let m = mpx_runtime::kernels::MatRef::row_major_f32(&[0.0; 6], 2, 3).t();
     /// assert_eq!((m.rows, m.cols, m.row_stride, m.col_stride), (3, 2, 1, 3));
     /// ```
+    #[must_use]
     pub fn t(self) -> Self {
         Self {
             values: self.values,

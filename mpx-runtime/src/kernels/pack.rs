@@ -84,6 +84,10 @@ fn panel_of<T: Copy + Default>(
 
 /// Where one panel's values are: see [`panel_of`].
 #[derive(Clone, Copy)]
+#[allow(
+    clippy::struct_field_names,
+    reason = "`lines` is the panel's line count, named as in `pack_panel`'s docs"
+)]
 struct Lines<'a, T> {
     data: &'a [T],
     l0: usize,

@@ -122,17 +122,17 @@ pub fn active_path() -> KernelPath {
 /// }
 /// ```
 pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, KernelError> {
-    if !path.is_supported() {
-        return Err(KernelError::Unsupported {
-            path,
-            supported: KernelPath::supported(),
-        });
-    }
     struct Restore(Option<KernelPath>);
     impl Drop for Restore {
         fn drop(&mut self) {
             FORCED.with(|c| c.set(self.0));
         }
+    }
+    if !path.is_supported() {
+        return Err(KernelError::Unsupported {
+            path,
+            supported: KernelPath::supported(),
+        });
     }
     let _restore = Restore(FORCED.with(|c| c.replace(Some(path))));
     Ok(f())

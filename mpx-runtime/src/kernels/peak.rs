@@ -48,7 +48,7 @@ fn portable(iters: usize) -> usize {
         std::hint::black_box(1e-3_f32),
     );
     for _ in 0..iters {
-        for chain in acc.iter_mut() {
+        for chain in &mut acc {
             for x in chain.iter_mut() {
                 *x = *x * m + a;
             }
@@ -61,7 +61,10 @@ fn portable(iters: usize) -> usize {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::CHAINS;
-    use std::arch::x86_64::*;
+    use std::arch::x86_64::{
+        _mm256_fmadd_ps, _mm256_set1_ps, _mm512_castsi512_ph, _mm512_fmadd_ph, _mm512_fmadd_ps,
+        _mm512_set1_epi16, _mm512_set1_ps,
+    };
 
     /// # Safety
     /// The CPU must support AVX2 and FMA.
@@ -70,7 +73,7 @@ mod x86 {
         let (m, a) = std::hint::black_box((_mm256_set1_ps(0.999), _mm256_set1_ps(1e-3)));
         let mut acc = std::hint::black_box([_mm256_set1_ps(1.0); CHAINS]);
         for _ in 0..iters {
-            for x in acc.iter_mut() {
+            for x in &mut acc {
                 *x = _mm256_fmadd_ps(*x, m, a);
             }
         }
@@ -85,7 +88,7 @@ mod x86 {
         let (m, a) = std::hint::black_box((_mm512_set1_ps(0.999), _mm512_set1_ps(1e-3)));
         let mut acc = std::hint::black_box([_mm512_set1_ps(1.0); CHAINS]);
         for _ in 0..iters {
-            for x in acc.iter_mut() {
+            for x in &mut acc {
                 *x = _mm512_fmadd_ps(*x, m, a);
             }
         }
@@ -103,7 +106,7 @@ mod x86 {
         let mut acc =
             std::hint::black_box([_mm512_castsi512_ph(_mm512_set1_epi16(0x3c00)); CHAINS]);
         for _ in 0..iters {
-            for x in acc.iter_mut() {
+            for x in &mut acc {
                 *x = _mm512_fmadd_ph(*x, m, a);
             }
         }

@@ -61,6 +61,10 @@ pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) +
     }
     let erased: *const (dyn Fn(usize) + Sync + '_) = task;
     // SAFETY: only the lifetime bound changes; the pointer is used under `Job::task`'s rules.
+    #[allow(
+        clippy::transmute_ptr_to_ptr,
+        reason = "an `as` cast may not extend a trait object's lifetime bound"
+    )]
     let erased: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(erased) };
     let job = Arc::new(Job {
         next: AtomicUsize::new(0),
@@ -75,9 +79,10 @@ pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) +
     while job.done.load(Ordering::Acquire) < total {
         std::thread::yield_now();
     }
-    if job.panicked.load(Ordering::Relaxed) {
-        panic!("a GEMM block panicked on a helper thread");
-    }
+    assert!(
+        !job.panicked.load(Ordering::Relaxed),
+        "a GEMM block panicked on a helper thread"
+    );
 }
 
 /// Hands `job` to `extra` helpers, starting helpers that do not exist yet. A helper that cannot

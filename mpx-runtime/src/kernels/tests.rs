@@ -25,7 +25,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
     let idx = i * m.row_stride + j * m.col_stride;
     match m.values {
-        Operand::F32(v) => v[idx] as f64,
+        Operand::F32(v) => f64::from(v[idx]),
         Operand::F16(v) => v[idx].to_f64(),
         Operand::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
     }
@@ -57,10 +57,10 @@ fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
                 s += prod.abs();
             }
             if accumulate {
-                exact += init[i * n + j] as f64;
-                s += (init[i * n + j] as f64).abs();
+                exact += f64::from(init[i * n + j]);
+                s += f64::from(init[i * n + j]).abs();
             }
-            let got = c[i * n + j] as f64;
+            let got = f64::from(c[i * n + j]);
             assert!(
                 (got - exact).abs() <= rel * s + abs,
                 "{path:?} ({m}x{k})·({k}x{n}) at ({i},{j}): {got} vs {exact}, bound {}",
@@ -216,7 +216,7 @@ fn epilogues_match_scalar_references() {
             assert_eq!(dy[idx].to_bits(), want.to_bits());
             s += want.to_f64();
         }
-        assert!((*got as f64 - s).abs() <= 1e-6, "{j}");
+        assert!((f64::from(*got) - s).abs() <= 1e-6, "{j}");
     }
     assert!(relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y[1..])), &mut db).is_err());
 }

@@ -16,7 +16,8 @@ use super::KernelError;
 /// ```
 pub fn available_threads() -> usize {
     static AVAILABLE: OnceLock<usize> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    *AVAILABLE
+        .get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
 }
 
 /// 0: not set (all available threads).
@@ -78,14 +79,14 @@ pub fn max_threads() -> usize {
 /// assert!(with_threads(0, || ()).is_err());
 /// ```
 pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> Result<R, KernelError> {
-    if n == 0 {
-        return Err(KernelError::ZeroThreads);
-    }
     struct Restore(Option<usize>);
     impl Drop for Restore {
         fn drop(&mut self) {
             FORCED.with(|c| c.set(self.0));
         }
+    }
+    if n == 0 {
+        return Err(KernelError::ZeroThreads);
     }
     let _restore = Restore(FORCED.with(|c| c.replace(Some(n))));
     Ok(f())
