@@ -7,6 +7,8 @@ use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device};
 
 use super::convert::dfdx_layer;
+use super::half_ops::is_f32;
+use super::layer_norm_kernel::add_layer_norm;
 use super::mixed::{MixedModule, build_on_device, native_module};
 use crate::precision::{FloatElement, Precision};
 use crate::region::FullPrecision;
@@ -113,6 +115,9 @@ where
     type Output = Tensor<Rank1<M>, E, Cpu, T>;
     fn try_mixed_forward(&self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
         let eps = self.epsilon;
+        if !is_f32::<P>() {
+            return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
+        }
         // dfdx: x.normalize(eps) * gamma + beta (gamma and beta without a tape).
         FullPrecision::<P>::try_run_with(self, x, |ln, x| {
             x.normalize(eps) * ln.gamma.clone() + ln.beta.clone()
@@ -135,6 +140,9 @@ macro_rules! batched {
                 x: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
             ) -> Result<Self::Output, CpuError> {
                 let eps = self.epsilon;
+                if !is_f32::<P>() {
+                    return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
+                }
                 FullPrecision::<P>::try_run_with(self, x, |ln, x| {
                     let shape = *x.shape();
                     let x = x.normalize::<Axis<$ax>>(eps);

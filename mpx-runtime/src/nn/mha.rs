@@ -7,7 +7,10 @@ use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
+use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
+use super::dense_op::dense;
+use super::half_ops::is_f32;
 use super::mixed::{MixedModule, native_module};
 use crate::precision::{AMP, FloatElement, Precision, f16};
 use crate::region::FullPrecision;
@@ -168,6 +171,36 @@ where
         let b = q.shape().0;
         let s1 = q.shape().1;
         let s2 = v.shape().1;
+
+        if !is_f32::<P>() {
+            // Half precision: the projections and the whole attention core as fused ops on
+            // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
+            let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
+            let v = dense::<P, E, M, V, _, _, _>(
+                &wv.weight,
+                &wv.bias,
+                false,
+                v.retaped::<T>(),
+                (b, s2, Const::<V>),
+            )?;
+            let k = dense::<P, E, M, K, _, _, _>(
+                &wk.weight,
+                &wk.bias,
+                false,
+                k.retaped::<T>(),
+                (b, s2, Const::<K>),
+            )?;
+            let q =
+                dense::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, false, q, (b, s1, Const::<K>))?;
+            let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
+            return dense::<P, E, V, M, _, _, _>(
+                &wo.weight,
+                &wo.bias,
+                false,
+                tokens,
+                (b, s1, Const::<M>),
+            );
+        }
 
         let v = self.w_v.try_forward(v.retaped::<T>())?;
         let v = v.try_reshape_like(&(b, s2, H, V / H))?;

@@ -35,10 +35,14 @@
 //! assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
 //! ```
 
+mod attention_core;
 mod cast;
 mod convert;
+mod dense_op;
 mod encoder;
+mod half_ops;
 mod layer_norm;
+mod layer_norm_kernel;
 mod linear;
 mod mha;
 mod mixed;
