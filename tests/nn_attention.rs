@@ -184,15 +184,9 @@ fn fused_layer_norm_stays_finite_past_f16_max_row_sums() {
     let x: Seq<f32> = f16_values(dev.sample_normal::<Rank3<B, S, M>>() * 100.0 + 30000.0);
     let w: Seq<f32> = f16_values(dev.sample_normal());
     let [r32, r16, _] = three_runs(&ln32, &ln16, &x, &w);
-    // x̂ carries the rounding of x (relative 2^-11 of 30000, against a spread of 100): the
-    // condition number max|x| / std is about 300, so the bound is 4·u·300.
-    check(
-        "f16 layer norm, large rows",
-        &r16,
-        &r32,
-        4.0 * U16 * 300.0,
-        &[],
-    );
+    // The inputs are f16 values, so both runs normalize the same numbers (their f32 statistics
+    // are exact to ~2^-24 · 30000 / 100 relative): the bound stays the layer norm's 4·u.
+    check("f16 layer norm, large rows", &r16, &r32, 4.0 * U16, &[]);
 }
 
 #[test]

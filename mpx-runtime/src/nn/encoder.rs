@@ -39,8 +39,10 @@ pub type FeedForward<const M: usize, const F: usize, E, D> =
 /// [`TransformerEncoderBlock`](dfdx::nn::modules::TransformerEncoderBlock) (post-norm: same
 /// fields, same operation order): `x = norm1(x + self_attn(x)); norm2(x + ff(x))`.
 ///
-/// Its layer norms and attention softmax run in f32 regions; the residual adds and the
-/// feed-forward network in the half type.
+/// Its layer norms and attention softmax run in f32. In a half precision each residual add is
+/// fused into the layer norm after it (the sum in f32, not rounded), and the feed-forward
+/// `Linear`s run as fused ops on mpx's GEMM (f32 sums, outputs rounded once to the half type);
+/// in f32 the block runs dfdx's operations.
 ///
 /// # Examples
 /// ```

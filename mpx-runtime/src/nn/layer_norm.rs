@@ -16,7 +16,9 @@ use crate::region::FullPrecision;
 /// Layer normalization over the last axis, as dfdx's
 /// [`LayerNorm1D`](dfdx::nn::modules::LayerNorm1D) (same fields, same operation order), with the
 /// whole normalization (mean, variance, scale by `gamma`, shift by `beta`) in an f32 region: a
-/// row whose sum passes 65504 overflows dfdx's f16 layer norm, not this one.
+/// row whose sum passes 65504 overflows dfdx's f16 layer norm, not this one. In a half precision
+/// this is one fused op (read the half input, statistics and affine transform in f32, round the
+/// output once); in f32, dfdx's operations.
 ///
 /// With `f32` it is bit-identical to dfdx's layer, forward and gradients. Converts from and to
 /// dfdx's with `From` (the tensors move, ids and all).

@@ -17,8 +17,13 @@ use crate::region::FullPrecision;
 
 /// Multi-head attention, as dfdx's
 /// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
-/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in an f32 region: the
-/// projections and both matmuls run in the half type.
+/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
+///
+/// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
+/// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
+/// sums, output rounded once to the half type), and the attention of all heads is one op
+/// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
+/// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
 ///
 /// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
 /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
