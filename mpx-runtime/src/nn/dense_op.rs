@@ -1,5 +1,5 @@
 //! [`dense`]: a dfdx `Linear`'s parameters applied as one fused op on the tape (optionally with a
-//! ReLU), computed by mpx's GEMM in f32 and rounded once to the precision `P`.
+//! `ReLU`), computed by mpx's GEMM in f32 and rounded once to the precision `P`.
 //!
 //! This is what [`MultiHeadAttention`](super::MultiHeadAttention) and
 //! [`TransformerEncoderBlock`](super::TransformerEncoderBlock) run their projections and
@@ -7,7 +7,7 @@
 //! and `bias` tensors (same ids, so the same gradient entries) are passed here.
 //!
 //! - forward: `y = round_P(act(x·Wᵀ + b))`, the sums in f32 (f16 and bf16 values are exact in f32);
-//! - backward: `dZ = dY` (masked where the ReLU was off), `db += Σ dZ`, `dW += dZᵀ·X`,
+//! - backward: `dZ = dY` (masked where the `ReLU` was off), `db += Σ dZ`, `dW += dZᵀ·X`,
 //!   `dX += dZ·W`, each summed in f32 and rounded once into its gradient entry.
 
 use dfdx::shapes::{HasShape, Rank1, Rank2, Shape};
@@ -18,7 +18,7 @@ use super::half_ops::{accumulate, grad_slice, narrow, shape_err, widen};
 use crate::kernels::{MatRef, gemm};
 use crate::precision::{FloatElement, Precision};
 
-/// `act(x·Wᵀ + b)` over the last axis of `x` (which must have `I` values), shaped `out`; ReLU
+/// `act(x·Wᵀ + b)` over the last axis of `x` (which must have `I` values), shaped `out`; `ReLU`
 /// when `relu`.
 pub(crate) fn dense<P, E, const I: usize, const O: usize, Sx, Sy, T>(
     weight: &Tensor<Rank2<O, I>, E, Cpu>,

@@ -34,7 +34,7 @@ where
     T: Tape<E, Cpu>,
 {
     let (a, mut tape) = a.try_contiguous()?.split_tape();
-    let b = b.map(|b| b.try_contiguous()).transpose()?;
+    let b = b.map(ReshapeTo::try_contiguous).transpose()?;
     let mut z = widen(&a);
     if let Some(b) = &b {
         for (z, v) in z.iter_mut().zip(widen(b)) {
@@ -69,7 +69,7 @@ where
         let xhat = z;
         let (a_id, b_id, g_id, bt_id, y_id) = (
             a.ghost(),
-            b.as_ref().map(|b| b.ghost()),
+            b.as_ref().map(Tensor::ghost),
             gamma.ghost(),
             beta.ghost(),
             out.ghost(),
