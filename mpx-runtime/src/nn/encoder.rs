@@ -4,12 +4,15 @@
 use dfdx::nn::Module;
 use dfdx::nn::modules::{self, Linear, ReLU, Repeated, Residual};
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::shapes::{Const, Dim, Dtype};
+use dfdx::shapes::{Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::convert::dfdx_layer;
+use super::dense_op::dense;
+use super::half_ops::is_f32;
 use super::layer_norm::LayerNorm1D;
+use super::layer_norm_kernel::add_layer_norm;
 use super::mha::MultiHeadAttention;
 use super::mixed::{MixedModule, build_on_device, native_module};
 use crate::precision::{AMP, Precision, f16};
@@ -36,8 +39,10 @@ pub type FeedForward<const M: usize, const F: usize, E, D> =
 /// [`TransformerEncoderBlock`](dfdx::nn::modules::TransformerEncoderBlock) (post-norm: same
 /// fields, same operation order): `x = norm1(x + self_attn(x)); norm2(x + ff(x))`.
 ///
-/// Its layer norms and attention softmax run in f32 regions; the residual adds and the
-/// feed-forward network in the half type.
+/// Its layer norms and attention softmax run in f32. In a half precision each residual add is
+/// fused into the layer norm after it (the sum in f32, not rounded), and the feed-forward
+/// `Linear`s run as fused ops on mpx's GEMM (f32 sums, outputs rounded once to the half type);
+/// in f32 the block runs dfdx's operations.
 ///
 /// # Examples
 /// ```
@@ -177,6 +182,21 @@ macro_rules! block_forward {
                     &self.self_attn,
                     src.clone().put_tape(tape),
                 )?;
+                if !is_f32::<P>() {
+                    // Half precision: each residual add fused into its layer norm, the
+                    // feed-forward layers as fused ops on mpx's GEMM.
+                    let (n1, n2) = (&self.norm1, &self.norm2);
+                    let x = add_layer_norm::<P, E, M, _, T>(x, Some(src), &n1.gamma, &n1.beta, n1.epsilon)?;
+                    let (x, tape) = x.split_tape();
+                    let shape = *x.shape();
+                    let (l1, _, l2) = &self.ff.0;
+                    #[allow(non_snake_case)]
+                    let ($($d,)+ _) = shape;
+                    let hidden = ($($d,)+ Const::<F>);
+                    let h = dense::<P, E, M, F, _, _, _>(&l1.weight, &l1.bias, true, x.clone().put_tape(tape), hidden)?;
+                    let f = dense::<P, E, F, M, _, _, _>(&l2.weight, &l2.bias, false, h, shape)?;
+                    return add_layer_norm::<P, E, M, _, T>(f, Some(x), &n2.gamma, &n2.beta, n2.epsilon);
+                }
                 let x = x.try_add(src)?;
                 let x = MixedModule::<P, _>::try_mixed_forward(&self.norm1, x)?;
                 let x = self.ff.try_forward(x)?;

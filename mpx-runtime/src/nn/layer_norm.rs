@@ -7,6 +7,8 @@ use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device};
 
 use super::convert::dfdx_layer;
+use super::half_ops::is_f32;
+use super::layer_norm_kernel::add_layer_norm;
 use super::mixed::{MixedModule, build_on_device, native_module};
 use crate::precision::Precision;
 use crate::region::FullPrecision;
@@ -14,7 +16,9 @@ use crate::region::FullPrecision;
 /// Layer normalization over the last axis, as dfdx's
 /// [`LayerNorm1D`](dfdx::nn::modules::LayerNorm1D) (same fields, same operation order), with the
 /// whole normalization (mean, variance, scale by `gamma`, shift by `beta`) in an f32 region: a
-/// row whose sum passes 65504 overflows dfdx's f16 layer norm, not this one.
+/// row whose sum passes 65504 overflows dfdx's f16 layer norm, not this one. In a half precision
+/// this is one fused op (read the half input, statistics and affine transform in f32, round the
+/// output once); in f32, dfdx's operations.
 ///
 /// With `f32` it is bit-identical to dfdx's layer, forward and gradients. Converts from and to
 /// dfdx's with `From` (the tensors move, ids and all).
@@ -113,6 +117,9 @@ where
     type Output = Tensor<Rank1<M>, E, Cpu, T>;
     fn try_mixed_forward(&self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
         let eps = self.epsilon;
+        if !is_f32::<P>() {
+            return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
+        }
         // dfdx: x.normalize(eps) * gamma + beta (gamma and beta without a tape).
         FullPrecision::<P>::try_run_with(self, x, |ln, x| {
             x.normalize(eps) * ln.gamma.clone() + ln.beta.clone()
@@ -135,6 +142,9 @@ macro_rules! batched {
                 x: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
             ) -> Result<Self::Output, CpuError> {
                 let eps = self.epsilon;
+                if !is_f32::<P>() {
+                    return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
+                }
                 FullPrecision::<P>::try_run_with(self, x, |ln, x| {
                     let shape = *x.shape();
                     let x = x.normalize::<Axis<$ax>>(eps);

@@ -7,15 +7,23 @@ use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
+use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
+use super::dense_op::dense;
+use super::half_ops::is_f32;
 use super::mixed::{MixedModule, native_module};
 use crate::precision::{AMP, Precision, f16};
 use crate::region::FullPrecision;
 
 /// Multi-head attention, as dfdx's
 /// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
-/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in an f32 region: the
-/// projections and both matmuls run in the half type.
+/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
+///
+/// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
+/// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
+/// sums, output rounded once to the half type), and the attention of all heads is one op
+/// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
+/// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
 ///
 /// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
 /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
@@ -168,6 +176,36 @@ where
         let b = q.shape().0;
         let s1 = q.shape().1;
         let s2 = v.shape().1;
+
+        if !is_f32::<P>() {
+            // Half precision: the projections and the whole attention core as fused ops on
+            // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
+            let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
+            let v = dense::<P, E, M, V, _, _, _>(
+                &wv.weight,
+                &wv.bias,
+                false,
+                v.retaped::<T>(),
+                (b, s2, Const::<V>),
+            )?;
+            let k = dense::<P, E, M, K, _, _, _>(
+                &wk.weight,
+                &wk.bias,
+                false,
+                k.retaped::<T>(),
+                (b, s2, Const::<K>),
+            )?;
+            let q =
+                dense::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, false, q, (b, s1, Const::<K>))?;
+            let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
+            return dense::<P, E, V, M, _, _, _>(
+                &wo.weight,
+                &wo.bias,
+                false,
+                tokens,
+                (b, s1, Const::<M>),
+            );
+        }
 
         let v = self.w_v.try_forward(v.retaped::<T>())?;
         let v = v.try_reshape_like(&(b, s2, H, V / H))?;

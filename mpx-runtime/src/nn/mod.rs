@@ -5,8 +5,8 @@
 //! | layer | dfdx counterpart | in f32 (a [`region`](crate::region)) | in the half type |
 //! |---|---|---|---|
 //! | [`LayerNorm1D`] | `LayerNorm1D` | mean, variance, `gamma`/`beta` | - |
-//! | [`MultiHeadAttention`] | `MultiHeadAttention` | `q k^T / sqrt(d)` scaling and softmax | projections, both matmuls |
-//! | [`TransformerEncoderBlock`] | `TransformerEncoderBlock` | its two layer norms and attention softmax | residual adds, feed-forward |
+//! | [`MultiHeadAttention`] | `MultiHeadAttention` | `q k^T / sqrt(d)` scaling and softmax; matmul sums | projections' and matmuls' outputs (one fused op per projection and one for all heads' attention) |
+//! | [`TransformerEncoderBlock`] | `TransformerEncoderBlock` | its two layer norms (with the residual adds fused in) and attention softmax; matmul sums | feed-forward outputs |
 //! | [`TransformerEncoder`] | `TransformerEncoder` | as the blocks | as the blocks |
 //! | [`vit::PatchEmbedding`] | - | - | a `Linear` over flattened patches |
 //! | [`vit::PositionEmbedding`] | - | - | the add |
@@ -36,10 +36,14 @@
 //! assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
 //! ```
 
+mod attention_core;
 mod cast;
 mod convert;
+mod dense_op;
 mod encoder;
+mod half_ops;
 mod layer_norm;
+mod layer_norm_kernel;
 mod linear;
 mod mha;
 mod mixed;

@@ -1,0 +1,107 @@
+//! [`add_layer_norm`]: `LayerNorm(a + b)` over the last axis as one fused op on the tape, for
+//! [`LayerNorm1D`](super::LayerNorm1D) and the post-norm residuals of
+//! [`TransformerEncoderBlock`](super::TransformerEncoderBlock) in half precision.
+//!
+//! It reads the half inputs, adds them in f32 (the residual sum is not rounded), computes each
+//! row's mean, variance (`mean((z - mean)²)`, as dfdx's `normalize`) and `x̂ = (z - mean) /
+//! sqrt(var + eps)` in f32, applies `gamma` and `beta` in f32 and rounds the output once to `P`.
+//!
+//! Backward, in f32 from the output's gradient `dY`: `dbeta += Σ dY`, `dgamma += Σ dY ⊙ x̂`,
+//! `dx̂ = dY ⊙ gamma`, `dz = (dx̂ - mean(dx̂) - x̂ ⊙ mean(dx̂ ⊙ x̂)) / sqrt(var + eps)`; `dz` goes
+//! to both `a` and `b`, each gradient entry summed in f32 and rounded once to `P`.
+
+use dfdx::shapes::{HasShape, Rank1, Shape};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::{Device, ReshapeTo};
+
+use super::half_ops::{accumulate, grad_slice, narrow, widen};
+use crate::precision::{FloatElement, Precision};
+
+/// `LayerNorm(a + b)` (or of `a` alone) over the last axis, which must have `M` values; the
+/// output carries `a`'s tape.
+pub(crate) fn add_layer_norm<P, E, const M: usize, S, T>(
+    a: Tensor<S, E, Cpu, T>,
+    b: Option<Tensor<S, E, Cpu>>,
+    gamma: &Tensor<Rank1<M>, E, Cpu>,
+    beta: &Tensor<Rank1<M>, E, Cpu>,
+    epsilon: f64,
+) -> Result<Tensor<S, E, Cpu, T>, CpuError>
+where
+    P: Precision<Elem = E>,
+    E: FloatElement,
+    Cpu: Device<E>,
+    S: Shape,
+    T: Tape<E, Cpu>,
+{
+    let (a, mut tape) = a.try_contiguous()?.split_tape();
+    let b = b.map(ReshapeTo::try_contiguous).transpose()?;
+    let mut z = widen(&a);
+    if let Some(b) = &b {
+        for (z, v) in z.iter_mut().zip(widen(b)) {
+            *z += v;
+        }
+    }
+    let (g32, b32) = (widen(gamma), widen(beta));
+    let rows = z.len() / M;
+    let eps = epsilon as f32;
+    // z becomes x̂ in place; rstd per row
+    let mut rstd = vec![0.0f32; rows];
+    let mut y = vec![0.0f32; z.len()];
+    for ((zr, yr), r) in z
+        .chunks_exact_mut(M)
+        .zip(y.chunks_exact_mut(M))
+        .zip(&mut rstd)
+    {
+        let mean = zr.iter().sum::<f32>() / M as f32;
+        let var = zr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / M as f32;
+        *r = 1.0 / (var + eps).sqrt();
+        for (((x, y), g), bt) in zr.iter_mut().zip(yr).zip(&g32).zip(&b32) {
+            *x = (*x - mean) * *r;
+            *y = *x * g + bt;
+        }
+    }
+    let out = a
+        .device()
+        .try_tensor_from_vec(narrow::<P>(&y), *a.shape())?;
+    drop(y);
+    if T::OWNS_TAPE {
+        // Kept: x̂ and 1/std in f32, gamma widened (M values).
+        let xhat = z;
+        let (a_id, b_id, g_id, bt_id, y_id) = (
+            a.ghost(),
+            b.as_ref().map(Tensor::ghost),
+            gamma.ghost(),
+            beta.ghost(),
+            out.ghost(),
+        );
+        drop((a, b));
+        tape.add_backward_op(move |grads| {
+            let mut dy = vec![0.0f32; xhat.len()];
+            E::to_f32_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
+            let (mut dg, mut db) = (vec![0.0f32; M], vec![0.0f32; M]);
+            for ((dr, xr), r) in dy.chunks_exact_mut(M).zip(xhat.chunks_exact(M)).zip(&rstd) {
+                let (mut mean_d, mut mean_dx) = (0.0f32, 0.0f32);
+                for (j, (d, x)) in dr.iter_mut().zip(xr).enumerate() {
+                    db[j] += *d;
+                    dg[j] += *d * x;
+                    *d *= g32[j]; // dx̂
+                    mean_d += *d;
+                    mean_dx += *d * x;
+                }
+                mean_d /= M as f32;
+                mean_dx /= M as f32;
+                for (d, x) in dr.iter_mut().zip(xr) {
+                    *d = (*d - mean_d - x * mean_dx) * r;
+                }
+            }
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&g_id)?), &dg);
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&bt_id)?), &db);
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&a_id)?), &dy);
+            if let Some(b_id) = &b_id {
+                accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(b_id)?), &dy);
+            }
+            Ok(())
+        });
+    }
+    Ok(out.put_tape(tape))
+}

@@ -1,0 +1,258 @@
+//! mpx::nn's fused half-precision ops (attention core, projections and feed-forward layers on
+//! mpx's GEMM, layer norm with its residual add) against the f32 layers (= dfdx's, bit for bit)
+//! run on the same values.
+//!
+//! Each test rounds the inputs and parameters to f16 first, so the f16 run and the f32 reference
+//! start from identical numbers; the difference is then only the rounding of intermediate results
+//! to the half format. Bound: with `u` the unit roundoff of the half format (f16 `2^-11`, bf16
+//! `2^-8`) and at most `n` results rounded along any path from an input to the output and back to
+//! a gradient, each normwise relative error stays below `n·u` (first order). Counted per layer:
+//! - layer norm: output (1), input and parameter gradients (1 each, plus the incoming one): n = 4;
+//! - attention: q, k, v projections, weights, tokens, output projection forward (6) and as many
+//!   backward, plus the incoming gradient: n = 16;
+//! - encoder block: attention (16) + layer norm (4) + two feed-forward layers (2 + 2) + layer
+//!   norm (4), rounded up: n = 32.
+//!
+//! A wrong index, transpose or missing term in a fused op gives errors of order 1, far above these.
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::prelude::*;
+use mpx::nn::{self, ForwardIn};
+use mpx::precision::{FloatElement, bf16, f16};
+
+/// Every trainable tensor's gradient, widened to f32, in the module's visit order.
+struct GradsOf<'a, E: Dtype> {
+    grads: &'a Gradients<E, Cpu>,
+    out: Vec<Vec<f32>>,
+}
+
+impl<E: FloatElement> TensorVisitor<E, Cpu> for GradsOf<'_, E>
+where
+    Cpu: Device<E>,
+{
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = E;
+    type D2 = Cpu;
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, E, Cpu>,
+        t: &Tensor<S, E, Cpu>,
+    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
+        if opts.do_gradient_update {
+            let g = self.grads.get(t).as_vec();
+            let mut v = vec![0.0f32; g.len()];
+            E::to_f32_slice(&g, &mut v);
+            self.out.push(v);
+        }
+        Ok(None)
+    }
+}
+
+fn param_grads<E: FloatElement, M: TensorCollection<E, Cpu>>(
+    m: &M,
+    grads: &Gradients<E, Cpu>,
+) -> Vec<Vec<f32>>
+where
+    Cpu: Device<E>,
+{
+    let mut v = GradsOf {
+        grads,
+        out: Vec::new(),
+    };
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut v }).expect("walk");
+    v.out
+}
+
+/// Normwise relative error `|a - b| / |b|`.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n).sqrt()
+}
+
+fn widen<E: FloatElement>(v: &[E]) -> Vec<f32> {
+    let mut out = vec![0.0f32; v.len()];
+    E::to_f32_slice(v, &mut out);
+    out
+}
+
+const U16: f64 = 1.0 / 2048.0;
+const UBF16: f64 = 1.0 / 256.0;
+
+const B: usize = 3;
+const S: usize = 5;
+const M: usize = 16;
+type Seq<E> = Tensor<Rank3<B, S, M>, E, Cpu>;
+
+/// An f32 tensor whose values are f16 values.
+fn f16_values<Sh: Shape>(t: Tensor<Sh, f32, Cpu>) -> Tensor<Sh, f32, Cpu> {
+    t.to_dtype::<f16>().to_dtype::<f32>()
+}
+
+/// Output and gradients (input first, then the parameters) of `sum(layer(x) * w)` for the f32
+/// layer `m32`, its f16 cast, and the f32 layer run in emulated bf16: `[f32, f16, bf16]`.
+fn three_runs<L32, L16>(m32: &L32, m16: &L16, x: &Seq<f32>, w: &Seq<f32>) -> [Vec<Vec<f32>>; 3]
+where
+    L32: TensorCollection<f32, Cpu>
+        + nn::MixedModule<
+            f32,
+            Tensor<Rank3<B, S, M>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank3<B, S, M>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        > + nn::MixedModule<
+            bf16,
+            Tensor<Rank3<B, S, M>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank3<B, S, M>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        >,
+    L16: TensorCollection<f16, Cpu>
+        + nn::MixedModule<
+            f16,
+            Tensor<Rank3<B, S, M>, f16, Cpu, OwnedTape<f16, Cpu>>,
+            Output = Tensor<Rank3<B, S, M>, f16, Cpu, OwnedTape<f16, Cpu>>,
+        >,
+{
+    let run32 = |bf: bool| {
+        let y = if bf {
+            m32.forward_in::<bf16, _>(x.leaky_trace())
+        } else {
+            m32.forward_in::<f32, _>(x.leaky_trace())
+        };
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * w.clone()).sum().backward();
+        let mut all = vec![out, g.get(x).as_vec()];
+        all.extend(param_grads(m32, &g));
+        all
+    };
+    let x16 = x.clone().to_dtype::<f16>();
+    let y16 = m16.forward_in::<f16, _>(x16.leaky_trace());
+    let out16 = widen(&y16.retaped::<NoneTape>().as_vec());
+    let g16 = (y16 * w.clone().to_dtype::<f16>()).sum().backward();
+    let mut all16 = vec![out16, widen(&g16.get(&x16).as_vec())];
+    all16.extend(param_grads(m16, &g16));
+    [run32(false), all16, run32(true)]
+}
+
+/// Asserts every tensor of `got` is within `tol` of `want` (normwise), skipping the indices in
+/// `skip` (whose exact value is zero: rounding noise only), and returns the largest error.
+fn check(name: &str, got: &[Vec<f32>], want: &[Vec<f32>], tol: f64, skip: &[usize]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f64;
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(a.iter().all(|v| v.is_finite()), "{name} #{i}: not finite");
+        if skip.contains(&i) {
+            continue;
+        }
+        let e = rel(a, b);
+        assert!(e < tol, "{name} #{i}: relative error {e} vs bound {tol}");
+        worst = worst.max(e);
+    }
+    worst
+}
+
+#[test]
+fn fused_layer_norm_matches_f32_in_f16_and_bf16() {
+    let dev = Cpu::seed_from_u64(3);
+    let mut ln32 = dev.build_module::<nn::LayerNorm1D<M>, f32>();
+    ln32.gamma = f16_values(dev.sample_normal::<Rank1<M>>() + 1.0);
+    ln32.beta = f16_values(dev.sample_normal::<Rank1<M>>());
+    let ln16 = ln32.clone().to_dtype::<f16>();
+    let x: Seq<f32> = f16_values(dev.sample_normal::<Rank3<B, S, M>>() * 3.0 + 1.0);
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let [r32, r16, rbf] = three_runs(&ln32, &ln16, &x, &w);
+    assert_eq!(r32.len(), 4, "output, input, gamma and beta gradients");
+    check("f16 layer norm", &r16, &r32, 4.0 * U16, &[]);
+    check("bf16 layer norm", &rbf, &r32, 4.0 * UBF16, &[]);
+    // Each output is rounded once: elementwise within half an f16 ulp of the f32 result.
+    for (a, b) in r16[0].iter().zip(&r32[0]) {
+        assert!((a - b).abs() <= b.abs() * U16 as f32 + 3e-8, "{a} vs {b}");
+    }
+}
+
+#[test]
+fn fused_layer_norm_stays_finite_past_f16_max_row_sums() {
+    let dev = Cpu::seed_from_u64(4);
+    let ln32 = dev.build_module::<nn::LayerNorm1D<M>, f32>();
+    let ln16 = ln32.clone().to_dtype::<f16>();
+    // Rows near 30000 each: their sums (about 480000) pass 65504.
+    let x: Seq<f32> = f16_values(dev.sample_normal::<Rank3<B, S, M>>() * 100.0 + 30000.0);
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let [r32, r16, _] = three_runs(&ln32, &ln16, &x, &w);
+    // The inputs are f16 values, so both runs normalize the same numbers (their f32 statistics
+    // are exact to ~2^-24 · 30000 / 100 relative): the bound stays the layer norm's 4·u.
+    check("f16 layer norm, large rows", &r16, &r32, 4.0 * U16, &[]);
+}
+
+#[test]
+fn fused_attention_matches_f32_in_f16_and_bf16() {
+    let dev = Cpu::seed_from_u64(5);
+    let m32 = dev.build_module::<nn::MultiHeadAttention<M, 4>, f32>();
+    let m32 = m32.to_dtype::<f16>().to_dtype::<f32>();
+    let m16 = m32.clone().to_dtype::<f16>();
+    let x: Seq<f32> = f16_values(dev.sample_normal::<Rank3<B, S, M>>() * 2.0);
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let [r32, r16, rbf] = three_runs(&m32, &m16, &x, &w);
+    assert_eq!(r32.len(), 2 + 8, "output, input and 8 parameter gradients");
+    // #5 is the key bias's gradient (index 3 among the parameters): the softmax cancels it, its
+    // exact value is 0 and both runs hold rounding noise; it must stay small next to the key
+    // weights' gradient instead.
+    let e16 = check("f16 attention", &r16, &r32, 16.0 * U16, &[5]);
+    let ebf = check("bf16 attention", &rbf, &r32, 16.0 * UBF16, &[5]);
+    for run in [&r16, &rbf] {
+        let scale = r32[4].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(
+            run[5].iter().all(|v| v.abs() <= 1e-2 * scale),
+            "key bias gradient"
+        );
+    }
+    // Rounding, not agreement by construction: the half runs differ from f32.
+    assert!(e16 > 0.0 && ebf > 0.0);
+}
+
+#[test]
+fn fused_cross_attention_with_other_lengths_matches_f32() {
+    const S2: usize = 7;
+    let dev = Cpu::seed_from_u64(6);
+    let m32 = dev.build_module::<nn::MultiHeadAttention<M, 2, 8, 12>, f32>();
+    let m32 = m32.to_dtype::<f16>().to_dtype::<f32>();
+    let m16 = m32.clone().to_dtype::<f16>();
+    let q: Seq<f32> = f16_values(dev.sample_normal());
+    let kv: Tensor<Rank3<B, S2, M>, f32, Cpu> = f16_values(dev.sample_normal());
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let y32 = m32.forward_in::<f32, _>((q.leaky_trace(), kv.clone(), kv.clone()));
+    let out32 = y32.retaped::<NoneTape>().as_vec();
+    let g32 = (y32 * w.clone()).sum().backward();
+    let (q16, kv16) = (q.clone().to_dtype::<f16>(), kv.clone().to_dtype::<f16>());
+    let y16 = m16.forward_in::<f16, _>((q16.leaky_trace(), kv16.clone(), kv16));
+    let out16 = widen(&y16.retaped::<NoneTape>().as_vec());
+    let g16 = (y16 * w.to_dtype::<f16>()).sum().backward();
+    let want: Vec<Vec<f32>> = [out32, g32.get(&q).as_vec()]
+        .into_iter()
+        .chain(param_grads(&m32, &g32))
+        .collect();
+    let got: Vec<Vec<f32>> = [out16, widen(&g16.get(&q16).as_vec())]
+        .into_iter()
+        .chain(param_grads(&m16, &g16))
+        .collect();
+    check("f16 cross-attention", &got, &want, 16.0 * U16, &[5]);
+}
+
+#[test]
+fn fused_encoder_block_matches_f32_in_f16_and_bf16() {
+    let dev = Cpu::seed_from_u64(7);
+    let b32 = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f32>();
+    let b32 = b32.to_dtype::<f16>().to_dtype::<f32>();
+    let b16 = b32.clone().to_dtype::<f16>();
+    let x: Seq<f32> = f16_values(dev.sample_normal());
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let [r32, r16, rbf] = three_runs(&b32, &b16, &x, &w);
+    assert_eq!(r32.len(), 2 + 16);
+    check("f16 encoder block", &r16, &r32, 32.0 * U16, &[5]);
+    check("bf16 encoder block", &rbf, &r32, 32.0 * UBF16, &[5]);
+}
