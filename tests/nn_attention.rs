@@ -20,7 +20,7 @@ use dfdx::nn::tensor_collection::{
 };
 use dfdx::prelude::*;
 use mpx::nn::{self, ForwardIn};
-use mpx::precision::{FloatElement, bf16, f16};
+use mpx::precision::{Precision, bf16, f16};
 
 /// Every trainable tensor's gradient, widened to f32, in the module's visit order.
 struct GradsOf<'a, E: Dtype> {
@@ -28,7 +28,7 @@ struct GradsOf<'a, E: Dtype> {
     out: Vec<Vec<f32>>,
 }
 
-impl<E: FloatElement> TensorVisitor<E, Cpu> for GradsOf<'_, E>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for GradsOf<'_, E>
 where
     Cpu: Device<E>,
 {
@@ -44,14 +44,14 @@ where
         if opts.do_gradient_update {
             let g = self.grads.get(t).as_vec();
             let mut v = vec![0.0f32; g.len()];
-            E::to_f32_slice(&g, &mut v);
+            E::widen(&g, &mut v);
             self.out.push(v);
         }
         Ok(None)
     }
 }
 
-fn param_grads<E: FloatElement, M: TensorCollection<E, Cpu>>(
+fn param_grads<E: Precision<Elem = E> + Dtype, M: TensorCollection<E, Cpu>>(
     m: &M,
     grads: &Gradients<E, Cpu>,
 ) -> Vec<Vec<f32>>
@@ -78,9 +78,9 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (d / n).sqrt()
 }
 
-fn widen<E: FloatElement>(v: &[E]) -> Vec<f32> {
+fn widen<E: Precision<Elem = E> + Dtype>(v: &[E]) -> Vec<f32> {
     let mut out = vec![0.0f32; v.len()];
-    E::to_f32_slice(v, &mut out);
+    E::widen(v, &mut out);
     out
 }
 

@@ -21,7 +21,7 @@ use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, view, widen};
 use crate::kernels::gemm;
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// A `(B, S, N)` tensor.
 type Seq<B, S, const N: usize, E, T> = Tensor<(B, S, Const<N>), E, Cpu, T>;
@@ -36,7 +36,7 @@ pub(crate) fn attention_core<P, E, B, S1, S2, const K: usize, const V: usize, T>
 ) -> Result<Seq<B, S1, V, E, T>, CpuError>
 where
     P: Precision<Elem = E>,
-    E: FloatElement,
+    E: Precision<Elem = E> + dfdx::shapes::Dtype,
     Cpu: Device<E>,
     B: Dim,
     S1: Dim,
@@ -73,7 +73,7 @@ where
     // the weights as the half type holds them, then widened again for the GEMM
     let p_half = narrow::<P>(&p);
     let mut pr = vec![0.0f32; p.len()];
-    E::to_f32_slice(&p_half, &mut pr);
+    E::widen(&p_half, &mut pr);
     drop(p_half);
 
     let mut out = vec![0.0f32; nb * n1 * V];
@@ -100,7 +100,7 @@ where
         let (q_id, k_id, v_id, y_id) = (q.ghost(), k.ghost(), v.ghost(), y.ghost());
         tape.add_backward_op(move |grads| {
             let mut dy = vec![0.0f32; nb * n1 * V];
-            E::to_f32_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
+            E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
             let (q32, k32, v32) = (widen(&q), widen(&k), widen(&v));
             let mut dq = vec![0.0f32; q32.len()];
             let mut dk_all = vec![0.0f32; k32.len()];

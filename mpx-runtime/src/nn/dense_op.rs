@@ -16,7 +16,7 @@ use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, widen};
 use crate::kernels::{MatRef, gemm};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// `act(x·Wᵀ + b)` over the last axis of `x` (which must have `I` values), shaped `out`; `ReLU`
 /// when `relu`.
@@ -29,7 +29,7 @@ pub(crate) fn dense<P, E, const I: usize, const O: usize, Sx, Sy, T>(
 ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
 where
     P: Precision<Elem = E>,
-    E: FloatElement,
+    E: Precision<Elem = E> + dfdx::shapes::Dtype,
     Cpu: Device<E>,
     Sx: Shape,
     Sy: Shape,
@@ -70,7 +70,7 @@ where
         );
         tape.add_backward_op(move |grads| {
             let mut dz = vec![0.0f32; rows * O];
-            E::to_f32_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dz);
+            E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dz);
             if let Some(mask) = &mask {
                 for (d, on) in dz.iter_mut().zip(mask) {
                     if !on {

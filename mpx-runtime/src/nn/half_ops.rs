@@ -9,7 +9,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tensor};
 
 use crate::kernels::{KernelError, MatRef, Operand};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// `true` for the f32 precision itself (`P = f32`): the layers then keep dfdx's own operations,
 /// bit-identical to dfdx's layers; every other precision (f16, `AMP<f16>`, emulated bf16) runs
@@ -19,25 +19,29 @@ pub(crate) fn is_f32<P: Precision>() -> bool {
 }
 
 /// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32.
-pub(crate) fn widen<S: Shape, E: FloatElement, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<f32> {
+pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
+    t: &Tensor<S, E, Cpu, T>,
+) -> Vec<f32> {
     let n = t.shape().num_elements();
     let mut h = vec![E::default(); n];
     t.copy_into(&mut h);
     let mut v = vec![0.0f32; n];
-    E::to_f32_slice(&h, &mut v);
+    E::widen(&h, &mut v);
     v
 }
 
 /// f32 values rounded to `P` (the values a half tensor of `P` holds).
 pub(crate) fn narrow<P: Precision>(v: &[f32]) -> Vec<P::Elem> {
     let mut out = vec![P::Elem::default(); v.len()];
-    P::from_f32_slice(v, &mut out);
+    P::round(v, &mut out);
     out
 }
 
 /// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
 /// does not resolve).
-pub(crate) fn grad_slice<E: FloatElement>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
+pub(crate) fn grad_slice<E: Precision<Elem = E> + dfdx::shapes::Dtype>(
+    v: &mut <Cpu as Storage<E>>::Vec,
+) -> &mut [E] {
     &mut v[..]
 }
 
@@ -45,11 +49,11 @@ pub(crate) fn grad_slice<E: FloatElement>(v: &mut <Cpu as Storage<E>>::Vec) -> &
 /// f32 and rounded once (as mpx's regions do).
 pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) {
     let mut sum = vec![0.0f32; dst.len()];
-    <P::Elem as FloatElement>::to_f32_slice(dst, &mut sum);
+    <P::Elem as Precision>::widen(dst, &mut sum);
     for (s, a) in sum.iter_mut().zip(add) {
         *s += a;
     }
-    P::from_f32_slice(&sum, dst);
+    P::round(&sum, dst);
 }
 
 /// A `rows x cols` f32 view starting at `offset`, rows `row_stride` apart (one head of a

@@ -15,7 +15,7 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVe
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, widen};
-use crate::precision::{FloatElement, Precision};
+use crate::precision::Precision;
 
 /// `LayerNorm(a + b)` (or of `a` alone) over the last axis, which must have `M` values; the
 /// output carries `a`'s tape.
@@ -28,7 +28,7 @@ pub(crate) fn add_layer_norm<P, E, const M: usize, S, T>(
 ) -> Result<Tensor<S, E, Cpu, T>, CpuError>
 where
     P: Precision<Elem = E>,
-    E: FloatElement,
+    E: Precision<Elem = E> + dfdx::shapes::Dtype,
     Cpu: Device<E>,
     S: Shape,
     T: Tape<E, Cpu>,
@@ -77,7 +77,7 @@ where
         drop((a, b));
         tape.add_backward_op(move |grads| {
             let mut dy = vec![0.0f32; xhat.len()];
-            E::to_f32_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
+            E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
             let (mut dg, mut db) = (vec![0.0f32; M], vec![0.0f32; M]);
             for ((dr, xr), r) in dy.chunks_exact_mut(M).zip(xhat.chunks_exact(M)).zip(&rstd) {
                 let (mut mean_d, mut mean_dx) = (0.0f32, 0.0f32);
