@@ -256,3 +256,49 @@ fn fused_encoder_block_matches_f32_in_f16_and_bf16() {
     check("f16 encoder block", &r16, &r32, 32.0 * U16, &[5]);
     check("bf16 encoder block", &rbf, &r32, 32.0 * UBF16, &[5]);
 }
+
+/// The ViT's patch embedding and classification head run their linear layers as fused ops in a
+/// half precision. Against the f32 layers on the same values: the patch embedding rounds its
+/// output once and its gradients once each (n = 2, plus the incoming gradient: 3); the head's
+/// layer norm region and linear layer add 4 + 2 (n = 8, rounded up).
+#[test]
+fn fused_patch_embedding_and_head_match_f32_in_f16_and_bf16() {
+    use mpx::nn::vit::{ClassificationHead, PatchEmbedding};
+    type Patch<E> = PatchEmbedding<64, 4, 16, M, E, Cpu>;
+    type Head<E> = ClassificationHead<M, 10, E, Cpu>;
+    let dev = Cpu::seed_from_u64(5);
+    let p32 = dev.build_module::<Patch<f32>, f32>();
+    let p32 = p32.to_dtype::<f16>().to_dtype::<f32>();
+    let h32 = dev.build_module::<Head<f32>, f32>();
+    let h32 = h32.to_dtype::<f16>().to_dtype::<f32>();
+    let (p16, h16) = (p32.clone().to_dtype::<f16>(), h32.clone().to_dtype::<f16>());
+    let images: Tensor<Rank2<B, 64>, f32, Cpu> = f16_values(dev.sample_normal());
+    let w: Tensor<Rank2<B, 10>, f32, Cpu> = f16_values(dev.sample_normal());
+
+    // Output, the images' gradient, then the patch embedding's and the head's parameters.
+    let run32 = |bf: bool| {
+        let t = if bf {
+            let e = p32.forward_in::<bf16, _>(images.leaky_trace());
+            h32.forward_in::<bf16, _>(e)
+        } else {
+            h32.forward_in::<f32, _>(p32.forward_in::<f32, _>(images.leaky_trace()))
+        };
+        let out = t.retaped::<NoneTape>().as_vec();
+        let g = (t * w.clone()).sum().backward();
+        let mut all = vec![out, g.get(&images).as_vec()];
+        all.extend(param_grads(&p32, &g));
+        all.extend(param_grads(&h32, &g));
+        all
+    };
+    let x16 = images.clone().to_dtype::<f16>();
+    let t16 = h16.forward_in::<f16, _>(p16.forward_in::<f16, _>(x16.leaky_trace()));
+    let out16 = widen(&t16.retaped::<NoneTape>().as_vec());
+    let g16 = (t16 * w.clone().to_dtype::<f16>()).sum().backward();
+    let mut r16 = vec![out16, widen(&g16.get(&x16).as_vec())];
+    r16.extend(param_grads(&p16, &g16));
+    r16.extend(param_grads(&h16, &g16));
+    let (r32, rbf) = (run32(false), run32(true));
+    assert_eq!(r32.len(), 2 + 2 + 4);
+    check("f16 patch + head", &r16, &r32, 8.0 * U16, &[]);
+    check("bf16 patch + head", &rbf, &r32, 8.0 * UBF16, &[]);
+}

@@ -7,6 +7,8 @@ use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
 
+use crate::nn::dense_op::dense;
+use crate::nn::half_ops::is_f32;
 use crate::nn::mixed::{build_on_device, native_module};
 use crate::nn::{LayerNorm1D, MixedModule};
 use crate::precision::{AMP, Precision, f16};
@@ -104,7 +106,7 @@ where
         let pooled = FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| {
             layer_norm_f32(ln, eps, x.mean::<(B, Const<M>), Axis<1>>())
         })?;
-        self.linear.try_forward(pooled)
+        self.try_linear::<P, _, _>(pooled)
     }
 }
 
@@ -127,6 +129,25 @@ where
         let eps = self.norm.epsilon;
         let normed =
             FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| layer_norm_f32(ln, eps, x))?;
-        self.linear.try_forward(normed)
+        self.try_linear::<P, _, _>(normed)
+    }
+}
+
+impl<const M: usize, const C: usize, E> ClassificationHead<M, C, E, Cpu>
+where
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+{
+    /// The head's linear layer in precision `P`: dfdx's `Linear` in f32, one fused op on mpx's
+    /// GEMM in a half precision (f32 sums, rounded once to `P`).
+    fn try_linear<P: Precision<Elem = E>, B: Dim, T: Tape<E, Cpu>>(
+        &self,
+        x: Tensor<(B, Const<M>), E, Cpu, T>,
+    ) -> Result<Tensor<(B, Const<C>), E, Cpu, T>, CpuError> {
+        if is_f32::<P>() {
+            return self.linear.try_forward(x);
+        }
+        let out = (x.shape().0, Const::<C>);
+        dense::<P, E, M, C, _, _, _>(&self.linear.weight, &self.linear.bias, false, x, out)
     }
 }

@@ -8,6 +8,8 @@ use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
 use crate::nn::MixedModule;
+use crate::nn::dense_op::dense;
+use crate::nn::half_ops::is_f32;
 use crate::nn::mixed::native_module;
 use crate::precision::{AMP, Precision, f16};
 
@@ -191,6 +193,13 @@ where
         &self,
         images: Tensor<(B, Const<PIXELS>), E, Cpu, T>,
     ) -> Result<Self::Output, CpuError> {
-        self.linear.try_forward(Self::try_patchify(images)?)
+        let patches = Self::try_patchify(images)?;
+        if is_f32::<P>() {
+            return self.linear.try_forward(patches);
+        }
+        // Half precision: one fused op on mpx's GEMM (f32 sums, rounded once to P).
+        let out = (patches.shape().0, Const::<PATCHES>, Const::<M>);
+        let (w, b) = (&self.linear.weight, &self.linear.bias);
+        dense::<P, E, PATCH_DIM, M, _, _, _>(w, b, false, patches, out)
     }
 }
