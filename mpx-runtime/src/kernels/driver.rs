@@ -206,7 +206,7 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
             buf.resize(n, 0.0);
-            v[..n].convert_to_f32_slice(buf);
+            super::convert::widen_f16(&v[..n], buf);
             buf
         }
         Operand::Bf16(v) => {

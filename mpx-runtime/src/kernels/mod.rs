@@ -65,6 +65,7 @@
 
 mod avx2;
 mod avx512;
+mod convert;
 mod driver;
 mod epilogue;
 mod error;
@@ -77,6 +78,7 @@ mod pool;
 mod portable;
 mod threads;
 
+pub(crate) use convert::{round_f16, widen_f16};
 pub use driver::{gemm, gemm_nanos, gemm_on};
 pub use epilogue::{
     Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,

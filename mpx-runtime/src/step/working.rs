@@ -221,10 +221,12 @@ where
 const CHUNK: usize = 1024;
 
 /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
-/// whether `dst` is finite afterwards.
+/// whether `dst` is finite afterwards (each chunk checked right after it was written, while in
+/// cache).
 fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
     let mut buf = [0.0f32; CHUNK];
     let zero = H::Elem::default();
+    let mut finite = true;
     for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
         let b = &mut buf[..s.len()];
         H::widen(s, b);
@@ -236,8 +238,9 @@ fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f3
                 .for_each(|(d, b)| *d += *b * inv_scale);
         }
         s.fill(zero);
+        finite &= all_finite_f32(d);
     }
-    all_finite_f32(dst)
+    finite
 }
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished
