@@ -45,7 +45,8 @@
 //!
 //! # Safety
 //! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
-//! features were detected), two peak-throughput loops, and the driver's shared view of the output,
+//! features were detected), the F16C slice conversions (`convert.rs`, same condition), two
+//! peak-throughput loops, and the driver's shared view of the output,
 //! through which threads write disjoint blocks of it. Packing and the element-wise passes are
 //! safe Rust over slices.
 //!
