@@ -11,17 +11,11 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 /// Whether the CPU converts with F16C (and AVX, for the 256-bit registers); detected once.
+#[cfg(target_arch = "x86_64")]
 fn has_f16c() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static F16C: OnceLock<bool> = OnceLock::new();
-        *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    use std::sync::OnceLock;
+    static F16C: OnceLock<bool> = OnceLock::new();
+    *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
 }
 
 /// `dst[i] = src[i]` widened to f32 (exact). The lengths must match.
