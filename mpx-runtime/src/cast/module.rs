@@ -167,6 +167,9 @@ where
 
 struct Gather<'a> {
     s: &'a mut CastScratch,
+    /// Values of `s.flat` written so far (`flat` keeps its length across calls, so that it is
+    /// not zeroed again each time).
+    filled: usize,
 }
 
 impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for Gather<'_>
@@ -184,9 +187,12 @@ where
         t: &Tensor<S, E, Cpu>,
     ) -> Result<Option<Tensor<S, E, Cpu>>, CastError> {
         let n = t.shape().num_elements();
-        let start = self.s.flat.len();
-        self.s.flat.resize(start + n, 0.0);
-        read_tensor_f32(t, &mut self.s.flat[start..], &mut self.s.tmp16);
+        let (start, end) = (self.filled, self.filled + n);
+        if self.s.flat.len() < end {
+            self.s.flat.resize(end, 0.0);
+        }
+        read_tensor_f32(t, &mut self.s.flat[start..end], &mut self.s.tmp16);
+        self.filled = end;
         self.s.lens.push(n);
         Ok(None)
     }
@@ -272,11 +278,13 @@ where
     M::To<P::Elem, Cpu>: TensorCollection<P::Elem, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
 {
-    scratch.flat.clear();
     scratch.lens.clear();
     M::iter_tensors(&mut RecursiveWalker {
         m: src,
-        f: &mut Gather { s: scratch },
+        f: &mut Gather {
+            s: scratch,
+            filled: 0,
+        },
     })?;
     let mut scatter = Scatter::<P> {
         s: scratch,

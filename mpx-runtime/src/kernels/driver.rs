@@ -198,6 +198,15 @@ fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 2]) -> R) -> R {
     })
 }
 
+/// The first `n` values of `buf`, grown when shorter (never shrunk: operands of different sizes
+/// do not zero it again each call). The caller overwrites them.
+fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    &mut buf[..n]
+}
+
 /// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
 /// conversion) and bf16 operands rounded into `buf`.
 fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
@@ -205,12 +214,12 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     match m.values {
         Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
-            buf.resize(n, 0.0);
-            v[..n].convert_to_f32_slice(buf);
+            let buf = grown(buf, n);
+            super::convert::widen_f16(&v[..n], buf);
             buf
         }
         Operand::Bf16(v) => {
-            buf.resize(n, 0.0);
+            let buf = grown(buf, n);
             round_to_bf16(&v[..n], buf);
             buf
         }

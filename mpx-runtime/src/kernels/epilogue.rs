@@ -118,7 +118,7 @@ pub fn bias_act_into(
                 } else {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += *b);
                 }
-                orow.convert_from_f32_slice(row);
+                super::convert::round_f16(row, orow);
             }
         }
     }
@@ -268,7 +268,7 @@ pub fn relu_mask_bias_grad_f16(
         }
         for (dc, gc) in drow.chunks(256).zip(bias_grad.chunks_mut(256)) {
             let b = &mut buf[..dc.len()];
-            dc.convert_to_f32_slice(b);
+            super::convert::widen_f16(dc, b);
             gc.iter_mut().zip(b.iter()).for_each(|(g, v)| *g += *v);
         }
     }
@@ -340,15 +340,7 @@ pub fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError> {
     expect_len("dst", dst.len(), src.len())?;
     match dst {
         Dst::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-        Dst::F16(d) => {
-            let mut buf = [0.0f32; 256];
-            for (dc, sc) in d.chunks_mut(256).zip(src.chunks(256)) {
-                let b = &mut buf[..dc.len()];
-                dc.convert_to_f32_slice(b);
-                b.iter_mut().zip(sc).for_each(|(b, s)| *b += *s);
-                dc.convert_from_f32_slice(b);
-            }
-        }
+        Dst::F16(d) => super::convert::add_f32_into_f16(src, d),
     }
     Ok(())
 }

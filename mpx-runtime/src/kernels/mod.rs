@@ -45,7 +45,8 @@
 //!
 //! # Safety
 //! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
-//! features were detected), two peak-throughput loops, and the driver's shared view of the output,
+//! features were detected), the F16C slice conversions (`convert.rs`, same condition), two
+//! peak-throughput loops, and the driver's shared view of the output,
 //! through which threads write disjoint blocks of it. Packing and the element-wise passes are
 //! safe Rust over slices.
 //!
@@ -65,6 +66,7 @@
 
 mod avx2;
 mod avx512;
+mod convert;
 mod driver;
 mod epilogue;
 mod error;
@@ -77,6 +79,7 @@ mod pool;
 mod portable;
 mod threads;
 
+pub(crate) use convert::{round_f16, widen_f16};
 pub use driver::{gemm, gemm_nanos, gemm_on};
 pub use epilogue::{
     Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,

@@ -396,6 +396,31 @@ fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }
 
+/// Largest f32 scratch (values) a thread keeps between calls: 1 MiB.
+const SCRATCH_KEEP: usize = 1 << 18;
+
+/// Runs `f` on `n` f32 values of this thread's reusable scratch (their contents are whatever
+/// the last use left: `f` must overwrite them, as the GEMMs below do with `accumulate = false`).
+/// A fresh buffer is used when the scratch is busy (re-entered) or `n` is above
+/// [`SCRATCH_KEEP`], so that a thread never holds more than that between calls.
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if n > SCRATCH_KEEP {
+        return f(&mut vec![0.0; n]);
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < n {
+                buf.resize(n, 0.0);
+            }
+            f(&mut buf[..n])
+        }
+        Err(_) => f(&mut vec![0.0; n]),
+    })
+}
+
 fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
     let mut v = vec![E::default(); t.shape().num_elements()];
     t.copy_into(&mut v);
@@ -442,14 +467,15 @@ pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
             });
         }
     }
-    let mut dw = vec![0.0f32; o * i];
-    gemm(
-        MatRef::row_major(E::operand(dz), rows, o).t(),
-        MatRef::row_major(E::operand(x), rows, i),
-        &mut dw,
-        false,
-    )?;
-    add_f32_into(&dw, as_dst(dst))
+    with_scratch(o * i, |dw| {
+        gemm(
+            MatRef::row_major(E::operand(dz), rows, o).t(),
+            MatRef::row_major(E::operand(x), rows, i),
+            dw,
+            false,
+        )?;
+        add_f32_into(dw, as_dst(dst))
+    })
 }
 
 impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
@@ -470,20 +496,22 @@ where
         E::widen(&read(&self.bias), &mut bias);
         let mut y = vec![E::default(); rows * O];
         // f32 sums for at most ROW_CHUNK rows at a time, so the scratch stays small at any batch
-        let mut acc = vec![0.0f32; rows.min(ROW_CHUNK) * O];
-        for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
-            let r = xc.len() / I;
-            let acc = &mut acc[..r * O];
-            gemm(
-                MatRef::row_major(E::operand(xc), r, I),
-                MatRef::row_major(E::operand(&wv), O, I).t(),
-                acc,
-                false,
-            )
-            .map_err(shape_err)?;
-            bias_act_into(acc, &bias, A::ACT, as_dst(yc)).map_err(shape_err)?;
-        }
-        drop((wv, acc));
+        with_scratch(rows.min(ROW_CHUNK) * O, |acc| {
+            for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
+                let r = xc.len() / I;
+                let acc = &mut acc[..r * O];
+                gemm(
+                    MatRef::row_major(E::operand(xc), r, I),
+                    MatRef::row_major(E::operand(&wv), O, I).t(),
+                    acc,
+                    false,
+                )?;
+                bias_act_into(acc, &bias, A::ACT, as_dst(yc))?;
+            }
+            Ok(())
+        })
+        .map_err(shape_err)?;
+        drop(wv);
         let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| relu_mask_of(&y));
         let y = x.device().try_tensor_from_vec(y, out)?;
         if T::OWNS_TAPE {
@@ -522,20 +550,21 @@ fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
 ) -> Result<(), CpuError> {
     let wv = read(w);
     let rows = dz.len() / O;
-    let mut dx = vec![0.0f32; rows.min(ROW_CHUNK) * I];
-    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
-        let r = dzc.len() / O;
-        let dx = &mut dx[..r * I];
-        gemm(
-            MatRef::row_major(E::operand(dzc), r, O),
-            MatRef::row_major(E::operand(&wv), O, I),
-            dx,
-            false,
-        )
-        .map_err(shape_err)?;
-        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
-    }
-    Ok(())
+    with_scratch(rows.min(ROW_CHUNK) * I, |dx| {
+        for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
+            let r = dzc.len() / O;
+            let dx = &mut dx[..r * I];
+            gemm(
+                MatRef::row_major(E::operand(dzc), r, O),
+                MatRef::row_major(E::operand(&wv), O, I),
+                dx,
+                false,
+            )?;
+            add_f32_into(dx, as_dst(gxc))?;
+        }
+        Ok(())
+    })
+    .map_err(shape_err)
 }
 
 impl<

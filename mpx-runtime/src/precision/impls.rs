@@ -62,10 +62,10 @@ impl Precision for f16 {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
+        crate::kernels::round_f16(src, dst);
     }
     fn widen(src: &[f16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        crate::kernels::widen_f16(src, dst);
     }
     fn bits(src: &[f16]) -> FloatBits<'_> {
         FloatBits::F16(src.reinterpret_cast())
@@ -96,10 +96,10 @@ impl Precision for AMP<f16> {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [AMP<f16>]) {
-        amp_as_f16_mut(dst).convert_from_f32_slice(src);
+        crate::kernels::round_f16(src, amp_as_f16_mut(dst));
     }
     fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
-        amp_as_f16(src).convert_to_f32_slice(dst);
+        crate::kernels::widen_f16(amp_as_f16(src), dst);
     }
     fn bits(src: &[AMP<f16>]) -> FloatBits<'_> {
         FloatBits::F16(amp_as_f16(src).reinterpret_cast())

@@ -100,7 +100,12 @@ where
     Cpu: Device<H::Elem>,
 {
     let n = x.shape().num_elements();
-    let values = x.as_vec();
+    // A contiguous view (the same buffer when it already is) read with one memcpy: dfdx's
+    // `as_vec` walks the tensor index by index.
+    let mut values = vec![0.0f32; n];
+    x.retaped::<dfdx::tensor::NoneTape>()
+        .try_contiguous()?
+        .copy_into(&mut values);
     let mut half = vec![H::Elem::default(); n];
     H::round(&values, &mut half);
     x.device().try_tensor_from_vec(half, *x.shape())

@@ -221,23 +221,34 @@ where
 const CHUNK: usize = 1024;
 
 /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
-/// whether `dst` is finite afterwards.
+/// whether `dst` is finite afterwards: the check is folded into the add, branch-free (bit 31 of
+/// `(bits & 0x7fff_ffff) + 0x0080_0000` is set exactly for an all-ones exponent, as in
+/// [`crate::finite`]), so `dst` is read once.
 fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
     let mut buf = [0.0f32; CHUNK];
     let zero = H::Elem::default();
+    let flag = |v: f32| (v.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
+    let mut acc = 0u32;
     for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
         let b = &mut buf[..s.len()];
         H::widen(s, b);
         if inv_scale == 1.0 {
-            d.iter_mut().zip(b.iter()).for_each(|(d, b)| *d += *b);
+            for (d, b) in d.iter_mut().zip(b.iter()) {
+                *d += *b;
+                acc |= flag(*d);
+            }
         } else {
-            d.iter_mut()
-                .zip(b.iter())
-                .for_each(|(d, b)| *d += *b * inv_scale);
+            for (d, b) in d.iter_mut().zip(b.iter()) {
+                *d += *b * inv_scale;
+                acc |= flag(*d);
+            }
         }
         s.fill(zero);
     }
-    all_finite_f32(dst)
+    // `dst` longer than `src` cannot happen (the lengths are checked before); its tail would
+    // still be checked here.
+    let tail = dst.get(src.len()..).unwrap_or(&[]);
+    acc & 0x8000_0000 == 0 && all_finite_f32(tail)
 }
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished

@@ -1,0 +1,235 @@
+//! f16 <-> f32 slice conversions in one SIMD loop (F16C, detected at run time), and the fused
+//! `f16 += f32` pass of a gradient written into an f16 buffer.
+//!
+//! The `half` crate's slice conversions use the same instructions, but through a function call
+//! per 8 values; on the small tensors of a mixed step that call dominates. The results are the
+//! same bits: widening is exact, and rounding is the instruction's round-to-nearest-even (the
+//! values past the last full group of 8 go through the same instruction, padded). Without F16C
+//! the `half` crate's own conversions run.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Whether the CPU converts with F16C (and AVX, for the 256-bit registers); detected once.
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    use std::sync::OnceLock;
+    static F16C: OnceLock<bool> = OnceLock::new();
+    *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
+}
+
+/// `dst[i] = src[i]` widened to f32 (exact). The lengths must match.
+pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_f16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: AVX and F16C were detected above; the lengths match.
+        unsafe { x86::widen(src, dst) };
+        return;
+    }
+    src.convert_to_f32_slice(dst);
+}
+
+/// `dst[i] = src[i]` rounded to f16 (nearest, ties to even). The lengths must match.
+pub(crate) fn round_f16(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len(), "round_f16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: AVX and F16C were detected above; the lengths match.
+        unsafe { x86::round(src, dst) };
+        return;
+    }
+    dst.convert_from_f32_slice(src);
+}
+
+/// `dst[i] = round_f16(f32(dst[i]) + src[i])`: the f32 sum rounded once. The lengths must match.
+pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len(), "add_f32_into_f16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: AVX and F16C were detected above; the lengths match.
+        unsafe { x86::add_into(src, dst) };
+        return;
+    }
+    let mut buf = [0.0f32; 256];
+    for (dc, sc) in dst.chunks_mut(256).zip(src.chunks(256)) {
+        let b = &mut buf[..dc.len()];
+        dc.convert_to_f32_slice(b);
+        b.iter_mut().zip(sc).for_each(|(b, s)| *b += *s);
+        dc.convert_from_f32_slice(b);
+    }
+}
+
+// `_mm_loadu_si128` / `_mm_storeu_si128` take `__m128i` pointers but access them unaligned: the
+// casts from 2-byte-aligned f16 pointers are what the intrinsics expect.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::cast_ptr_alignment)]
+mod x86 {
+    use std::arch::x86_64::{
+        __m128i, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_ps,
+        _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
+    };
+
+    use half::f16;
+
+    /// Values per register.
+    const LANES: usize = 8;
+
+    /// # Safety
+    /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        let full = src.len() / LANES * LANES;
+        // SAFETY: every access is at `i..i + LANES` with `i + LANES <= full <= len` of both
+        // slices (f16 is a 16-bit value type, as the 128-bit load reads it).
+        unsafe {
+            for i in (0..full).step_by(LANES) {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+        }
+        let rest = src.len() - full;
+        if rest > 0 {
+            let mut h = [f16::ZERO; LANES];
+            let mut w = [0.0f32; LANES];
+            h[..rest].copy_from_slice(&src[full..]);
+            // SAFETY: both buffers hold LANES values.
+            unsafe {
+                let v = _mm_loadu_si128(h.as_ptr().cast::<__m128i>());
+                _mm256_storeu_ps(w.as_mut_ptr(), _mm256_cvtph_ps(v));
+            }
+            dst[full..].copy_from_slice(&w[..rest]);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn round(src: &[f32], dst: &mut [f16]) {
+        let full = src.len() / LANES * LANES;
+        // SAFETY: as in `widen`.
+        unsafe {
+            for i in (0..full).step_by(LANES) {
+                let v = _mm256_loadu_ps(src.as_ptr().add(i));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), h);
+            }
+        }
+        let rest = src.len() - full;
+        if rest > 0 {
+            let mut w = [0.0f32; LANES];
+            let mut h = [f16::ZERO; LANES];
+            w[..rest].copy_from_slice(&src[full..]);
+            // SAFETY: both buffers hold LANES values.
+            unsafe {
+                let v = _mm256_loadu_ps(w.as_ptr());
+                let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r);
+            }
+            dst[full..].copy_from_slice(&h[..rest]);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn add_into(src: &[f32], dst: &mut [f16]) {
+        let full = src.len() / LANES * LANES;
+        // SAFETY: as in `widen`.
+        unsafe {
+            for i in (0..full).step_by(LANES) {
+                let d = dst.as_mut_ptr().add(i).cast::<__m128i>();
+                let sum = _mm256_add_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128(d)),
+                    _mm256_loadu_ps(src.as_ptr().add(i)),
+                );
+                _mm_storeu_si128(d, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(sum));
+            }
+        }
+        let rest = src.len() - full;
+        if rest > 0 {
+            let mut w = [0.0f32; LANES];
+            let mut h = [f16::ZERO; LANES];
+            w[..rest].copy_from_slice(&src[full..]);
+            h[..rest].copy_from_slice(&dst[full..]);
+            // SAFETY: both buffers hold LANES values.
+            unsafe {
+                let sum = _mm256_add_ps(
+                    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast::<__m128i>())),
+                    _mm256_loadu_ps(w.as_ptr()),
+                );
+                let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(sum);
+                _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r);
+            }
+            dst[full..].copy_from_slice(&h[..rest]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::slice::HalfFloatSliceExt;
+
+    /// Values covering normals, subnormals, ties, overflow, infinities and NaN.
+    fn probe(n: usize) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..n)
+            .map(|i| {
+                let x = (i as f32 * 0.618_034).sin() * 10f32.powi((i % 13) as i32 - 8);
+                if i % 2 == 0 { x } else { -x }
+            })
+            .collect();
+        let specials = [
+            65504.0,
+            65520.0,
+            1e6,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            6e-8,
+            2.98e-8,
+            1.0 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            -0.0,
+        ];
+        for (slot, s) in v.iter_mut().zip(specials) {
+            *slot = s;
+        }
+        v
+    }
+
+    #[test]
+    fn round_and_widen_match_the_half_crate_bit_for_bit() {
+        for n in [0, 1, 7, 8, 9, 31, 1000] {
+            let src = probe(n);
+            let mut ours = vec![f16::ZERO; n];
+            let mut theirs = vec![f16::ZERO; n];
+            round_f16(&src, &mut ours);
+            theirs.convert_from_f32_slice(&src);
+            let bits = |v: &[f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ours), bits(&theirs), "round, n = {n}");
+            let mut w_ours = vec![0.0f32; n];
+            let mut w_theirs = vec![0.0f32; n];
+            widen_f16(&ours, &mut w_ours);
+            theirs.convert_to_f32_slice(&mut w_theirs);
+            let bits32 = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits32(&w_ours), bits32(&w_theirs), "widen, n = {n}");
+        }
+    }
+
+    #[test]
+    fn add_into_rounds_the_f32_sum_once() {
+        for n in [0, 3, 8, 13, 517] {
+            let src = probe(n);
+            let mut dst: Vec<f16> = probe(n).iter().rev().map(|x| f16::from_f32(*x)).collect();
+            let want: Vec<u16> = dst
+                .iter()
+                .zip(&src)
+                .map(|(d, s)| f16::from_f32(d.to_f32() + s).to_bits())
+                .collect();
+            add_f32_into_f16(&src, &mut dst);
+            let got: Vec<u16> = dst.iter().map(|h| h.to_bits()).collect();
+            assert_eq!(got, want, "n = {n}");
+        }
+    }
+}
