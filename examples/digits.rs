@@ -309,6 +309,56 @@ fn train_mixed(
     })
 }
 
+/// Rounds of the step-time measurement.
+const ROUNDS: usize = 60;
+
+/// The step time of each run (f32, f32 on mpx's layers, mixed f16), measured after training on
+/// fresh copies from `init`: `ROUNDS` rounds, each one step of every run on the same batch, in
+/// turn, so that a busy neighbour slows all three alike. Returns the medians.
+fn interleaved_step_times(
+    dev: &Cpu,
+    d: &Digits,
+    init: &Master,
+) -> Result<[Duration; 3], Box<dyn std::error::Error>> {
+    let batches = epoch_batches(dev, d, EPOCHS);
+    let (mut m32, mut mf, mut mm) = (init.clone(), fused(init), fused(init));
+    let (mut o32, mut of, mut om) = (adam(&m32), adam(&mf), adam(&mm));
+    let (mut g32, mut gf, mut gm) = (
+        Some(m32.alloc_grads()),
+        Some(mf.alloc_grads()),
+        Some(mm.alloc_grads()),
+    );
+    let mut scaler = GradScaler::<f16>::new(DynamicLossScale::builder().build()?);
+    let mut times: [Vec<Duration>; 3] = Default::default();
+    for round in 0..ROUNDS + 5 {
+        let (x, y, _) = &batches[round % batches.len()];
+        let mut timed = |k: usize, step: &mut dyn FnMut()| {
+            let t = Instant::now();
+            step();
+            // the first rounds warm caches and buffers up
+            if round >= 5 {
+                times[k].push(t.elapsed());
+            }
+        };
+        timed(0, &mut || {
+            let g = g32.take().expect("gradients are handed back");
+            g32 = Some(step_f32(&mut m32, &mut o32, g, x, y).2);
+        });
+        timed(1, &mut || {
+            let g = gf.take().expect("gradients are handed back");
+            gf = Some(step_f32(&mut mf, &mut of, g, x, y).2);
+        });
+        timed(2, &mut || {
+            let g = gm.take().expect("gradients are handed back");
+            gm = Some(step_mixed(&mut mm, &mut om, g, x, y, &mut scaler).2);
+        });
+    }
+    Ok(times.map(|mut t| {
+        t.sort();
+        t[t.len() / 2]
+    }))
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let d = Digits::load(0.2, 7);
     println!(
@@ -319,9 +369,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Mlp, f32>();
-    let f32_run = train_f32("f32", &dev, &d, &init);
-    let f32_fused = train_f32("f32, mpx layers", &dev, &d, &fused(&init));
-    let mixed = train_mixed(&dev, &d, &fused(&init))?;
+    let mut f32_run = train_f32("f32", &dev, &d, &init);
+    let mut f32_fused = train_f32("f32, mpx layers", &dev, &d, &fused(&init));
+    let mut mixed = train_mixed(&dev, &d, &fused(&init))?;
+    let [t32, tf, tm] = interleaved_step_times(&dev, &d, &init)?;
+    (f32_run.step_time, f32_fused.step_time, mixed.step_time) = (t32, tf, tm);
 
     println!();
     println!(
@@ -343,6 +395,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             r.skipped
         );
     }
+    println!(
+        "\nstep time: median of {ROUNDS} interleaved rounds after training (one step of each run per round on fresh copies, batch {BATCH}); peak heap: the most heap in use during the run's training, above what was in use when it started"
+    );
     let gap = (mixed.test_acc - f32_run.test_acc).abs();
     println!(
         "\nmixed f16 vs f32: {gap:.2} points apart (must be within 1), step time x{:.2}, peak heap x{:.2}",
