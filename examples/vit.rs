@@ -19,9 +19,11 @@
 //!
 //! The model is mpx's [`DigitsVit`] (`mpx::nn::vit`): 16 patches of 2x2 pixels, width 32, two
 //! `mpx::nn` encoder blocks (4 heads, feed-forward 64), mean pooling and a layer-norm + linear
-//! head. Its layers keep the precision-critical operations in f32 regions: the layer-norm
-//! statistics and the attention softmax (and the head's pooling) run in f32, their results rounded
-//! to the half type; the matmuls and residual adds run in the half type. The mixed runs call
+//! head. In a half precision its layers run as fused ops on mpx's own GEMM: every linear layer
+//! (projections, feed-forward, patch embedding, head) is one op with f32 sums rounded once to the
+//! half type; all heads' `softmax(q·kᵀ/√d)·v` is one op with the scores and the softmax in f32;
+//! each residual add is fused into the layer norm after it, whose statistics run in f32. In f32
+//! they run dfdx's own ops. The mixed runs call
 //! `forward_in::<H, _>` (which emulated bf16 needs: its tensors are f32, and only `H` says where
 //! to round to bf16).
 
@@ -664,7 +666,7 @@ fn main() -> Result<(), Box<dyn Error>> {
          - master copy: building the f32 master (the f32 run trains its weights directly: none);\n\
          - optimizer state: the heap Adam's first update leaves (its two f32 moments per master parameter).\n\
          For scale: {params} parameters are {:.1} KiB in f32 and {:.1} KiB in f16; the heap cells add per-tensor bookkeeping (shared buffers, the gradients' hash map).\n\
-         Emulated bf16 stores its values in f32 (dfdx 0.13 has no bf16 dtype), so it saves no memory: a native bf16 would halve its weights, activations and working-copy gradients as f16 does.",
+         Emulated bf16 stores its values in f32 (dfdx 0.13 has no bf16 dtype), so its tensors are as large as f32's; it keeps fewer of them than the f32 run only because mpx's fused half-precision ops save less for the backward pass than dfdx's ops. A native bf16 would halve its weights, activations and working-copy gradients as f16 does.",
         kib(params * 4),
         kib(params * 2),
     );
