@@ -15,56 +15,14 @@
 //!
 //! A wrong index, transpose or missing term in a fused op gives errors of order 1, far above these.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::prelude::*;
 use mpx::nn::{self, ForwardIn};
 use mpx::precision::{Precision, bf16, f16};
 
-/// Every trainable tensor's gradient, widened to f32, in the module's visit order.
-struct GradsOf<'a, E: Dtype> {
-    grads: &'a Gradients<E, Cpu>,
-    out: Vec<Vec<f32>>,
-}
-
-impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for GradsOf<'_, E>
-where
-    Cpu: Device<E>,
-{
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = E;
-    type D2 = Cpu;
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, E, Cpu>,
-        t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
-        if opts.do_gradient_update {
-            let g = self.grads.get(t).as_vec();
-            let mut v = vec![0.0f32; g.len()];
-            E::widen(&g, &mut v);
-            self.out.push(v);
-        }
-        Ok(None)
-    }
-}
-
-fn param_grads<E: Precision<Elem = E> + Dtype, M: TensorCollection<E, Cpu>>(
-    m: &M,
-    grads: &Gradients<E, Cpu>,
-) -> Vec<Vec<f32>>
-where
-    Cpu: Device<E>,
-{
-    let mut v = GradsOf {
-        grads,
-        out: Vec::new(),
-    };
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut v }).expect("walk");
-    v.out
-}
+#[path = "common/grads.rs"]
+mod grads;
+use grads::param_grads;
 
 /// Normwise relative error `|a - b| / |b|`.
 fn rel(a: &[f32], b: &[f32]) -> f64 {
