@@ -62,13 +62,42 @@ pub(crate) fn parse_keyed(
                 &meta.path,
                 format!("unknown argument `{key}`; expected one of {valid}"),
             );
-            crate::full_precision::ast::skip_value(meta.input)?;
+            skip_value(meta.input)?;
         }
         Ok(())
     });
     if let Err(err) = parser.parse2(args) {
         cx.push(err);
     }
+}
+
+/// Stores `value` in `slot`, or records "duplicate argument" when it is already set.
+pub(crate) fn set_once<T>(
+    cx: &mut Ctxt,
+    path: &syn::Path,
+    slot: &mut Option<T>,
+    value: T,
+    name: &str,
+) {
+    if slot.is_some() {
+        cx.error_spanned(path, format!("duplicate argument `{name}`"));
+    } else {
+        *slot = Some(value);
+    }
+}
+
+/// Skips an unknown argument's value (up to the next top-level comma).
+pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
+    while !input.is_empty() && !input.peek(syn::Token![,]) {
+        input.parse::<proc_macro2::TokenTree>()?;
+    }
+    Ok(())
+}
+
+/// The value of `crate = "path"`: the facade's path, written as a string literal (serde's form).
+pub(crate) fn crate_path(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<syn::Path> {
+    let lit: syn::LitStr = meta.value()?.parse()?;
+    lit.parse()
 }
 
 /// The annotated item as a function, or an error (`what` says what the attribute applies to)

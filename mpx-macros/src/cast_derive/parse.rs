@@ -4,7 +4,7 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned;
 
-use crate::ctxt::{Ctxt, key_of};
+use crate::ctxt::{Ctxt, crate_path, key_of, set_once, skip_value};
 
 /// Keys a container `#[cast(...)]` accepts.
 pub(super) const CONTAINER_KEYS: &str = "`dtype`, `crate`";
@@ -58,8 +58,7 @@ pub(super) fn parse<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Input<'a>
                     set_once(cx, &meta.path, &mut dtype, v, "dtype");
                 }
                 "crate" => {
-                    let lit: syn::LitStr = meta.value()?.parse()?;
-                    let v: syn::Path = lit.parse()?;
+                    let v = crate_path(&meta)?;
                     set_once(cx, &meta.path, &mut krate, v, "crate");
                 }
                 "skip" => {
@@ -136,26 +135,4 @@ fn parse_fields<'a>(fields: &'a syn::Fields, cx: &mut Ctxt) -> Vec<Field<'a>> {
             }
         })
         .collect()
-}
-
-/// Stores `value` in `slot`, or records "duplicate argument" when it is already set.
-fn set_once<T>(cx: &mut Ctxt, path: &syn::Path, slot: &mut Option<T>, value: T, name: &str) {
-    if slot.is_some() {
-        cx.error_spanned(path, format!("duplicate argument `{name}`"));
-    } else {
-        *slot = Some(value);
-    }
-}
-
-/// Consumes `= value` after an unknown key so that parsing can go on to the next key.
-fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
-    if input.peek(syn::Token![=]) {
-        input.parse::<syn::Token![=]>()?;
-        input.parse::<syn::Expr>()?;
-    } else if input.peek(syn::token::Paren) {
-        let content;
-        syn::parenthesized!(content in input);
-        content.parse::<proc_macro2::TokenStream>()?;
-    }
-    Ok(())
 }

@@ -1,8 +1,8 @@
 //! Parsing: the attribute's arguments and the annotated item.
 
-use proc_macro2::{TokenStream, TokenTree};
+use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, parse_keyed};
+use crate::ctxt::{Ctxt, crate_path, parse_keyed, set_once};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `params`, `inputs`, `crate`";
@@ -44,8 +44,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                 true
             }
             "crate" => {
-                let lit: syn::LitStr = meta.value()?.parse()?;
-                let v: syn::Path = lit.parse()?;
+                let v = crate_path(meta)?;
                 set_once(cx, &meta.path, &mut out.krate, v, "crate");
                 true
             }
@@ -53,21 +52,6 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
         })
     });
     out
-}
-
-/// Stores `value` in `slot`, or records "duplicate argument" when it is already set.
-pub(crate) fn set_once<T>(
-    cx: &mut Ctxt,
-    path: &syn::Path,
-    slot: &mut Option<T>,
-    value: T,
-    name: &str,
-) {
-    if slot.is_some() {
-        cx.error_spanned(path, format!("duplicate argument `{name}`"));
-    } else {
-        *slot = Some(value);
-    }
 }
 
 /// `x` or `(x, y, ..)`: argument names.
@@ -88,14 +72,6 @@ fn input_names(e: &syn::Expr) -> syn::Result<Vec<syn::Ident>> {
         syn::Expr::Paren(p) => Ok(vec![one(&p.expr)?]),
         other => Ok(vec![one(other)?]),
     }
-}
-
-/// Skips an unknown argument's value (up to the next top-level comma).
-pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
-    while !input.is_empty() && !input.peek(syn::Token![,]) {
-        input.parse::<TokenTree>()?;
-    }
-    Ok(())
 }
 
 /// How an argument's type reads to the macro: the region casts only tensors passed by value.

@@ -2,8 +2,7 @@
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, parse_keyed};
-use crate::full_precision::ast::set_once;
+use crate::ctxt::{Ctxt, crate_path, parse_keyed, set_once};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `crate`";
@@ -72,8 +71,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                 true
             }
             "crate" => {
-                let lit: syn::LitStr = meta.value()?.parse()?;
-                let v: syn::Path = lit.parse()?;
+                let v = crate_path(meta)?;
                 set_once(cx, &meta.path, &mut out.krate, v, "crate");
                 true
             }
