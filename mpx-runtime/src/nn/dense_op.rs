@@ -8,14 +8,15 @@
 //!
 //! - forward: `y = round_P(act(x·Wᵀ + b))`, the sums in f32 (f16 and bf16 values are exact in f32);
 //! - backward: `dZ = dY` (masked where the `ReLU` was off), `db += Σ dZ`, `dW += dZᵀ·X`,
-//!   `dX += dZ·W`, each summed in f32 and rounded once into its gradient entry.
+//!   `dX += dZ·W`, each summed in f32 and rounded once into its gradient entry. The `ReLU` mask
+//!   (one bit per output) and the masked bias-gradient pass are the fused `Linear`'s kernels.
 
 use dfdx::shapes::{HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, widen};
-use crate::kernels::{MatRef, gemm};
+use crate::kernels::{MatRef, ReluMask, gemm, relu_mask_bias_grad_f32};
 use crate::precision::Precision;
 
 /// `act(x·Wᵀ + b)` over the last axis of `x` (which must have `I` values), shaped `out`; `ReLU`
@@ -55,8 +56,7 @@ where
             }
         }
     }
-    let mask: Option<Vec<bool>> =
-        (T::OWNS_TAPE && relu).then(|| z.iter().map(|v| *v > 0.0).collect());
+    let mask = (T::OWNS_TAPE && relu).then(|| ReluMask::from_f32(&z));
     let y = x.device().try_tensor_from_vec(narrow::<P>(&z), out)?;
     drop(z);
     if T::OWNS_TAPE {
@@ -71,19 +71,8 @@ where
         tape.add_backward_op(move |grads| {
             let mut dz = vec![0.0f32; rows * O];
             E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dz);
-            if let Some(mask) = &mask {
-                for (d, on) in dz.iter_mut().zip(mask) {
-                    if !on {
-                        *d = 0.0;
-                    }
-                }
-            }
             let mut db = vec![0.0f32; O];
-            for row in dz.chunks_exact(O) {
-                for (s, d) in db.iter_mut().zip(row) {
-                    *s += d;
-                }
-            }
+            relu_mask_bias_grad_f32(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
             accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?), &db);
             let x32 = widen(&x);
             let mut dw = vec![0.0f32; O * I];
