@@ -157,27 +157,22 @@ struct Stepped {
     applied: bool,
 }
 
-/// Trains `EPOCHS` epochs with `step`, timing every step, and reports the run. `describe` adds
-/// to each epoch's line (the loss scale of a mixed run).
+/// Trains `EPOCHS` epochs with `step` and returns the epoch losses and the peak heap. `describe`
+/// adds to each epoch's line (the loss scale of a mixed run).
 fn train_run(
     name: &str,
     dev: &Cpu,
     d: &Digits,
     mut step: impl FnMut(&X, &Y) -> Stepped,
     describe: &mut dyn FnMut() -> String,
-) -> (Vec<f32>, Duration, usize) {
+) -> (Vec<f32>, usize) {
     let pb = bar(name, EPOCHS * (d.train_len() / BATCH));
     let baseline = heap::reset_peak();
-    let mut busy = Duration::ZERO;
-    let mut steps = 0u32;
     let mut epoch_loss = Vec::with_capacity(EPOCHS);
     for epoch in 0..EPOCHS {
         let (mut loss_sum, mut hits, mut applied, mut skipped) = (0.0f32, 0usize, 0usize, 0usize);
         for (x, y, labels) in &epoch_batches(dev, d, epoch) {
-            let t = Instant::now();
             let s = step(x, y);
-            busy += t.elapsed();
-            steps += 1;
             if s.applied {
                 loss_sum += s.loss;
                 applied += 1;
@@ -206,13 +201,33 @@ fn train_run(
     }
     let peak = heap::peak() - baseline;
     pb.finish_and_clear();
-    (epoch_loss, busy / steps, peak)
+    (epoch_loss, peak)
+}
+
+/// What a training run reports before its step time is measured (interleaved, after training).
+struct Trained {
+    test_acc: f64,
+    peak_bytes: usize,
+    skipped: u64,
+    epoch_loss: Vec<f32>,
+}
+
+impl Trained {
+    fn timed(self, step_time: Duration) -> RunResult {
+        RunResult {
+            test_acc: self.test_acc,
+            step_time,
+            peak_bytes: self.peak_bytes,
+            skipped: self.skipped,
+            epoch_loss: self.epoch_loss,
+        }
+    }
 }
 
 // ---- the runs ----------------------------------------------------------------------------------
 
 /// The plain f32 step on `init` (dfdx's layers or mpx's fused layers).
-fn train_f32<M>(name: &str, dev: &Cpu, d: &Digits, init: &M) -> RunResult
+fn train_f32<M>(name: &str, dev: &Cpu, d: &Digits, init: &M) -> Trained
 where
     M: Clone
         + TensorCollection<f32, Cpu>
@@ -224,7 +239,7 @@ where
     let mut model = init.clone();
     let mut opt = adam(&model);
     let mut grads = Some(model.alloc_grads());
-    let (epoch_loss, step_time, peak_bytes) = train_run(
+    let (epoch_loss, peak_bytes) = train_run(
         name,
         dev,
         d,
@@ -243,9 +258,8 @@ where
         &mut String::new,
     );
     let test_acc = test_accuracy(d, |x| model.forward(x).array());
-    RunResult {
+    Trained {
         test_acc,
-        step_time,
         peak_bytes,
         skipped: 0,
         epoch_loss,
@@ -257,7 +271,7 @@ fn train_mixed(
     dev: &Cpu,
     d: &Digits,
     init: &FusedMaster,
-) -> Result<RunResult, Box<dyn std::error::Error>> {
+) -> Result<Trained, Box<dyn std::error::Error>> {
     let mut model = init.clone();
     let mut opt = adam(&model);
     let mut grads = Some(model.alloc_grads());
@@ -268,7 +282,7 @@ fn train_mixed(
     let mut scaler = GradScaler::<f16>::new(scaling).with_max_consecutive_skips(50);
     let mut scale_at_epoch_start = scaler.loss_scale();
     let scale_line = std::cell::Cell::new(0.0f32);
-    let (epoch_loss, step_time, peak_bytes) = train_run(
+    let (epoch_loss, peak_bytes) = train_run(
         "mixed f16",
         dev,
         d,
@@ -300,9 +314,8 @@ fn train_mixed(
             .to_dtype::<f32>()
             .array()
     });
-    Ok(RunResult {
+    Ok(Trained {
         test_acc,
-        step_time,
         peak_bytes,
         skipped: scaler.skipped_steps(),
         epoch_loss,
@@ -369,11 +382,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Mlp, f32>();
-    let mut f32_run = train_f32("f32", &dev, &d, &init);
-    let mut f32_fused = train_f32("f32, mpx layers", &dev, &d, &fused(&init));
-    let mut mixed = train_mixed(&dev, &d, &fused(&init))?;
+    let f32_run = train_f32("f32", &dev, &d, &init);
+    let f32_fused = train_f32("f32, mpx layers", &dev, &d, &fused(&init));
+    let mixed = train_mixed(&dev, &d, &fused(&init))?;
     let [t32, tf, tm] = interleaved_step_times(&dev, &d, &init)?;
-    (f32_run.step_time, f32_fused.step_time, mixed.step_time) = (t32, tf, tm);
+    let (f32_run, f32_fused, mixed) = (f32_run.timed(t32), f32_fused.timed(tf), mixed.timed(tm));
 
     println!();
     println!(
