@@ -12,8 +12,8 @@ use dfdx::{optim::*, prelude::*};
 use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
 use mpx::nn::{self, IntoMpx};
 use mpx::precision::{AMP, f16};
-use mpx::scaling::DynamicLossScale;
-use mpx::step::{MixedWorkspace, filter_value_and_grad, optimizer_update};
+use mpx::scaling::{DynamicLossScale, StaticLossScale};
+use mpx::step::{GradScaler, MixedWorkspace, filter_value_and_grad, optimizer_update};
 
 const B: usize = 13;
 
@@ -373,4 +373,191 @@ fn long_batches_are_computed_in_chunks_and_match_dfdx() {
         s_dx.as_vec(),
         6,
     );
+}
+
+// ---- the direct path: a GradScaler's forward pass on a model of mpx's layers -------------------
+
+/// Loss scale of the direct-path tests: a power of two, so unscaling is exact.
+const SCALE: f32 = 1024.0;
+
+/// The f32 master gradient of `sum(layer(x) * c)` through a `GradScaler<f16>` with a static
+/// scale: `(dW, db, dX)` of the master.
+fn scaler_grads<L>(
+    master: &L,
+    x: &Tensor<Rank2<B, I>, f32, Cpu>,
+    c: &Tensor<Rank2<B, O>, f32, Cpu>,
+) -> [Vec<f64>; 3]
+where
+    L: mpx::boundary::MasterModel + Send + Sync + 'static + HasWeightBias,
+    mpx::step::WorkingCopy<f16, L>: dfdx::nn::tensor_collection::TensorCollection<f16, Cpu>
+        + Send
+        + Sync
+        + 'static
+        + Module<
+            Tensor<Rank2<B, I>, f16, Cpu, OwnedTape<f16, Cpu>>,
+            Output = Tensor<Rank2<B, O>, f16, Cpu, OwnedTape<f16, Cpu>>,
+        >,
+{
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
+    // leaky, so that the input's gradient is kept too
+    let out = scaler.forward(master, x.clone().traced(Gradients::leaky()), |m, x| {
+        m.forward(x)
+    });
+    let g = scaler.backward((out * c.clone()).sum());
+    let (w, b) = master.weight_bias();
+    [vals(&g.get(w)), vals(&g.get(b)), vals(&g.get(x))]
+}
+
+/// The weight and bias of a fused layer, whatever its activation.
+trait HasWeightBias {
+    fn weight_bias(&self) -> (&Tensor<Rank2<O, I>, f32, Cpu>, &Tensor<Rank1<O>, f32, Cpu>);
+}
+impl<A> HasWeightBias for nn::FusedLinear<I, O, f32, Cpu, A> {
+    fn weight_bias(&self) -> (&Tensor<Rank2<O, I>, f32, Cpu>, &Tensor<Rank1<O>, f32, Cpu>) {
+        (&self.weight, &self.bias)
+    }
+}
+
+/// Inside a `GradScaler` forward pass, a fused layer of the working copy writes `dW` and `db` in
+/// f32 straight into the master's gradient: they match the exact gradient of the f16 operands
+/// to the f32 bound, which a gradient rounded to f16 on the way (the half-gradient path) cannot.
+#[test]
+fn scaler_writes_the_weight_gradient_in_f32_straight_into_the_master() {
+    let dev = Cpu::seed_from_u64(21);
+    let dl = dev.build_module::<Linear<I, O>, f32>();
+    let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
+    // what the half graph sees: f16 parameters and input, and the seed c·scale rounded to f16
+    let h = |t: Vec<f32>| -> Vec<f64> { t.iter().map(|v| f16::from_f32(*v).to_f64()).collect() };
+    let seed: Vec<f64> = c
+        .as_vec()
+        .iter()
+        .map(|v| f16::from_f32(v * SCALE).to_f64() / f64::from(SCALE))
+        .collect();
+    let (xh, wh, bh) = (h(x.as_vec()), h(dl.weight.as_vec()), h(dl.bias.as_vec()));
+    let mut rounded_would_fail = false;
+    for relu in [false, true] {
+        let r = reference(&xh, &wh, &bh, &seed, relu);
+        for path in KernelPath::supported() {
+            with_path(path, || {
+                let [dw, db, dx] = if relu {
+                    let l: nn::LinearReLU<I, O, f32> = (dl.clone(), ReLU).into();
+                    scaler_grads(&l, &x, &c)
+                } else {
+                    let l: nn::Linear<I, O, f32> = dl.clone().into();
+                    scaler_grads(&l, &x, &c)
+                };
+                let tag = format!("{path:?} relu={relu}");
+                // f32 sums only (the f16-sum bound on the AVX512-FP16 path), no f16 rounding
+                let f32_bound = |k: usize| {
+                    let (rel, abs) = if path == KernelPath::Avx512Fp16 {
+                        fp16_error_bound(k + 1)
+                    } else {
+                        (f32_error_bound(k + 1), 0.0)
+                    };
+                    move |_e: f64, s: f64| rel * s + abs + 1e-30
+                };
+                within(&format!("{tag} dW"), &dw, &r.dw, f32_bound(B));
+                within(&format!("{tag} db"), &db, &r.db, move |_e: f64, s: f64| {
+                    f32_error_bound(B + 1) * s + 1e-30
+                });
+                // dX leaves the half graph as f16, unscaled afterwards
+                within(&format!("{tag} dX"), &dx, &r.dx, f16_bound(path, O));
+                if path != KernelPath::Avx512Fp16 {
+                    // the same gradient rounded to f16 at the scale would miss that bound
+                    let bound = f32_bound(B);
+                    rounded_would_fail |= r.dw.iter().any(|&(e, s)| {
+                        let scaled = f16::from_f64(e * f64::from(SCALE)).to_f64();
+                        (scaled / f64::from(SCALE) - e).abs() > bound(e, s)
+                    });
+                }
+            })
+            .unwrap();
+        }
+    }
+    assert!(
+        rounded_would_fail,
+        "the test must tell f32 from f16-rounded gradients"
+    );
+}
+
+/// A clone of a linked layer used in the same pass takes the half-gradient path, and the same
+/// layer used twice is linked both times: either way the master gets every contribution.
+#[test]
+fn a_linked_layer_used_twice_or_beside_its_clone_loses_no_gradient() {
+    type Sq = nn::Linear<8, 8, f32>;
+    let dev = Cpu::seed_from_u64(22);
+    let l: Sq = dev.build_module::<Linear<8, 8>, f32>().into();
+    let x: Tensor<Rank2<5, 8>, f32, Cpu> = dev.sample_normal();
+    let c: Tensor<Rank2<5, 8>, f32, Cpu> = dev.sample_normal();
+    // f32 reference: sum(L(L(x)) * c), the layer applied twice
+    let want = {
+        let y = l.forward(l.forward(x.clone().traced(l.alloc_grads())));
+        let g = (y * c.clone()).sum().backward();
+        (vals(&g.get(&l.weight)), vals(&g.get(&l.bias)))
+    };
+    type Fwd = fn(
+        &mut nn::Linear<8, 8, f16>,
+        Tensor<Rank2<5, 8>, f16, Cpu, OwnedTape<f16, Cpu>>,
+    ) -> Tensor<Rank2<5, 8>, f16, Cpu, OwnedTape<f16, Cpu>>;
+    let twice: Fwd = |m, x| m.forward(m.forward(x));
+    let beside_clone: Fwd = |m, x| {
+        let twin = m.clone();
+        twin.forward(m.forward(x))
+    };
+    for (name, f) in [("twice", twice), ("beside its clone", beside_clone)] {
+        let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
+        let out = scaler.forward(&l, x.clone().traced(l.alloc_grads()), f);
+        let g = scaler.backward((out * c.clone()).sum());
+        for (what, got, want) in [
+            ("dW", vals(&g.get(&l.weight)), &want.0),
+            ("db", vals(&g.get(&l.bias)), &want.1),
+        ] {
+            let size = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for (k, (a, b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-2 * size,
+                    "{name} {what}[{k}]: {a} vs f32 {b} (largest {size})"
+                );
+            }
+        }
+    }
+}
+
+/// A loss scale that overflows f16 makes the linked layers' gradients non-finite: the step is
+/// skipped, the master and Adam's state stay bit-identical, and the scale backs off.
+#[test]
+fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
+    let dev = Cpu::seed_from_u64(23);
+    let mut master = dev.build_module::<MpxMlp, f32>();
+    let mut opt = Adam::new(&master, AdamConfig::default());
+    let x: Tensor<Rank2<8, 16>, f32, Cpu> = dev.sample_normal();
+    let y: Tensor<Rank2<8, 4>, f32, Cpu> = dev.sample_normal::<Rank2<8, 4>>().softmax::<Axis<1>>();
+    let scaling = DynamicLossScale::builder()
+        .initial(2f32.powi(40))
+        .build()
+        .unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(scaling);
+    let before = master.clone();
+    let out = scaler.forward(&master, x.clone().traced(master.alloc_grads()), |m, x| {
+        m.forward(x)
+    });
+    let grads = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+    let outcome = scaler.update(&mut master, &mut opt, &grads).unwrap();
+    assert!(!outcome.is_applied(), "{outcome:?}");
+    assert_eq!(master.0.weight.as_vec(), before.0.weight.as_vec());
+    assert_eq!(master.2.bias.as_vec(), before.2.bias.as_vec());
+    assert_eq!(scaler.loss_scale(), 2f32.powi(39));
+    // and a scale that fits trains, the same master moving
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
+    let mut grads = master.alloc_grads();
+    let out = scaler.forward(&master, x.traced(grads), |m, x| m.forward(x));
+    grads = scaler.backward(cross_entropy_with_logits_loss(out, y));
+    assert!(
+        scaler
+            .update(&mut master, &mut opt, &grads)
+            .unwrap()
+            .is_applied()
+    );
+    assert_ne!(master.0.weight.as_vec(), before.0.weight.as_vec());
 }

@@ -238,6 +238,26 @@ pub fn unscale_in_place_checked(values: &mut [f32], inv_scale: f32) -> bool {
     acc & 0x8000_0000 == 0
 }
 
+/// `dst += src * scale` (f32), returning whether `dst` is finite afterwards: the check is folded
+/// into the add, so `dst` is read once. With `scale == 1.0` the values are added unchanged.
+/// Pairs beyond the shorter slice are not touched; callers pass equal lengths.
+pub(crate) fn add_scaled_checked(dst: &mut [f32], src: &[f32], scale: f32) -> bool {
+    let flag = |v: f32| (v.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
+    let mut acc = 0u32;
+    if scale == 1.0 {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += *s;
+            acc |= flag(*d);
+        }
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += *s * scale;
+            acc |= flag(*d);
+        }
+    }
+    acc & 0x8000_0000 == 0
+}
+
 /// Multiplies a chunk by `inv` (skipped when `inv == 1`) and returns its finiteness fold: bit 31
 /// is set iff a value before or after the multiply is non-finite.
 #[inline]

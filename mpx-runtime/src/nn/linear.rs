@@ -5,6 +5,10 @@
 //!   activation and rounding to the layer's dtype.
 //! - **Backward** (one op on the tape): one pass applying `ReLU`'s mask to `dY` and summing the bias
 //!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X` ([`write_weight_grad`]).
+//! - **Inside a [`GradScaler`](crate::step::GradScaler) forward pass** the layer of the working
+//!   copy is linked to the master tensors it stands for: `dW` and `db` are added in f32 straight
+//!   to the master's gradients, unscaled and checked for finiteness in the same pass, with no half
+//!   gradient and no transfer for them ([`crate::step::direct`]).
 //!
 //! The parameters are dfdx's (`weight: (O, I)`, `bias: (O,)`), so optimizers, `alloc_grads`,
 //! mpx's casts and the mixed step's working copy treat the layer like dfdx's; [`From`] converts
@@ -430,9 +434,9 @@ fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -
 /// Writes the weight gradient: `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), the
 /// product summed in f32 and rounded once into `dst` (`O x I`).
 ///
-/// This is the one place the weight gradient is written, kept apart so that it can later target
-/// the f32 master's gradient buffer directly (with the loss scale's unscaling and a finiteness
-/// check in the same pass).
+/// This is the ordinary path. Inside a [`GradScaler`](crate::step::GradScaler) forward pass, a
+/// layer of the working copy is linked to its master tensors ([`crate::step::direct`]) and adds
+/// the same f32 product, unscaled and checked, straight to the master's f32 gradient instead.
 ///
 /// # Errors
 /// [`KernelError::Length`] if `dz` and `x` are not whole rows (`rows` of them) or `dst` does not
@@ -454,11 +458,28 @@ pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
 ) -> Result<(), KernelError> {
     let o = dz.len().checked_div(rows).unwrap_or(0);
     let i = x.len().checked_div(rows).unwrap_or(0);
-    for (what, len, expected) in [
-        ("dz", dz.len(), rows * o),
-        ("x", x.len(), rows * i),
-        ("dst", dst.len(), o * i),
-    ] {
+    if dst.len() != o * i {
+        return Err(KernelError::Length {
+            what: "dst",
+            len: dst.len(),
+            expected: o * i,
+        });
+    }
+    with_weight_grad(dz, x, rows, |dw| add_f32_into(dw, as_dst(dst)))
+}
+
+/// Computes `dZᵀ·X` (f32 sums, `O x I`) into this thread's scratch and hands it to `use_dw`:
+/// [`write_weight_grad`] rounds it into a gradient of the layer's dtype, a linked layer adds it
+/// to the master's f32 gradient ([`crate::step::direct`]).
+fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
+    dz: &[E],
+    x: &[E],
+    rows: usize,
+    use_dw: impl FnOnce(&mut [f32]) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
+    let o = dz.len().checked_div(rows).unwrap_or(0);
+    let i = x.len().checked_div(rows).unwrap_or(0);
+    for (what, len, expected) in [("dz", dz.len(), rows * o), ("x", x.len(), rows * i)] {
         if len != expected {
             return Err(KernelError::Length {
                 what,
@@ -474,7 +495,7 @@ pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
             dw,
             false,
         )?;
-        add_f32_into(dw, as_dst(dst))
+        use_dw(dw)
     })
 }
 
@@ -511,25 +532,37 @@ where
             Ok(())
         })
         .map_err(shape_err)?;
-        drop(wv);
         let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| relu_mask_of(&y));
+        // Inside a scaler's forward pass, the master tensors this layer's weight and bias
+        // stand for: their gradients are then written there directly, in f32.
+        let link = if T::OWNS_TAPE {
+            crate::step::direct::link(&self.weight, &self.bias)
+        } else {
+            None
+        };
         let y = x.device().try_tensor_from_vec(y, out)?;
         if T::OWNS_TAPE {
-            // The op keeps the input's values (moved, not copied again), the weight (shared with
-            // the model), the ReLU mask (1 bit per output) and ghosts for the gradient entries.
-            let (x_id, b_id, y_id, w) =
-                (x.ghost(), self.bias.ghost(), y.ghost(), self.weight.clone());
+            // The op keeps the input's values and the weight's (both moved, not copied again),
+            // the ReLU mask (1 bit per output) and ghosts for the gradient entries.
+            let (x_id, w_id, b_id, y_id) =
+                (x.ghost(), self.weight.ghost(), self.bias.ghost(), y.ghost());
             tape.add_backward_op(move |grads| {
                 let mut dz: Vec<E> = slice::<E>(grads.get_or_alloc_mut(&y_id)?).to_vec();
                 let mut db = vec![0.0f32; O];
                 mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
                 drop(mask);
-                add_f32_into(&db, as_dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
-                    .map_err(shape_err)?;
-                write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w)?))
-                    .map_err(shape_err)?;
+                if let Some(link) = &link {
+                    link.add_bias_grad(&db)?;
+                    with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                        .map_err(shape_err)??;
+                } else {
+                    add_f32_into(&db, as_dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
+                        .map_err(shape_err)?;
+                    write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w_id)?))
+                        .map_err(shape_err)?;
+                }
                 drop(xv);
-                input_grad::<E, I, O>(&dz, &w, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+                input_grad::<E, I, O>(&dz, &wv, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
             });
         }
         Ok(y.put_tape(tape))
@@ -542,13 +575,12 @@ fn slice<E: Precision<Elem = E> + Dtype>(v: &mut <Cpu as Storage<E>>::Vec) -> &m
     &mut v[..]
 }
 
-/// `gx += dZ·W`, in row chunks of f32 sums.
+/// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it).
 fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
     dz: &[E],
-    w: &Tensor<Rank2<O, I>, E, Cpu>,
+    wv: &[E],
     gx: &mut [E],
 ) -> Result<(), CpuError> {
-    let wv = read(w);
     let rows = dz.len() / O;
     with_scratch(rows.min(ROW_CHUNK) * I, |dx| {
         for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
@@ -556,7 +588,7 @@ fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
             let dx = &mut dx[..r * I];
             gemm(
                 MatRef::row_major(E::operand(dzc), r, O),
-                MatRef::row_major(E::operand(&wv), O, I),
+                MatRef::row_major(E::operand(wv), O, I),
                 dx,
                 false,
             )?;

@@ -24,6 +24,7 @@ use dfdx::tensor::{
 };
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo};
 
+use super::direct::Direct;
 use crate::precision::Precision;
 
 /// The working copy's half gradients of each finished backward, waiting to be moved to the
@@ -51,6 +52,9 @@ where
     /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
     pub(crate) inv: f32,
     pub(crate) stash: Stash<H::Elem>,
+    /// Where linked fused layers write their gradients ([`super::direct`]); lent the master's
+    /// gradients while the half backward runs.
+    direct: Option<Arc<Direct>>,
     dev: Cpu,
 }
 
@@ -63,6 +67,7 @@ where
         scale: f32,
         inv: f32,
         stash: Stash<H::Elem>,
+        direct: Option<Arc<Direct>>,
     ) -> Self {
         Self {
             pool: Some(pool),
@@ -73,6 +78,7 @@ where
             scale,
             inv,
             stash,
+            direct,
             dev: Cpu::default(),
         }
     }
@@ -275,7 +281,11 @@ where
         };
         let seeds = std::mem::take(&mut self.seeds);
         let writers = std::mem::take(&mut self.writers);
-        let (stash, dev) = (Arc::clone(&self.stash), self.dev.clone());
+        let (stash, dev, direct) = (
+            Arc::clone(&self.stash),
+            self.dev.clone(),
+            self.direct.clone(),
+        );
         let mut outer = self.outer.take().unwrap_or_default();
         outer.add_backward_op(move |g32: &mut Gradients<f32, Cpu>| {
             let mut applies = Vec::with_capacity(seeds.len());
@@ -290,7 +300,15 @@ where
                 Ok(())
             });
             let anchor: Tensor<Rank0, H::Elem, Cpu> = dev.try_zeros()?;
-            let half_grads = anchor.put_tape(inner).try_backward()?;
+            // Linked layers add their f32 gradients to the master's (these `g32`) meanwhile.
+            if let Some(d) = &direct {
+                d.lend(g32);
+            }
+            let half_grads = anchor.put_tape(inner).try_backward();
+            if let Some(d) = &direct {
+                d.restore(g32);
+            }
+            let half_grads = half_grads?;
             for w in &writers {
                 w(g32)?;
             }

@@ -49,6 +49,7 @@
 //! ```
 
 mod clip;
+pub(crate) mod direct;
 mod error;
 mod grads;
 mod half_region;

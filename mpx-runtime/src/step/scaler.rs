@@ -1,6 +1,7 @@
 //! [`GradScaler`]: the one state object of mixed-precision training, kept across steps.
 
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::{Optimizer, OptimizerUpdateError};
@@ -319,11 +320,16 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         let (scale, inv) = self.checked_scale()?;
         let working = self.working_for(master)?;
         working.inv = inv;
-        let stash = std::sync::Arc::clone(&working.stash);
+        working.direct.set_inv(inv);
+        let stash = Arc::clone(&working.stash);
+        let direct = Arc::clone(&working.direct);
         let (half, grads) = working.prepare(master)?;
-        let mut region = Region::<H>::new(grads, scale, inv, stash);
+        let mut region = Region::<H>::new(grads, scale, inv, stash, Some(Arc::clone(&direct)));
         let x = input.enter(&mut region)?;
+        // mpx's fused layers of the working copy find their master tensors in this scope
+        let scope = super::direct::enter::<H::Elem, _>(&*half, &direct)?;
         let y = f(half, x);
+        drop(scope);
         let out = y.leave(&mut region)?;
         if let Some(unused) = region.pool.take() {
             working.pool.push(unused);

@@ -12,6 +12,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
+use super::direct::{Direct, all_zero};
 use super::error::StepError;
 use super::half_region::Stash;
 use super::update::WriteState;
@@ -20,7 +21,7 @@ use super::workspace::{
 };
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
-use crate::finite::all_finite_f32;
+use crate::finite::{add_scaled_checked, all_finite_f32};
 use crate::precision::Precision;
 
 /// What the scaler does with its workspace without knowing the model's type.
@@ -55,7 +56,11 @@ where
     /// The reciprocal of the scale the last forward pass seeded its backward with (as the loss
     /// scale computes it).
     pub(crate) inv: f32,
-    master: Vec<MasterSlot>,
+    master: Arc<[MasterSlot]>,
+    /// What the linked fused layers share with the workspace ([`super::direct`]).
+    pub(crate) direct: Arc<Direct>,
+    /// The positions the linked layers wrote in the last backward (reused buffer).
+    written: Vec<bool>,
     scratch: CastScratch,
     /// Non-parameter tensors (batch-norm statistics) of the working copy, widened.
     state: Vec<Vec<f32>>,
@@ -71,13 +76,16 @@ where
     /// Records the master's layout; the working copy is cast on the first forward.
     pub(crate) fn new(master: &M) -> Result<Self, StepError> {
         let layout = master_layout(master)?;
+        let slots: Arc<[MasterSlot]> = layout.slots.into();
         Ok(Self {
             half: None,
             fresh: false,
             pool: Vec::new(),
             stash: Arc::default(),
             inv: 1.0,
-            master: layout.slots,
+            direct: Arc::new(Direct::new(Arc::clone(&slots))),
+            written: Vec::new(),
+            master: slots,
             scratch: CastScratch::default(),
             state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
             state_written: vec![true; layout.state_lens.len()],
@@ -174,7 +182,7 @@ where
             .collect();
         // The next forward casts the master again (the user may change it before then).
         self.fresh = false;
-        let mut finite = true;
+        let mut finite = self.direct.drain(&mut self.written);
         match (&self.half, half_grads.is_empty()) {
             (Some(half), false) => {
                 let mut mover = Mover::<H> {
@@ -182,6 +190,7 @@ where
                     master_grads: grads,
                     master: &self.master,
                     inv_scale: self.inv,
+                    written: &self.written,
                     finite: true,
                     index: 0,
                     mismatch: None,
@@ -193,7 +202,7 @@ where
                     },
                 )?;
                 let (seen, mismatch) = (mover.index, mover.mismatch.take());
-                finite = mover.finite;
+                finite &= mover.finite;
                 if let Some(e) = mismatch {
                     return Err(e);
                 }
@@ -203,7 +212,7 @@ where
             }
             _ => {
                 // No half contribution: the gradients are plain f32 ones; still check them.
-                for ghost in &self.master {
+                for ghost in self.master.iter() {
                     finite &= all_finite_f32((ghost.get)(grads)?);
                 }
             }
@@ -221,34 +230,22 @@ where
 const CHUNK: usize = 1024;
 
 /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
-/// whether `dst` is finite afterwards: the check is folded into the add, branch-free (bit 31 of
-/// `(bits & 0x7fff_ffff) + 0x0080_0000` is set exactly for an all-ones exponent, as in
-/// [`crate::finite`]), so `dst` is read once.
+/// whether `dst` is finite afterwards: each chunk is widened into a stack buffer, then added
+/// with the check folded in ([`add_scaled_checked`]), so `dst` is read once.
 fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
     let mut buf = [0.0f32; CHUNK];
     let zero = H::Elem::default();
-    let flag = |v: f32| (v.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000);
-    let mut acc = 0u32;
+    let mut finite = true;
     for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
         let b = &mut buf[..s.len()];
         H::widen(s, b);
-        if inv_scale == 1.0 {
-            for (d, b) in d.iter_mut().zip(b.iter()) {
-                *d += *b;
-                acc |= flag(*d);
-            }
-        } else {
-            for (d, b) in d.iter_mut().zip(b.iter()) {
-                *d += *b * inv_scale;
-                acc |= flag(*d);
-            }
-        }
+        finite &= add_scaled_checked(d, b, inv_scale);
         s.fill(zero);
     }
     // `dst` longer than `src` cannot happen (the lengths are checked before); its tail would
     // still be checked here.
     let tail = dst.get(src.len()..).unwrap_or(&[]);
-    acc & 0x8000_0000 == 0 && all_finite_f32(tail)
+    finite && all_finite_f32(tail)
 }
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished
@@ -261,6 +258,9 @@ where
     master_grads: &'a mut Gradients<f32, Cpu>,
     master: &'a [MasterSlot],
     inv_scale: f32,
+    /// Positions a linked layer wrote directly: their half gradients are moved only when
+    /// something else also added to them.
+    written: &'a [bool],
     finite: bool,
     index: usize,
     mismatch: Option<StepError>,
@@ -296,13 +296,18 @@ where
             return Ok(None);
         }
         let mut finite = true;
+        let direct = self.written.get(i).copied().unwrap_or(false);
         for g in self.half_grads.iter_mut() {
             let src = H::grad_slice(g.get_or_alloc_mut(t)?);
             if src.len() != n {
                 self.mismatch = Some(len_mismatch(i, n, src.len()));
                 return Ok(None);
             }
-            finite = add_unscaled::<H>(src, self.inv_scale, dst);
+            if direct && all_zero(H::bits(src)) {
+                // written straight into `dst` (and checked there) by a linked layer
+                continue;
+            }
+            finite &= add_unscaled::<H>(src, self.inv_scale, dst);
         }
         self.finite &= finite;
         Ok(None)
