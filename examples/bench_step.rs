@@ -1,7 +1,9 @@
 //! Benchmark of the mixed-precision step (issue 3's table, and issue 10's rows f-i): MLP
 //! 512-1024-1024-10, Adam, batch 256 for time, batch 4096 for memory. Every ratio is measured in
 //! this one run. Rows f-i build the same MLP (same initial weights) from mpx's fused layers
-//! (`mpx::nn::LinearReLU`, `mpx::nn::Linear`) instead of dfdx's `Linear` + `ReLU`.
+//! (`mpx::nn::LinearReLU`, `mpx::nn::Linear`) instead of dfdx's `Linear` + `ReLU`; rows f, f2, g
+//! and i train it with a `GradScaler` (what `#[mixed_step]` expands to), rows a-e use the
+//! function API (`filter_value_and_grad`).
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -22,7 +24,7 @@ use mpx::nn;
 use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
 use mpx::step::{
-    MixedWorkspace, StepTimings, WorkingCopy, filter_value_and_grad, optimizer_update,
+    GradScaler, MixedWorkspace, StepTimings, WorkingCopy, filter_value_and_grad, optimizer_update,
 };
 
 #[path = "common/heap.rs"]
@@ -204,6 +206,66 @@ where
     }
 }
 
+/// The mixed loop as a user writes it with mpx's fused layers: `#[mixed_step]`'s expansion, i.e.
+/// a [`GradScaler`] around the plain dfdx step (the layers then write their weight gradients
+/// straight into the master's).
+struct Scaled<H: Precision, const B: usize, M = MpxMaster> {
+    model: M,
+    opt: Adam<M, f32, Cpu>,
+    scaler: GradScaler<H, DynamicLossScale>,
+    grads: Option<Gradients<f32, Cpu>>,
+    x: Tensor<Rank2<B, 512>, f32, Cpu>,
+    y: Tensor<Rank2<B, 10>, f32, Cpu>,
+}
+
+impl<H: Precision, const B: usize, M> Scaled<H, B, M>
+where
+    M: MasterModel + Clone + Send + Sync + 'static,
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
+        + Send
+        + Sync
+        + 'static
+        + Module<
+            Tensor<Rank2<B, 512>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+            Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        >,
+{
+    fn new(dev: &Cpu, init: &M, scaling: DynamicLossScale) -> Self {
+        let model = init.clone();
+        let (x, y) = data::<B>(dev);
+        Self {
+            opt: adam(&model),
+            scaler: GradScaler::new(scaling),
+            grads: Some(model.alloc_grads()),
+            model,
+            x,
+            y,
+        }
+    }
+    /// One step; returns (forward, loss + backward, optimizer incl. zeroing) times.
+    fn step(&mut self) -> (Duration, Duration, Duration) {
+        let t0 = Instant::now();
+        let grads = self.grads.take().expect("gradients present");
+        let out = self
+            .scaler
+            .forward(&self.model, self.x.clone().traced(grads), |m, x| {
+                m.forward(x)
+            });
+        let t1 = Instant::now();
+        let mut grads = self
+            .scaler
+            .backward(cross_entropy_with_logits_loss(out, self.y.clone()));
+        let t2 = Instant::now();
+        self.scaler
+            .update(&mut self.model, &mut self.opt, &grads)
+            .expect("update");
+        self.model.zero_grads(&mut grads);
+        self.grads = Some(grads);
+        (t1 - t0, t2 - t1, t2.elapsed())
+    }
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -227,6 +289,13 @@ impl Acc {
         self.cast.push(ms(t.cast));
         self.fwd_bwd.push(ms(t.forward + t.loss + t.backward));
         self.transfer.push(ms(t.transfer));
+        self.opt.push(ms(opt));
+    }
+    /// A [`Scaled`] step: the cast is inside the forward and the transfer inside the backward.
+    fn scaled(&mut self, (fwd, bwd, opt): (Duration, Duration, Duration)) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        self.total.push(ms(fwd + bwd + opt));
+        self.fwd_bwd.push(ms(fwd + bwd));
         self.opt.push(ms(opt));
     }
     fn plain(&mut self, (fb, opt): (Duration, Duration)) {
@@ -268,7 +337,7 @@ fn main() {
     };
     let init_mpx = to_mpx(&init);
     let mem_f16_mpx = {
-        let mut m = Mixed::<f16, _, BIG, MpxMaster>::new(&dev, &init_mpx, dynamic());
+        let mut m = Scaled::<f16, BIG>::new(&dev, &init_mpx, dynamic());
         m.step();
         measure_peak(|| {
             m.step();
@@ -313,11 +382,11 @@ fn main() {
     let mut half = Mixed::<f16, _, B>::new(&dev, &init, dynamic());
     let mut amp = Mixed::<AMP<f16>, _, B>::new(&dev, &init, dynamic());
     let mut bf = Mixed::<bf16, _, B>::new(&dev, &init, dynamic());
-    let mut mpx_half = Mixed::<f16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
-    let mut mpx_bf = Mixed::<bf16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_half = Scaled::<f16, B>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_bf = Scaled::<bf16, B>::new(&dev, &init_mpx, dynamic());
     let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
     let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
-    let mut mpx_half1 = Mixed::<f16, _, B, MpxMaster>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_half1 = Scaled::<f16, B>::new(&dev, &init_mpx, dynamic());
     let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain, mut a_mpx_half1): (Acc, Acc, Acc, Acc) =
         Default::default();
     let mut t_gemm_f16 = vec![];
@@ -358,14 +427,14 @@ fn main() {
             let before = gemm_nanos();
             let r = mpx_half.step();
             if keep {
-                Acc::mixed(&mut a_mpx_half, r);
+                Acc::scaled(&mut a_mpx_half, r);
                 t_gemm_f16.push((gemm_nanos() - before) as f64 / 1e6);
             }
         }
         for _ in 0..per_round {
             let r = mpx_bf.step();
             if keep {
-                Acc::mixed(&mut a_mpx_bf, r);
+                Acc::scaled(&mut a_mpx_bf, r);
             }
         }
         for _ in 0..per_round {
@@ -378,7 +447,7 @@ fn main() {
             for _ in 0..per_round {
                 let r = mpx_half1.step();
                 if keep {
-                    Acc::mixed(&mut a_mpx_half1, r);
+                    Acc::scaled(&mut a_mpx_half1, r);
                 }
             }
         })
@@ -476,14 +545,23 @@ fn main() {
         "| step | batch cast | master cast | forward+backward | transfer | optimizer | total |"
     );
     println!("|---|---|---|---|---|---|---|");
+    // "-": not measured apart (a `GradScaler` step casts inside its forward and moves the
+    // gradients of dfdx's layers inside its backward)
+    let cell = |v: &mut Vec<f64>| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2}", median(v))
+        }
+    };
     let row = |name: &str, a: &mut Acc, total: f64| {
         println!(
-            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            Acc::med(&mut a.input),
-            Acc::med(&mut a.cast),
-            Acc::med(&mut a.fwd_bwd),
-            Acc::med(&mut a.transfer),
-            Acc::med(&mut a.opt),
+            "| {name} | {} | {} | {} | {} | {} | {:.2} |",
+            cell(&mut a.input),
+            cell(&mut a.cast),
+            cell(&mut a.fwd_bwd),
+            cell(&mut a.transfer),
+            cell(&mut a.opt),
             total
         );
     };
@@ -501,7 +579,7 @@ fn main() {
     row("h: plain f32, mpx layers", &mut a_mpx_plain, t_mpx_plain);
     let fb = Acc::med(&mut a_mpx_half.fwd_bwd);
     println!(
-        "\nRow f's forward+backward ({fb:.2} ms): matmul (time inside mpx's GEMM calls during the step) {t_gemm:.2} ms; the rest ({:.2} ms) is element-wise work (bias, activation, mask, casts), copies, dfdx's tape and the loss. Optimizer: {:.2} ms.",
+        "\nRow f's forward+backward ({fb:.2} ms, a `GradScaler` step: the master cast and the batch rounding are inside it; its layers write their weight gradients straight into the master's, so there is no transfer): matmul (time inside mpx's GEMM calls during the step) {t_gemm:.2} ms; the rest ({:.2} ms) is element-wise work (bias, activation, mask, casts), copies, dfdx's tape and the loss. Optimizer: {:.2} ms.",
         fb - t_gemm,
         Acc::med(&mut a_mpx_half.opt)
     );
