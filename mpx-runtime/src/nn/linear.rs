@@ -8,7 +8,7 @@
 //! - **Inside a [`GradScaler`](crate::step::GradScaler) forward pass** the layer of the working
 //!   copy is linked to the master tensors it stands for: `dW` and `db` are added in f32 straight
 //!   to the master's gradients, unscaled and checked for finiteness in the same pass, with no half
-//!   gradient and no transfer for them ([`crate::step::direct`]).
+//!   gradient and no transfer for them.
 //!
 //! The parameters are dfdx's (`weight: (O, I)`, `bias: (O,)`), so optimizers, `alloc_grads`,
 //! mpx's casts and the mixed step's working copy treat the layer like dfdx's; [`From`] converts
@@ -435,7 +435,7 @@ fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -
 /// product summed in f32 and rounded once into `dst` (`O x I`).
 ///
 /// This is the ordinary path. Inside a [`GradScaler`](crate::step::GradScaler) forward pass, a
-/// layer of the working copy is linked to its master tensors ([`crate::step::direct`]) and adds
+/// layer of the working copy is linked to its master tensors and adds
 /// the same f32 product, unscaled and checked, straight to the master's f32 gradient instead.
 ///
 /// # Errors

@@ -40,6 +40,9 @@ use crate::scaling::{DynamicLossScale, LossScale};
 ///   graph it is multiplied by the loss scale, and the working copy's gradients come back
 ///   unscaled (with the scale that was applied) and added to the master's f32 gradients, which
 ///   are checked for finiteness. Gradients accumulate over several backward calls, as in dfdx.
+///   mpx's fused layers ([`nn::Linear`](crate::nn::Linear), [`nn::LinearReLU`](crate::nn::LinearReLU))
+///   skip the half gradient: they write theirs in f32 straight into the master's, unscaled and
+///   checked in the same pass.
 /// * [`update`](Self::update) runs the optimizer only when every backward since the last update
 ///   was finite (gradients and loss), then adjusts the loss scale once; a skipped step leaves the
 ///   master and the optimizer state untouched.
