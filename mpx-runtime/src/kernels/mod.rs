@@ -77,6 +77,7 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
+mod strided;
 mod threads;
 
 pub(crate) use convert::{round_f16, widen_f16};
