@@ -47,14 +47,29 @@ unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: 
             let mut acc = [[_mm256_setzero_ps(); 2]; MR];
             let mut ap = a.ptr;
             let mut bp = b.ptr;
-            for _ in 0..kc {
-                let b0 = _mm256_loadu_ps(bp);
-                let b1 = _mm256_loadu_ps(bp.add(8));
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let av = _mm256_broadcast_ss(&*ap.add(i * ars));
-                    row[0] = _mm256_fmadd_ps(av, b0, row[0]);
-                    row[1] = _mm256_fmadd_ps(av, b1, row[1]);
-                }
+            // one step of k: two loads of B, a broadcast of each row of A, 12 FMAs
+            macro_rules! step {
+                ($q:expr) => {{
+                    let (aq, bq) = (ap.add($q * acs), bp.add($q * brs));
+                    let b0 = _mm256_loadu_ps(bq);
+                    let b1 = _mm256_loadu_ps(bq.add(8));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let av = _mm256_broadcast_ss(&*aq.add(i * ars));
+                        row[0] = _mm256_fmadd_ps(av, b0, row[0]);
+                        row[1] = _mm256_fmadd_ps(av, b1, row[1]);
+                    }
+                }};
+            }
+            for _ in 0..kc / 4 {
+                step!(0);
+                step!(1);
+                step!(2);
+                step!(3);
+                ap = ap.add(4 * acs);
+                bp = bp.add(4 * brs);
+            }
+            for _ in 0..kc % 4 {
+                step!(0);
                 ap = ap.add(acs);
                 bp = bp.add(brs);
             }
