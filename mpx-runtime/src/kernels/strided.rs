@@ -91,7 +91,7 @@ pub(crate) fn packing() -> Packing {
 /// A is read in place when one of its blocks is used by at most this many column panels of B.
 const A_IN_PLACE_MAX_USES: usize = 4;
 /// B is read in place when one of its panels is used by at most this many row tiles of A.
-const B_IN_PLACE_MAX_USES: usize = 4;
+const B_IN_PLACE_MAX_USES: usize = 8;
 /// A block of at most this many values is read in place whatever its uses (it stays in L1).
 const IN_PLACE_SMALL: usize = 4096;
 
