@@ -18,7 +18,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::mat::{MatRef, Operand};
-use super::pack::{Src, pack_a, pack_b};
+use super::pack::{PackElem, Src, pack_a, pack_b};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
@@ -436,7 +436,7 @@ pub(crate) struct Buffers<T> {
 
 /// Packing buffers reused across calls, one set per thread (the pool's helpers are
 /// persistent), so no call pays page faults for fresh allocations.
-pub(crate) trait Packed: Copy + Default + 'static {
+pub(crate) trait Packed: PackElem + 'static {
     /// Runs `f` with this thread's packing buffers of this type.
     fn with_buffers<R>(f: impl FnOnce(&mut Buffers<Self>) -> R) -> R;
 }
@@ -467,7 +467,7 @@ packed!(u16, PACK_U16);
 /// row blocks (pack A), micro-tiles; with `zero`, the block of C is zeroed first. Every packed
 /// value is written before it is read.
 #[allow(clippy::too_many_arguments)]
-fn block<T: Copy + Default>(
+fn block<T: PackElem>(
     k: &Micro<T>,
     kd: usize,
     a: Src<'_, T>,

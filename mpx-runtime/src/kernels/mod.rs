@@ -79,6 +79,7 @@ mod pool;
 mod portable;
 mod strided;
 mod threads;
+mod transpose;
 
 pub(crate) use convert::{round_f16, widen_f16};
 pub use driver::{gemm, gemm_nanos, gemm_on};
