@@ -1,6 +1,7 @@
 //! The blocked GEMM driver: operand preparation (widening, bf16 rounding), the loops around a
 //! micro-kernel, and the split of large products over threads. Packing lives in
-//! [`pack`](super::pack); the micro-kernels are the only `unsafe` calls, plus the shared view of
+//! [`pack`](super::pack), the block loop of the strided AVX2 kernel (operands read in place or
+//! packed) in [`strided`]; the micro-kernels are the only `unsafe` calls, plus the shared view of
 //! the output that lets threads write disjoint blocks of it.
 //!
 //! # Threads
