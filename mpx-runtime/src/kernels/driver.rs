@@ -23,7 +23,6 @@ use super::pack::{PackElem, Src, pack_a, pack_b};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
-use crate::precision::round_to_bf16;
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
@@ -222,7 +221,7 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         }
         Operand::Bf16(v) => {
             let buf = grown(buf, n);
-            round_to_bf16(&v[..n], buf);
+            super::convert::round_bf16(&v[..n], buf);
             buf
         }
     }
