@@ -92,6 +92,10 @@ pub(crate) fn packing() -> Packing {
 const A_IN_PLACE_MAX_USES: usize = 4;
 /// B is read in place when one of its panels is used by at most this many row tiles of A.
 const B_IN_PLACE_MAX_USES: usize = 8;
+/// B is read in place only when its rows are at most this many values apart (1 KiB): reading
+/// one row of 16 values per k step at a stride of a page or more misses the cache on every step
+/// (the prefetchers stop at page boundaries and the rows share a cache set), so wider B is packed.
+const B_IN_PLACE_MAX_STRIDE: usize = 256;
 /// A block of at most this many values is read in place whatever its uses (it stays in L1).
 const IN_PLACE_SMALL: usize = 4096;
 
@@ -124,6 +128,7 @@ pub(crate) fn block(
             let nc = t.nc.min(c1 - jc);
             let b_in_place = b.cs == 1
                 && match packing {
+                    Packing::Auto if b.rs > B_IN_PLACE_MAX_STRIDE => false,
                     Packing::Auto => row_tiles <= B_IN_PLACE_MAX_USES || kc * nc <= IN_PLACE_SMALL,
                     Packing::Always => false,
                     Packing::Never => true,
