@@ -62,6 +62,9 @@ struct Case {
 
 impl Case {
     fn new(idx: usize, m: usize, n: usize, k: usize) -> Self {
+        Self::with_layout(idx, (m, n, k), idx % 3 == 2, idx.is_multiple_of(3))
+    }
+    fn with_layout(idx: usize, (m, n, k): (usize, usize, usize), at: bool, bt: bool) -> Self {
         let (a32, b32) = (
             values(m * k, idx as u32 * 2 + 1),
             values(k * n, idx as u32 * 2 + 2),
@@ -76,8 +79,8 @@ impl Case {
             m,
             n,
             k,
-            bt: idx.is_multiple_of(3),
-            at: idx % 3 == 2,
+            bt,
+            at,
         }
     }
     fn run(&mut self, path: KernelPath, dtype: &str) {
@@ -267,6 +270,7 @@ fn main() {
         &times[configs.len() + 1],
         peak1,
     );
+    small_products();
     println!(
         "\n% of path peak: against the path's per-thread FMA peak above times the threads used (f16 operands on Avx512Fp16: the f16 FMA peak; dfdx: the best f32 SIMD peak). The portable loop is no true peak (it is not vectorised), so the portable rows show none."
     );
@@ -275,4 +279,93 @@ fn main() {
 /// The threads dfdx's rayon pool uses: all hardware threads.
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Small products, one thread: the digits example's MLP (batch 32, 64-128-128-10: forward `X·Wᵀ`,
+/// `dY·W`, `dYᵀ·X`) and the ViT example's attention head and token-wise Linear products.
+/// Microseconds per call (median of 11 interleaved rounds of 200 calls each).
+fn small_products() {
+    // (m, n, k, A stored transposed, B stored transposed, name)
+    let shapes: [(usize, usize, usize, bool, bool, &str); 12] = [
+        (32, 128, 64, false, true, "digits L1 X·Wᵀ"),
+        (128, 64, 32, true, false, "digits L1 dYᵀ·X"),
+        (32, 128, 128, false, true, "digits L2 X·Wᵀ"),
+        (32, 128, 128, false, false, "digits L2 dY·W"),
+        (128, 128, 32, true, false, "digits L2 dYᵀ·X"),
+        (32, 10, 128, false, true, "digits L3 X·Wᵀ"),
+        (32, 128, 10, false, false, "digits L3 dY·W"),
+        (10, 128, 32, true, false, "digits L3 dYᵀ·X"),
+        (16, 16, 8, false, true, "ViT head Q·Kᵀ"),
+        (16, 8, 16, false, false, "ViT head P·V"),
+        (512, 32, 32, false, true, "ViT 512x32 X·Wᵀ"),
+        (512, 64, 32, false, true, "ViT 512x64 X·Wᵀ"),
+    ];
+    let mut cases: Vec<Case> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(m, n, k, at, bt, _))| Case::with_layout(i + 100, (m, n, k), at, bt))
+        .collect();
+    let dev = Cpu::default();
+    let dfdx_t: Vec<_> = cases
+        .iter()
+        .map(|c| {
+            (
+                dev.tensor_from_vec(c.a32.clone(), (c.m, c.k)),
+                dev.tensor_from_vec(c.b32.clone(), (c.k, c.n)),
+            )
+        })
+        .collect();
+    let path = KernelPath::supported()[0];
+    let (rounds, reps) = (11, 200);
+    // [config][shape] -> seconds per call; configs: mpx f32, mpx f16, mpx bf16, dfdx f32
+    let mut times = vec![vec![vec![]; shapes.len()]; 4];
+    for round in 0..=rounds {
+        for (si, case) in cases.iter_mut().enumerate() {
+            for (ci, dtype) in ["f32", "f16", "bf16"].into_iter().enumerate() {
+                let t = Instant::now();
+                with_threads(1, || {
+                    for _ in 0..reps {
+                        case.run(path, dtype);
+                    }
+                })
+                .expect("threads >= 1");
+                if round > 0 {
+                    times[ci][si].push(t.elapsed().as_secs_f64() / reps as f64);
+                }
+            }
+            let (a, b) = &dfdx_t[si];
+            let t = Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(a.clone().matmul(b.clone()));
+            }
+            if round > 0 {
+                times[3][si].push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+        }
+    }
+    println!(
+        "\nSmall products, µs per call ({path:?}; mpx on 1 thread, dfdx on its rayon pool):\n"
+    );
+    println!("| product | m x n x k | mpx f32 | mpx f16 | mpx bf16 | dfdx f32 | mpx f32 GFLOP/s |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut sums = [0.0f64; 4];
+    for (si, &(m, n, k, _, _, name)) in shapes.iter().enumerate() {
+        let med: Vec<f64> = (0..4).map(|ci| median(times[ci][si].clone())).collect();
+        sums.iter_mut().zip(&med).for_each(|(s, t)| *s += t);
+        println!(
+            "| {name} | {m}x{n}x{k} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            med[0] * 1e6,
+            med[1] * 1e6,
+            med[2] * 1e6,
+            med[3] * 1e6,
+            2.0 * (m * n * k) as f64 / med[0] / 1e9
+        );
+    }
+    println!(
+        "| all | | {:.2} | {:.2} | {:.2} | {:.2} | |",
+        sums[0] * 1e6,
+        sums[1] * 1e6,
+        sums[2] * 1e6,
+        sums[3] * 1e6
+    );
 }

@@ -1,12 +1,19 @@
-//! The AVX2+FMA f32 micro-kernel: 6 x 16 tile, 12 ymm accumulators.
+//! The AVX2+FMA f32 micro-kernel: 6 x 16 tile, 12 ymm accumulators, reading its operands through
+//! strides, so that a tile of A or B can come straight from the caller's matrix instead of a
+//! packed panel (see [`strided`](super::strided)).
+//!
+//! Every instance computes each output element the same way: one FMA chain over `p = 0..kc` in
+//! order, then one add into `C` (into `+0.0` for the first k block of a product that overwrites
+//! `C`, which is what zeroing `C` and adding gives). Where the values are read from never changes
+//! a bit.
 
-use super::driver::Micro;
+use super::strided::{TileA, TileB, Tiles};
 
 const MR: usize = 6;
 const NR: usize = 16;
 
-pub(crate) fn micro() -> Micro<f32> {
-    Micro {
+pub(crate) fn tiles() -> Tiles {
+    Tiles {
         mr: MR,
         nr: NR,
         kc: 256,
@@ -16,46 +23,87 @@ pub(crate) fn micro() -> Micro<f32> {
     }
 }
 
-/// `C[6 x 16] += Apack(kc x 6)ᵀ · Bpack(kc x 16)`.
+/// `C[6 x 16] (+)= A(6 x kc) · B(kc x 16)` with `A(i, p) = a.ptr[i * a.rs + p * a.cs]` and
+/// `B(p, j) = b.ptr[p * b.rs + j]`; with `first`, `C = +0.0 + A·B` (the old values unread).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA. `c` must be valid for reads and writes of `MR` rows of `NR`
-/// values at stride `ldc`, untouched by anyone else during the call. Packed lengths are asserted.
+/// The CPU must support AVX2 and FMA. `a` and `b` must be valid for reads of every element named
+/// above for `i < 6`, `p < kc`, `j < 16`; `c` must be valid for reads and writes of 6 rows of 16
+/// values at stride `ldc`, untouched by anyone else during the call.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
+unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: bool) {
     use std::arch::x86_64::{
         _mm256_add_ps, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps,
         _mm256_storeu_ps,
     };
-    assert!(a.len() >= kc * MR && b.len() >= kc * NR);
-    // SAFETY: the caller guarantees AVX2+FMA; packed-operand offsets stay within the lengths
-    // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.
+    // The body, expanded once per layout the driver produces, with the strides that are
+    // constants there written as literals so that the address arithmetic folds: A packed
+    // (`rs = 1, cs = 6`), A with k contiguous (`cs = 1`), A with rows contiguous (`rs = 1`); B
+    // packed (`rs = 16`) or rows of the caller's matrix.
+    macro_rules! body {
+        ($ars:expr, $acs:expr, $brs:expr) => {{
+            let (ars, acs, brs): (usize, usize, usize) = ($ars, $acs, $brs);
+            let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+            let mut ap = a.ptr;
+            let mut bp = b.ptr;
+            // one step of k: two loads of B, a broadcast of each row of A, 12 FMAs
+            macro_rules! step {
+                ($q:expr) => {{
+                    let (aq, bq) = (ap.add($q * acs), bp.add($q * brs));
+                    let b0 = _mm256_loadu_ps(bq);
+                    let b1 = _mm256_loadu_ps(bq.add(8));
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let av = _mm256_broadcast_ss(&*aq.add(i * ars));
+                        row[0] = _mm256_fmadd_ps(av, b0, row[0]);
+                        row[1] = _mm256_fmadd_ps(av, b1, row[1]);
+                    }
+                }};
+            }
+            for _ in 0..kc / 4 {
+                step!(0);
+                step!(1);
+                step!(2);
+                step!(3);
+                ap = ap.add(4 * acs);
+                bp = bp.add(4 * brs);
+            }
+            for _ in 0..kc % 4 {
+                step!(0);
+                ap = ap.add(acs);
+                bp = bp.add(brs);
+            }
+            for (i, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    let dst = c.add(i * ldc + h * 8);
+                    let old = if first {
+                        _mm256_setzero_ps()
+                    } else {
+                        _mm256_loadu_ps(dst)
+                    };
+                    _mm256_storeu_ps(dst, _mm256_add_ps(old, *v));
+                }
+            }
+        }};
+    }
+    // SAFETY: the caller guarantees AVX2+FMA and every access: reads `i * ars + p * acs`
+    // (i < MR, p < kc) from A, `p * brs + j` (j < NR) from B, reads and writes `i * ldc + j` in C.
     unsafe {
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        for p in 0..kc {
-            let b0 = _mm256_loadu_ps(bp.add(p * NR));
-            let b1 = _mm256_loadu_ps(bp.add(p * NR + 8));
-            for (i, row) in acc.iter_mut().enumerate() {
-                let av = _mm256_broadcast_ss(&*ap.add(p * MR + i));
-                row[0] = _mm256_fmadd_ps(av, b0, row[0]);
-                row[1] = _mm256_fmadd_ps(av, b1, row[1]);
-            }
-        }
-        let cp = c;
-        for (i, row) in acc.iter().enumerate() {
-            for (h, v) in row.iter().enumerate() {
-                let dst = cp.add(i * ldc + h * 8);
-                _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), *v));
-            }
+        match (a.rs, a.cs, b.rs) {
+            (1, MR, NR) => body!(1, MR, NR),
+            (1, MR, brs) => body!(1, MR, brs),
+            (rs, 1, NR) => body!(rs, 1, NR),
+            (rs, 1, brs) => body!(rs, 1, brs),
+            (1, cs, NR) => body!(1, cs, NR),
+            (1, cs, brs) => body!(1, cs, brs),
+            (rs, cs, brs) => body!(rs, cs, brs),
         }
     }
 }
 
 /// Never called: [`KernelPath::Avx2Fma`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
-    let _ = (kc, a, b, c, ldc);
+unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: bool) {
+    let _ = (kc, a, b, c, ldc, first);
     unreachable!("AVX2 kernel on a non-x86 target")
 }

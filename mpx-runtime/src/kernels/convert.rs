@@ -60,6 +60,28 @@ pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
     }
 }
 
+/// `dst[i] = src[i]` rounded to bf16 (nearest, ties to even; NaN quieted), kept in f32: the same
+/// bits as [`round_to_bf16`](crate::precision::round_to_bf16), 8 values per AVX2 instruction where
+/// the CPU has it. The lengths must match.
+pub(crate) fn round_bf16(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "round_bf16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 was detected above; the lengths match.
+        unsafe { x86::round_bf16(src, dst) };
+        return;
+    }
+    crate::precision::round_to_bf16(src, dst);
+}
+
+/// Whether the CPU has AVX2; detected once.
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
 // `_mm_loadu_si128` / `_mm_storeu_si128` take `__m128i` pointers but access them unaligned: the
 // casts from 2-byte-aligned f16 pointers are what the intrinsics expect.
 #[cfg(target_arch = "x86_64")]
@@ -100,6 +122,39 @@ mod x86 {
             }
             dst[full..].copy_from_slice(&w[..rest]);
         }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2; `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [f32]) {
+        use std::arch::x86_64::{
+            _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castps_si256,
+            _mm256_castsi256_ps, _mm256_cmpgt_epi32, _mm256_or_si256, _mm256_set1_epi32,
+            _mm256_srli_epi32,
+        };
+        let full = src.len() / LANES * LANES;
+        // SAFETY: every access is at `i..i + LANES` with `i + LANES <= full <= len` of both.
+        unsafe {
+            let one = _mm256_set1_epi32(1);
+            let half = _mm256_set1_epi32(0x7fff);
+            let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+            let abs = _mm256_set1_epi32(0x7fff_ffff);
+            let inf = _mm256_set1_epi32(0x7f80_0000);
+            let quiet = _mm256_set1_epi32(0x0040_0000);
+            for i in (0..full).step_by(LANES) {
+                let b = _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add(i)));
+                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
+                let rounded =
+                    _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), high);
+                // |b| and 0x7f80_0000 are both below 2^31: the signed compare is the unsigned one
+                let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), inf);
+                let quieted = _mm256_and_si256(_mm256_or_si256(b, quiet), high);
+                let r = _mm256_blendv_epi8(rounded, quieted, nan);
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(r));
+            }
+        }
+        crate::precision::round_to_bf16(&src[full..], &mut dst[full..]);
     }
 
     /// # Safety
@@ -214,6 +269,31 @@ mod tests {
             theirs.convert_to_f32_slice(&mut w_theirs);
             let bits32 = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits32(&w_ours), bits32(&w_theirs), "widen, n = {n}");
+        }
+    }
+
+    #[test]
+    fn round_bf16_matches_the_portable_rounding_bit_for_bit() {
+        for n in [0, 1, 7, 8, 9, 31, 1000] {
+            let mut src = probe(n);
+            // ties at the bf16 boundary, both parities, and signalling / quiet NaNs
+            let extra = [
+                f32::from_bits(0x3f80_8000),
+                f32::from_bits(0x3f81_8000),
+                f32::from_bits(0x7f80_0001),
+                f32::from_bits(0xffc0_1234),
+                f32::from_bits(0x7f7f_ffff),
+                f32::from_bits(0x0000_8000),
+            ];
+            for (slot, e) in src.iter_mut().rev().zip(extra) {
+                *slot = e;
+            }
+            let mut ours = vec![0.0f32; n];
+            let mut theirs = vec![0.0f32; n];
+            round_bf16(&src, &mut ours);
+            crate::precision::round_to_bf16(&src, &mut theirs);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ours), bits(&theirs), "n = {n}");
         }
     }
 

@@ -1,6 +1,7 @@
 //! The blocked GEMM driver: operand preparation (widening, bf16 rounding), the loops around a
 //! micro-kernel, and the split of large products over threads. Packing lives in
-//! [`pack`](super::pack); the micro-kernels are the only `unsafe` calls, plus the shared view of
+//! [`pack`](super::pack), the block loop of the strided AVX2 kernel (operands read in place or
+//! packed) in [`strided`]; the micro-kernels are the only `unsafe` calls, plus the shared view of
 //! the output that lets threads write disjoint blocks of it.
 //!
 //! # Threads
@@ -18,10 +19,10 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::mat::{MatRef, Operand};
-use super::pack::{Src, pack_a, pack_b};
+use super::pack::{PackElem, Src, pack_a, pack_b};
+use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
-use crate::precision::round_to_bf16;
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
@@ -145,7 +146,7 @@ pub(crate) fn gemm_threads<'a>(
             KernelPath::Avx512Fp16 | KernelPath::Avx512 => {
                 run(&avx512::micro(), dims, a, b, (c, zero), threads);
             }
-            KernelPath::Avx2Fma => run(&avx2::micro(), dims, a, b, (c, zero), threads),
+            KernelPath::Avx2Fma => run_strided(&avx2::tiles(), dims, a, b, (c, zero), threads),
             KernelPath::Portable => run(&portable::micro(), dims, a, b, (c, zero), threads),
         }
     });
@@ -220,7 +221,7 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         }
         Operand::Bf16(v) => {
             let buf = grown(buf, n);
-            round_to_bf16(&v[..n], buf);
+            super::convert::round_bf16(&v[..n], buf);
             buf
         }
     }
@@ -325,10 +326,10 @@ impl Grid {
 /// writes only inside the blocks it claimed, which are disjoint; nothing else touches `C` until
 /// the threads are joined.
 #[derive(Clone, Copy)]
-struct Out {
+pub(crate) struct Out {
     ptr: *mut f32,
     rows: usize,
-    ld: usize,
+    pub(crate) ld: usize,
 }
 
 // SAFETY: `Out` is a pointer into a `&mut [f32]` borrowed until every block is done; threads only
@@ -349,7 +350,7 @@ impl Out {
     }
 
     /// Pointer to element `(r, col)` of a full `mr x nr` tile, checked to lie inside `C`.
-    fn tile(&self, r: usize, col: usize, mr: usize, nr: usize) -> *mut f32 {
+    pub(crate) fn tile(&self, r: usize, col: usize, mr: usize, nr: usize) -> *mut f32 {
         assert!(r + mr <= self.rows && col + nr <= self.ld);
         // SAFETY: `r * ld + col < rows * ld`, inside the borrowed slice (asserted above).
         unsafe { self.ptr.add(r * self.ld + col) }
@@ -361,7 +362,7 @@ impl Out {
     /// The caller owns this segment: it lies in a block claimed by the calling thread, and no
     /// other reference to it is alive.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn segment(&self, r: usize, col: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn segment(&self, r: usize, col: usize, len: usize) -> &mut [f32] {
         assert!(r < self.rows && col + len <= self.ld);
         // SAFETY: in bounds (asserted above); exclusive by the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ld + col), len) }
@@ -378,30 +379,64 @@ fn run<T: Packed + Send + Sync>(
     (c, zero): (&mut [f32], bool),
     threads: usize,
 ) {
+    split((m, n, kd), (k.mr, k.nr), c, threads, &|out, rows, cols| {
+        T::with_buffers(|buf| block(k, kd, a, b, (out, zero), rows, cols, buf));
+    });
+}
+
+/// [`run`] for a strided micro-kernel (f32 operands, see [`strided`]).
+fn run_strided(
+    k: &Tiles,
+    (m, n, kd): (usize, usize, usize),
+    a: Src<'_, f32>,
+    b: Src<'_, f32>,
+    (c, zero): (&mut [f32], bool),
+    threads: usize,
+) {
+    let packing = strided::packing();
+    split((m, n, kd), (k.mr, k.nr), c, threads, &|out, rows, cols| {
+        f32::with_buffers(|buf| strided::block(k, kd, a, b, (out, zero), rows, cols, buf, packing));
+    });
+}
+
+/// Cuts `C` into the [`Grid`] of `threads` threads (one below [`PAR_MIN_WORK`]) and runs
+/// `task(out, rows, cols)` for each block on the calling thread and helpers of the pool.
+#[allow(clippy::type_complexity)]
+fn split(
+    (m, n, kd): (usize, usize, usize),
+    (mr, nr): (usize, usize),
+    c: &mut [f32],
+    threads: usize,
+    task: &(dyn Fn(Out, (usize, usize), (usize, usize)) + Sync),
+) {
     let threads = if m * n * kd < PAR_MIN_WORK {
         1
     } else {
         threads.max(1)
     };
-    let grid = Grid::new(m, n, k.mr, k.nr, threads);
+    let grid = Grid::new(m, n, mr, nr, threads);
     let out = Out::new(c, m, n);
-    let task = |t: usize| {
+    let each = |t: usize| {
         let (rows, cols) = grid.block(t);
-        T::with_buffers(|buf| block(k, kd, a, b, (out, zero), rows, cols, buf));
+        task(out, rows, cols);
     };
-    pool::for_each_block(grid.blocks(), threads - 1, &task);
+    pool::for_each_block(grid.blocks(), threads - 1, &each);
 }
 
 /// Packing buffers of one thread.
 #[derive(Default)]
 pub(crate) struct Buffers<T> {
-    a: Vec<T>,
-    b: Vec<T>,
+    pub(crate) a: Vec<T>,
+    pub(crate) b: Vec<T>,
+    /// One zero-padded tile of A or panel of B past the matrix's edge, for a strided kernel
+    /// reading the rest of the operand in place.
+    pub(crate) edge_a: Vec<T>,
+    pub(crate) edge_b: Vec<T>,
 }
 
 /// Packing buffers reused across calls, one set per thread (the pool's helpers are
 /// persistent), so no call pays page faults for fresh allocations.
-pub(crate) trait Packed: Copy + Default + 'static {
+pub(crate) trait Packed: PackElem + 'static {
     /// Runs `f` with this thread's packing buffers of this type.
     fn with_buffers<R>(f: impl FnOnce(&mut Buffers<Self>) -> R) -> R;
 }
@@ -432,7 +467,7 @@ packed!(u16, PACK_U16);
 /// row blocks (pack A), micro-tiles; with `zero`, the block of C is zeroed first. Every packed
 /// value is written before it is read.
 #[allow(clippy::too_many_arguments)]
-fn block<T: Copy + Default>(
+fn block<T: PackElem>(
     k: &Micro<T>,
     kd: usize,
     a: Src<'_, T>,

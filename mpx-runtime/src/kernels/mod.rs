@@ -45,10 +45,19 @@
 //!
 //! # Safety
 //! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
-//! features were detected), the F16C slice conversions (`convert.rs`, same condition), two
-//! peak-throughput loops, and the driver's shared view of the output,
-//! through which threads write disjoint blocks of it. Packing and the element-wise passes are
-//! safe Rust over slices.
+//! features were detected; the AVX2 one reads tiles of A and B through pointers and strides, in
+//! place or packed, whose ranges `strided.rs` checks against the operand slices), the F16C slice
+//! conversions (`convert.rs`, same condition), the AVX transpose that packs f32 panels with k
+//! contiguous (`transpose.rs`), two peak-throughput loops, and the driver's shared view of the
+//! output, through which threads write disjoint blocks of it. The rest of packing and the
+//! element-wise passes are safe Rust over slices.
+//!
+//! # Small and thin products
+//! On [`KernelPath::Avx2Fma`] a block of an operand that would be read only a few times (A in a
+//! product with few columns, B in one with few rows) or is small enough to stay in L1 is read
+//! where it is instead of being packed first, and the first k block writes `C` instead of
+//! zeroing it and adding. Neither changes a bit of the result: each output element is the same
+//! FMA chain in the same order.
 //!
 //! # Examples
 //! ```
@@ -77,7 +86,9 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
+mod strided;
 mod threads;
+mod transpose;
 
 pub(crate) use convert::{round_f16, widen_f16};
 pub use driver::{gemm, gemm_nanos, gemm_on};

@@ -3,6 +3,25 @@
 //! direction (every operand of a Linear layer) copy or scatter along it without per-element
 //! index arithmetic.
 
+/// A value type the packing loops move. f32 panels of 16 lines with k contiguous are transposed
+/// with AVX where the CPU has it ([`transpose`](super::transpose)).
+pub(crate) trait PackElem: Copy + Default {
+    /// Packs a full panel of `width` lines with k contiguous (`ks = 1`) with a faster routine
+    /// than the generic loop, if this type has one for this width; returns whether it did.
+    fn pack_k_contiguous(panel: &mut [Self], at: &Lines<'_, Self>, width: usize) -> bool {
+        let _ = (panel, at, width);
+        false
+    }
+}
+
+impl PackElem for u16 {}
+
+impl PackElem for f32 {
+    fn pack_k_contiguous(panel: &mut [f32], at: &Lines<'_, f32>, width: usize) -> bool {
+        width == 16 && super::transpose::lines16(panel, at.data, at.l0, (at.pc, at.kc), at.ls)
+    }
+}
+
 /// A prepared operand: values in the packed type, with strides.
 #[derive(Clone, Copy)]
 pub(crate) struct Src<'a, T> {
@@ -13,7 +32,7 @@ pub(crate) struct Src<'a, T> {
 
 /// Packs rows `ic..ic+mc`, columns `pc..pc+kc` of A into micro-panels of `mr` rows, k-major
 /// (`pack[panel][p][i]`), zero-padding the last panel.
-pub(crate) fn pack_a<T: Copy + Default>(
+pub(crate) fn pack_a<T: PackElem>(
     pack: &mut [T],
     a: Src<'_, T>,
     (ic, mc): (usize, usize),
@@ -30,7 +49,7 @@ pub(crate) fn pack_a<T: Copy + Default>(
 
 /// Packs rows `pc..pc+kc`, columns `jc..jc+nc` of B into micro-panels of `nr` columns, k-major
 /// (`pack[panel][p][j]`), zero-padding the last panel.
-pub(crate) fn pack_b<T: Copy + Default>(
+pub(crate) fn pack_b<T: PackElem>(
     pack: &mut [T],
     b: Src<'_, T>,
     (pc, kc): (usize, usize),
@@ -51,7 +70,7 @@ pub(crate) fn pack_b<T: Copy + Default>(
 /// zero. The micro-kernels' widths get code with the width fixed at compile time (no index checks
 /// in the inner loops, no library call per small copy).
 #[allow(clippy::too_many_arguments)]
-fn panel_of<T: Copy + Default>(
+fn panel_of<T: PackElem>(
     panel: &mut [T],
     src: Src<'_, T>,
     l0: usize,
@@ -88,7 +107,7 @@ fn panel_of<T: Copy + Default>(
     clippy::struct_field_names,
     reason = "`lines` is the panel's line count, named as in `pack_panel`'s docs"
 )]
-struct Lines<'a, T> {
+pub(crate) struct Lines<'a, T> {
     data: &'a [T],
     l0: usize,
     lines: usize,
@@ -102,7 +121,7 @@ struct Lines<'a, T> {
 const KSTEP: usize = 8;
 
 /// [`panel_of`] for width `W`.
-fn panel_w<T: Copy + Default, const W: usize>(panel: &mut [T], at: Lines<'_, T>) {
+fn panel_w<T: PackElem, const W: usize>(panel: &mut [T], at: Lines<'_, T>) {
     let Lines {
         data,
         l0,
@@ -127,6 +146,9 @@ fn panel_w<T: Copy + Default, const W: usize>(panel: &mut [T], at: Lines<'_, T>)
         return;
     }
     // k contiguous: transpose W lines x KSTEP values at a time
+    if T::pack_k_contiguous(panel, &at, W) {
+        return;
+    }
     let line: [&[T]; W] = std::array::from_fn(|l| {
         let start = (l0 + l) * ls + pc;
         &data[start..start + kc]
@@ -152,7 +174,7 @@ fn panel_w<T: Copy + Default, const W: usize>(panel: &mut [T], at: Lines<'_, T>)
 }
 
 /// [`panel_of`] for any width, strides and line count.
-fn panel_any<T: Copy + Default>(panel: &mut [T], at: Lines<'_, T>, width: usize) {
+fn panel_any<T: PackElem>(panel: &mut [T], at: Lines<'_, T>, width: usize) {
     let Lines {
         data,
         l0,

@@ -2,6 +2,7 @@
 
 use half::f16;
 
+use super::strided::Packing;
 use super::*;
 
 /// Deterministic values in [-1, 1) (a small LCG), some exact zeros.
@@ -383,5 +384,136 @@ fn relu_masks_match_a_scalar_reference_on_every_f16_and_special_f32() {
             if *v > 0.0 { 1.5f32 } else { 0.0 }.to_bits(),
             "{i}"
         );
+    }
+}
+
+/// `gemm_threads` under a forced packing policy, output bits (C starts at `init`, or is
+/// overwritten when `init` is `None`).
+fn bits_packed(
+    packing: Packing,
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    init: Option<&[f32]>,
+    threads: usize,
+) -> Vec<u32> {
+    let mut c = init.map_or_else(|| vec![f32::NAN; a.rows * b.cols], <[f32]>::to_vec);
+    strided::with_packing(packing, || {
+        driver::gemm_threads(KernelPath::Avx2Fma, a, b, &mut c, init.is_some(), threads)
+    })
+    .unwrap();
+    c.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
+    if !KernelPath::Avx2Fma.is_supported() {
+        return;
+    }
+    // (m, n, k): thin (n = 10, m = 10, k = 10), edge tiles both ways, more than one k block (k >
+    // 256), a row block past mc = 72, column blocks past nc = 512, tiny attention-head products
+    let shapes = [
+        (32, 10, 128),
+        (10, 128, 32),
+        (32, 128, 10),
+        (37, 70, 300),
+        (80, 1100, 30),
+        (6, 16, 1),
+        (16, 8, 16),
+        (1, 1, 5),
+        (130, 33, 257),
+    ];
+    for (m, n, k) in shapes {
+        let (av, bv) = (values(m * k, 31), values(k * n, 32));
+        let init = values(m * n, 33);
+        // A: k contiguous, rows contiguous, neither (a column-strided view); B: rows
+        // contiguous (in place possible) or transposed (packed)
+        let a_big = values(3 * m * k, 34);
+        let a_views = [
+            MatRef::row_major_f32(&av, m, k),
+            MatRef::row_major_f32(&av, k, m).t(),
+            MatRef {
+                values: Operand::F32(&a_big),
+                rows: m,
+                cols: k,
+                row_stride: 3 * k,
+                col_stride: 3,
+            },
+        ];
+        let b_views = [
+            MatRef::row_major_f32(&bv, k, n),
+            MatRef::row_major_f32(&bv, n, k).t(),
+        ];
+        for a in a_views {
+            for b in b_views {
+                for init in [None, Some(&init[..])] {
+                    let want = bits_packed(Packing::Always, (a, b), init, 1);
+                    for packing in [Packing::Auto, Packing::Never] {
+                        for threads in [1, 3] {
+                            assert_eq!(
+                                want,
+                                bits_packed(packing, (a, b), init, threads),
+                                "{packing:?} {m}x{n}x{k} strides A {}/{} B {}/{} init {} on {threads}",
+                                a.row_stride,
+                                a.col_stride,
+                                b.row_stride,
+                                b.col_stride,
+                                init.is_some()
+                            );
+                        }
+                    }
+                    strided::with_packing(Packing::Never, || {
+                        check(KernelPath::Avx2Fma, a, b, init.is_some());
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn overwriting_c_gives_plus_zero_as_zeroing_and_adding_does() {
+    // every product is -0.0: their sum is -0.0, and 0.0 + -0.0 = +0.0 in C on every path
+    let (m, n, k) = (13, 21, 7);
+    let a = vec![0.0f32; m * k];
+    let b = vec![-1.0f32; k * n];
+    for path in KernelPath::supported() {
+        let mut c = vec![f32::NAN; m * n];
+        gemm_on(
+            path,
+            MatRef::row_major_f32(&a, m, k),
+            MatRef::row_major_f32(&b, k, n),
+            &mut c,
+            false,
+        )
+        .unwrap();
+        assert!(c.iter().all(|v| v.to_bits() == 0), "{path:?}");
+    }
+}
+
+#[test]
+fn packing_a_k_contiguous_operand_matches_the_definition() {
+    // B stored transposed (k contiguous, as Wᵀ): panels of 16 columns take the AVX transpose,
+    // the last, partial one the generic loop; kc with and without a remainder of 8
+    let (k, n) = (300, 45);
+    let w = values(n * k, 41); // W: n x k row-major; B = Wᵀ, B(p, j) = w[j * k + p]
+    let src = pack::Src {
+        data: &w[..],
+        rs: 1,
+        cs: k,
+    };
+    for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
+        for (jc, nc) in [(0usize, 45usize), (16, 16), (3, 40)] {
+            let mut got = vec![f32::NAN; nc.div_ceil(16) * 16 * kc];
+            pack::pack_b(&mut got, src, (pc, kc), (jc, nc), 16);
+            for (idx, v) in got.iter().enumerate() {
+                let (jp, p, j) = (idx / (16 * kc), idx % (16 * kc) / 16, idx % 16);
+                let col = jp * 16 + j;
+                let want = if col < nc {
+                    w[(jc + col) * k + pc + p]
+                } else {
+                    0.0
+                };
+                assert_eq!(v.to_bits(), want.to_bits(), "kc {kc} nc {nc} at {idx}");
+            }
+        }
     }
 }
