@@ -9,8 +9,9 @@
 //! attribute, `#[mpx::mixed_step(scaling = scaler)]`, and one more parameter, the
 //! [`GradScaler`] ([`step_mixed`]): it keeps the f32 master, runs forward and backward in f16,
 //! computes the loss in f32, scales it with a dynamic loss scale that starts deliberately too high
-//! (2^20) so that the first steps overflow f16, are skipped and the scale backs off, and skips the
-//! update whenever the gradients are not finite.
+//! (2^24: the scaled gradient of the logits, up to 2^24 / 32, is past f16's 65504) so that the
+//! first steps overflow f16, are skipped and the scale backs off, and skips the update whenever
+//! the gradients are not finite.
 //!
 //! Three runs start from the same weights and see the same batches in the same order:
 //! - `f32`: dfdx's `Linear` + `ReLU` layers, the plain step;
@@ -276,7 +277,7 @@ fn train_mixed(
     let mut opt = adam(&model);
     let mut grads = Some(model.alloc_grads());
     let scaling = DynamicLossScale::builder()
-        .initial(2f32.powi(20))
+        .initial(2f32.powi(24))
         .period(400)
         .build()?;
     let mut scaler = GradScaler::<f16>::new(scaling).with_max_consecutive_skips(50);
