@@ -435,8 +435,8 @@ fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -
 /// product summed in f32 and rounded once into `dst` (`O x I`).
 ///
 /// This is the ordinary path. Inside a [`GradScaler`](crate::step::GradScaler) forward pass, a
-/// layer of the working copy is linked to its master tensors and adds
-/// the same f32 product, unscaled and checked, straight to the master's f32 gradient instead.
+/// layer of the working copy is linked to its master tensors and adds the same f32 product,
+/// unscaled and checked, straight to the master's f32 gradient instead.
 ///
 /// # Errors
 /// [`KernelError::Length`] if `dz` and `x` are not whole rows (`rows` of them) or `dst` does not
