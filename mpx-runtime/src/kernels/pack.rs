@@ -43,7 +43,7 @@ pub(crate) fn pack_a<T: PackElem>(
         let panel = &mut pack[ip * mr * kc..(ip + 1) * mr * kc];
         let r0 = ic + ip * mr;
         let rows = mr.min(ic + mc - r0);
-        panel_of(panel, a, r0, rows, pc, kc, mr, a.rs, a.cs);
+        panel_of(panel, a, r0, rows, pc, kc, mr);
     }
 }
 
@@ -56,20 +56,19 @@ pub(crate) fn pack_b<T: PackElem>(
     (jc, nc): (usize, usize),
     nr: usize,
 ) {
-    for jp in 0..nc.div_ceil(nr) {
-        let panel = &mut pack[jp * nr * kc..(jp + 1) * nr * kc];
-        let c0 = jc + jp * nr;
-        let cols = nr.min(jc + nc - c0);
-        // B's columns play the part of A's rows: swap the strides
-        panel_of(panel, b, c0, cols, pc, kc, nr, b.cs, b.rs);
-    }
+    // B's columns play the part of A's rows: B packs as Bᵀ (the strides swapped) would as A
+    let bt = Src {
+        data: b.data,
+        rs: b.cs,
+        cs: b.rs,
+    };
+    pack_a(pack, bt, (jc, nc), (pc, kc), nr);
 }
 
-/// One panel: `lines` lines (rows of A or columns of B) from `l0`, each `kc` values from `pc`;
-/// `ls` is the stride between lines, `ks` along k. `panel[p * width + l]`, lines past `lines`
+/// One panel: `lines` rows of `src` from `l0` (rows of A, or of Bᵀ), each `kc` values from `pc`
+/// (`src.rs` apart, `src.cs` between values). `panel[p * width + l]`, lines past `lines`
 /// zero. The micro-kernels' widths get code with the width fixed at compile time (no index checks
 /// in the inner loops, no library call per small copy).
-#[allow(clippy::too_many_arguments)]
 fn panel_of<T: PackElem>(
     panel: &mut [T],
     src: Src<'_, T>,
@@ -78,8 +77,6 @@ fn panel_of<T: PackElem>(
     pc: usize,
     kc: usize,
     width: usize,
-    ls: usize,
-    ks: usize,
 ) {
     let at = Lines {
         data: src.data,
@@ -87,8 +84,8 @@ fn panel_of<T: PackElem>(
         lines,
         pc,
         kc,
-        ls,
-        ks,
+        ls: src.rs,
+        ks: src.cs,
     };
     match width {
         4 => panel_w::<T, 4>(panel, at),

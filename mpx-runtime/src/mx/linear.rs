@@ -5,7 +5,7 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 
 use dfdx::nn::modules::Linear;
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::nn::{BuildModule, BuildOnDevice, Module, NonMutableModule};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
@@ -16,6 +16,7 @@ use super::error::MxError;
 use super::fake_quant::MxFakeQuant;
 use super::spec::MxSpec;
 use super::tensor::MxTensor;
+use crate::nn::linear::{linear_bias_options, linear_weight_options};
 
 /// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):
 /// the weights' spec, and optionally the inputs'. Implement it for your own marker type to use
@@ -184,25 +185,13 @@ where
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
         visitor.visit_fields(
             (
-                // Initialized as dfdx's Linear (uniform in ±1/sqrt(I)), by building one.
                 Self::tensor(
                     "weight",
                     |s| &s.weight,
                     |s| &mut s.weight,
-                    TensorOptions::reset_with(|t| {
-                        *t = Linear::<I, O, E, D>::try_build(t.device())?.weight;
-                        Ok(())
-                    }),
+                    linear_weight_options(),
                 ),
-                Self::tensor(
-                    "bias",
-                    |s| &s.bias,
-                    |s| &mut s.bias,
-                    TensorOptions::reset_with(|t| {
-                        *t = Linear::<I, O, E, D>::try_build(t.device())?.bias;
-                        Ok(())
-                    }),
-                ),
+                Self::tensor("bias", |s| &s.bias, |s| &mut s.bias, linear_bias_options()),
             ),
             |(weight, bias)| MxLinear {
                 weight,

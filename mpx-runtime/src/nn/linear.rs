@@ -209,29 +209,42 @@ where
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
         visitor.visit_fields(
             (
-                // Initialized as dfdx's Linear (uniform in ±1/sqrt(I)), by building one.
                 Self::tensor(
                     "weight",
                     |s| &s.weight,
                     |s| &mut s.weight,
-                    TensorOptions::reset_with(|t| {
-                        *t = DfdxLinear::<I, O, E, D>::try_build(t.device())?.weight;
-                        Ok(())
-                    }),
+                    linear_weight_options(),
                 ),
-                Self::tensor(
-                    "bias",
-                    |s| &s.bias,
-                    |s| &mut s.bias,
-                    TensorOptions::reset_with(|t| {
-                        *t = DfdxLinear::<I, O, E, D>::try_build(t.device())?.bias;
-                        Ok(())
-                    }),
-                ),
+                Self::tensor("bias", |s| &s.bias, |s| &mut s.bias, linear_bias_options()),
             ),
             |(weight, bias)| FusedLinear::new(weight, bias),
         )
     }
+}
+
+/// The options of a layer's dfdx-`Linear` weight: trained, and reset as dfdx's `Linear` is
+/// (uniform in ±1/sqrt(I)), by building one. Shared by every layer with `Linear`'s parameters.
+pub(crate) fn linear_weight_options<const I: usize, const O: usize, E: Dtype, D: Device<E>>()
+-> TensorOptions<Rank2<O, I>, E, D>
+where
+    DfdxLinear<I, O, E, D>: BuildModule<D, E>,
+{
+    TensorOptions::reset_with(|t| {
+        *t = DfdxLinear::<I, O, E, D>::try_build(t.device())?.weight;
+        Ok(())
+    })
+}
+
+/// The options of a layer's dfdx-`Linear` bias (see [`linear_weight_options`]).
+pub(crate) fn linear_bias_options<const I: usize, const O: usize, E: Dtype, D: Device<E>>()
+-> TensorOptions<Rank1<O>, E, D>
+where
+    DfdxLinear<I, O, E, D>: BuildModule<D, E>,
+{
+    TensorOptions::reset_with(|t| {
+        *t = DfdxLinear::<I, O, E, D>::try_build(t.device())?.bias;
+        Ok(())
+    })
 }
 
 // ---- conversions -------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ mod encoder;
 mod half_ops;
 mod layer_norm;
 mod layer_norm_kernel;
-mod linear;
+pub(crate) mod linear;
 mod mha;
 mod mixed;
 pub mod vit;

@@ -41,6 +41,8 @@ use crate::precision::FloatBits;
 /// The state a scaler's workspace shares with the linked layers of its forward passes.
 pub(crate) struct Direct {
     state: Mutex<State>,
+    /// The address table of the last scope, kept so that a step allocates none.
+    spare: Mutex<Vec<(usize, usize)>>,
 }
 
 struct State {
@@ -68,6 +70,7 @@ impl Direct {
                 finite: true,
                 written,
             }),
+            spare: Mutex::default(),
         }
     }
 
@@ -75,9 +78,15 @@ impl Direct {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Sets the reciprocal of the scale the next forward pass applies.
+    /// Sets the reciprocal of the scale the next forward pass applies (the loss scale's own
+    /// `inv_loss_scale`): the linked layers and the transfer unscale with it.
     pub(crate) fn set_inv(&self, inv: f32) {
         self.lock().inv = inv;
+    }
+
+    /// The reciprocal set by [`set_inv`](Self::set_inv).
+    pub(crate) fn inv(&self) -> f32 {
+        self.lock().inv
     }
 
     /// Lends the master's gradients to the linked layers (an empty set is left in their place).
@@ -158,7 +167,13 @@ pub(crate) struct ScopeGuard(());
 
 impl Drop for ScopeGuard {
     fn drop(&mut self) {
-        SCOPES.with(|s| s.borrow_mut().pop());
+        if let Some(scope) = SCOPES.with(|s| s.borrow_mut().pop()) {
+            *scope
+                .direct
+                .spare
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = scope.by_addr;
+        }
     }
 }
 
@@ -174,9 +189,10 @@ where
     Cpu: Device<E>,
     W: TensorCollection<E, Cpu>,
 {
-    let mut walk = Addresses {
-        by_addr: Vec::new(),
-    };
+    let mut by_addr =
+        std::mem::take(&mut *direct.spare.lock().unwrap_or_else(PoisonError::into_inner));
+    by_addr.clear();
+    let mut walk = Addresses { by_addr };
     W::iter_tensors(&mut RecursiveWalker {
         m: working,
         f: &mut walk,

@@ -322,7 +322,6 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     {
         let (scale, inv) = self.checked_scale()?;
         let working = self.working_for(master)?;
-        working.inv = inv;
         working.direct.set_inv(inv);
         let stash = Arc::clone(&working.stash);
         let direct = Arc::clone(&working.direct);

@@ -53,9 +53,6 @@ where
     /// Zeroed half gradient buffers keyed by the working copy, ready for the next forward.
     pub(crate) pool: Vec<Gradients<H::Elem, Cpu>>,
     pub(crate) stash: Stash<H::Elem>,
-    /// The reciprocal of the scale the last forward pass seeded its backward with (as the loss
-    /// scale computes it).
-    pub(crate) inv: f32,
     master: Arc<[MasterSlot]>,
     /// What the linked fused layers share with the workspace ([`super::direct`]).
     pub(crate) direct: Arc<Direct>,
@@ -82,7 +79,6 @@ where
             fresh: false,
             pool: Vec::new(),
             stash: Arc::default(),
-            inv: 1.0,
             direct: Arc::new(Direct::new(Arc::clone(&slots))),
             written: Vec::new(),
             master: slots,
@@ -189,7 +185,7 @@ where
                     half_grads: &mut half_grads,
                     master_grads: grads,
                     master: &self.master,
-                    inv_scale: self.inv,
+                    inv_scale: self.direct.inv(),
                     written: &self.written,
                     finite: true,
                     index: 0,
