@@ -8,7 +8,7 @@ use crate::ctxt::{Ctxt, crate_path, parse_keyed, set_once};
 pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `crate`";
 
 /// The half types `half = ..` accepts.
-pub(crate) const VALID_HALF: &str = "`f16`, `amp_f16`, `bf16`, `f32`";
+pub(crate) const VALID_HALF: &str = "`f16`, `AMP<f16>`, `bf16`, `f32`";
 
 /// The precision the working copy runs in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,18 +47,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
             }
             "half" => {
                 let ty: syn::Type = meta.value()?.parse()?;
-                let half = match &ty {
-                    syn::Type::Path(p) if p.qself.is_none() => {
-                        match p.path.get_ident().map(ToString::to_string).as_deref() {
-                            Some("f16") => Some(Half::F16),
-                            Some("amp_f16") => Some(Half::AmpF16),
-                            Some("bf16") => Some(Half::Bf16),
-                            Some("f32") => Some(Half::F32),
-                            _ => None,
-                        }
-                    }
-                    _ => None,
-                };
+                let half = half_of(&ty);
                 if let Some(h) = half {
                     set_once(cx, &meta.path, &mut out.half, h, "half");
                 } else {
@@ -79,4 +68,26 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
         })
     });
     out
+}
+
+/// The precision a type names, as the sibling macros take it: `f16`, `AMP<f16>`, `bf16`,
+/// `f32`, bare or by path (`mpx::precision::AMP<mpx::precision::f16>`).
+fn half_of(ty: &syn::Type) -> Option<Half> {
+    let syn::Type::Path(p) = ty else { return None };
+    if p.qself.is_some() {
+        return None;
+    }
+    let last = p.path.segments.last()?;
+    match (last.ident.to_string().as_str(), &last.arguments) {
+        ("f16", syn::PathArguments::None) => Some(Half::F16),
+        ("bf16", syn::PathArguments::None) => Some(Half::Bf16),
+        ("f32", syn::PathArguments::None) => Some(Half::F32),
+        ("AMP", syn::PathArguments::AngleBracketed(a)) if a.args.len() == 1 => match &a.args[0] {
+            syn::GenericArgument::Type(inner) => {
+                (half_of(inner) == Some(Half::F16)).then_some(Half::AmpF16)
+            }
+            _ => None,
+        },
+        _ => None,
+    }
 }

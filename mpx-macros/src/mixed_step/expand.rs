@@ -7,38 +7,38 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 
 use super::ast::{Args, Half};
-use super::roles::{Traced, as_update, forward_path, is_backward, key};
+use super::roles::{Traced, as_update, as_zero_grads, forward_path, is_backward, key};
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
 
 /// Rewrites the step according to `plan`.
 pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
     let root = runtime_path(args.krate.as_ref());
-    // Without `half = ..`, the scaler's type decides (`GradScaler<f16>` by default).
-    let half = match plan.half {
-        Some(Half::F16) => quote!(#root::precision::f16),
-        Some(Half::AmpF16) => quote!(#root::precision::AMP<#root::precision::f16>),
-        Some(Half::Bf16) => quote!(#root::precision::bf16),
-        Some(Half::F32) => quote!(f32),
-        None => quote!(_),
+    let half_of = |h: Half| match h {
+        Half::F16 => quote!(#root::precision::f16),
+        Half::AmpF16 => quote!(#root::precision::AMP<#root::precision::f16>),
+        Half::Bf16 => quote!(#root::precision::bf16),
+        Half::F32 => quote!(f32),
     };
+    // Without `half = ..`, the scaler's type decides (`GradScaler<f16>` by default).
+    let half = plan.half.map_or_else(|| quote!(_), half_of);
+    let declared = scaler_param_type(&f, &plan.scaling);
     // A step generic over its model runs on an f32 master on the CPU: specialise it (dtype ->
-    // f32, device -> Cpu) and add the working-copy bounds; the precision must then be concrete.
-    // A generic step needs the precision spelled out in its bounds: `half = ..`, else the first
-    // argument of a `GradScaler<..>` parameter type, else `f16` (`GradScaler`'s default).
-    let concrete = match (&plan.half, scaler_param_type(&f, &plan.scaling)) {
-        (Some(_), _) => half.clone(),
-        (None, Some(ty)) => scaler_half(&ty).unwrap_or_else(|| quote!(#root::precision::f16)),
+    // f32, device -> Cpu) and add the working-copy bounds; the precision must then be concrete:
+    // `half = ..`, else the first argument of a `GradScaler<..>` parameter type, else `f16`.
+    let concrete = match (plan.half, &declared) {
+        (Some(h), _) => half_of(h),
+        (None, Some(ty)) => scaler_half(ty).unwrap_or_else(|| quote!(#root::precision::f16)),
         (None, None) => quote!(#root::precision::f16),
     };
-    let half = if super::generic::specialise(&mut f, &plan.master, &root, &concrete) {
-        concrete
-    } else {
-        half
-    };
+    let generic = plan
+        .masters
+        .iter()
+        .any(|m| super::generic::specialise(&mut f, m, &root, &concrete));
+    let half = if generic { concrete } else { half };
+    annotate_local_scaler(&mut f, &plan.scaling, plan.half.map(half_of), &root);
     let mut rewriter = Rewriter {
-        master_key: key(&plan.master),
-        master: plan.master,
+        masters: plan.masters.iter().map(|m| (key(m), m.clone())).collect(),
         traced: plan.traced,
         scaling: plan.scaling,
         half,
@@ -46,6 +46,65 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
     };
     rewriter.visit_block_mut(&mut f.block);
     quote!(#f)
+}
+
+/// A scaler declared in the step as `let mut scaler = GradScaler::default();` (or
+/// `GradScaler::new(..)`) names no precision, which Rust cannot infer there: it gets the type
+/// it means, `GradScaler` with its defaults (or `half = ..`'s precision).
+fn annotate_local_scaler(
+    f: &mut syn::ItemFn,
+    scaling: &syn::Expr,
+    half: Option<TokenStream>,
+    root: &TokenStream,
+) {
+    let syn::Expr::Path(p) = super::roles::place(scaling) else {
+        return;
+    };
+    let Some(name) = p.path.get_ident() else {
+        return;
+    };
+    struct Annotate<'a> {
+        name: &'a syn::Ident,
+        /// For `GradScaler::default()`: the loss scale's type is the default one too.
+        defaults: syn::Type,
+        /// For `GradScaler::new(scale)`: the loss scale's type is the argument's.
+        with_scale: syn::Type,
+    }
+    impl VisitMut for Annotate<'_> {
+        fn visit_local_mut(&mut self, l: &mut syn::Local) {
+            if let syn::Pat::Ident(pi) = &l.pat
+                && pi.ident == *self.name
+                && let Some(init) = &l.init
+                && let syn::Expr::Call(call) = &*init.expr
+                && let syn::Expr::Path(fp) = &*call.func
+                && fp.path.segments.len() == 2
+                && fp.path.segments[0].ident == "GradScaler"
+                && fp.path.segments[0].arguments.is_none()
+            {
+                let pat = l.pat.clone();
+                let ty = if call.args.is_empty() {
+                    self.defaults.clone()
+                } else {
+                    self.with_scale.clone()
+                };
+                l.pat = syn::Pat::Type(syn::PatType {
+                    attrs: Vec::new(),
+                    pat: Box::new(pat),
+                    colon_token: syn::Token![:](proc_macro2::Span::call_site()),
+                    ty: Box::new(ty),
+                });
+            }
+            syn::visit_mut::visit_local_mut(self, l);
+        }
+        fn visit_item_mut(&mut self, _: &mut syn::Item) {}
+    }
+    let h = half.unwrap_or_else(|| quote!(#root::precision::f16));
+    Annotate {
+        name,
+        defaults: syn::parse_quote!(#root::step::GradScaler<#h>),
+        with_scale: syn::parse_quote!(#root::step::GradScaler<#h, _>),
+    }
+    .visit_block_mut(&mut f.block);
 }
 
 /// The type a `&mut` scaler parameter points to (`scaler: &mut GradScaler<bf16>`), if the
@@ -86,30 +145,44 @@ struct Rewriter {
     root: TokenStream,
     half: TokenStream,
     scaling: syn::Expr,
-    master: syn::Expr,
-    master_key: String,
+    /// Each master's key and place.
+    masters: Vec<(String, syn::Expr)>,
     traced: Traced,
 }
 
-/// What a method call is, decided on the call as the user wrote it.
+/// What a method call is, decided on the call as the user wrote it; the index is the master's.
 enum Role {
-    Forward(Vec<syn::Member>),
+    Forward(usize, Vec<syn::Member>),
     Backward,
-    Update,
+    Update(usize),
+    ZeroGrads(usize),
 }
 
 impl Rewriter {
+    fn master_of(&self, e: &syn::Expr) -> Option<usize> {
+        let k = key(e);
+        self.masters.iter().position(|(m, _)| *m == k)
+    }
+
     fn role(&self, m: &syn::ExprMethodCall) -> Option<Role> {
-        if as_update(m).is_some_and(|(_, master, _)| key(master) == self.master_key) {
-            return Some(Role::Update);
+        if let Some((_, master, _)) = as_update(m)
+            && let Some(i) = self.master_of(master)
+        {
+            return Some(Role::Update(i));
         }
         if is_backward(m) {
             return Some(Role::Backward);
         }
-        let path = forward_path(m, &self.master_key)?;
-        self.traced
-            .mentions(&m.args[0])
-            .then_some(Role::Forward(path))
+        if let Some((model, _)) = as_zero_grads(m) {
+            return self.master_of(model).map(Role::ZeroGrads);
+        }
+        if !self.traced.mentions(m.args.first()?) {
+            return None;
+        }
+        self.masters
+            .iter()
+            .enumerate()
+            .find_map(|(i, (k, _))| forward_path(m, k).map(|p| Role::Forward(i, p)))
     }
 
     /// `&mut GradScaler<H, _>`, from the place the user named; every token carries the place's
@@ -127,22 +200,37 @@ impl Rewriter {
         )
     }
 
+    /// Master `i`, borrowed (`&M`, or `&mut M` when `mutable`) however the user holds it
+    /// (a value, a `&mut` binding, a field, a box), as method calls auto-deref; spanned at the
+    /// master's tokens, so a half model is reported there.
+    fn master(&self, i: usize, mutable: bool) -> TokenStream {
+        let place = &self.masters[i].1;
+        let span = place.span();
+        let root = respan(self.root.clone(), span);
+        let method = if mutable {
+            quote_spanned!(span=> __mpx_master_mut)
+        } else {
+            quote_spanned!(span=> __mpx_master)
+        };
+        quote_spanned!(span=> {
+            use #root::step::__macro_support::Master as _;
+            (#place).#method()
+        })
+    }
+
     fn rewrite(&self, role: Role, m: &syn::ExprMethodCall) -> syn::Expr {
         let root = &self.root;
         let scaler = self.scaler();
         let tokens = match role {
-            Role::Forward(path) => {
-                let master = &self.master;
+            Role::Forward(i, path) => {
+                let master_ref = self.master(i, false);
                 let method = &m.method;
                 let turbofish = &m.turbofish;
                 let arg = &m.args[0];
                 let input = quote_spanned!(arg.span()=> __mpx_input);
-                let master_ref = quote_spanned!(master.span()=> {
-                    use #root::step::__macro_support::ByMut as _;
-                    &*(#master).__mpx_by_mut()
-                });
                 // The master boundary first, at the model's tokens, so its message leads.
-                let check_master = quote_spanned!(master.span()=>
+                let span = self.masters[i].1.span();
+                let check_master = quote_spanned!(span=>
                     let _ = #root::boundary::require_master(#master_ref);
                 );
                 quote!({
@@ -168,15 +256,36 @@ impl Rewriter {
                     #scaler.#call(__mpx_loss, |__mpx_loss| __mpx_loss.#method())
                 })
             }
-            Role::Update => {
-                let Some((opt, master, grads)) = as_update(m) else {
+            Role::Update(i) => {
+                let Some((opt, written, grads)) = as_update(m) else {
                     return syn::Expr::MethodCall(m.clone());
                 };
                 let method = &m.method;
+                let master_mut = self.master(i, true);
+                // The step's own optimizer call runs as written (its model argument keeps
+                // Rust's auto-ref and auto-deref), between the scaler's two halves, each its own
+                // statement (a scaler behind a lock is locked once per half).
                 quote!({
                     let __mpx_grads = #root::step::__macro_support::shared(#grads);
-                    #scaler.update_with(#master, |__mpx_master| (#opt).#method(__mpx_master, __mpx_grads))
+                    let __mpx_begun = #scaler.begin_update(#master_mut);
+                    match __mpx_begun {
+                        ::core::result::Result::Ok(__mpx_verdict) => {
+                            let __mpx_ran = if __mpx_verdict.applies() {
+                                ::core::option::Option::Some((#opt).#method(#written, __mpx_grads))
+                            } else {
+                                ::core::option::Option::None
+                            };
+                            #scaler.end_update(__mpx_verdict, __mpx_ran)
+                        }
+                        ::core::result::Result::Err(__mpx_e) => ::core::result::Result::Err(__mpx_e),
+                    }
                 })
+            }
+            Role::ZeroGrads(i) => {
+                let master_ref = self.master(i, false);
+                let method = &m.method;
+                let grads = &m.args[0];
+                quote!(#scaler.#method(#master_ref, #grads))
             }
         };
         syn::parse2(tokens).unwrap_or_else(|e| syn::Expr::Verbatim(e.to_compile_error()))

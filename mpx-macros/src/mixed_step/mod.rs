@@ -148,7 +148,7 @@ mod tests {
         assert_eq!(
             messages(&out),
             [
-                "`half = f64` is not a precision a mixed step runs in; expected one of `f16`, `amp_f16`, `bf16`, `f32`",
+                "`half = f64` is not a precision a mixed step runs in; expected one of `f16`, `AMP<f16>`, `bf16`, `f32`",
                 "unknown argument `scale`; expected one of `scaling`, `half`, `crate`",
                 "duplicate argument `crate`",
                 "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());`",

@@ -25,6 +25,21 @@ pub(crate) const FORWARDS: &[&str] = &["forward", "forward_mut", "try_forward", 
 /// Methods that put a tape on a tensor.
 const TRACING: &[&str] = &["traced", "trace", "leaky_traced", "leaky_trace", "put_tape"];
 
+/// `x.retaped::<OwnedTape<..>>()`: a fresh tape that records (dfdx's way to trace without
+/// `alloc_grads`).
+fn retapes_owned(m: &syn::ExprMethodCall) -> bool {
+    m.method == "retaped"
+        && m.turbofish
+            .as_ref()
+            .is_some_and(|t| t.to_token_stream().to_string().contains("OwnedTape"))
+}
+
+/// `model.zero_grads(&mut grads)` / `try_zero_grads`: (model, grads).
+pub(crate) fn as_zero_grads(m: &syn::ExprMethodCall) -> Option<(&syn::Expr, &syn::Expr)> {
+    ((m.method == "zero_grads" || m.method == "try_zero_grads") && m.args.len() == 1)
+        .then(|| (&*m.receiver, &m.args[0]))
+}
+
 /// Removes parentheses and a leading `&` / `&mut`.
 pub(crate) fn place(mut e: &syn::Expr) -> &syn::Expr {
     loop {
@@ -136,7 +151,7 @@ struct Mentions<'a> {
 
 impl<'ast> Visit<'ast> for Mentions<'_> {
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-        if TRACING.iter().any(|t| m.method == t) {
+        if TRACING.iter().any(|t| m.method == t) || retapes_owned(m) {
             self.found = true;
         }
         syn::visit::visit_expr_method_call(self, m);
@@ -224,6 +239,10 @@ pub(crate) struct Found<'a> {
     pub backwards: Vec<(&'a syn::ExprMethodCall, usize)>,
     /// Each forward call (any receiver) with an argument and its loop depth.
     pub forwards: Vec<(&'a syn::ExprMethodCall, usize)>,
+    /// Each `zero_grads` / `try_zero_grads` call.
+    pub zero_grads: Vec<&'a syn::ExprMethodCall>,
+    /// Every other method call, to find hand-written calls of the scaler's own roles.
+    pub others: Vec<&'a syn::ExprMethodCall>,
     /// `let` bindings: (name, loop depth).
     pub lets: Vec<(String, usize)>,
     depth: usize,
@@ -246,6 +265,10 @@ impl<'a> Visit<'a> for Found<'a> {
             self.backwards.push((m, self.depth));
         } else if FORWARDS.iter().any(|f| m.method == f) && m.args.len() == 1 {
             self.forwards.push((m, self.depth));
+        } else if as_zero_grads(m).is_some() {
+            self.zero_grads.push(m);
+        } else {
+            self.others.push(m);
         }
         syn::visit::visit_expr_method_call(self, m);
     }

@@ -5,6 +5,8 @@ use proc_macro2::Span;
 
 use super::ast::{Args, Half};
 
+use quote::ToTokens;
+
 use super::roles::{Found, Traced, as_update, forward_path, key, place};
 use crate::ctxt::Ctxt;
 
@@ -14,8 +16,8 @@ pub(crate) struct Plan {
     pub scaling: syn::Expr,
     /// `None`: the scaler's type decides.
     pub half: Option<Half>,
-    /// The master model: the place the optimizer updates.
-    pub master: syn::Expr,
+    /// The master models: the places the optimizer updates, each once, in order.
+    pub masters: Vec<syn::Expr>,
     /// Bindings holding traced values.
     pub traced: Traced,
 }
@@ -47,139 +49,197 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
     if args.scaling.is_none() {
         cx.push(syn::Error::new(
             Span::call_site(),
-            "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());`",
+            "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::default();`",
         ));
     }
     let found = Found::in_block(&f.block);
     if let Some(scaling) = &args.scaling {
         check_persistent(scaling, f, &found, cx);
+        check_no_hand_written_roles(scaling, &found, cx);
     }
-    let master = find_master(f, &found, cx);
+    let masters = find_masters(f, &found, cx);
     let traced = Traced::of(f);
-    if let Some(master) = &master {
-        check_forward_and_backward(f, &found, master, &traced, cx);
-    }
-    Some(Plan {
-        scaling: args.scaling.clone()?,
-        half: args.half,
-        master: master?,
-        traced,
-    })
-}
-
-/// The master: the model every optimizer update names.
-fn find_master(f: &syn::ItemFn, found: &Found<'_>, cx: &mut Ctxt) -> Option<syn::Expr> {
-    let Some((first, _)) = found.updates.first() else {
-        cx.error_spanned(
-            &f.sig.ident,
-            "no optimizer update in this step: `#[mixed_step]` needs `opt.update(&mut model, &grads)` to find the f32 master model, and replaces it with an update that skips non-finite steps",
-        );
-        return None;
-    };
-    let (_, master, _) = as_update(first)?;
-    let master_key = key(master);
-    for (other, _) in &found.updates[1..] {
-        if let Some((_, m, _)) = as_update(other)
-            && key(m) != master_key
-        {
-            cx.error_spanned(
-                m,
-                format!(
-                    "this update names `{}` but another one names `{master_key}`: a `#[mixed_step]` trains one master model; give each model its own step and scaler",
-                    key(m)
-                ),
-            );
-        }
-    }
-    Some(place(master).clone())
-}
-
-/// At least one traced forward pass of the master, and a backward pass.
-fn check_forward_and_backward(
-    f: &syn::ItemFn,
-    found: &Found<'_>,
-    master: &syn::Expr,
-    traced: &Traced,
-    cx: &mut Ctxt,
-) {
-    let master_key = key(master);
-    let forwards = found
-        .forwards
-        .iter()
-        .filter(|(m, _)| forward_path(m, &master_key).is_some() && traced.mentions(&m.args[0]))
-        .count();
-    if forwards == 0 {
-        let untraced = found
-            .forwards
-            .iter()
-            .find(|(m, _)| forward_path(m, &master_key).is_some());
-        match untraced {
-            Some((m, _)) => cx.error_spanned(
-                &m.args[0],
-                format!(
-                    "this forward pass of `{master_key}` has no traced input: `#[mixed_step]` runs the traced forward pass (`{master_key}.forward(x.traced(grads))`) in half precision; trace the input as the f32 step does"
-                ),
-            ),
-            None => cx.error_spanned(
-                &f.sig.ident,
-                format!(
-                    "no traced forward pass of `{master_key}` (the model the optimizer updates) in this step: `#[mixed_step]` runs `{master_key}.forward(x.traced(grads))` (or `forward_mut`, `try_forward`, a field's forward) on the half working copy"
-                ),
-            ),
-        }
-    }
+    check_forwards(f, &found, &masters, &traced, cx);
     if found.backwards.is_empty() {
         cx.error_spanned(
             &f.sig.ident,
             "no backward pass in this step: `#[mixed_step]` needs `grads = loss.backward();` (or `try_backward()`), where it brings the half gradients back unscaled",
         );
     }
+    if masters.is_empty() {
+        return None;
+    }
+    Some(Plan {
+        scaling: args.scaling.clone()?,
+        half: args.half,
+        masters: masters.into_iter().map(|(m, _)| m).collect(),
+        traced,
+    })
+}
+
+/// The masters: every model an optimizer update names, each once, with the update's model
+/// tokens (for errors).
+fn find_masters<'a>(
+    f: &syn::ItemFn,
+    found: &Found<'a>,
+    cx: &mut Ctxt,
+) -> Vec<(syn::Expr, &'a syn::Expr)> {
+    let mut masters: Vec<(syn::Expr, &syn::Expr)> = Vec::new();
+    for (update, _) in &found.updates {
+        let Some((_, master, _)) = as_update(update) else {
+            continue;
+        };
+        if !masters.iter().any(|(m, _)| key(m) == key(master)) {
+            masters.push((place(master).clone(), master));
+        }
+    }
+    if masters.is_empty() {
+        cx.error_spanned(
+            &f.sig.ident,
+            "no optimizer update in this step: `#[mixed_step]` needs `opt.update(&mut model, &grads)` to find the f32 master model, and replaces it with an update that skips non-finite steps",
+        );
+    }
+    masters
+}
+
+/// Each master has a traced forward pass (of itself or of one of its fields).
+fn check_forwards(
+    f: &syn::ItemFn,
+    found: &Found<'_>,
+    masters: &[(syn::Expr, &syn::Expr)],
+    traced: &Traced,
+    cx: &mut Ctxt,
+) {
+    let traced_of = |master_key: &str| {
+        found
+            .forwards
+            .iter()
+            .find(|(m, _)| forward_path(m, master_key).is_some() && traced.mentions(&m.args[0]))
+    };
+    // The models whose traced forward passes run in this step, for the messages.
+    let ran: Vec<String> = found
+        .forwards
+        .iter()
+        .filter(|(m, _)| traced.mentions(&m.args[0]))
+        .map(|(m, _)| key(&m.receiver))
+        .collect();
+    for (master, written) in masters {
+        let master_key = key(master);
+        if traced_of(&master_key).is_some() {
+            continue;
+        }
+        let untraced = found
+            .forwards
+            .iter()
+            .find(|(m, _)| forward_path(m, &master_key).is_some());
+        match (untraced, ran.first()) {
+            (Some((m, _)), _) => cx.error_spanned(
+                &m.args[0],
+                format!(
+                    "this forward pass of `{master_key}` has no traced input: `#[mixed_step]` runs the traced forward pass (`{master_key}.forward(x.traced(grads))`) in half precision; trace the input as the f32 step does"
+                ),
+            ),
+            (None, Some(other)) => cx.error_spanned(
+                written,
+                format!(
+                    "this update names `{master_key}`, but no traced forward pass of `{master_key}` runs in this step: the traced forward pass runs `{other}`; update the model whose forward pass is traced (`opt.update(&mut {other}, &grads)`)"
+                ),
+            ),
+            (None, None) => cx.error_spanned(
+                if found.forwards.is_empty() { f.sig.ident.to_token_stream() } else { written.to_token_stream() },
+                format!(
+                    "no traced forward pass of `{master_key}` (the model the optimizer updates) in this step: `#[mixed_step]` runs `{master_key}.forward(x.traced(grads))` (or `forward_mut`, `try_forward`, a field's forward) on the half working copy"
+                ),
+            ),
+        }
+    }
+}
+
+/// The scaler's own roles, called by hand inside an attributed step, would run twice.
+fn check_no_hand_written_roles(scaling: &syn::Expr, found: &Found<'_>, cx: &mut Ctxt) {
+    const ROLES: &[&str] = &[
+        "forward",
+        "try_forward",
+        "backward",
+        "try_backward",
+        "backward_with",
+        "try_backward_with",
+        "update",
+        "update_with",
+        "begin_update",
+        "end_update",
+        "zero_grads",
+        "try_zero_grads",
+    ];
+    let scaler = key(scaling);
+    for m in &found.others {
+        if key(&m.receiver) == scaler && ROLES.iter().any(|r| m.method == r) {
+            let method = &m.method;
+            cx.error_spanned(
+                m,
+                format!(
+                    "`{scaler}.{method}(..)` is written by hand inside a `#[mixed_step]`, which already routes the step's forward pass, `loss.backward()`, `opt.update(..)` and `zero_grads` through `{scaler}`: the optimizer would run twice; remove this call and keep the f32 code"
+                ),
+            );
+        }
+    }
+}
+
+/// The root of a scaler expression: the binding or `self` it is reached from, through fields,
+/// derefs, accessors and locks (`self.scaler()`, `scaler.lock().unwrap()`), or `None` for a
+/// value built in place.
+fn scaler_root(mut e: &syn::Expr) -> Option<&syn::ExprPath> {
+    loop {
+        e = place(e);
+        match e {
+            syn::Expr::Field(fe) => e = &fe.base,
+            syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => e = &u.expr,
+            syn::Expr::MethodCall(m) => e = &m.receiver,
+            syn::Expr::Try(t) => e = &t.expr,
+            syn::Expr::Path(p) => return Some(p),
+            _ => return None,
+        }
+    }
 }
 
 /// The scaler must outlive the step: a place declared once, never a value built per call.
 fn check_persistent(scaling: &syn::Expr, f: &syn::ItemFn, found: &Found<'_>, cx: &mut Ctxt) {
-    let base = place(scaling);
-    let mut root = base;
-    loop {
-        match root {
-            syn::Expr::Field(fe) => root = place(&fe.base),
-            syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => root = place(&u.expr),
-            _ => break,
-        }
-    }
-    let syn::Expr::Path(p) = root else {
+    let Some(root) = scaler_root(scaling) else {
         cx.error_spanned(
             scaling,
-            "`scaling = ..` builds a new value every time the step runs, so the loss scale, the half working copy and the skip counters would start over on every step (a dynamic scale that overflows would skip every step, forever); declare the scaler once outside the loop (`let mut scaler = GradScaler::new(..);` before the loop, a field, or a `&mut GradScaler` parameter) and name it here",
+            "`scaling = ..` builds a new value every time the step runs, so the loss scale, the half working copy and the skip counters would start over on every step (a dynamic scale that overflows would skip every step, forever); declare the scaler once outside the loop (`let mut scaler = GradScaler::default();` before the loop, a field, or a `&mut GradScaler` parameter) and name it here",
         );
         return;
     };
-    let Some(name) = p.path.get_ident().map(ToString::to_string) else {
+    let Some(name) = root.path.get_ident().map(ToString::to_string) else {
         return; // a path to a static or a constant: not ours to judge
     };
     if name == "self" {
         return;
     }
-    let is_param = f.sig.inputs.iter().any(|a| match a {
+    let param = f.sig.inputs.iter().find_map(|a| match a {
         syn::FnArg::Typed(pt) => {
             let mut names = std::collections::HashSet::new();
             super::roles::bound_names(&pt.pat, &mut names);
-            names.contains(&name)
+            names.contains(&name).then_some(&*pt.ty)
         }
-        syn::FnArg::Receiver(_) => false,
+        syn::FnArg::Receiver(_) => None,
     });
-    if is_param {
+    if let Some(ty) = param {
+        // Only the parameter itself is judged; `scaler.lock()` of a shared handle is fine.
+        if matches!(place(scaling), syn::Expr::Path(_)) {
+            check_param_type(&name, ty, cx);
+        }
         return;
     }
     let Some(&(_, depth)) = found.lets.iter().rev().find(|(n, _)| *n == name) else {
         return;
     };
-    let roles_depth = found
+    let in_loop = found
         .updates
         .iter()
         .chain(&found.backwards)
-        .map(|(_, d)| *d)
-        .min();
+        .any(|(_, d)| *d > 0);
     if depth > 0 {
         cx.error_spanned(
             scaling,
@@ -187,12 +247,33 @@ fn check_persistent(scaling: &syn::Expr, f: &syn::ItemFn, found: &Found<'_>, cx:
                 "`{name}` is declared inside a loop or closure of this step, so every iteration starts a new scaler (the loss scale, the half working copy and the skip counters start over); declare it once, before the loop"
             ),
         );
-    } else if roles_depth == Some(0) {
+    } else if !in_loop {
         cx.error_spanned(
             scaling,
             format!(
-                "`{name}` is declared inside the step function, so every call starts a new scaler (the loss scale, the half working copy and the skip counters start over); pass it in (`{name}: &mut GradScaler`) or keep it in a field"
+                "`{name}` is declared inside the step function, which trains no loop, so every call starts a new scaler (the loss scale, the half working copy and the skip counters start over); pass it in (`{name}: &mut GradScaler`) or keep it in a field"
             ),
         );
+    }
+}
+
+/// A scaler parameter is a `&mut GradScaler`: by value, each call would train with a fresh
+/// copy; by shared reference, it cannot record anything.
+fn check_param_type(name: &str, ty: &syn::Type, cx: &mut Ctxt) {
+    let is_scaler = |t: &syn::Type| matches!(t, syn::Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "GradScaler"));
+    match ty {
+        syn::Type::Reference(r) if r.mutability.is_none() && is_scaler(&r.elem) => cx.error_spanned(
+            ty,
+            format!(
+                "`{name}` is a shared reference to the scaler, which must record every step (the loss scale, the skip counters, the working copy); take it as `{name}: &mut GradScaler`"
+            ),
+        ),
+        t if is_scaler(t) => cx.error_spanned(
+            ty,
+            format!(
+                "`{name}` takes the scaler by value, so every call trains with a fresh copy (the loss scale and the skip counters start over, and the caller's scaler never changes); take it as `{name}: &mut GradScaler`"
+            ),
+        ),
+        _ => {}
     }
 }

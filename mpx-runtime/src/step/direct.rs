@@ -34,7 +34,7 @@ use dfdx::shapes::{Dtype, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::workspace::MasterSlot;
+use super::layout::MasterSlot;
 use crate::finite::add_scaled_checked;
 use crate::precision::FloatBits;
 

@@ -3,8 +3,8 @@
 use dfdx::optim::OptimizerUpdateError;
 use dfdx::tensor::CpuError;
 
-/// What can go wrong in a mixed-precision step ([`filter_value_and_grad`](super::filter_value_and_grad),
-/// [`optimizer_update`](super::optimizer_update)).
+/// What can go wrong in a mixed-precision step ([`GradScaler`](super::GradScaler) and the
+/// functions over it).
 ///
 /// A non-finite gradient or loss is **not** an error: it is a skipped step, reported in
 /// [`UpdateOutcome::Skipped`](super::UpdateOutcome::Skipped). It becomes an error only when a
@@ -30,10 +30,10 @@ pub enum StepError {
         scale: f32,
     },
 
-    /// The master model does not have the layout the workspace was built for.
+    /// The master model does not have the layout its working copy was built for.
     #[error(
-        "the workspace was built for a master model with {expected}, but this one has {found}; \
-         build the workspace from this master with `MixedWorkspace::new(&master)`"
+        "the working copy was built for a master model with {expected}, but this one has {found}; \
+         a master's tensors must keep their shapes between steps"
     )]
     WorkspaceMismatch {
         /// What the workspace expected (tensor count or a tensor's element count).
@@ -49,12 +49,40 @@ pub enum StepError {
     )]
     Optimizer(#[source] OptimizerUpdateError<CpuError>),
 
+    /// An update named a model that never ran a forward pass through this scaler, so there are
+    /// no gradients of it to judge.
+    #[error(
+        "this update names a `{model}` that no forward pass of this scaler ran: update the model \
+         whose forward pass ran (`scaler.forward(&model, ..)`, or the traced `model.forward(..)` \
+         of a `#[mixed_step]`)"
+    )]
+    UnknownMaster {
+        /// The model's type.
+        model: &'static str,
+    },
+
+    /// A second update without a new backward pass: the gradients were already applied (or
+    /// skipped). PyTorch's `scaler.step(opt)` raises the same.
+    #[error(
+        "no backward pass reached this `{model}` since its last update: each update needs its \
+         own backward pass (an `opt.update(..)` followed by `scaler.update(..)` runs the \
+         optimizer twice; keep one of them)"
+    )]
+    NoBackward {
+        /// The model's type.
+        model: &'static str,
+    },
+
+    /// A checkpoint that cannot be restored into this scaler.
+    #[error("the checkpoint cannot be restored: {0}")]
+    Checkpoint(String),
+
     /// More consecutive steps were skipped than the limit allows.
     #[error(
         "{consecutive} consecutive steps were skipped (limit {limit}) because gradients or the \
          loss were not finite; the loss scale is now {scale}. Check the batch and the loss for \
          NaN/inf, lower the initial scale or the minimum scale, or raise the limit with \
-         `MixedWorkspace::with_max_consecutive_skips`"
+         `GradScaler::with_max_consecutive_skips`"
     )]
     TooManySkips {
         /// Consecutive skipped steps so far, this one included.

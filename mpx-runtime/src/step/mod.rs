@@ -1,72 +1,76 @@
-//! The mixed-precision step (mpx's steps 3-10): mixed gradients and skip-on-overflow updates.
+//! The mixed-precision step: [`GradScaler`], the one state object, kept across steps like
+//! PyTorch's `GradScaler`, and mpx's function API as thin functions over it.
 //!
 //! | mpx / jmp / PyTorch | here |
 //! |---|---|
-//! | `mpx.filter_value_and_grad(func, scaling)(model, batch)` | [`filter_value_and_grad`]`(&master, &mut scaling, &mut workspace, forward, loss)` |
+//! | PyTorch `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` | [`GradScaler::forward`], [`GradScaler::backward`], [`GradScaler::update`] (or `#[mixed_step]`, which writes them) |
+//! | PyTorch `scaler.state_dict()` / `load_state_dict` | [`GradScaler::state_dict`] / [`GradScaler::load_state_dict`], or serde on the scaler itself |
+//! | `mpx.filter_value_and_grad(func, scaling)(model, batch)` | [`filter_value_and_grad`]`(&master, &mut scaler, forward, loss)` |
 //! | `mpx.filter_grad` | [`filter_grad`] |
 //! | `has_aux=True` | [`filter_value_and_grad_with_aux`] |
-//! | `mpx.optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)` | [`optimizer_update`]`(&mut master, &mut opt, &grads, grads_finite)` |
-//! | `optax.apply_if_finite(.., max_consecutive_errors)` | [`MixedWorkspace::with_max_consecutive_skips`] (an error, never a bad update) |
-//! | PyTorch `GradScaler.scale(loss).backward(); scaler.step(opt); scaler.update()` | the same pair of calls |
+//! | `mpx.optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)` | [`optimizer_update`]`(&mut master, &mut opt, &mut scaler, &grads)` |
+//! | `optax.apply_if_finite(.., max_consecutive_errors)` | [`GradScaler::with_max_consecutive_skips`] (an error, never a bad update) |
 //!
-//! dfdx has no `jit` to fuse casts and free buffers, so the step keeps its buffers in a
-//! [`MixedWorkspace`]: the half working copy, its gradients and the f32 master-shaped gradients,
-//! reused every step. The model function is split in two at the model output: `forward` runs in
-//! half precision on the working copy, `loss` runs in f32 (the loss and its scaling never enter
-//! the half graph: 2^16 is already inf in f16).
+//! One scaler serves any number of master models (a GAN's generator and discriminator, an
+//! actor and a critic, the models of successive folds): each master gets its own working copy,
+//! each update is skipped on its own master's gradients, and the one loss scale is adjusted once
+//! per iteration.
 //!
 //! # Examples
-//! A complete training step:
+//! A complete training step, by hand:
 //! ```
 //! use dfdx::{optim::*, prelude::*};
 //! use mpx_runtime::precision::f16;
-//! use mpx_runtime::scaling::{DynamicLossScale, LossScale};
-//! use mpx_runtime::step::{MixedWorkspace, filter_value_and_grad, optimizer_update};
+//! use mpx_runtime::scaling::DynamicLossScale;
+//! use mpx_runtime::step::GradScaler;
 //!
 //! let dev: Cpu = Default::default();
 //! type Mlp = (Linear<8, 16>, ReLU, Linear<16, 3>);
 //! let mut master = dev.build_module::<Mlp, f32>();
 //! let mut opt = Adam::new(&master, AdamConfig { lr: 1e-2, ..Default::default() });
-//! let mut ws = MixedWorkspace::<f16, _>::new(&master)?;
-//! let mut scaling = DynamicLossScale::builder().initial(65536.0).period(2000).build().unwrap();
+//! let mut scaler = GradScaler::<f16>::new(DynamicLossScale::builder().initial(65536.0).build().unwrap());
 //!
 //! let x: Tensor<Rank2<4, 8>, f32, _> = dev.sample_normal();
 //! let labels: Tensor<Rank2<4, 3>, f32, _> = dev.tensor([[1.0, 0.0, 0.0]; 4]);
-//! let x = x.to_dtype::<f16>();
+//! let mut grads = master.alloc_grads();
 //! for _ in 0..3 {
-//!     let grads = filter_value_and_grad(
-//!         &master,
-//!         &mut scaling,
-//!         &mut ws,
-//!         |model, tape| model.forward(x.clone().put_tape(tape)),
-//!         |logits| cross_entropy_with_logits_loss(logits, labels.clone()),
-//!     )?;
-//!     let finite = grads.grads_finite;
-//!     optimizer_update(&mut master, &mut opt, &grads, finite)?;
+//!     let logits = scaler.forward(&master, x.trace(grads), |m, x| m.forward(x));
+//!     let loss = cross_entropy_with_logits_loss(logits, labels.clone());
+//!     grads = scaler.backward(loss);
+//!     scaler.update(&mut master, &mut opt, &grads)?;
+//!     scaler.zero_grads(&master, &mut grads);
 //! }
-//! assert_eq!(ws.applied_steps() + ws.skipped_steps(), 3);
+//! assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 3);
 //! # Ok::<(), mpx_runtime::step::StepError>(())
 //! ```
 
+mod checkpoint;
 mod clip;
 pub(crate) mod direct;
 mod error;
-mod grads;
+mod function;
 mod half_region;
+mod layout;
+mod masters;
+mod outcome;
 mod report;
 mod scaler;
-mod update;
 mod working;
-mod workspace;
 
+pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::StepError;
-pub use grads::{MixedGrads, filter_grad, filter_value_and_grad, filter_value_and_grad_with_aux};
-pub use half_region::{HalfInput, HalfOutput, Region};
+pub use function::{
+    MixedGrads, filter_grad, filter_value_and_grad, filter_value_and_grad_with_aux,
+    optimizer_update,
+};
+#[doc(hidden)]
+pub use half_region::Region;
+pub use half_region::{HalfInput, HalfOutput};
+pub use layout::WorkingCopy;
+pub use outcome::{SkipReason, UpdateOutcome};
 pub use report::StepReport;
-pub use scaler::{GradScaler, MixedScaler, scaler_of};
-pub use update::{SkipReason, UpdateOutcome, optimizer_update};
-pub use workspace::{MixedWorkspace, StepTimings, WorkingCopy};
+pub use scaler::{GradScaler, MixedScaler, Verdict, scaler_of};
 
 /// Support for code `#[mixed_step]` generates. Not a public API.
 #[doc(hidden)]
@@ -81,6 +85,26 @@ pub mod __macro_support {
         }
     }
     impl<T: ?Sized> ByMut for T {}
+
+    /// `(model).__mpx_master()` borrows a model however the step holds it (a value, a `&mut`
+    /// binding, a field, a `Box`): method calls auto-deref until a module is found, which a
+    /// generic function taking `&M` would not do.
+    pub trait Master<E: dfdx::shapes::Dtype> {
+        /// The model, shared.
+        fn __mpx_master(&self) -> &Self {
+            self
+        }
+        /// The model, mutably.
+        fn __mpx_master_mut(&mut self) -> &mut Self {
+            self
+        }
+    }
+    impl<E: dfdx::shapes::Dtype, T> Master<E> for T
+    where
+        T: dfdx::nn::tensor_collection::TensorCollection<E, dfdx::tensor::Cpu>,
+        dfdx::tensor::Cpu: dfdx::tensor_ops::Device<E>,
+    {
+    }
 
     /// A shared borrow of what the user passed as the gradients (`&grads`, or a `&mut`
     /// binding, which coerces), without moving a `&mut` binding.

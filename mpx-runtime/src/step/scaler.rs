@@ -3,17 +3,18 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use dfdx::nn::tensor_collection::TensorCollection;
+use dfdx::nn::tensor_collection::{RecursiveWalker, TensorCollection};
 use dfdx::optim::{Optimizer, OptimizerUpdateError};
 use dfdx::shapes::Rank0;
 use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::WorkingCopy;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
+use super::layout::{WorkingCopy, WriteState};
+use super::masters::Masters;
+use super::outcome::{SkipReason, UpdateOutcome};
 use super::report::StepReport;
-use super::update::{SkipReason, UpdateOutcome};
 use super::working::{ErasedWorking, Working};
 use crate::boundary::MasterModel;
 use crate::precision::{Precision, f16};
@@ -78,35 +79,14 @@ use crate::scaling::{DynamicLossScale, LossScale};
 /// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
 pub struct GradScaler<H: Precision = f16, L: LossScale = DynamicLossScale> {
-    scaling: L,
-    working: Option<Box<dyn ErasedWorking>>,
-    max_consecutive_skips: Option<u64>,
-    applied: u64,
-    skipped: u64,
-    consecutive: u64,
-    pending: Pending,
+    pub(super) scaling: L,
+    masters: Masters,
+    pub(super) max_consecutive_skips: Option<u64>,
+    pub(super) applied: u64,
+    pub(super) skipped: u64,
+    pub(super) consecutive: u64,
     last: Option<StepReport>,
     marker: PhantomData<fn() -> H>,
-}
-
-/// What the backward passes since the last update saw.
-#[derive(Debug, Clone, Copy)]
-struct Pending {
-    backwards: u64,
-    grads_finite: bool,
-    loss_finite: bool,
-    loss: f32,
-    scale: f32,
-}
-
-impl Pending {
-    const NONE: Pending = Pending {
-        backwards: 0,
-        grads_finite: true,
-        loss_finite: true,
-        loss: f32::NAN,
-        scale: f32::NAN,
-    };
 }
 
 impl<H: Precision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
@@ -138,12 +118,11 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     pub fn new(scaling: L) -> Self {
         Self {
             scaling,
-            working: None,
+            masters: Masters::default(),
             max_consecutive_skips: None,
             applied: 0,
             skipped: 0,
             consecutive: 0,
-            pending: Pending::NONE,
             last: None,
             marker: PhantomData,
         }
@@ -351,29 +330,18 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         }
     }
 
-    /// The typed workspace for `M`, built on first use (or when the scaler moves to another
-    /// model type).
+    /// The typed workspace of `master`, built the first time this master (by its tensors'
+    /// identity, not its type alone) runs a forward pass.
     fn working_for<M>(&mut self, master: &M) -> Result<&mut Working<H, M>, StepError>
     where
         M: MasterModel + Send + Sync + 'static,
         Cpu: Device<H::Elem>,
         WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
-        let is_ours = self
-            .working
-            .as_mut()
-            .is_some_and(|w| w.as_any_mut().is::<Working<H, M>>());
-        if !is_ours {
-            self.working = Some(Box::new(Working::<H, M>::new(master)?));
-        }
-        match self
-            .working
-            .as_mut()
-            .and_then(|w| w.as_any_mut().downcast_mut::<Working<H, M>>())
-        {
-            Some(w) => Ok(w),
-            None => Err(StepError::Cast(crate::cast::CastError::NotRebuilt)),
-        }
+        let i = self.masters.find_or_insert(master, |m| {
+            Ok(Box::new(Working::<H, M>::new(m)?) as Box<dyn ErasedWorking>)
+        })?;
+        typed(&mut *self.masters.get_mut(i).working)
     }
 
     /// Runs the backward pass of an f32 `loss` whose graph went through
@@ -458,16 +426,18 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     {
         let loss_value = loss.array();
         let mut grads = backward(loss)?;
-        let grads_finite = match self.working.as_mut() {
-            Some(w) => w.transfer(&mut grads)?,
-            None => true,
-        };
-        let p = &mut self.pending;
-        p.backwards += 1;
-        p.grads_finite &= grads_finite;
-        p.loss_finite &= loss_value.is_finite();
-        p.loss = loss_value;
-        p.scale = self.scaling.loss_scale();
+        let scale = self.scaling.loss_scale();
+        for entry in self.masters.iter_mut() {
+            let Some(grads_finite) = entry.working.transfer(&mut grads)? else {
+                continue;
+            };
+            let p = &mut entry.pending;
+            p.backwards += 1;
+            p.grads_finite &= grads_finite;
+            p.loss_finite &= loss_value.is_finite();
+            p.loss = loss_value;
+            p.scale = scale;
+        }
         Ok(grads)
     }
 
@@ -521,10 +491,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         grads: &Gradients<f32, Cpu>,
     ) -> Result<UpdateOutcome, StepError>
     where
-        M: MasterModel + Send + Sync + 'static,
+        M: MasterModel,
         O: Optimizer<M, Cpu, f32>,
-        Cpu: Device<H::Elem>,
-        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
         self.update_with(master, |m| optimizer.update(m, grads))
     }
@@ -557,12 +525,59 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         apply: F,
     ) -> Result<UpdateOutcome, StepError>
     where
-        M: MasterModel + Send + Sync + 'static,
+        M: MasterModel,
         F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<CpuError>>,
-        Cpu: Device<H::Elem>,
-        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
-        let p = std::mem::replace(&mut self.pending, Pending::NONE);
+        let verdict = self.begin_update(master)?;
+        let applied = match verdict.reason {
+            None => Some(apply(master)),
+            Some(_) => None,
+        };
+        self.end_update(verdict, applied)
+    }
+
+    /// The first half of an update (what `#[mixed_step]` generates around the step's own
+    /// `opt.update(..)`, which then runs only when [`Verdict::applies`]): finds the master's
+    /// pending verdict, checks the skip limit, and on an applied step copies the working copy's
+    /// non-parameter state (batch-norm statistics) into the master. Hand the verdict, and the
+    /// optimizer's result when it ran, to [`end_update`](Self::end_update).
+    ///
+    /// # Errors
+    /// [`StepError::UnknownMaster`] when no forward pass of `master` ran through this scaler;
+    /// [`StepError::NoBackward`] when no backward pass reached `master`'s working copy since its
+    /// last update (a second update of the same gradients).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::{optim::*, prelude::*};
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let mut model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut opt = Sgd::new(&model, Default::default());
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[0.5f32, -1.0]]);
+    /// let y = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.backward(y.sum());
+    /// let verdict = scaler.begin_update(&mut model)?;
+    /// let ran = verdict.applies().then(|| opt.update(&mut model, &grads));
+    /// assert!(scaler.end_update(verdict, ran)?.is_applied());
+    /// // the same gradients a second time: an error, not a second step
+    /// assert!(scaler.begin_update(&mut model).is_err());
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn begin_update<M: MasterModel>(&mut self, master: &mut M) -> Result<Verdict, StepError> {
+        let Some(index) = self.masters.find(master)? else {
+            return Err(StepError::UnknownMaster {
+                model: std::any::type_name::<M>(),
+            });
+        };
+        let entry = self.masters.get_mut(index);
+        let p = entry.pending;
+        if p.backwards == 0 {
+            return Err(StepError::NoBackward {
+                model: std::any::type_name::<M>(),
+            });
+        }
         let reason = if !p.grads_finite {
             Some(SkipReason::GradsNotFinite)
         } else if !p.loss_finite {
@@ -570,47 +585,212 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         } else {
             None
         };
-        let scale = self.scaling.loss_scale();
-        if let Some(w) = self
-            .working
-            .as_mut()
-            .and_then(|w| w.as_any_mut().downcast_mut::<Working<H, M>>())
-        {
-            w.finish_step(master, reason.is_none())?;
+        if reason.is_none() {
+            write_state(master, entry.working.state())?;
         }
-        let outcome = if let Some(reason) = reason {
-            self.consecutive += 1;
-            self.skipped += 1;
-            if let Some(limit) = self.max_consecutive_skips
-                && self.consecutive > limit
-            {
-                self.scaling.adjust(false);
-                return Err(StepError::TooManySkips {
-                    consecutive: self.consecutive,
-                    limit,
-                    scale: self.scaling.loss_scale(),
-                });
-            }
-            UpdateOutcome::Skipped {
-                reason,
-                consecutive: self.consecutive,
-                total: self.skipped,
-            }
-        } else {
-            apply(master).map_err(StepError::Optimizer)?;
-            self.consecutive = 0;
-            self.applied += 1;
-            UpdateOutcome::Applied
-        };
-        self.scaling.adjust(reason.is_none());
-        self.last = Some(StepReport {
+        Ok(Verdict {
+            index,
+            reason,
             loss: p.loss,
-            grads_finite: p.grads_finite,
-            scale: if p.backwards > 0 { p.scale } else { scale },
+            scale: p.scale,
+        })
+    }
+
+    /// The second half of an update begun with [`begin_update`](Self::begin_update): `applied`
+    /// is the optimizer's result when it ran (`None` when the verdict was a skip). Counts the
+    /// step, adjusts the loss scale when the iteration is over, and records
+    /// [`last_step`](Self::last_step).
+    ///
+    /// # Errors
+    /// [`StepError::TooManySkips`] when a limit is set and this skip exceeds it;
+    /// [`StepError::Optimizer`] when the optimizer failed (dfdx's Adam has then already
+    /// counted the step in its `t`).
+    ///
+    /// # Examples
+    /// See [`begin_update`](Self::begin_update).
+    pub fn end_update(
+        &mut self,
+        verdict: Verdict,
+        applied: Option<Result<(), OptimizerUpdateError<CpuError>>>,
+    ) -> Result<UpdateOutcome, StepError> {
+        let outcome = match (verdict.reason, applied) {
+            (None, Some(result)) => {
+                result.map_err(StepError::Optimizer)?;
+                self.consecutive = 0;
+                self.applied += 1;
+                UpdateOutcome::Applied
+            }
+            (reason, _) => {
+                self.consecutive += 1;
+                self.skipped += 1;
+                UpdateOutcome::Skipped {
+                    reason: reason.unwrap_or(SkipReason::Requested),
+                    consecutive: self.consecutive,
+                    total: self.skipped,
+                }
+            }
+        };
+        for finite in self.masters.updated(verdict.index, outcome.is_applied()) {
+            if let Some(finite) = finite {
+                self.scaling.adjust(finite);
+            }
+        }
+        self.last = Some(StepReport {
+            loss: verdict.loss,
+            grads_finite: verdict.reason != Some(SkipReason::GradsNotFinite),
+            scale: verdict.scale,
             new_scale: self.scaling.loss_scale(),
             outcome,
         });
+        if let (UpdateOutcome::Skipped { consecutive, .. }, Some(limit)) =
+            (outcome, self.max_consecutive_skips)
+            && consecutive > limit
+        {
+            return Err(StepError::TooManySkips {
+                consecutive,
+                limit,
+                scale: self.scaling.loss_scale(),
+            });
+        }
         Ok(outcome)
+    }
+
+    /// Zeroes `master`'s gradients in `grads` (dfdx's `model.zero_grads(&mut grads)`) and
+    /// forgets what the backward passes since its last update saw: gradients thrown away are
+    /// not judged at the next update. `#[mixed_step]` generates it for the step's
+    /// `model.zero_grads(&mut grads)`.
+    ///
+    /// # Panics
+    /// When the device cannot allocate, as dfdx's `zero_grads` does; see
+    /// [`try_zero_grads`](Self::try_zero_grads).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::{optim::*, prelude::*};
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let mut model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut opt = Sgd::new(&model, Default::default());
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let mut grads = model.alloc_grads();
+    /// // a bad batch: its gradients are thrown away, as an f32 loop does
+    /// let y = scaler.forward(&model, dev.tensor([[f32::NAN, 1.0]]).trace(grads), |m, x| m.forward(x));
+    /// grads = scaler.backward(y.sum());
+    /// scaler.zero_grads(&model, &mut grads);
+    /// // the next batch is judged on its own gradients
+    /// let y = scaler.forward(&model, dev.tensor([[0.5f32, 1.0]]).trace(grads), |m, x| m.forward(x));
+    /// grads = scaler.backward(y.sum());
+    /// assert!(scaler.update(&mut model, &mut opt, &grads)?.is_applied());
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn zero_grads<M: MasterModel>(&mut self, master: &M, grads: &mut Gradients<f32, Cpu>) {
+        if let Err(e) = self.try_zero_grads(master, grads) {
+            panic!("zeroing the master's gradients failed: {e}");
+        }
+    }
+
+    /// Fallible form of [`zero_grads`](Self::zero_grads).
+    ///
+    /// # Errors
+    /// [`StepError::Device`] when the device cannot allocate.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut grads = model.alloc_grads();
+    /// GradScaler::<f16>::default().try_zero_grads(&model, &mut grads)?;
+    /// assert_eq!(grads.get(&model.bias).array(), [0.0]);
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn try_zero_grads<M: MasterModel>(
+        &mut self,
+        master: &M,
+        grads: &mut Gradients<f32, Cpu>,
+    ) -> Result<(), StepError> {
+        dfdx::nn::ZeroGrads::try_zero_grads(master, grads)?;
+        if let Some(i) = self.masters.find(master)? {
+            self.masters.get_mut(i).pending = super::masters::Pending::NONE;
+        }
+        Ok(())
+    }
+}
+
+impl<H: Precision, L: LossScale> GradScaler<H, L> {
+    /// Whether the gradients of `master` seen since its last update were all finite.
+    pub(super) fn pending_grads_finite<M: MasterModel>(
+        &mut self,
+        master: &M,
+    ) -> Result<bool, StepError> {
+        Ok(match self.masters.find(master)? {
+            Some(i) => self.masters.get_mut(i).pending.grads_finite,
+            None => true,
+        })
+    }
+}
+
+/// Writes the non-parameter tensors (batch-norm statistics) a working copy's forward pass
+/// updated into the master.
+fn write_state<M: MasterModel>(master: &mut M, state: &[Vec<f32>]) -> Result<(), StepError> {
+    if state.is_empty() {
+        return Ok(());
+    }
+    let mut write = WriteState {
+        after: state,
+        index: 0,
+        mismatch: None,
+    };
+    M::iter_tensors(&mut RecursiveWalker {
+        m: master,
+        f: &mut write,
+    })?;
+    write.mismatch.map_or(Ok(()), Err)
+}
+
+/// A master's typed workspace, from its type-erased entry.
+fn typed<H, M>(working: &mut dyn ErasedWorking) -> Result<&mut Working<H, M>, StepError>
+where
+    H: Precision,
+    M: MasterModel + Send + Sync + 'static,
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+{
+    working
+        .as_any_mut()
+        .downcast_mut::<Working<H, M>>()
+        .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
+}
+
+/// What [`GradScaler::begin_update`] decided for one master: apply, or skip and why.
+///
+/// # Examples
+/// See [`GradScaler::begin_update`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[must_use = "hand the verdict to `GradScaler::end_update`, which counts the step and adjusts the scale"]
+pub struct Verdict {
+    index: usize,
+    reason: Option<SkipReason>,
+    loss: f32,
+    scale: f32,
+}
+
+impl Verdict {
+    /// Whether the optimizer should run.
+    ///
+    /// # Examples
+    /// See [`GradScaler::begin_update`].
+    pub fn applies(&self) -> bool {
+        self.reason.is_none()
+    }
+
+    /// Why the step is skipped, if it is.
+    ///
+    /// # Examples
+    /// See [`GradScaler::begin_update`].
+    pub fn skip_reason(&self) -> Option<SkipReason> {
+        self.reason
     }
 }
 
@@ -641,6 +821,26 @@ impl<H: Precision, L: LossScale> MixedScaler<H> for GradScaler<H, L> {
         self
     }
 }
+
+/// A scaler reached through a reference, a box or a lock guard (`scaler.lock().unwrap()`,
+/// `cell.borrow_mut()`) is the scaler.
+macro_rules! through {
+    ($($t:ty),*) => {$(
+        impl<H: Precision, S: MixedScaler<H> + ?Sized> MixedScaler<H> for $t {
+            type Loss = S::Loss;
+            fn scaler(&mut self) -> &mut GradScaler<H, S::Loss> {
+                (**self).scaler()
+            }
+        }
+    )*};
+}
+through!(
+    &mut S,
+    Box<S>,
+    std::sync::MutexGuard<'_, S>,
+    std::sync::RwLockWriteGuard<'_, S>,
+    std::cell::RefMut<'_, S>
+);
 
 /// The scaler a `#[mixed_step]` names, checked to be a [`GradScaler`] of precision `H` (the
 /// macro's `half = ..`; without it, `H` is the scaler's own).

@@ -15,22 +15,23 @@ use dfdx::tensor_ops::Device;
 use super::direct::{Direct, all_zero};
 use super::error::StepError;
 use super::half_region::Stash;
-use super::update::WriteState;
-use super::workspace::{
-    MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share,
-};
+use super::layout::{MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share};
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, try_cast_module};
 use crate::finite::{add_scaled_checked, all_finite_f32};
 use crate::precision::Precision;
 
-/// What the scaler does with its workspace without knowing the model's type.
+/// What the scaler does with a master's workspace without knowing the model's type.
 pub(crate) trait ErasedWorking: Any + Send + Sync {
     /// Moves every finished backward's half gradients into `grads` (the master's f32
     /// gradients, keyed by its tensors), unscaled, and checks the master's gradients for
-    /// finiteness on the way. Returns `true` when all were finite.
-    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError>;
-    /// The scaler, as `Any`, to get the typed workspace back.
+    /// finiteness on the way. Returns `None` when no backward reached this working copy since
+    /// the last call, else whether all were finite.
+    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError>;
+    /// The working copy's non-parameter tensors (batch-norm statistics) after the last backward
+    /// pass, widened to f32, in the master's visit order.
+    fn state(&self) -> &[Vec<f32>];
+    /// The workspace, as `Any`, to get the typed workspace back.
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -59,10 +60,9 @@ where
     /// The positions the linked layers wrote in the last backward (reused buffer).
     written: Vec<bool>,
     scratch: CastScratch,
-    /// Non-parameter tensors (batch-norm statistics) of the working copy, widened.
+    /// Non-parameter tensors (batch-norm statistics) of the working copy, widened; every one is
+    /// written back on an applied step.
     state: Vec<Vec<f32>>,
-    /// All `true`: every non-parameter tensor is written back on an applied step.
-    state_written: Vec<bool>,
 }
 
 impl<H: Precision, M: MasterModel + Send + Sync + 'static> Working<H, M>
@@ -84,7 +84,6 @@ where
             master: slots,
             scratch: CastScratch::default(),
             state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
-            state_written: vec![true; layout.state_lens.len()],
         })
     }
 
@@ -119,12 +118,12 @@ where
         Ok((half, grads))
     }
 
-    /// Before the optimizer runs: when `applied`, copies the working copy's non-parameter
-    /// tensors (batch-norm running statistics its forward pass updated) into the master; then
-    /// lets go of an identity working copy's shared buffers.
-    pub(crate) fn finish_step(&mut self, master: &mut M, applied: bool) -> Result<(), StepError> {
-        if applied
-            && !self.state.is_empty()
+    /// After a backward pass: reads the working copy's non-parameter tensors (batch-norm
+    /// running statistics its forward pass updated), to be written into the master if the
+    /// update is applied; then lets go of an identity working copy's shared buffers, which the
+    /// optimizer must own alone.
+    fn finish_backward(&mut self) -> Result<(), StepError> {
+        if !self.state.is_empty()
             && let Some(half) = &self.half
         {
             let mut read = ReadState::<H> {
@@ -142,19 +141,6 @@ where
             if let Some(e) = read.mismatch {
                 return Err(e);
             }
-            let mut write = WriteState {
-                after: &self.state,
-                changed: &self.state_written,
-                index: 0,
-                mismatch: None,
-            };
-            M::iter_tensors(&mut RecursiveWalker {
-                m: master,
-                f: &mut write,
-            })?;
-            if let Some(e) = write.mismatch {
-                return Err(e);
-            }
         }
         if H::IDENTITY {
             self.half = None;
@@ -169,16 +155,19 @@ where
     Cpu: Device<H::Elem>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
 {
-    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
+    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError> {
         let mut half_grads: Vec<Gradients<H::Elem, Cpu>> = self
             .stash
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .drain(..)
             .collect();
+        let mut finite = self.direct.drain(&mut self.written);
+        if half_grads.is_empty() && !self.written.contains(&true) {
+            return Ok(None);
+        }
         // The next forward casts the master again (the user may change it before then).
         self.fresh = false;
-        let mut finite = self.direct.drain(&mut self.written);
         match (&self.half, half_grads.is_empty()) {
             (Some(half), false) => {
                 let mut mover = Mover::<H> {
@@ -214,7 +203,12 @@ where
             }
         }
         self.pool.append(&mut half_grads);
-        Ok(finite)
+        self.finish_backward()?;
+        Ok(Some(finite))
+    }
+
+    fn state(&self) -> &[Vec<f32>] {
+        &self.state
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {

@@ -22,7 +22,7 @@ fn f16_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: X, scaler: &m
 }
 
 // AMP<f16>: `forward_mut`, `try_backward()?`, `?` on the update, a `Result` kept as it was.
-#[mixed_step(scaling = scaler, half = amp_f16)]
+#[mixed_step(scaling = scaler, half = AMP<f16>)]
 fn amp_step(
     model: &mut Model,
     opt: &mut Sgd<Model, f32, Cpu>,

@@ -1,0 +1,37 @@
+//! What an update did: applied, or skipped and why.
+
+/// Why a step was skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipReason {
+    /// A gradient was inf or NaN (loss-scale overflow, or NaN in the batch).
+    GradsNotFinite,
+    /// The gradients were finite but the loss was not.
+    LossNotFinite,
+    /// The optimizer was not run for finite gradients (a hand-driven
+    /// [`GradScaler::end_update`](super::GradScaler::end_update) given no result).
+    Requested,
+}
+
+/// What an update ([`GradScaler::update`](super::GradScaler::update), [`optimizer_update`](super::optimizer_update)) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateOutcome {
+    /// The optimizer ran; master weights (and non-parameter state such as batch-norm running
+    /// statistics) were updated.
+    Applied,
+    /// The optimizer did not run: master weights and optimizer state are bit-identical to before.
+    Skipped {
+        /// Why.
+        reason: SkipReason,
+        /// Skipped steps in a row, this one included.
+        consecutive: u64,
+        /// Skipped steps since the scaler was built (or restored).
+        total: u64,
+    },
+}
+
+impl UpdateOutcome {
+    /// `true` for [`UpdateOutcome::Applied`].
+    pub fn is_applied(&self) -> bool {
+        matches!(self, UpdateOutcome::Applied)
+    }
+}
