@@ -23,6 +23,8 @@ const KEEP_UNUSED: u64 = 16;
 pub(super) struct Pending {
     pub(super) backwards: u64,
     pub(super) grads_finite: bool,
+    /// `grads_finite` before the last backward pass.
+    pub(super) grads_finite_before: bool,
     pub(super) loss_finite: bool,
     pub(super) loss: f32,
     pub(super) scale: f32,
@@ -32,6 +34,7 @@ impl Pending {
     pub(super) const NONE: Pending = Pending {
         backwards: 0,
         grads_finite: true,
+        grads_finite_before: true,
         loss_finite: true,
         loss: f32::NAN,
         scale: f32::NAN,
@@ -45,6 +48,8 @@ pub(super) struct Entry {
     identity: Identity,
     pub(super) working: Box<dyn ErasedWorking>,
     pub(super) pending: Pending,
+    /// Reached by the last backward pass.
+    pub(super) touched: bool,
     /// Updated in the current iteration.
     updated: bool,
     /// Takes part in iterations: updated in the last closed one, or since.
@@ -89,6 +94,7 @@ impl Masters {
                     identity: self.probe.clone(),
                     working: make(master)?,
                     pending: Pending::NONE,
+                    touched: false,
                     updated: false,
                     participating: false,
                     last_used: self.iteration,

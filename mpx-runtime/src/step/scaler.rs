@@ -427,16 +427,32 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         let loss_value = loss.array();
         let mut grads = backward(loss)?;
         let scale = self.scaling.loss_scale();
+        let mut touched = 0;
         for entry in self.masters.iter_mut() {
             let Some(grads_finite) = entry.working.transfer(&mut grads)? else {
+                entry.touched = false;
                 continue;
             };
+            entry.touched = true;
+            touched += 1;
             let p = &mut entry.pending;
             p.backwards += 1;
+            p.grads_finite_before = p.grads_finite;
             p.grads_finite &= grads_finite;
             p.loss_finite &= loss_value.is_finite();
             p.loss = loss_value;
             p.scale = scale;
+        }
+        if touched > 1 {
+            // Several masters in one graph (a generator trained through the discriminator):
+            // as in the f32 step, `grads` keeps only the gradients of its own leaves (those
+            // `alloc_grads` made it for), and each master is judged on what remains of its own.
+            grads.drop_non_leafs();
+            for entry in self.masters.iter_mut().filter(|e| e.touched) {
+                let finite = entry.working.check(&mut grads)?;
+                entry.pending.grads_finite = entry.pending.grads_finite_before && finite;
+            }
+            grads.drop_non_leafs();
         }
         Ok(grads)
     }

@@ -28,6 +28,9 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     /// finiteness on the way. Returns `None` when no backward reached this working copy since
     /// the last call, else whether all were finite.
     fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError>;
+    /// Whether the master's gradients in `grads` are all finite (a slot `grads` lacks is
+    /// allocated as zeros).
+    fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError>;
     /// The working copy's non-parameter tensors (batch-norm statistics) after the last backward
     /// pass, widened to f32, in the master's visit order.
     fn state(&self) -> &[Vec<f32>];
@@ -209,6 +212,14 @@ where
 
     fn state(&self) -> &[Vec<f32>] {
         &self.state
+    }
+
+    fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
+        let mut finite = true;
+        for slot in self.master.iter() {
+            finite &= all_finite_f32((slot.get)(grads)?);
+        }
+        Ok(finite)
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
