@@ -224,6 +224,8 @@ impl Rewriter {
         let tokens = match role {
             Role::Forward(i, path) => {
                 let master_ref = self.master(i, false);
+                // `forward_mut` needs the master mutably where it runs in f32 on the master.
+                let master_for_call = self.master(i, m.method.to_string().ends_with("_mut"));
                 let method = &m.method;
                 let turbofish = &m.turbofish;
                 let arg = &m.args[0];
@@ -236,8 +238,9 @@ impl Rewriter {
                 quote!({
                     let __mpx_input = #arg;
                     #check_master
-                    #scaler.forward(
-                        #master_ref,
+                    #[allow(unused_imports)]
+                    use #root::step::__macro_support::{ViaFull as _, ViaHalf as _};
+                    (&mut #root::step::__macro_support::forward(#scaler, #master_for_call)).__mpx_forward(
                         #input,
                         |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),
                     )

@@ -48,6 +48,7 @@ mod checkpoint;
 mod clip;
 pub(crate) mod direct;
 mod error;
+mod full;
 mod function;
 mod half_region;
 mod layout;
@@ -75,6 +76,15 @@ pub use scaler::{GradScaler, MixedScaler, Verdict, scaler_of};
 /// Support for code `#[mixed_step]` generates. Not a public API.
 #[doc(hidden)]
 pub mod __macro_support {
+    use dfdx::nn::tensor_collection::TensorCollection;
+    use dfdx::tensor::Cpu;
+    use dfdx::tensor_ops::Device;
+
+    use super::{GradScaler, HalfInput, HalfOutput, WorkingCopy};
+    use crate::boundary::MasterModel;
+    use crate::precision::Precision;
+    use crate::scaling::LossScale;
+
     /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`
     /// reference (method-call autoref and reborrow), which a plain `&mut expr` cannot do for an
     /// immutable binding of a `&mut` parameter.
@@ -104,6 +114,110 @@ pub mod __macro_support {
         T: dfdx::nn::tensor_collection::TensorCollection<E, dfdx::tensor::Cpu>,
         dfdx::tensor::Cpu: dfdx::tensor_ops::Device<E>,
     {
+    }
+
+    /// A forward pass of a master, with the scaler it runs through: `ViaHalf` runs it on the
+    /// half working copy; where that cannot be type-checked (the working copy's bounds do not
+    /// hold, as for a model whose type is a generic parameter of the `impl`), method resolution
+    /// falls back to `ViaFull`, which runs it in f32 on the master itself (autoref
+    /// specialisation: `(&mut fwd).__mpx_forward(..)` finds `ViaHalf` on `Forward` first,
+    /// `ViaFull` on `&mut Forward` next).
+    pub struct Forward<'a, H: Precision, L: LossScale, R> {
+        scaler: &'a mut GradScaler<H, L>,
+        master: Option<R>,
+    }
+
+    /// The forward pass of `master` through `scaler`.
+    pub fn forward<H: Precision, L: LossScale, R>(
+        scaler: &mut GradScaler<H, L>,
+        master: R,
+    ) -> Forward<'_, H, L, R> {
+        Forward {
+            scaler,
+            master: Some(master),
+        }
+    }
+
+    /// `&M` or `&mut M`: the master as the forward method needs it.
+    pub trait Borrowed {
+        /// The model.
+        type Model;
+        /// The model, shared.
+        fn shared(&self) -> &Self::Model;
+    }
+    impl<M> Borrowed for &M {
+        type Model = M;
+        fn shared(&self) -> &M {
+            self
+        }
+    }
+    impl<M> Borrowed for &mut M {
+        type Model = M;
+        fn shared(&self) -> &M {
+            self
+        }
+    }
+
+    /// The forward pass on the half working copy.
+    pub trait ViaHalf<H: Precision>
+    where
+        Cpu: Device<H::Elem>,
+    {
+        /// The master model.
+        type Model: MasterModel;
+        /// Runs `f` on the working copy and `x` rounded to `H`; the output comes back in f32.
+        fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
+        where
+            X: HalfInput<H>,
+            Y: HalfOutput<H>,
+            F: FnOnce(&mut WorkingCopy<H, Self::Model>, X::Half) -> Y;
+    }
+
+    impl<H, L, R> ViaHalf<H> for Forward<'_, H, L, R>
+    where
+        H: Precision,
+        L: LossScale,
+        R: Borrowed,
+        R::Model: MasterModel + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        WorkingCopy<H, R::Model>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    {
+        type Model = R::Model;
+        fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
+        where
+            X: HalfInput<H>,
+            Y: HalfOutput<H>,
+            F: FnOnce(&mut WorkingCopy<H, Self::Model>, X::Half) -> Y,
+        {
+            match self.master.as_ref() {
+                Some(m) => self.scaler.forward(m.shared(), x, f),
+                None => panic!("a mixed forward pass ran twice"),
+            }
+        }
+    }
+
+    /// The forward pass in f32, on the master itself.
+    pub trait ViaFull<R> {
+        /// Runs `f` on the master and `x` as they are.
+        fn __mpx_forward<X, Y, F: FnOnce(R, X) -> Y>(&mut self, x: X, f: F) -> Y;
+    }
+
+    impl<H, L, R> ViaFull<R> for &mut Forward<'_, H, L, R>
+    where
+        H: Precision,
+        L: LossScale,
+        R: Borrowed,
+        R::Model: MasterModel,
+    {
+        fn __mpx_forward<X, Y, F: FnOnce(R, X) -> Y>(&mut self, x: X, f: F) -> Y {
+            let Some(master) = self.master.take() else {
+                panic!("a mixed forward pass ran twice")
+            };
+            if let Err(e) = self.scaler.forward_full(master.shared()) {
+                panic!("mixed-precision forward pass failed: {e}");
+            }
+            f(master, x)
+        }
     }
 
     /// A shared borrow of what the user passed as the gradients (`&grads`, or a `&mut`

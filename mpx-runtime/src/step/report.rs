@@ -13,7 +13,14 @@ use super::UpdateOutcome;
 /// ```
 /// use mpx_runtime::step::StepReport;
 /// use mpx_runtime::step::UpdateOutcome;
-/// let r = StepReport { loss: 0.5, grads_finite: true, scale: 1024.0, new_scale: 1024.0, outcome: UpdateOutcome::Applied };
+/// let r = StepReport {
+///     loss: 0.5,
+///     grads_finite: true,
+///     scale: 1024.0,
+///     new_scale: 1024.0,
+///     precision: "float16",
+///     outcome: UpdateOutcome::Applied,
+/// };
 /// assert!(r.is_applied());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -26,6 +33,11 @@ pub struct StepReport {
     pub scale: f32,
     /// The loss scale after adjusting: the one the next step applies (mpx's `scaling_new`).
     pub new_scale: f32,
+    /// The precision the master's forward passes ran in (`DType::name`: `"float16"`,
+    /// `"bfloat16"`, ...). `"float32"` for a master run in f32 on itself: `#[mixed_step]` does
+    /// that when the half working copy's forward pass cannot be type-checked (a model whose
+    /// type is a generic parameter of the `impl`; see `docs/dsl.md`).
+    pub precision: &'static str,
     /// Whether the optimizer ran or the step was skipped, and why.
     pub outcome: UpdateOutcome,
 }

@@ -609,6 +609,11 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             reason,
             loss: p.loss,
             scale: p.scale,
+            precision: if entry.working.in_f32() {
+                crate::policy::DType::Float32.name()
+            } else {
+                H::DTYPE.name()
+            },
         })
     }
 
@@ -656,6 +661,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             grads_finite: verdict.reason != Some(SkipReason::GradsNotFinite),
             scale: verdict.scale,
             new_scale: self.scaling.loss_scale(),
+            precision: verdict.precision,
             outcome,
         });
         if let (UpdateOutcome::Skipped { consecutive, .. }, Some(limit)) =
@@ -735,6 +741,22 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
 }
 
 impl<H: Precision, L: LossScale> GradScaler<H, L> {
+    /// Registers a forward pass of `master` run in f32 on the master itself (see
+    /// [`super::full`]), so that the backward pass and the update judge its gradients.
+    pub(crate) fn forward_full<M: MasterModel>(&mut self, master: &M) -> Result<(), StepError> {
+        let i = self.masters.find_or_insert(master, |m| {
+            Ok(Box::new(super::full::FullWorking::new(m)?) as Box<dyn ErasedWorking>)
+        })?;
+        if self.masters.get_mut(i).working.mark_used() {
+            Ok(())
+        } else {
+            Err(StepError::WorkspaceMismatch {
+                expected: "a master whose forward pass runs in f32 (a generic model)".into(),
+                found: format!("`{}`, already run in half precision by this scaler", std::any::type_name::<M>()),
+            })
+        }
+    }
+
     /// Whether the gradients of `master` seen since its last update were all finite.
     pub(super) fn pending_grads_finite<M: MasterModel>(
         &mut self,
@@ -790,6 +812,7 @@ pub struct Verdict {
     reason: Option<SkipReason>,
     loss: f32,
     scale: f32,
+    precision: &'static str,
 }
 
 impl Verdict {

@@ -34,6 +34,15 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     /// The working copy's non-parameter tensors (batch-norm statistics) after the last backward
     /// pass, widened to f32, in the master's visit order.
     fn state(&self) -> &[Vec<f32>];
+    /// Marks an f32-run master's forward pass (see [`super::full`]); `false` for a half
+    /// working copy, which is not run that way.
+    fn mark_used(&mut self) -> bool {
+        false
+    }
+    /// Whether the master's forward passes run in f32 on the master itself.
+    fn in_f32(&self) -> bool {
+        false
+    }
     /// The workspace, as `Any`, to get the typed workspace back.
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
