@@ -1,15 +1,24 @@
 //! Real dfdx training loops, converted to mixed precision with the attribute alone.
 //!
-//! `tests/real_code/<name>.rs` is a training loop from dfdx 0.13.0's own examples (`06-mnist`,
-//! `rl-dqn`, `rl-ppo`, `13-housing-nn-in-struct`, `generic-train-loop`), kept as its
-//! author wrote it, in f32 (synthetic data in place of downloads; a loop of `main` moved into a
-//! function where needed). `tests/real_code/<name>_mixed.rs` is the same file converted:
-//! `#[mpx::mixed_step(scaling = scaler)]` and a `scaler` parameter. The tests check
-//! - that the conversion adds at most those two lines and changes nothing else;
+//! `tests/real_code/<name>.rs` is a training loop kept as its author wrote it, in f32: five
+//! of dfdx 0.13.0's own examples (`06-mnist`, `rl-dqn`, `rl-ppo`, `13-housing-nn-in-struct`,
+//! `generic-train-loop`; synthetic data in place of downloads; a loop of `main` moved into a
+//! function keeps every line, `opt.update(&mut model, &grads)` included, and only gains the
+//! signature around it), and six written the way dfdx users write the shapes those examples
+//! lack: a GAN (two models, the generator trained through the discriminator), an actor-critic
+//! (two models updated in one method), an agent generic through its `impl`, a step behind a
+//! trait method, a generic step traced with `retaped::<OwnedTape<_, _>>()` that returns the
+//! input's gradient, and a fit function with a step before its loop.
+//! `tests/real_code/<name>_mixed.rs` is the same file converted: `#[mpx::mixed_step(scaling =
+//! scaler)]` and one scaler declaration (a parameter, a local before the loop, or, for the
+//! trait method, a field with its initialisation). The tests check
+//! - that the conversion adds exactly those lines and changes nothing else;
 //! - that the mixed f16 run trains from the same initial model and data to within a stated
-//!   tolerance of the f32 run's losses;
+//!   tolerance of the f32 run's losses, its forward passes in f16 (the agent generic through its
+//!   `impl` runs in f32, and says so);
 //! - that with an f32 working copy and scale 1 the converted loop gives parameters bit-identical
-//!   to the original's.
+//!   to the original's (the loops whose model is not generic; the GAN's accumulated gradients
+//!   are summed in another order, and are compared to a bound).
 
 // The loops are other people's code, kept as written (one has 8 parameters once the scaler is
 // added), and the harness passes them around as closures.
@@ -46,6 +55,24 @@ mod original {
     pub mod generic {
         include!("real_code/generic.rs");
     }
+    pub mod gan {
+        include!("real_code/gan.rs");
+    }
+    pub mod actor_critic {
+        include!("real_code/actor_critic.rs");
+    }
+    pub mod agent {
+        include!("real_code/agent.rs");
+    }
+    pub mod trait_step {
+        include!("real_code/trait_step.rs");
+    }
+    pub mod retaped {
+        include!("real_code/retaped.rs");
+    }
+    pub mod warmup {
+        include!("real_code/warmup.rs");
+    }
 }
 
 /// The converted loops, with an f16 working copy and a dynamic loss scale.
@@ -68,6 +95,24 @@ mod half {
     pub mod generic {
         include!("real_code/generic_mixed.rs");
     }
+    pub mod gan {
+        include!("real_code/gan_mixed.rs");
+    }
+    pub mod actor_critic {
+        include!("real_code/actor_critic_mixed.rs");
+    }
+    pub mod agent {
+        include!("real_code/agent_mixed.rs");
+    }
+    pub mod trait_step {
+        include!("real_code/trait_step_mixed.rs");
+    }
+    pub mod retaped {
+        include!("real_code/retaped_mixed.rs");
+    }
+    pub mod warmup {
+        include!("real_code/warmup_mixed.rs");
+    }
 }
 
 /// The same converted loops with an f32 working copy and no scaling: the machinery alone.
@@ -86,6 +131,21 @@ mod identity {
     }
     pub mod housing {
         include!("real_code/housing_mixed.rs");
+    }
+    pub mod gan {
+        include!("real_code/gan_mixed.rs");
+    }
+    pub mod actor_critic {
+        include!("real_code/actor_critic_mixed.rs");
+    }
+    pub mod agent {
+        include!("real_code/agent_mixed.rs");
+    }
+    pub mod trait_step {
+        include!("real_code/trait_step_mixed.rs");
+    }
+    pub mod warmup {
+        include!("real_code/warmup_mixed.rs");
     }
 }
 
@@ -152,6 +212,19 @@ fn each_conversion_is_the_attribute_and_the_scaler_parameter() {
             include_str!("real_code/generic_mixed.rs"),
         ),
     ];
+    let with_parameter = [
+        include_str!("real_code/gan.rs"),
+        include_str!("real_code/gan_mixed.rs"),
+        include_str!("real_code/actor_critic.rs"),
+        include_str!("real_code/actor_critic_mixed.rs"),
+        include_str!("real_code/agent.rs"),
+        include_str!("real_code/agent_mixed.rs"),
+        include_str!("real_code/retaped.rs"),
+        include_str!("real_code/retaped_mixed.rs"),
+    ];
+    let pairs = pairs
+        .into_iter()
+        .chain(with_parameter.chunks(2).map(|p| (p[0], p[1])));
     for (original, mixed) in pairs {
         let (added, removed) = changed_lines(original, mixed);
         assert!(removed.is_empty(), "the conversion removed {removed:?}");
@@ -159,6 +232,33 @@ fn each_conversion_is_the_attribute_and_the_scaler_parameter() {
         assert_eq!(added[0], "#[mpx::mixed_step(scaling = scaler)]");
         assert_eq!(added[1], "scaler: &mut super::Scaler,");
     }
+    // A local scaler declared before a step and a loop of them.
+    let (added, removed) = changed_lines(
+        include_str!("real_code/warmup.rs"),
+        include_str!("real_code/warmup_mixed.rs"),
+    );
+    assert!(removed.is_empty(), "{removed:?}");
+    assert_eq!(
+        added,
+        [
+            "#[mpx::mixed_step(scaling = scaler)]",
+            "let mut scaler = super::Scaler::default();"
+        ]
+    );
+    // A trait method, whose signature is fixed: the field form, three lines.
+    let (added, removed) = changed_lines(
+        include_str!("real_code/trait_step.rs"),
+        include_str!("real_code/trait_step_mixed.rs"),
+    );
+    assert!(removed.is_empty(), "{removed:?}");
+    assert_eq!(
+        added,
+        [
+            "scaler: super::Scaler,",
+            "scaler: Default::default(),",
+            "#[mpx::mixed_step(scaling = self.scaler)]"
+        ]
+    );
     // The diff itself notices a changed line.
     let (added, removed) = changed_lines("a\nb\nc\n", "a\nB\nc\n// note\n");
     assert_eq!(
@@ -530,4 +630,309 @@ fn generic_loop_converts_and_trains_like_f32() {
     // The step was specialised (E = f32, D = Cpu) and its model bounds extended by the macro;
     // the model's weights moved in both runs.
     assert_ne!(bits(&params(&b)), bits(&params(&init)));
+}
+
+// ---- round 2: several models, any step shape -----------------------------------------------
+
+/// Every step of `s` ran its forward passes in f16 on the half working copy.
+fn assert_ran_in_f16<L: mpx::scaling::LossScale>(s: &GradScaler<f16, L>) {
+    assert_eq!(s.last_step().expect("a step ran").precision, "float16");
+}
+
+fn gan_data() -> (
+    Vec<Tensor<Rank2<32, 2>, f32, Cpu>>,
+    Vec<Tensor<Rank2<32, 4>, f32, Cpu>>,
+) {
+    let dev = Cpu::default();
+    let mut rng = common::Lcg::new(21);
+    (0..40)
+        .map(|_| {
+            // real points: a ring of radius 2 around (1, -1)
+            let real: [[f32; 2]; 32] = std::array::from_fn(|_| {
+                let a = rng.uniform() * std::f32::consts::TAU;
+                [1.0 + 2.0 * a.cos(), -1.0 + 2.0 * a.sin()]
+            });
+            let noise: [[f32; 4]; 32] = std::array::from_fn(|_| rng.normals());
+            (dev.tensor(real), dev.tensor(noise))
+        })
+        .unzip()
+}
+
+#[test]
+fn gan_two_models_one_scaler_trains_and_is_exact_with_an_f32_working_copy() {
+    use common::gan::{Discriminator, DiscriminatorStructure, Generator, GeneratorStructure};
+    let (real, noise) = gan_data();
+    let dev = Cpu::seed_from_u64(3);
+    let (g0, d0) = (
+        dev.build_module::<GeneratorStructure, f32>(),
+        dev.build_module::<DiscriminatorStructure, f32>(),
+    );
+    type Run<'a> = &'a dyn Fn(
+        &mut Generator,
+        &mut Discriminator,
+        &mut Adam<Generator, f32, Cpu>,
+        &mut Adam<Discriminator, f32, Cpu>,
+    ) -> Vec<(f32, f32)>;
+    let run = |f: Run<'_>| {
+        let (mut g, mut d) = (g0.clone(), d0.clone());
+        let mut go = Adam::new(&g, Default::default());
+        let mut do_ = Adam::new(&d, Default::default());
+        let l = f(&mut g, &mut d, &mut go, &mut do_);
+        (l, params(&g), params(&d))
+    };
+    let (l32, g32, d32) = run(&|g, d, go, do_| original::gan::train(g, d, go, do_, &real, &noise));
+    let (l16, _, _) = run(&|g, d, go, do_| {
+        // grows by 2 after every 5 finite iterations: once per iteration, not per update
+        let mut s = GradScaler::<f16>::new(
+            DynamicLossScale::builder()
+                .initial(4.0)
+                .period(5)
+                .build()
+                .unwrap(),
+        );
+        let l = half::gan::train(g, d, go, do_, &real, &noise, &mut s);
+        assert_eq!((s.applied_steps(), s.skipped_steps()), (80, 0));
+        assert_eq!(s.loss_scale(), 4.0 * 2f32.powi(8));
+        assert_ran_in_f16(&s);
+        l
+    });
+    let (d32l, g32l): (Vec<f32>, Vec<f32>) = l32.iter().copied().unzip();
+    let (d16l, g16l): (Vec<f32>, Vec<f32>) = l16.iter().copied().unzip();
+    assert_close("gan discriminator", &d32l, &d16l, REL, ABS, false);
+    assert_close("gan generator", &g32l, &g16l, REL, ABS, false);
+    let (lid, gid, did) = run(&|g, d, go, do_| {
+        let mut s = GradScaler::<f32, _>::new(NoOpLossScale);
+        identity::gan::train(g, d, go, do_, &real, &noise, &mut s)
+    });
+    // The discriminator's gradients accumulate over two backward passes (real, then fake). In
+    // f32, dfdx's weight-gradient GEMM adds the first pass's sum inside its dot products; the
+    // working copy's gradients are summed apart and added after, so the two sums round in
+    // another order: within a few ulps, not bit for bit (the other loops accumulate nothing and
+    // are compared bit for bit). Bound: 2^-16 of the largest magnitude, about 500 f32 roundings.
+    let flat = |v: &[(f32, f32)]| v.iter().flat_map(|&(a, b)| [a, b]).collect::<Vec<_>>();
+    assert_rounding_apart("gan losses", &flat(&lid), &flat(&l32));
+    assert_rounding_apart("generator", &gid, &g32);
+    assert_rounding_apart("discriminator", &did, &d32);
+    assert_ne!(bits(&g32), bits(&params(&g0)));
+}
+
+/// Every `got[i]` within 2^-16 of the largest `|want|` of `want[i]`: apart by summation order
+/// alone, nowhere near f16's 2^-11.
+fn assert_rounding_apart(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}");
+    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.is_finite() && (g - w).abs() <= scale * 2f32.powi(-16),
+            "{name}[{i}]: {g} vs {w} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn actor_critic_two_models_in_one_method_trains_and_is_exact_with_an_f32_working_copy() {
+    use common::rl::{ActorStructure, CriticStructure};
+    let dev = Cpu::seed_from_u64(4);
+    let d = rl_data(&dev);
+    let (a0, c0) = (
+        dev.build_module::<ActorStructure, f32>(),
+        dev.build_module::<CriticStructure, f32>(),
+    );
+    macro_rules! agent {
+        ($m:ident) => {
+            $m::actor_critic::Agent {
+                actor: a0.clone(),
+                critic: c0.clone(),
+                actor_opt: Adam::new(&a0, Default::default()),
+                critic_opt: Adam::new(&c0, Default::default()),
+            }
+        };
+    }
+    let mut a32 = agent!(original);
+    let l32: Vec<(f32, f32)> = (0..20)
+        .map(|_| a32.update(d.state.clone(), d.action.clone(), d.reward.clone()))
+        .collect();
+    let mut a16 = agent!(half);
+    let mut s16 = GradScaler::<f16>::default();
+    let l16: Vec<(f32, f32)> = (0..20)
+        .map(|_| {
+            a16.update(
+                d.state.clone(),
+                d.action.clone(),
+                d.reward.clone(),
+                &mut s16,
+            )
+        })
+        .collect();
+    assert_eq!(s16.applied_steps() + s16.skipped_steps(), 40);
+    assert_ran_in_f16(&s16);
+    let (c32, c16): (Vec<f32>, Vec<f32>) = (
+        l32.iter().map(|l| l.1).collect(),
+        l16.iter().map(|l| l.1).collect(),
+    );
+    assert_close("critic", &c32, &c16, REL, ABS, true);
+    // the actor's loss is a surrogate around 0: compare absolutely
+    let (a, b) = (l32.last().unwrap().0, l16.last().unwrap().0);
+    assert!(
+        (a - b).abs() <= REL * a.abs() + ABS,
+        "actor: f16 {b} vs f32 {a}"
+    );
+    let mut aid = agent!(identity);
+    let mut sid = GradScaler::<f32, _>::new(NoOpLossScale);
+    for (i, want) in l32.iter().enumerate() {
+        let got = aid.update(
+            d.state.clone(),
+            d.action.clone(),
+            d.reward.clone(),
+            &mut sid,
+        );
+        assert_eq!(
+            (got.0.to_bits(), got.1.to_bits()),
+            (want.0.to_bits(), want.1.to_bits()),
+            "update {i}"
+        );
+    }
+    assert_eq!(bits(&params(&aid.actor)), bits(&params(&a32.actor)));
+    assert_eq!(bits(&params(&aid.critic)), bits(&params(&a32.critic)));
+}
+
+/// Batches of a smooth regression target, for the regressor loops.
+fn regress_data(
+    n: usize,
+) -> Vec<(
+    Tensor<Rank2<32, 3>, f32, Cpu>,
+    Tensor<Rank2<32, 1>, f32, Cpu>,
+)> {
+    let dev = Cpu::default();
+    let mut rng = common::Lcg::new(31);
+    (0..n)
+        .map(|_| {
+            let x: [[f32; 3]; 32] = std::array::from_fn(|_| rng.normals());
+            let y: [[f32; 1]; 32] =
+                std::array::from_fn(|i| [x[i][0].sin() + 0.5 * x[i][1] * x[i][2]]);
+            (dev.tensor(x), dev.tensor(y))
+        })
+        .collect()
+}
+
+#[test]
+fn agent_generic_through_its_impl_converts_and_runs_in_f32_saying_so() {
+    use common::rl::CriticStructure;
+    type Arch = (Linear<4, 16>, ReLU, Linear<16, 2>);
+    let _ = std::marker::PhantomData::<CriticStructure>;
+    let dev = Cpu::seed_from_u64(8);
+    let d = rl_data(&dev);
+    let targets: Tensor<Rank2<64, 2>, f32, Cpu> = dev.sample_normal();
+    let mut a32 = original::agent::Agent::<Arch>::new(&Cpu::seed_from_u64(9));
+    let mut a16 = half::agent::Agent::<Arch>::new(&Cpu::seed_from_u64(9));
+    let mut s16 = GradScaler::<f16>::default();
+    let mut l32 = Vec::new();
+    let mut l16 = Vec::new();
+    for _ in 0..30 {
+        l32.push(a32.train(d.state.clone(), targets.clone()));
+        l16.push(a16.train(d.state.clone(), targets.clone(), &mut s16));
+    }
+    assert_close("agent", &l32, &l16, REL, ABS, true);
+    assert_eq!(s16.applied_steps(), 30);
+    // The attribute on the method cannot see the `impl`'s `M`, so the half working copy's
+    // forward pass cannot be type-checked: the step ran on the f32 master, with the scaler's
+    // skip logic, and says so.
+    assert_eq!(s16.last_step().unwrap().precision, "float32");
+    assert_eq!(bits(&l16), bits(&l32));
+    assert_eq!(bits(&params(&a16.model)), bits(&params(&a32.model)));
+}
+
+#[test]
+fn trait_method_step_with_a_field_scaler_trains_and_is_exact_with_an_f32_working_copy() {
+    use original::trait_step::Learner as _;
+    let data = regress_data(24);
+    let init = Cpu::seed_from_u64(10).build_module::<common::regress::Structure, f32>();
+    let mut r32 = original::trait_step::Regressor::new(&init);
+    let l32: Vec<f32> = data
+        .iter()
+        .map(|(x, y)| r32.learn(x.clone(), y.clone()))
+        .collect();
+    {
+        use half::trait_step::Learner as _;
+        let mut r16 = half::trait_step::Regressor::new(&init);
+        let l16: Vec<f32> = data
+            .iter()
+            .map(|(x, y)| r16.learn(x.clone(), y.clone()))
+            .collect();
+        assert_close("trait step", &l32, &l16, REL, ABS, true);
+    }
+    use identity::trait_step::Learner as _;
+    let mut rid = identity::trait_step::Regressor::new(&init);
+    let lid: Vec<f32> = data
+        .iter()
+        .map(|(x, y)| rid.learn(x.clone(), y.clone()))
+        .collect();
+    assert_eq!(bits(&lid), bits(&l32));
+    assert_eq!(bits(&params(&rid.model)), bits(&params(&r32.model)));
+}
+
+#[test]
+fn retaped_generic_step_converts_trains_and_returns_the_input_gradient() {
+    type Arch = (Linear<6, 16>, Tanh, Linear<16, 3>);
+    let dev = Cpu::seed_from_u64(11);
+    let init = dev.build_module::<Arch, f32>();
+    let mut rng = common::Lcg::new(5);
+    let batch: Tensor<Rank2<16, 6>, f32, Cpu> = dev.tensor(std::array::from_fn(|_| rng.normals()));
+    let target: Tensor<Rank2<16, 3>, f32, Cpu> = dev.tensor(std::array::from_fn(|_| rng.normals()));
+    let (mut m32, mut m16) = (init.clone(), init.clone());
+    let mut o32 = Sgd::new(&m32, sgd_config());
+    let mut o16 = Sgd::new(&m16, sgd_config());
+    let mut s16 = GradScaler::<f16>::default();
+    let (mut l32, mut l16) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let (a, sa) =
+            original::retaped::saliency_step(&mut m32, &mut o32, batch.clone(), target.clone());
+        let (b, sb) = half::retaped::saliency_step(
+            &mut m16,
+            &mut o16,
+            batch.clone(),
+            target.clone(),
+            &mut s16,
+        );
+        l32.push(a);
+        l16.push(b);
+        // The input's gradient came back through the half region, in f32: within f16's
+        // rounding of a small network's gradient.
+        let (sa, sb) = (sa.as_vec(), sb.as_vec());
+        let norm = sa.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let diff = sa
+            .iter()
+            .zip(&sb)
+            .map(|(x, y)| (x - y) * (x - y))
+            .sum::<f32>()
+            .sqrt();
+        assert!(
+            norm > 0.0 && diff <= 0.02 * norm + 1e-6,
+            "saliency off by {diff} of {norm}"
+        );
+    }
+    assert_close("retaped", &l32, &l16, REL, ABS, true);
+    assert_ran_in_f16(&s16);
+}
+
+#[test]
+fn a_step_before_the_loop_with_a_local_scaler_converts_and_is_exact_with_an_f32_working_copy() {
+    let data = regress_data(20);
+    let init = Cpu::seed_from_u64(12).build_module::<common::regress::Structure, f32>();
+    let run = |f: &dyn Fn(
+        &mut common::regress::Model,
+        &mut Adam<common::regress::Model, f32, Cpu>,
+    ) -> Vec<f32>| {
+        let mut m = init.clone();
+        let mut o = Adam::new(&m, Default::default());
+        let l = f(&mut m, &mut o);
+        (l, params(&m))
+    };
+    let (l32, p32) = run(&|m, o| original::warmup::fit(m, o, &data));
+    let (l16, p16) = run(&|m, o| half::warmup::fit(m, o, &data));
+    assert_close("warmup", &l32, &l16, REL, ABS, true);
+    assert_ne!(bits(&p16), bits(&p32));
+    let (lid, pid) = run(&|m, o| identity::warmup::fit(m, o, &data));
+    assert_eq!(bits(&lid), bits(&l32));
+    assert_eq!(bits(&pid), bits(&p32));
 }

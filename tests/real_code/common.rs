@@ -113,6 +113,11 @@ pub mod rl {
     );
     pub type QNetwork = <QNetworkStructure as BuildOnDevice<Cpu, f32>>::Built;
     pub type PolicyNetwork = QNetwork;
+
+    pub type ActorStructure = (Linear<4, 32>, ReLU, Linear<32, 2>);
+    pub type Actor = <ActorStructure as BuildOnDevice<Cpu, f32>>::Built;
+    pub type CriticStructure = (Linear<4, 32>, ReLU, Linear<32, 1>);
+    pub type Critic = <CriticStructure as BuildOnDevice<Cpu, f32>>::Built;
 }
 
 pub mod housing {
@@ -124,4 +129,20 @@ pub mod housing {
         (Linear<32, 1>, Sigmoid),
     );
     pub type Mlp = <MlpStructure as BuildOnDevice<Cpu, f32>>::Built;
+}
+
+pub mod gan {
+    use dfdx::prelude::*;
+
+    pub type GeneratorStructure = (Linear<4, 32>, ReLU, Linear<32, 2>);
+    pub type Generator = <GeneratorStructure as BuildOnDevice<Cpu, f32>>::Built;
+    pub type DiscriminatorStructure = (Linear<2, 32>, ReLU, Linear<32, 1>);
+    pub type Discriminator = <DiscriminatorStructure as BuildOnDevice<Cpu, f32>>::Built;
+}
+
+pub mod regress {
+    use dfdx::prelude::*;
+
+    pub type Structure = (Linear<3, 16>, Tanh, Linear<16, 1>);
+    pub type Model = <Structure as BuildOnDevice<Cpu, f32>>::Built;
 }

@@ -12,7 +12,7 @@ use super::common::rl::{ACTION, BATCH, QNetwork, STATE};
 #[allow(clippy::too_many_arguments)]
 #[mpx::mixed_step(scaling = scaler)]
 pub fn train(
-    q_net: &mut QNetwork,
+    mut q_net: &mut QNetwork,
     target_q_net: &mut QNetwork,
     sgd: &mut Sgd<QNetwork, f32, Cpu>,
     state: &Tensor<Rank2<BATCH, STATE>, f32, Cpu>,
@@ -48,7 +48,7 @@ pub fn train(
             grads = loss.backward();
 
             // update weights with optimizer
-            sgd.update(q_net, &grads).expect("Unused params");
+            sgd.update(&mut q_net, &grads).expect("Unused params");
             q_net.zero_grads(&mut grads);
         }
         target_q_net.clone_from(q_net);

@@ -10,7 +10,7 @@ use super::common::mnist::{BATCH_SIZE, Mlp, MnistTrainSet, preprocess};
 
 #[mpx::mixed_step(scaling = scaler)]
 pub fn train(
-    model: &mut Mlp,
+    mut model: &mut Mlp,
     opt: &mut Adam<Mlp, f32, Cpu>,
     dataset: &MnistTrainSet,
     epochs: usize,
@@ -37,7 +37,7 @@ pub fn train(
             num_batches += 1;
 
             grads = loss.backward();
-            opt.update(model, &grads).unwrap();
+            opt.update(&mut model, &grads).unwrap();
             model.zero_grads(&mut grads);
         }
         losses.push(BATCH_SIZE as f32 * total_epoch_loss / num_batches as f32);

@@ -5,7 +5,7 @@ use dfdx::{optim::Sgd, prelude::*};
 use super::common::rl::{ACTION, BATCH, PolicyNetwork, STATE};
 
 pub fn train(
-    pi_net: &mut PolicyNetwork,
+    mut pi_net: &mut PolicyNetwork,
     target_pi_net: &mut PolicyNetwork,
     sgd: &mut Sgd<PolicyNetwork, f32, Cpu>,
     state: &Tensor<Rank2<BATCH, STATE>, f32, Cpu>,
@@ -44,7 +44,7 @@ pub fn train(
             grads = ppo_loss.backward();
 
             // update weights with optimizer
-            sgd.update(pi_net, &grads).expect("Unused params");
+            sgd.update(&mut pi_net, &grads).expect("Unused params");
             pi_net.zero_grads(&mut grads);
         }
         target_pi_net.clone_from(pi_net);

@@ -752,7 +752,10 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         } else {
             Err(StepError::WorkspaceMismatch {
                 expected: "a master whose forward pass runs in f32 (a generic model)".into(),
-                found: format!("`{}`, already run in half precision by this scaler", std::any::type_name::<M>()),
+                found: format!(
+                    "`{}`, already run in half precision by this scaler",
+                    std::any::type_name::<M>()
+                ),
             })
         }
     }
