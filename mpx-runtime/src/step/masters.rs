@@ -5,9 +5,10 @@
 //! PyTorch's `GradScaler` serves any number of models and optimizers: each `scaler.step(opt)`
 //! is skipped on its own gradients' finiteness, and `scaler.update()` adjusts the one scale once
 //! per iteration. Here the update of each master is that master's step; an iteration is over
-//! when every master that took part in the last one has been updated once (a master updated
-//! twice before the others closes the iteration early, and those others stop taking part until
-//! they are updated again). With one master, every update is an iteration.
+//! when every master that took part in the last one, and every master whose gradients wait for
+//! their update, has been updated once (a master updated twice before the others closes the
+//! iteration early, and those others stop taking part until they are updated again). With one
+//! master, every update is an iteration.
 
 use super::error::StepError;
 use super::layout::Identity;
@@ -130,7 +131,13 @@ impl Masters {
         e.last_used = iteration;
         e.pending = Pending::NONE;
         self.found_inf |= !applied;
-        if self.entries.iter().all(|e| e.updated || !e.participating) {
+        // Over when every master taking part, and every master with gradients waiting for
+        // their update (one whose first iteration this is), has had its update.
+        if self
+            .entries
+            .iter()
+            .all(|e| e.updated || (!e.participating && e.pending.backwards == 0))
+        {
             due[1] = Some(self.close());
         }
         let now = self.iteration;
