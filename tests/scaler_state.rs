@@ -144,12 +144,20 @@ fn a_second_update_of_the_same_gradients_is_an_error_and_changes_nothing() {
     let (x, y) = batch(&dev, 0);
     let out = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
     let grads = scaler.backward(mse_loss(out, y));
-    assert!(scaler.update(&mut model, &mut opt, &grads).unwrap().is_applied());
+    assert!(
+        scaler
+            .update(&mut model, &mut opt, &grads)
+            .unwrap()
+            .is_applied()
+    );
     let once = bits(&model);
     for _ in 0..2 {
         let err = scaler.update(&mut model, &mut opt, &grads).unwrap_err();
         assert!(matches!(err, StepError::NoBackward { .. }), "{err}");
-        assert!(err.to_string().contains("each update needs its own backward pass"));
+        assert!(
+            err.to_string()
+                .contains("each update needs its own backward pass")
+        );
     }
     assert_eq!(bits(&model), once);
     assert_eq!(scaler.applied_steps(), 1);
@@ -229,10 +237,17 @@ fn two_masters_each_skip_on_their_own_gradients_and_the_scale_moves_once() {
     let bad: X = dev.tensor([[f32::INFINITY; 4]; 8]);
     let critic_before = bits(&critic);
     let a = scaler.forward(&actor, x.trace(actor.alloc_grads()), |m, x| m.forward(x));
-    let c = scaler.forward(&critic, bad.trace(critic.alloc_grads()), |m, x| m.forward(x));
+    let c = scaler.forward(&critic, bad.trace(critic.alloc_grads()), |m, x| {
+        m.forward(x)
+    });
     let ga = scaler.backward(mse_loss(a, y.clone()));
     let gc = scaler.backward(mse_loss(c, y));
-    assert!(scaler.update(&mut actor, &mut oa, &ga).unwrap().is_applied());
+    assert!(
+        scaler
+            .update(&mut actor, &mut oa, &ga)
+            .unwrap()
+            .is_applied()
+    );
     assert!(matches!(
         scaler.update(&mut critic, &mut oc, &gc).unwrap(),
         UpdateOutcome::Skipped {

@@ -45,6 +45,19 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         root,
     };
     rewriter.visit_block_mut(&mut f.block);
+    // The generated calls are methods of these traits (so that they auto-ref and auto-deref as
+    // the user's own calls do); imported once, at the top of the body, so that no generated
+    // call sits in a block of its own (a block would drop a lock guard's temporary too early).
+    let root = &rewriter.root;
+    f.block.stmts.insert(
+        0,
+        syn::parse_quote!(
+            #[allow(unused_imports)]
+            use #root::step::__macro_support::{
+                ByMut as _, Master as _, ViaFull as _, ViaHalf as _,
+            };
+        ),
+    );
     quote!(#f)
 }
 
@@ -193,10 +206,7 @@ impl Rewriter {
         let half = respan(self.half.clone(), span);
         let scaling = &self.scaling;
         quote_spanned!(span=>
-            #root::step::scaler_of::<#half, _>({
-                use #root::step::__macro_support::ByMut as _;
-                (#scaling).__mpx_by_mut()
-            })
+            #root::step::scaler_of::<#half, _>((#scaling).__mpx_by_mut())
         )
     }
 
@@ -206,16 +216,12 @@ impl Rewriter {
     fn master(&self, i: usize, mutable: bool) -> TokenStream {
         let place = &self.masters[i].1;
         let span = place.span();
-        let root = respan(self.root.clone(), span);
         let method = if mutable {
             quote_spanned!(span=> __mpx_master_mut)
         } else {
             quote_spanned!(span=> __mpx_master)
         };
-        quote_spanned!(span=> {
-            use #root::step::__macro_support::Master as _;
-            (#place).#method()
-        })
+        quote_spanned!(span=> (#place).#method())
     }
 
     fn rewrite(&self, role: Role, m: &syn::ExprMethodCall) -> syn::Expr {
@@ -238,8 +244,6 @@ impl Rewriter {
                 quote!({
                     let __mpx_input = #arg;
                     #check_master
-                    #[allow(unused_imports)]
-                    use #root::step::__macro_support::{ViaFull as _, ViaHalf as _};
                     (&mut #root::step::__macro_support::forward(#scaler, #master_for_call)).__mpx_forward(
                         #input,
                         |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),

@@ -78,23 +78,26 @@ mod tests {
             // the signature and return type are untouched
             "fntrain(model:&mutModel,opt:&mutAdam<Model,f32,Cpu>,data:Data,scaler:&mutGradScaler,){",
             "letmutgrads=model.alloc_grads();",
-            // forward: the working copy, the traced input as written
+            // forward: the working copy, the traced input as written, the master as held
             "let__mpx_input=img.traced(grads);",
-            ".forward(",
+            "__macro_support::forward(::mpx::__private::mpx_runtime::step::scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>((scaler).__mpx_by_mut()),(model).__mpx_master_mut())).__mpx_forward(__mpx_input,",
             "|__mpx_working,__mpx_x|__mpx_working.forward_mut(__mpx_x)",
-            "scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>",
             // the loss is plain f32 code
             "letloss=cross_entropy_with_logits_loss(logits,lbl);",
             "total+=loss.array();",
             // backward and update through the scaler; the user's unwrap stays
             "grads={let__mpx_loss=loss;",
             ".backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.backward())}",
-            ".update_with(model,|__mpx_master|(opt).update(__mpx_master,__mpx_grads))}.unwrap();",
-            "model.zero_grads(&mutgrads);",
+            // the update: the scaler's two halves around the step's own call, as written
+            ".begin_update((model).__mpx_master_mut());",
+            "::core::option::Option::Some((opt).update(model,__mpx_grads))",
+            ".end_update(__mpx_verdict,__mpx_ran)",
+            // zero_grads also forgets the thrown-away gradients' verdict
+            ".zero_grads((model).__mpx_master(),&mutgrads);",
         ] {
             assert!(s.contains(want), "missing {want}\nin {s}");
         }
-        assert!(!s.contains("opt.update(model"), "{s}");
+        assert!(!s.contains("model.zero_grads"), "{s}");
     }
 
     #[test]
@@ -136,7 +139,10 @@ mod tests {
             s.contains(".try_backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.try_backward())}?;"),
             "{s}"
         );
-        assert!(s.contains(".update_with(&mutself.model,|__mpx_master|(self.opt).update(__mpx_master,__mpx_grads))}?;"), "{s}");
+        assert!(
+            s.contains("Some((self.opt).update(&mutself.model,__mpx_grads))"),
+            "{s}"
+        );
     }
 
     #[test]
@@ -151,7 +157,7 @@ mod tests {
                 "`half = f64` is not a precision a mixed step runs in; expected one of `f16`, `AMP<f16>`, `bf16`, `f32`",
                 "unknown argument `scale`; expected one of `scaling`, `half`, `crate`",
                 "duplicate argument `crate`",
-                "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());`",
+                "missing argument `scaling`: name the mixed-precision state, declared once outside the loop, e.g. `#[mixed_step(scaling = scaler)]` with `let mut scaler = mpx::step::GradScaler::default();`",
             ]
         );
         // The item is re-emitted unchanged.
@@ -242,7 +248,32 @@ mod tests {
     }
 
     #[test]
-    fn two_masters_are_an_error() {
+    fn two_masters_each_get_their_roles() {
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(g: &mut G, d: &mut D, og: &mut O, od: &mut O, z: Z) {
+                    let fake = g.forward(z.traced(g.alloc_grads()));
+                    let grads = d.forward(fake).mean().backward();
+                    og.update(g, &grads).unwrap();
+                    od.update(d, &grads).unwrap();
+                }
+            ),
+        );
+        assert!(messages(&out).is_empty(), "{out}");
+        let s = flat(&out);
+        // `d`'s forward pass takes `g`'s traced output: it runs on `d`'s working copy
+        assert!(
+            s.contains("(g).__mpx_master())).__mpx_forward(__mpx_input"),
+            "{s}"
+        );
+        assert!(
+            s.contains("(d).__mpx_master())).__mpx_forward(__mpx_input"),
+            "{s}"
+        );
+        assert!(s.contains(".begin_update((g).__mpx_master_mut())"), "{s}");
+        assert!(s.contains(".begin_update((d).__mpx_master_mut())"), "{s}");
+        // a master without a traced forward pass is reported at the update that names it
         let out = super::expand(
             quote!(scaling = s),
             quote!(
@@ -255,7 +286,32 @@ mod tests {
         );
         let m = messages(&out);
         assert_eq!(m.len(), 1, "{m:#?}");
-        assert!(m[0].starts_with("this update names `b` but another one names `a`"));
+        assert!(m[0].starts_with("this update names `b`, but no traced forward pass of `b` runs in this step: the traced forward pass runs `a`"), "{m:#?}");
+    }
+
+    #[test]
+    fn a_local_scaler_without_a_type_gets_the_default_one() {
+        let out = super::expand(
+            quote!(scaling = scaler),
+            quote!(
+                fn train(model: &mut M, opt: &mut O, data: D) {
+                    let mut scaler = GradScaler::default();
+                    for x in data {
+                        let g = model
+                            .forward(x.trace(model.alloc_grads()))
+                            .mean()
+                            .backward();
+                        opt.update(model, &g).unwrap();
+                    }
+                }
+            ),
+        );
+        assert!(messages(&out).is_empty(), "{out}");
+        let s = flat(&out);
+        assert!(
+            s.contains("letmutscaler:::mpx::__private::mpx_runtime::step::GradScaler<::mpx::__private::mpx_runtime::precision::f16>=GradScaler::default();"),
+            "{s}"
+        );
     }
 
     #[test]

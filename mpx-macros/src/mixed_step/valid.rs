@@ -60,7 +60,7 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
     let masters = find_masters(f, &found, cx);
     let traced = Traced::of(f);
     check_forwards(f, &found, &masters, &traced, cx);
-    if found.backwards.is_empty() {
+    if !masters.is_empty() && found.backwards.is_empty() {
         cx.error_spanned(
             &f.sig.ident,
             "no backward pass in this step: `#[mixed_step]` needs `grads = loss.backward();` (or `try_backward()`), where it brings the half gradients back unscaled",

@@ -68,6 +68,43 @@ impl Trainer {
     }
 }
 
+// PyTorch's first line, `GradScaler::default()`, as a local before the loop; a scaler behind a
+// lock; two models and two optimizers under one scaler.
+#[mixed_step(scaling = shared.lock().unwrap())]
+fn two_models(
+    a: &mut Model,
+    b: &mut Model,
+    oa: &mut Sgd<Model, f32, Cpu>,
+    ob: &mut Sgd<Model, f32, Cpu>,
+    data: &[X],
+    shared: &std::sync::Mutex<GradScaler>,
+) -> u64 {
+    let mut grads_a = a.alloc_grads();
+    let mut grads_b = b.alloc_grads();
+    for x in data {
+        grads_a = a.forward(x.trace(grads_a)).square().mean().backward();
+        oa.update(a, &grads_a).unwrap();
+        a.zero_grads(&mut grads_a);
+        grads_b = b.forward(x.trace(grads_b)).square().mean().backward();
+        ob.update(b, &grads_b).unwrap();
+        b.zero_grads(&mut grads_b);
+    }
+    let s = shared.lock().unwrap();
+    s.applied_steps() + s.skipped_steps()
+}
+
+#[mixed_step(scaling = scaler)]
+fn default_scaler(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, data: &[X]) -> f32 {
+    let mut scaler = GradScaler::default();
+    let mut grads = model.alloc_grads();
+    for x in data {
+        grads = model.forward(x.trace(grads)).square().mean().backward();
+        opt.update(model, &grads).unwrap();
+        model.zero_grads(&mut grads);
+    }
+    scaler.loss_scale()
+}
+
 fn main() {
     let dev = Cpu::default();
     let x: X = dev.tensor([[1.0, 2.0, 3.0, 4.0]; 3]);
@@ -88,6 +125,11 @@ fn main() {
     let opt = Sgd::new(&model, SgdConfig::default());
     let grads = model.alloc_grads();
     let mut t = Trainer { model, opt, grads, scaler: GradScaler::new(NoOpLossScale) };
-    t.step(x);
+    t.step(x.clone());
     assert_eq!(t.scaler.applied_steps(), 1);
+    let (mut a, mut b) = (t.model.clone(), dev.build_module::<Linear<4, 2>, f32>());
+    let (mut oa, mut ob) = (Sgd::new(&a, SgdConfig::default()), Sgd::new(&b, SgdConfig::default()));
+    let shared = std::sync::Mutex::new(GradScaler::default());
+    assert_eq!(two_models(&mut a, &mut b, &mut oa, &mut ob, &[x.clone(), x.clone()], &shared), 4);
+    assert!(default_scaler(&mut a, &mut oa, &[x.clone()]) > 1.0);
 }

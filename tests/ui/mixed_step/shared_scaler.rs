@@ -1,0 +1,16 @@
+// A shared reference to the scaler: it cannot record the step.
+use dfdx::optim::Sgd;
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::step::GradScaler;
+
+type Model = dfdx::nn::modules::Linear<4, 2, f32, Cpu>;
+
+#[mixed_step(scaling = scaler)]
+fn step(model: &mut Model, opt: &mut Sgd<Model, f32, Cpu>, x: Tensor<Rank2<3, 4>, f32, Cpu>, scaler: &GradScaler) {
+    let grads = model.alloc_grads();
+    let grads = model.forward(x.traced(grads)).square().mean().backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn main() {}
