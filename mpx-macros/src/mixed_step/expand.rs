@@ -61,6 +61,43 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
     quote!(#f)
 }
 
+/// Gives a local scaler declared as `GradScaler::default()` / `GradScaler::new(..)` a type.
+struct Annotate<'a> {
+    name: &'a syn::Ident,
+    /// For `GradScaler::default()`: the loss scale's type is the default one too.
+    defaults: syn::Type,
+    /// For `GradScaler::new(scale)`: the loss scale's type is the argument's.
+    with_scale: syn::Type,
+}
+impl VisitMut for Annotate<'_> {
+    fn visit_local_mut(&mut self, l: &mut syn::Local) {
+        if let syn::Pat::Ident(pi) = &l.pat
+            && pi.ident == *self.name
+            && let Some(init) = &l.init
+            && let syn::Expr::Call(call) = &*init.expr
+            && let syn::Expr::Path(fp) = &*call.func
+            && fp.path.segments.len() == 2
+            && fp.path.segments[0].ident == "GradScaler"
+            && fp.path.segments[0].arguments.is_none()
+        {
+            let pat = l.pat.clone();
+            let ty = if call.args.is_empty() {
+                self.defaults.clone()
+            } else {
+                self.with_scale.clone()
+            };
+            l.pat = syn::Pat::Type(syn::PatType {
+                attrs: Vec::new(),
+                pat: Box::new(pat),
+                colon_token: syn::Token![:](proc_macro2::Span::call_site()),
+                ty: Box::new(ty),
+            });
+        }
+        syn::visit_mut::visit_local_mut(self, l);
+    }
+    fn visit_item_mut(&mut self, _: &mut syn::Item) {}
+}
+
 /// A scaler declared in the step as `let mut scaler = GradScaler::default();` (or
 /// `GradScaler::new(..)`) names no precision, which Rust cannot infer there: it gets the type
 /// it means, `GradScaler` with its defaults (or `half = ..`'s precision).
@@ -76,41 +113,6 @@ fn annotate_local_scaler(
     let Some(name) = p.path.get_ident() else {
         return;
     };
-    struct Annotate<'a> {
-        name: &'a syn::Ident,
-        /// For `GradScaler::default()`: the loss scale's type is the default one too.
-        defaults: syn::Type,
-        /// For `GradScaler::new(scale)`: the loss scale's type is the argument's.
-        with_scale: syn::Type,
-    }
-    impl VisitMut for Annotate<'_> {
-        fn visit_local_mut(&mut self, l: &mut syn::Local) {
-            if let syn::Pat::Ident(pi) = &l.pat
-                && pi.ident == *self.name
-                && let Some(init) = &l.init
-                && let syn::Expr::Call(call) = &*init.expr
-                && let syn::Expr::Path(fp) = &*call.func
-                && fp.path.segments.len() == 2
-                && fp.path.segments[0].ident == "GradScaler"
-                && fp.path.segments[0].arguments.is_none()
-            {
-                let pat = l.pat.clone();
-                let ty = if call.args.is_empty() {
-                    self.defaults.clone()
-                } else {
-                    self.with_scale.clone()
-                };
-                l.pat = syn::Pat::Type(syn::PatType {
-                    attrs: Vec::new(),
-                    pat: Box::new(pat),
-                    colon_token: syn::Token![:](proc_macro2::Span::call_site()),
-                    ty: Box::new(ty),
-                });
-            }
-            syn::visit_mut::visit_local_mut(self, l);
-        }
-        fn visit_item_mut(&mut self, _: &mut syn::Item) {}
-    }
     let h = half.unwrap_or_else(|| quote!(#root::precision::f16));
     Annotate {
         name,

@@ -192,10 +192,8 @@ pub(crate) fn specialise(
     let wc = quote!(<#m as #dfdx::nn::tensor_collection::TensorCollection<f32, #dfdx::tensor::Cpu>>::To<#elem, #dfdx::tensor::Cpu>);
     // A concrete f32 tensor's half type is written out (rustc does not normalise
     // `<Tensor<..> as HalfInput<H>>::Half` inside a where clause to the body's type).
-    let half_x = match concrete_half(&x, &elem) {
-        Some(t) => t,
-        None => quote!(<#x as #root::step::HalfInput<#half>>::Half),
-    };
+    let half_x = concrete_half(&x, &elem)
+        .unwrap_or_else(|| quote!(<#x as #root::step::HalfInput<#half>>::Half));
     // The master's own bounds go where the user declared it (one place for its bounds).
     let extra: Vec<syn::TypeParamBound> = vec![
         syn::parse_quote!(::core::marker::Send),
@@ -231,6 +229,22 @@ pub(crate) fn specialise(
     true
 }
 
+/// `tokens` with every `f32` replaced by `elem`.
+fn swap(tokens: TokenStream, elem: &TokenStream) -> TokenStream {
+    tokens
+        .into_iter()
+        .flat_map(|t| match t {
+            proc_macro2::TokenTree::Ident(i) if i == "f32" => elem.clone(),
+            proc_macro2::TokenTree::Group(g) => {
+                let mut ng = proc_macro2::Group::new(g.delimiter(), swap(g.stream(), elem));
+                ng.set_span(g.span());
+                quote!(#ng)
+            }
+            other => quote!(#other),
+        })
+        .collect()
+}
+
 /// `x` with its `f32` element (and its tape's) replaced by `elem`, when `x` is a `Tensor` type
 /// whose element is `f32`.
 fn concrete_half(x: &syn::Type, elem: &TokenStream) -> Option<TokenStream> {
@@ -245,20 +259,6 @@ fn concrete_half(x: &syn::Type, elem: &TokenStream) -> Option<TokenStream> {
     let is_f32 = |a: &syn::GenericArgument| matches!(a, syn::GenericArgument::Type(syn::Type::Path(t)) if t.path.is_ident("f32"));
     if !args.args.iter().nth(1).is_some_and(is_f32) {
         return None;
-    }
-    fn swap(tokens: TokenStream, elem: &TokenStream) -> TokenStream {
-        tokens
-            .into_iter()
-            .flat_map(|t| match t {
-                proc_macro2::TokenTree::Ident(i) if i == "f32" => elem.clone(),
-                proc_macro2::TokenTree::Group(g) => {
-                    let mut ng = proc_macro2::Group::new(g.delimiter(), swap(g.stream(), elem));
-                    ng.set_span(g.span());
-                    quote!(#ng)
-                }
-                other => quote!(#other),
-            })
-            .collect()
     }
     Some(swap(quote!(#x), elem))
 }

@@ -87,21 +87,20 @@ impl Masters {
         master: &M,
         make: impl FnOnce(&M) -> Result<Box<dyn ErasedWorking>, StepError>,
     ) -> Result<usize, StepError> {
-        let i = match self.find(master)? {
-            Some(i) => i,
-            None => {
-                self.entries.push(Entry {
-                    type_name: std::any::type_name::<M>(),
-                    identity: self.probe.clone(),
-                    working: make(master)?,
-                    pending: Pending::NONE,
-                    touched: false,
-                    updated: false,
-                    participating: false,
-                    last_used: self.iteration,
-                });
-                self.entries.len() - 1
-            }
+        let i = if let Some(i) = self.find(master)? {
+            i
+        } else {
+            self.entries.push(Entry {
+                type_name: std::any::type_name::<M>(),
+                identity: self.probe.clone(),
+                working: make(master)?,
+                pending: Pending::NONE,
+                touched: false,
+                updated: false,
+                participating: false,
+                last_used: self.iteration,
+            });
+            self.entries.len() - 1
         };
         self.entries[i].last_used = self.iteration;
         Ok(i)

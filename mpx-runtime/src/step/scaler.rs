@@ -651,10 +651,13 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
                 }
             }
         };
-        for finite in self.masters.updated(verdict.index, outcome.is_applied()) {
-            if let Some(finite) = finite {
-                self.scaling.adjust(finite);
-            }
+        for finite in self
+            .masters
+            .updated(verdict.index, outcome.is_applied())
+            .into_iter()
+            .flatten()
+        {
+            self.scaling.adjust(finite);
         }
         self.last = Some(StepReport {
             loss: verdict.loss,
