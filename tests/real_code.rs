@@ -21,8 +21,8 @@
 //!   are summed in another order, and are compared to a bound).
 
 // The loops are other people's code, kept as written (one has 8 parameters once the scaler is
-// added; `&mut model` on a `&mut` binding is their line, and plain Rust reborrows it),
-// added), and the harness passes them around as closures.
+// added; `&mut model` on a `&mut` binding is their line, and plain Rust reborrows it), and the
+// harness passes them around as closures.
 #![allow(
     clippy::too_many_arguments,
     clippy::type_complexity,
