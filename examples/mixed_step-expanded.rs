@@ -1,6 +1,8 @@
 //! What `#[mixed_step]` generates for `examples/mixed_step.rs`, written out by hand and compiled
 //! (pin-project's habit): the three role calls go through the `GradScaler`; every other line of
-//! the loop is the user's. Generated code names the runtime as `::mpx::__private::mpx_runtime`.
+//! the loop is the user's; `require_master` checks at compile time that `model` is the f32
+//! master. `mpx-macros/src/expanded_examples.rs` checks that this file is still what the
+//! attribute generates. Generated code names the runtime as `::mpx::__private::mpx_runtime`.
 //!
 //! Run: `cargo run --example mixed_step-expanded` (prints the same as `mixed_step`)
 
@@ -21,6 +23,7 @@ type Batch = (
 );
 
 /// `#[mixed_step(scaling = scaler)]` on the epoch loop, expanded.
+#[rustfmt::skip] // kept as the macro writes it (a test compares the two)
 fn train_epoch(
     model: &mut Model,
     opt: &mut Adam<Model, f32, Cpu>,
@@ -32,6 +35,10 @@ fn train_epoch(
     for (img, lbl) in batches {
         let logits = {
             let __mpx_input = img.trace(grads);
+            let _ = ::mpx::__private::mpx_runtime::boundary::require_master({
+                use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
+                &*(model).__mpx_by_mut()
+            });
             ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>({
                 use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
                 (scaler).__mpx_by_mut()
@@ -61,9 +68,7 @@ fn train_epoch(
                 use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
                 (scaler).__mpx_by_mut()
             })
-            .update_with(model, |__mpx_master| {
-                (opt).update(__mpx_master, __mpx_grads)
-            })
+            .update_with(model, |__mpx_master| (opt).update(__mpx_master, __mpx_grads))
         }
         .unwrap();
         model.zero_grads(&mut grads);

@@ -9,6 +9,8 @@ use proc_macro::TokenStream;
 mod autocast;
 mod cast_derive;
 mod ctxt;
+#[cfg(test)]
+mod expanded_examples;
 mod full_precision;
 mod mixed_step;
 mod ops;
