@@ -2,7 +2,7 @@
 //!
 //! A value is non-finite (NaN or ±inf) exactly when its exponent bits are all ones. Instead of
 //! testing element by element (`iter().all(|x| x.is_finite())`, which branches on every value),
-//! the checks here walk a slice in chunks of [`CHUNK`] elements, fold each chunk with a
+//! the checks here walk a slice in chunks of 4096 elements, fold each chunk with a
 //! branch-free OR of `(bits & !SIGN) + (1 << mantissa_bits)` (bit 31 of that sum, or bit 15 for f16,
 //! is set exactly when the exponent field is all ones), and look at the folded value once per
 //! chunk, leaving early when a chunk holds a non-finite value. The inner loop uses only
@@ -32,10 +32,11 @@ use crate::precision::{FloatBits, Precision};
 use half::f16;
 
 /// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
-pub const CHUNK: usize = 4096;
+pub(crate) const CHUNK: usize = 4096;
 
 /// Why a fused unscale could not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FiniteError {
     /// Source and destination slices of different lengths.
     #[error(

@@ -89,6 +89,7 @@ fn in_policy(part: &str, policy: &str) -> String {
 /// assert!(long.len() < 200);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// A dtype name that is not one of jmp's.
     #[error("unknown dtype `{value}`{}; expected one of {DTYPE_CHOICES}", in_policy(.value, .policy))]

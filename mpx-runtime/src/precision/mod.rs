@@ -44,8 +44,8 @@ use dfdx::tensor::{Cpu, Storage};
 
 pub use dfdx::dtypes::AMP;
 pub use half::{bf16, f16};
+pub use slices::round_to_bf16;
 pub(crate) use slices::sized;
-pub use slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16};
 
 use crate::kernels::Operand;
 use crate::policy::DType;
