@@ -111,10 +111,7 @@ pub(crate) fn item_fn(
     match syn::parse2::<syn::Item>(item.clone()) {
         Ok(syn::Item::Fn(f)) => Some(f),
         Ok(other) => {
-            cx.error_spanned(
-                crate::full_precision::item_head(&other),
-                format!("`#[{attr}]` applies to {what}"),
-            );
+            cx.error_spanned(item_head(&other), format!("`#[{attr}]` applies to {what}"));
             None
         }
         Err(err) => {
@@ -124,6 +121,39 @@ pub(crate) fn item_fn(
             ));
             None
         }
+    }
+}
+
+/// The tokens an item error points at: the item up to its name (not the whole body).
+fn item_head(item: &syn::Item) -> TokenStream {
+    use quote::quote;
+    match item {
+        syn::Item::Struct(s) => {
+            let (k, i) = (&s.struct_token, &s.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Enum(e) => {
+            let (k, i) = (&e.enum_token, &e.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Impl(i) => i.impl_token.to_token_stream(),
+        syn::Item::Trait(t) => {
+            let (k, i) = (&t.trait_token, &t.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Mod(m) => {
+            let (k, i) = (&m.mod_token, &m.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Const(c) => {
+            let (k, i) = (&c.const_token, &c.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Static(s) => {
+            let (k, i) = (&s.static_token, &s.ident);
+            quote!(#k #i)
+        }
+        other => other.to_token_stream(),
     }
 }
 

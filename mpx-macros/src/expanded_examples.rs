@@ -72,14 +72,13 @@ fn check(example: &str, attr: &str, expand: fn(TokenStream, TokenStream) -> Toke
         let item = &f.item;
         let out = expand(args, quote!(#item)).to_string();
         assert!(!out.contains("compile_error"), "{out}");
-        let by_hand = expanded
-            .iter()
-            .find(|e| e.name == f.name)
-            .map(|e| {
+        let by_hand = expanded.iter().find(|e| e.name == f.name).map_or_else(
+            || panic!("`{}` is missing from {expanded_file}.rs", f.name),
+            |e| {
                 let item = &e.item;
                 quote!(#item).to_string()
-            })
-            .unwrap_or_else(|| panic!("`{}` is missing from {expanded_file}.rs", f.name));
+            },
+        );
         assert_eq!(
             squeeze(out),
             squeeze(by_hand),

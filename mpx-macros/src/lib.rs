@@ -17,6 +17,7 @@ mod expanded_examples;
 mod full_precision;
 mod mixed_step;
 mod ops;
+mod syntax;
 
 /// Derives `mpx::cast::Cast<P>` and `mpx::cast::FloatLeaves` for a struct, so that
 /// `mpx::cast::cast_to_half_precision` and friends, `mpx::finite::all_finite` and the loss

@@ -9,9 +9,9 @@
 //! }
 //! ```
 
-pub(crate) mod ast;
+mod ast;
 mod expand;
-pub(crate) mod valid;
+mod valid;
 
 use proc_macro2::TokenStream;
 
@@ -41,39 +41,6 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
                 "`#[full_precision]` could not rewrite this item",
             ),
         ),
-    }
-}
-
-/// The tokens an item error points at: the item up to its name (not the whole body).
-pub(crate) fn item_head(item: &syn::Item) -> TokenStream {
-    use quote::{ToTokens, quote};
-    match item {
-        syn::Item::Struct(s) => {
-            let (k, i) = (&s.struct_token, &s.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Enum(e) => {
-            let (k, i) = (&e.enum_token, &e.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Impl(i) => i.impl_token.to_token_stream(),
-        syn::Item::Trait(t) => {
-            let (k, i) = (&t.trait_token, &t.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Mod(m) => {
-            let (k, i) = (&m.mod_token, &m.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Const(c) => {
-            let (k, i) = (&c.const_token, &c.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Static(s) => {
-            let (k, i) = (&s.static_token, &s.ident);
-            quote!(#k #i)
-        }
-        other => other.to_token_stream(),
     }
 }
 
