@@ -28,7 +28,7 @@
 //! ```
 
 use crate::cast::FloatLeaves;
-use crate::precision::{FloatBits, Precision};
+use crate::precision::{FloatBits, FloatSliceMut, Precision};
 use half::f16;
 
 /// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
@@ -210,12 +210,52 @@ pub fn unscale_into_checked<E: Precision<Elem = E>>(
             dst: dst.len(),
         });
     }
+    Ok(unscale_stored_into::<E>(src, inv_scale, dst))
+}
+
+/// [`unscale_into_checked`] for values stored in precision `P` (emulated bf16: f32 storage,
+/// rounded to bf16 as it is widened): the mixed step's move of scaled half gradients into f32
+/// master gradients. `true` when every value was finite; slices of different lengths are
+/// reported as not finite (the step checks the lengths first).
+pub(crate) fn unscale_stored_into<P: Precision>(
+    src: &[P::Elem],
+    inv_scale: f32,
+    dst: &mut [f32],
+) -> bool {
+    if src.len() != dst.len() {
+        return false;
+    }
     let mut acc = 0u32;
     for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-        E::widen(s, d);
+        P::widen(s, d);
         acc |= unscale_chunk(d, inv_scale);
     }
-    Ok(acc & 0x8000_0000 == 0)
+    acc & 0x8000_0000 == 0
+}
+
+/// Checks finiteness and multiplies by `inv_scale` values stored in precision `P`, in place: f32
+/// in one pass ([`unscale_in_place_checked`]); other storage chunk by chunk through f32: widen,
+/// unscale and check, round back, and check again (a value can overflow when it is rounded
+/// back). `true` when every value was finite.
+pub(crate) fn unscale_stored_in_place<P: Precision>(
+    values: &mut [P::Elem],
+    inv_scale: f32,
+) -> bool {
+    if P::IDENTITY
+        && let FloatSliceMut::F32(v) = P::floats_mut(values)
+    {
+        return unscale_in_place_checked(v, inv_scale);
+    }
+    let mut buf = [0.0f32; 1024];
+    let mut finite = true;
+    for chunk in values.chunks_mut(buf.len()) {
+        let tmp = &mut buf[..chunk.len()];
+        P::widen(chunk, tmp);
+        finite &= unscale_in_place_checked(tmp, inv_scale);
+        P::round(tmp, chunk);
+        finite &= all_finite_slice::<P::Elem>(chunk);
+    }
+    finite
 }
 
 /// Fused unscale and check in place: multiplies every value by `inv_scale` (in f32) and returns
@@ -288,6 +328,7 @@ fn f32_bits(values: &[f32]) -> &[u32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::{AMP, bf16};
 
     #[test]
     fn exponent_boundaries_f32() {
@@ -336,13 +377,13 @@ mod tests {
         assert!(!unscale_in_place_checked(&mut v, 2.0));
         assert!(v[CHUNK].is_infinite());
         let mut h = [f16::MAX, f16::NAN];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 0.5));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, 0.5));
         assert_eq!(h[0], f16::from_f32(32752.0));
         // f16 values finite in f32 after the multiply, but rounding back to f16 overflows.
         let mut h = [f16::ONE, f16::MAX];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 2.0));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, 2.0));
         let mut h = [f16::ONE, f16::from_f32(2.0)];
-        assert!(<f16 as Precision>::unscale_in_place(&mut h, 2.0));
+        assert!(unscale_stored_in_place::<f16>(&mut h, 2.0));
         assert_eq!(h, [f16::from_f32(2.0), f16::from_f32(4.0)]);
     }
 
@@ -356,7 +397,7 @@ mod tests {
         let mut v = [0.0f32];
         assert!(!unscale_in_place_checked(&mut v, inv), "0 * inf is NaN");
         let mut h = [f16::ONE];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, inv));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, inv));
         let mut dst = [0.0f32; 2];
         assert_eq!(
             unscale_into_checked(&[f16::ONE, f16::ZERO], inv, &mut dst),
@@ -366,5 +407,24 @@ mod tests {
             unscale_into_checked(&[1.0f32, 2.0], f32::NAN, &mut dst),
             Ok(false)
         );
+    }
+
+    #[test]
+    fn in_place_unscale_reports_a_value_that_overflows_when_rounded_back() {
+        // 60000 * 2 = 120000 is finite in f32 but not in f16 (max 65504).
+        let mut v = [f16::from_f32(60000.0), f16::from_f32(1.0)];
+        assert!(!unscale_stored_in_place::<f16>(&mut v, 2.0));
+        let mut v = [f16::from_f32(1024.0), f16::from_f32(-3.0)];
+        assert!(unscale_stored_in_place::<f16>(&mut v, 1.0 / 1024.0));
+        assert_eq!(v, [f16::ONE, f16::from_f32(-3.0 / 1024.0)]);
+        let mut a = [AMP(f16::from_f32(60000.0))];
+        assert!(!unscale_stored_in_place::<AMP<f16>>(&mut a, 2.0));
+        // Emulated bf16 rounds to bf16 first (1 + 2^-9 -> 1), then unscales.
+        let mut b = [1.0 + 1.0 / 512.0, f32::NAN];
+        assert!(!unscale_stored_in_place::<bf16>(&mut b, 0.5));
+        assert_eq!(b[0], 0.5);
+        let mut f = [3.0f32, 5.0];
+        assert!(unscale_stored_in_place::<f32>(&mut f, 0.5));
+        assert_eq!(f, [1.5, 2.5]);
     }
 }

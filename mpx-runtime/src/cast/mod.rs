@@ -52,6 +52,8 @@ mod leaf;
 mod module;
 mod tensor_io;
 
+pub(crate) use tensor_io::grad_slice;
+
 use crate::precision::{FloatBits, HalfPrecision, Precision, bf16, f16};
 
 /// The mutable view of a float leaf that [`FloatLeaves::visit_floats_mut`] passes (defined in

@@ -16,6 +16,8 @@ use super::error::StepError;
 use super::workspace::StepTimings;
 use super::workspace::{MasterSlot, MixedWorkspace, WorkingCopy, count_mismatch, len_mismatch};
 use crate::boundary::MasterModel;
+use crate::cast::grad_slice;
+use crate::finite::{unscale_stored_in_place, unscale_stored_into};
 use crate::precision::Precision;
 use crate::scaling::LossScale;
 
@@ -245,7 +247,7 @@ where
     drop(grads32);
     let out_ghost = out_half.ghost();
     half_tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
-        let buf = H::grad_slice(grads.get_or_alloc_mut(&out_ghost)?);
+        let buf = grad_slice::<H::Elem>(grads.get_or_alloc_mut(&out_ghost)?);
         for (d, s) in buf.iter_mut().zip(&g_half) {
             *d += *s;
         }
@@ -451,13 +453,13 @@ where
             self.mismatch = Some(len_mismatch(i, slot.len, n));
             return Ok(None);
         }
-        let src = H::grad_slice(self.half_grads.get_or_alloc_mut(t)?);
+        let src = grad_slice::<H::Elem>(self.half_grads.get_or_alloc_mut(t)?);
         if self.in_place {
             if src.len() != n {
                 self.mismatch = Some(len_mismatch(i, n, src.len()));
                 return Ok(None);
             }
-            self.finite &= H::unscale_in_place(src, self.inv_scale);
+            self.finite &= unscale_stored_in_place::<H>(src, self.inv_scale);
             return Ok(None);
         }
         let dst = (slot.get)(self.master_grads)?;
@@ -468,7 +470,7 @@ where
         let zero = H::Elem::default();
         let mut finite = true;
         for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-            finite &= H::transfer(s, self.inv_scale, d);
+            finite &= unscale_stored_into::<H>(s, self.inv_scale, d);
             s.fill(zero);
         }
         self.finite &= finite;
