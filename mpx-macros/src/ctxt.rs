@@ -86,6 +86,91 @@ pub(crate) fn set_once<T>(
     }
 }
 
+/// Parses the value of `key = value` as a `T` into `slot`, once (see [`set_once`]); `Ok(true)`,
+/// so a [`parse_keyed`] handler can return it for a known key.
+pub(crate) fn set_parsed<T: syn::parse::Parse>(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<T>,
+    name: &str,
+) -> syn::Result<bool> {
+    let value: T = meta.value()?.parse()?;
+    set_once(cx, &meta.path, slot, value, name);
+    Ok(true)
+}
+
+/// `x` or `(x, y, ..)`: a list of plain names (an argument's value such as `inputs = (x, y)`);
+/// anything else is an error whose message is `usage`.
+pub(crate) fn name_list(e: &syn::Expr, usage: &str) -> syn::Result<Vec<syn::Ident>> {
+    let one = |e: &syn::Expr| match e {
+        syn::Expr::Path(p) if p.qself.is_none() => p
+            .path
+            .get_ident()
+            .cloned()
+            .ok_or_else(|| syn::Error::new_spanned(e, usage)),
+        other => Err(syn::Error::new_spanned(other, usage)),
+    };
+    match e {
+        syn::Expr::Tuple(t) => t.elems.iter().map(one).collect(),
+        syn::Expr::Paren(p) => Ok(vec![one(&p.expr)?]),
+        other => Ok(vec![one(other)?]),
+    }
+}
+
+/// Records an error for each kind of function `#[<attr>]` cannot rewrite: a `const fn` (with
+/// `const_why`), an `async fn` (with `async_fix`), an `extern` one, a variadic one.
+pub(crate) fn plain_fn_only(
+    sig: &syn::Signature,
+    attr: &str,
+    const_why: &str,
+    async_fix: &str,
+    cx: &mut Ctxt,
+) {
+    if let Some(t) = &sig.constness {
+        cx.error_spanned(
+            t,
+            format!("`#[{attr}]` cannot rewrite a `const fn`: {const_why}"),
+        );
+    }
+    if let Some(t) = &sig.asyncness {
+        cx.error_spanned(
+            t,
+            format!("`#[{attr}]` cannot rewrite an `async fn`; {async_fix}"),
+        );
+    }
+    if let Some(abi) = &sig.abi {
+        cx.error_spanned(
+            abi,
+            format!("`#[{attr}]` cannot rewrite an `extern` function; remove the ABI"),
+        );
+    }
+    if let Some(v) = &sig.variadic {
+        cx.error_spanned(v, format!("`#[{attr}]` cannot rewrite a variadic function"));
+    }
+}
+
+/// The end of an attribute's expansion: the errors recorded in `cx` followed by the user's item
+/// unchanged, or, when there are none, the expansion `out` makes.
+pub(crate) fn finish(
+    cx: Ctxt,
+    item: TokenStream,
+    attr: &str,
+    out: impl FnOnce() -> Option<TokenStream>,
+) -> TokenStream {
+    match cx.check().map(|()| out()) {
+        Ok(Some(expanded)) => expanded,
+        Err(err) => with_errors(item, err),
+        // Unreachable in practice: a missing expansion always comes with a recorded error.
+        Ok(None) => with_errors(
+            item,
+            syn::Error::new(
+                proc_macro2::Span::call_site(),
+                format!("`#[{attr}]` could not rewrite this item"),
+            ),
+        ),
+    }
+}
+
 /// Skips an unknown argument's value (up to the next top-level comma).
 pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
     while !input.is_empty() && !input.peek(syn::Token![,]) {

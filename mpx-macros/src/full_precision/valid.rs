@@ -3,7 +3,7 @@
 use syn::spanned::Spanned;
 
 use super::ast::{ArgKind, Args, classify};
-use crate::ctxt::Ctxt;
+use crate::ctxt::{Ctxt, plain_fn_only};
 use crate::syntax::{find_half, is_self};
 
 /// Where the region's parameters come from.
@@ -28,27 +28,13 @@ pub(crate) struct Plan {
 /// `params`; every problem is recorded in `cx`.
 pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan> {
     let sig = &f.sig;
-    if let Some(t) = &sig.constness {
-        cx.error_spanned(
-            t,
-            "`#[full_precision]` cannot rewrite a `const fn`: tensor code is not const",
-        );
-    }
-    if let Some(t) = &sig.asyncness {
-        cx.error_spanned(
-            t,
-            "`#[full_precision]` cannot rewrite an `async fn`; make it a plain `fn` (a region runs to completion on the CPU)",
-        );
-    }
-    if let Some(abi) = &sig.abi {
-        cx.error_spanned(
-            abi,
-            "`#[full_precision]` cannot rewrite an `extern` function; remove the ABI",
-        );
-    }
-    if let Some(v) = &sig.variadic {
-        cx.error_spanned(v, "`#[full_precision]` cannot rewrite a variadic function");
-    }
+    plain_fn_only(
+        sig,
+        "full_precision",
+        "tensor code is not const",
+        "make it a plain `fn` (a region runs to completion on the CPU)",
+        cx,
+    );
 
     let tensor_args = match &args.inputs {
         Some(names) => named_inputs(names, sig, cx),
