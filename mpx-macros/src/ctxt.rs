@@ -99,6 +99,32 @@ pub(crate) fn set_parsed<T: syn::parse::Parse>(
     Ok(true)
 }
 
+/// Parses `crate = "path"` into `slot`, once; `Ok(true)`, as [`set_parsed`].
+pub(crate) fn set_crate(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<syn::Path>,
+) -> syn::Result<bool> {
+    let path = crate_path(meta)?;
+    set_once(cx, &meta.path, slot, path, "crate");
+    Ok(true)
+}
+
+/// Parses a list of names (`key = x` or `key = (x, y)`, see [`name_list`]) into `slot`, once;
+/// `Ok(true)`, as [`set_parsed`].
+pub(crate) fn set_names(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<Vec<syn::Ident>>,
+    name: &str,
+    usage: &str,
+) -> syn::Result<bool> {
+    let value: syn::Expr = meta.value()?.parse()?;
+    let names = name_list(&value, usage)?;
+    set_once(cx, &meta.path, slot, names, name);
+    Ok(true)
+}
+
 /// `x` or `(x, y, ..)`: a list of plain names (an argument's value such as `inputs = (x, y)`);
 /// anything else is an error whose message is `usage`.
 pub(crate) fn name_list(e: &syn::Expr, usage: &str) -> syn::Result<Vec<syn::Ident>> {

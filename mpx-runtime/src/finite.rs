@@ -50,16 +50,18 @@ pub enum FiniteError {
     },
 }
 
+/// `true` when `bad` finds nothing in any chunk of `bits`: it looks once per chunk of [`CHUNK`]
+/// values (whole chunks first, so their loop has a fixed length), and stops at the first bad one.
+#[inline]
+fn no_bad_chunk<T>(bits: &[T], bad: impl Fn(&[T]) -> bool) -> bool {
+    let mut chunks = bits.chunks_exact(CHUNK);
+    !chunks.any(&bad) && !bad(chunks.remainder())
+}
+
 /// `true` when no element of `bits` (binary32 patterns) is NaN or infinite.
 #[inline]
 fn finite_u32(bits: &[u32]) -> bool {
-    let mut chunks = bits.chunks_exact(CHUNK);
-    for chunk in &mut chunks {
-        if fold_u32(chunk) & 0x8000_0000 != 0 {
-            return false;
-        }
-    }
-    fold_u32(chunks.remainder()) & 0x8000_0000 == 0
+    no_bad_chunk(bits, |c| fold_u32(c) & 0x8000_0000 != 0)
 }
 
 /// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk: bit 31 ends up set iff some exponent is 0xff.
@@ -73,13 +75,7 @@ fn fold_u32(chunk: &[u32]) -> u32 {
 /// `true` when no element of `bits` (binary16 patterns) is NaN or infinite.
 #[inline]
 fn finite_u16(bits: &[u16]) -> bool {
-    let mut chunks = bits.chunks_exact(CHUNK);
-    for chunk in &mut chunks {
-        if fold_u16(chunk) & 0x8000 != 0 {
-            return false;
-        }
-    }
-    fold_u16(chunks.remainder()) & 0x8000 == 0
+    no_bad_chunk(bits, |c| fold_u16(c) & 0x8000 != 0)
 }
 
 /// ORs `(b & 0x7fff) + 0x0400` over a chunk: bit 15 ends up set iff some exponent is 0x1f.

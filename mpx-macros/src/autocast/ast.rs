@@ -2,7 +2,7 @@
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, crate_path, name_list, parse_keyed, set_once, set_parsed};
+use crate::ctxt::{Ctxt, parse_keyed, set_crate, set_names, set_parsed};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `skip`, `crate`";
@@ -24,21 +24,12 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     let mut out = Args::default();
     parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| match key {
         "half" => set_parsed(meta, cx, &mut out.half, "half"),
-        "skip" => {
-            let v: syn::Expr = meta.value()?.parse()?;
-            let names = name_list(
-                &v,
-                "`skip` lists operation names: `skip = sum` or `skip = (sum, exp)`",
-            )?;
-            set_once(cx, &meta.path, &mut out.skip, names, "skip");
-            Ok(true)
-        }
-        "crate" => {
-            let v = crate_path(meta)?;
-            set_once(cx, &meta.path, &mut out.krate, v, "crate");
-            Ok(true)
-        }
+        "skip" => set_names(meta, cx, &mut out.skip, "skip", SKIP_USAGE),
+        "crate" => set_crate(meta, cx, &mut out.krate),
         _ => Ok(false),
     });
     out
 }
+
+/// What `skip` takes, as its error says.
+const SKIP_USAGE: &str = "`skip` lists operation names: `skip = sum` or `skip = (sum, exp)`";

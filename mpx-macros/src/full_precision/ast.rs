@@ -2,7 +2,7 @@
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, crate_path, name_list, parse_keyed, set_once, set_parsed};
+use crate::ctxt::{Ctxt, parse_keyed, set_crate, set_names, set_parsed};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `params`, `inputs`, `crate`";
@@ -28,24 +28,15 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| match key {
         "half" => set_parsed(meta, cx, &mut out.half, "half"),
         "params" => set_parsed(meta, cx, &mut out.params, "params"),
-        "inputs" => {
-            let v: syn::Expr = meta.value()?.parse()?;
-            let names = name_list(
-                &v,
-                "`inputs` lists argument names: `inputs = x` or `inputs = (x, y)`",
-            )?;
-            set_once(cx, &meta.path, &mut out.inputs, names, "inputs");
-            Ok(true)
-        }
-        "crate" => {
-            let v = crate_path(meta)?;
-            set_once(cx, &meta.path, &mut out.krate, v, "crate");
-            Ok(true)
-        }
+        "inputs" => set_names(meta, cx, &mut out.inputs, "inputs", INPUTS_USAGE),
+        "crate" => set_crate(meta, cx, &mut out.krate),
         _ => Ok(false),
     });
     out
 }
+
+/// What `inputs` takes, as its error says.
+const INPUTS_USAGE: &str = "`inputs` lists argument names: `inputs = x` or `inputs = (x, y)`";
 
 /// How an argument's type reads to the macro: the region casts only tensors passed by value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

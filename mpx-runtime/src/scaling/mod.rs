@@ -163,12 +163,7 @@ pub trait LossScale {
         X: Cast<f32> + ?Sized,
         X::Output: FloatLeaves,
     {
-        let mut out = tree.cast();
-        let inv = self.inv_loss_scale();
-        if inv != 1.0 {
-            unscale_leaves(&mut out, inv);
-        }
-        out
+        self.unscale_checked(tree).0
     }
 
     /// [`unscale`](LossScale::unscale) and [`all_finite`] in one pass over the gradients: returns
