@@ -152,26 +152,28 @@ pub(crate) fn plain_fn_only(
     async_fix: &str,
     cx: &mut Ctxt,
 ) {
-    if let Some(t) = &sig.constness {
-        cx.error_spanned(
-            t,
-            format!("`#[{attr}]` cannot rewrite a `const fn`: {const_why}"),
-        );
-    }
-    if let Some(t) = &sig.asyncness {
-        cx.error_spanned(
-            t,
-            format!("`#[{attr}]` cannot rewrite an `async fn`; {async_fix}"),
-        );
-    }
-    if let Some(abi) = &sig.abi {
-        cx.error_spanned(
-            abi,
-            format!("`#[{attr}]` cannot rewrite an `extern` function; remove the ABI"),
-        );
-    }
-    if let Some(v) = &sig.variadic {
-        cx.error_spanned(v, format!("`#[{attr}]` cannot rewrite a variadic function"));
+    let kinds = [
+        (
+            sig.constness.as_ref().map(ToTokens::to_token_stream),
+            format!("a `const fn`: {const_why}"),
+        ),
+        (
+            sig.asyncness.as_ref().map(ToTokens::to_token_stream),
+            format!("an `async fn`; {async_fix}"),
+        ),
+        (
+            sig.abi.as_ref().map(ToTokens::to_token_stream),
+            "an `extern` function; remove the ABI".to_owned(),
+        ),
+        (
+            sig.variadic.as_ref().map(ToTokens::to_token_stream),
+            "a variadic function".to_owned(),
+        ),
+    ];
+    for (tokens, what) in kinds {
+        if let Some(tokens) = tokens {
+            cx.error_spanned(tokens, format!("`#[{attr}]` cannot rewrite {what}"));
+        }
     }
 }
 
