@@ -27,7 +27,7 @@ use mpx::step::{
     GradScaler, MixedWorkspace, StepTimings, WorkingCopy, filter_value_and_grad, optimizer_update,
 };
 
-#[path = "common/heap.rs"]
+#[path = "../tests/common/heap.rs"]
 mod heap;
 
 #[global_allocator]

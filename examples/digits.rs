@@ -33,7 +33,7 @@ use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
 use mpx::step::GradScaler;
 
-#[path = "common/heap.rs"]
+#[path = "../tests/common/heap.rs"]
 mod heap;
 #[path = "common/plot.rs"]
 mod plot;

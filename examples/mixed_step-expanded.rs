@@ -1,6 +1,8 @@
 //! What `#[mixed_step]` generates for `examples/mixed_step.rs`, written out by hand and compiled
-//! (pin-project's habit): the three role calls go through the `GradScaler`; every other line of
-//! the loop is the user's. Generated code names the runtime as `::mpx::__private::mpx_runtime`.
+//! (pin-project's habit): the four role calls go through the `GradScaler`; every other line of
+//! the loop is the user's; `require_master` checks at compile time that `model` is the f32
+//! master. `mpx-macros/src/expanded_examples.rs` checks that this file is still what the
+//! attribute generates. Generated code names the runtime as `::mpx::__private::mpx_runtime`.
 //!
 //! Run: `cargo run --example mixed_step-expanded` (prints the same as `mixed_step`)
 
@@ -21,52 +23,66 @@ type Batch = (
 );
 
 /// `#[mixed_step(scaling = scaler)]` on the epoch loop, expanded.
+#[rustfmt::skip] // kept as the macro writes it (a test compares the two)
 fn train_epoch(
     model: &mut Model,
     opt: &mut Adam<Model, f32, Cpu>,
     batches: &[Batch],
     scaler: &mut GradScaler,
 ) -> f32 {
+    // The generated calls are trait methods (so they auto-ref and auto-deref as the user's own
+    // calls do), imported once at the top of the body.
+    #[allow(unused_imports)]
+    use ::mpx::__private::mpx_runtime::step::__macro_support::{
+        ByMut as _, Master as _, ViaFull as _, ViaHalf as _,
+    };
     let mut grads = model.alloc_grads();
     let mut total_epoch_loss = 0.0;
     for (img, lbl) in batches {
+        // forward: on the half working copy of `model` (or, where its bounds cannot be
+        // checked, in f32 on `model` itself), the f32 batch in, the f32 logits out
         let logits = {
             let __mpx_input = img.trace(grads);
-            ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>({
-                use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
-                (scaler).__mpx_by_mut()
-            })
-            .forward(
-                {
-                    use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
-                    &*(model).__mpx_by_mut()
-                },
+            let _ = ::mpx::__private::mpx_runtime::boundary::require_master((model).__mpx_master());
+            (&mut ::mpx::__private::mpx_runtime::step::__macro_support::forward(
+                ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut()),
+                (model).__mpx_master_mut()
+            ))
+            .__mpx_forward(
                 __mpx_input,
                 |__mpx_working, __mpx_x| __mpx_working.forward_mut(__mpx_x),
             )
         };
         let loss = cross_entropy_with_logits_loss(logits, lbl.clone());
         total_epoch_loss += loss.array();
+        // backward: the half gradients come back unscaled into the f32 ones, checked
         grads = {
             let __mpx_loss = loss;
-            ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>({
-                use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
-                (scaler).__mpx_by_mut()
-            })
-            .backward_with(__mpx_loss, |__mpx_loss| __mpx_loss.backward())
+            ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
+                .backward_with(__mpx_loss, |__mpx_loss| __mpx_loss.backward())
         };
+        // update: the step's own `opt.update(model, &grads)`, run only on a finite verdict
         {
             let __mpx_grads = ::mpx::__private::mpx_runtime::step::__macro_support::shared(&grads);
-            ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>({
-                use ::mpx::__private::mpx_runtime::step::__macro_support::ByMut as _;
-                (scaler).__mpx_by_mut()
-            })
-            .update_with(model, |__mpx_master| {
-                (opt).update(__mpx_master, __mpx_grads)
-            })
+            let __mpx_begun = ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
+                .begin_update((model).__mpx_master_mut());
+            match __mpx_begun {
+                ::core::result::Result::Ok(__mpx_verdict) => {
+                    let __mpx_ran = if __mpx_verdict.applies() {
+                        ::core::option::Option::Some((opt).update(model, __mpx_grads))
+                    } else {
+                        ::core::option::Option::None
+                    };
+                    ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
+                        .end_update(__mpx_verdict, __mpx_ran)
+                }
+                ::core::result::Result::Err(__mpx_e) => ::core::result::Result::Err(__mpx_e),
+            }
         }
         .unwrap();
-        model.zero_grads(&mut grads);
+        // zero_grads: as dfdx's, and the thrown-away gradients' verdict is forgotten
+        ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
+            .zero_grads((model).__mpx_master(), &mut grads);
     }
     total_epoch_loss / batches.len() as f32
 }

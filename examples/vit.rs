@@ -29,7 +29,7 @@
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
-#[path = "common/heap.rs"]
+#[path = "../tests/common/heap.rs"]
 mod heap;
 #[path = "common/measure.rs"]
 mod measure;

@@ -105,9 +105,8 @@ where
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+mod common;
+use common::bits::bits;
 
 fn all_finite(v: &[f32]) -> bool {
     v.iter().all(|x| x.is_finite())

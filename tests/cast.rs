@@ -10,9 +10,9 @@ use mpx::precision::{AMP, FloatBits, f16};
 
 type Mlp = (Linear<5, 7>, ReLU, Linear<7, 3>);
 
-fn f16_bits(v: &[f16]) -> Vec<u16> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+mod common;
+use common::bits::f16_bits;
+use common::heap;
 
 #[test]
 fn f32_tensor_to_f16_matches_half_rounding_and_keeps_shape() {
@@ -400,38 +400,8 @@ mod laws {
 
 // ---- allocation check for the per-step cast ---------------------------------------------------
 
-mod alloc_count {
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::cell::Cell;
-
-    thread_local! {
-        static BYTES: Cell<usize> = const { Cell::new(0) };
-    }
-
-    /// Counts the bytes of heap allocations made by the current thread.
-    pub struct Counting;
-
-    unsafe impl GlobalAlloc for Counting {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            let _ = BYTES.try_with(|c| c.set(c.get() + layout.size()));
-            unsafe { System.alloc(layout) }
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            unsafe { System.dealloc(ptr, layout) }
-        }
-        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
-            let _ = BYTES.try_with(|c| c.set(c.get() + new));
-            unsafe { System.realloc(ptr, layout, new) }
-        }
-    }
-
-    pub fn allocated_bytes() -> usize {
-        BYTES.with(Cell::get)
-    }
-}
-
 #[global_allocator]
-static ALLOC: alloc_count::Counting = alloc_count::Counting;
+static ALLOC: heap::Counting = heap::Counting;
 
 type Wide = (Linear<64, 32>, ReLU, Linear<32, 16>);
 
@@ -444,12 +414,12 @@ fn cast_module_into_allocates_no_buffers_after_the_first_call() {
     let mut scratch = CastScratch::new();
     cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
     cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    let before = alloc_count::allocated_bytes();
+    let before = heap::allocated_here();
     for _ in 0..3 {
         cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
         cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
     }
-    let per_call = (alloc_count::allocated_bytes() - before) / 6;
+    let per_call = (heap::allocated_here() - before) / 6;
     // dfdx's walk over a tuple formats each field's name ("0", "1", "2"): a few bytes. Any tensor
     // buffer (the smallest here, a bias of 16 f16 values, is 32 bytes) would break this bound.
     assert!(per_call < 16, "{per_call} bytes allocated per call");

@@ -11,9 +11,8 @@ use mpx::precision::{Precision, bf16, f16, round_to_bf16};
 type Ln<E> = dfdx::nn::modules::LayerNorm1D<8, E, Cpu>;
 type X<E, T = NoneTape> = Tensor<Rank2<4, 8>, E, Cpu, T>;
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+mod common;
+use common::bits::bits;
 
 /// Rows with large values; row 0 sums past f16's max (65504).
 fn big_rows() -> [[f32; 8]; 4] {
@@ -217,8 +216,6 @@ fn bf16_output_is_rounded_to_bf16() {
 }
 
 // ---- #[mixed_step] ---------------------------------------------------------------------------
-
-mod common;
 
 mod step {
     use super::common::digits::{CLASSES, Digits, FEATURES};

@@ -46,3 +46,46 @@ fn leaf_errors_have_no_source() {
     assert!(RegionError::NotRebuilt.source().is_none());
     assert!(CastError::NotRebuilt.source().is_none());
 }
+
+#[test]
+fn device_errors_convert_into_cpu_error_as_themselves() {
+    let err = StepError::from(CpuError::OutOfMemory);
+    assert!(matches!(CpuError::from(err), CpuError::OutOfMemory));
+    let inside_optimizer =
+        StepError::Optimizer(OptimizerUpdateError::DeviceError(CpuError::OutOfMemory));
+    assert!(matches!(
+        CpuError::from(inside_optimizer),
+        CpuError::OutOfMemory
+    ));
+}
+
+#[test]
+fn layout_errors_convert_into_cpu_error_as_wrong_num_elements() {
+    let mismatch = StepError::WorkspaceMismatch {
+        expected: "2 tensors".into(),
+        found: "3 tensors".into(),
+    };
+    assert!(matches!(
+        CpuError::from(mismatch),
+        CpuError::WrongNumElements
+    ));
+    let unused = StepError::Optimizer(OptimizerUpdateError::UnusedParams(UnusedTensors::default()));
+    assert!(matches!(CpuError::from(unused), CpuError::WrongNumElements));
+}
+
+#[test]
+#[should_panic(expected = "3 consecutive steps were skipped (limit 2)")]
+fn too_many_skips_is_not_reported_as_a_shape_error() {
+    let err = StepError::TooManySkips {
+        consecutive: 3,
+        limit: 2,
+        scale: 1.0,
+    };
+    let _ = CpuError::from(err);
+}
+
+#[test]
+#[should_panic(expected = "the loss scale must be finite and greater than 0, got NaN")]
+fn an_invalid_scale_is_not_reported_as_a_shape_error() {
+    let _ = CpuError::from(StepError::InvalidScale { scale: f32::NAN });
+}

@@ -131,9 +131,8 @@ fn expected_bits(arr: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn bits_of(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+mod common;
+use common::bits::bits;
 
 /// Checks one reference entry (`jmp_static_f32` or `jmp_dynamic_f32` at one scale) with `s`.
 fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &str) {
@@ -145,7 +144,7 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
     // scale: an f32 loss tensor times the f32 scale.
     let scaled = s.scale(dev.tensor_from_vec(x.clone(), (n,))).as_vec();
     assert_eq!(
-        bits_of(&scaled),
+        bits(&scaled),
         expected_bits(&entry["scaled"]),
         "{what}: scaled"
     );
@@ -173,16 +172,12 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
         _ => unscale_into_checked(&x, s.inv_loss_scale(), &mut unscaled).unwrap(),
     };
     assert_eq!(
-        bits_of(&unscaled),
+        bits(&unscaled),
         expected_bits(&entry["unscaled"]),
         "{what}: unscaled"
     );
     let scalar: Vec<f32> = x.iter().map(|&v| s.unscale_value(v)).collect();
-    assert_eq!(
-        bits_of(&scalar),
-        bits_of(&unscaled),
-        "{what}: unscale_value"
-    );
+    assert_eq!(bits(&scalar), bits(&unscaled), "{what}: unscale_value");
 
     // unscale of a tensor tree in the stored dtype (f16 tensors, or f32 tensors holding the bf16 or
     // f32 values), and the fused tree form.
@@ -197,8 +192,8 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
                 "{what}: unscale_checked finiteness"
             );
             assert_eq!(
-                bits_of(&checked.as_vec()),
-                bits_of(&s.unscale(&t).as_vec()),
+                bits(&checked.as_vec()),
+                bits(&s.unscale(&t).as_vec()),
                 "{what}"
             );
             s.unscale(&t).as_vec()
@@ -212,15 +207,15 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
                 "{what}: unscale_checked finiteness"
             );
             assert_eq!(
-                bits_of(&checked.0.as_vec()),
-                bits_of(&s.unscale(&t).as_vec()),
+                bits(&checked.0.as_vec()),
+                bits(&s.unscale(&t).as_vec()),
                 "{what}"
             );
             s.unscale(&t).as_vec()
         }
     };
     assert_eq!(
-        bits_of(&tree_unscaled),
+        bits(&tree_unscaled),
         expected_bits(&entry["unscaled"]),
         "{what}: unscale(tree)"
     );
@@ -229,7 +224,7 @@ fn check_scale_unscale<L: LossScale>(s: &L, case: &Value, entry: &Value, what: &
     let mut roundtrip = vec![0.0f32; n];
     let finite_scaled = unscale_into_checked(&scaled, s.inv_loss_scale(), &mut roundtrip).unwrap();
     assert_eq!(
-        bits_of(&roundtrip),
+        bits(&roundtrip),
         expected_bits(&entry["roundtrip"]),
         "{what}: roundtrip"
     );
@@ -343,13 +338,13 @@ fn jmp_pytree_case_unscales_float_leaves_and_keeps_integers() {
             };
             let un = &entry["unscaled"];
             assert_eq!(
-                bits_of(&ua.as_vec()),
+                bits(&ua.as_vec()),
                 expected_bits(&un["a_f16"]),
                 "{impl_name} {key} a"
             );
             for (i, t) in ub.iter().enumerate() {
                 assert_eq!(
-                    bits_of(&t.as_vec()),
+                    bits(&t.as_vec()),
                     expected_bits(&un["b"][i]),
                     "{impl_name} {key} b{i}"
                 );
@@ -698,7 +693,7 @@ fn noop_and_static_scales_never_move() {
     }
     let x = dev.tensor([0.1f32, -7.0, f32::NAN]);
     let same = noop.scale(x.clone()).as_vec();
-    assert_eq!(bits_of(&same), bits_of(&x.as_vec()));
+    assert_eq!(bits(&same), bits(&x.as_vec()));
     assert_eq!(noop.inv_loss_scale(), 1.0);
     // 1/3 in f32, then a multiply: jmp's x * (1 / s), not a division.
     assert_eq!(st.inv_loss_scale(), 1.0f32 / 3.0);
@@ -748,16 +743,16 @@ proptest! {
         let n = xs.len();
         let scaled_t = s.scale(dev.tensor_from_vec(xs.clone(), (n,)));
         // The tree form: unscale(scale(x)) on the tensor itself.
-        prop_assert_eq!(bits_of(&s.unscale(&scaled_t).as_vec()), bits_of(&xs));
+        prop_assert_eq!(bits(&s.unscale(&scaled_t).as_vec()), bits(&xs));
         let (back_t, finite) = d.unscale_checked(&vec![scaled_t.clone()]);
         prop_assert!(finite);
-        prop_assert_eq!(bits_of(&back_t[0].as_vec()), bits_of(&xs));
+        prop_assert_eq!(bits(&back_t[0].as_vec()), bits(&xs));
         let scaled = scaled_t.as_vec();
         let scaled_d = d.scale(dev.tensor_from_vec(xs.clone(), (n,))).as_vec();
-        prop_assert_eq!(bits_of(&scaled), bits_of(&scaled_d));
+        prop_assert_eq!(bits(&scaled), bits(&scaled_d));
         let mut back = vec![0.0f32; n];
         prop_assert!(unscale_into_checked(&scaled, s.inv_loss_scale(), &mut back).unwrap());
-        prop_assert_eq!(bits_of(&back), bits_of(&xs));
+        prop_assert_eq!(bits(&back), bits(&xs));
         for (&x, &y) in xs.iter().zip(&scaled) {
             prop_assert_eq!(s.unscale_value(y).to_bits(), x.to_bits());
         }

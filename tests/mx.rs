@@ -22,9 +22,8 @@ fn hex_u32(v: &Value) -> u32 {
     u32::from_str_radix(s.trim_start_matches("0x"), 16).expect("hex bits")
 }
 
-fn bits_of(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
+mod common;
+use common::bits::bits;
 
 fn u8s(v: &Value) -> Vec<u8> {
     v.as_array()
@@ -317,9 +316,9 @@ fn blocks_match_reference_bit_for_bit() {
             .iter()
             .map(hex_u32)
             .collect();
-        assert_eq!(bits_of(&t.dequantize()), want, "{id}: dequantized bits");
+        assert_eq!(bits(&t.dequantize()), want, "{id}: dequantized bits");
         let fused = quantize_dequantize(input, shape, spec).unwrap();
-        assert_eq!(bits_of(&fused), want, "{id}: quantize_dequantize bits");
+        assert_eq!(bits(&fused), want, "{id}: quantize_dequantize bits");
         let exps: Vec<Option<i32>> = case["scale_exponent"]
             .as_array()
             .unwrap()
@@ -795,7 +794,7 @@ fn huge_thread_counts_give_the_same_tensor() {
     assert_eq!(many, one);
     let mut out = vec![0.0; x.len()];
     many.dequantize_into(&mut out, usize::MAX).unwrap();
-    assert_eq!(bits_of(&out), bits_of(&one.dequantize()));
+    assert_eq!(bits(&out), bits(&one.dequantize()));
 }
 
 /// A small tensor and spec, so that every byte of the encoding can be mutated in each case.
@@ -874,8 +873,8 @@ proptest! {
         let y = t.dequantize();
         let t2 = MxTensor::quantize(&y, &shape, &spec).unwrap();
         prop_assert_eq!(&t2, &t);
-        prop_assert_eq!(bits_of(&t2.dequantize()), bits_of(&y));
-        prop_assert_eq!(bits_of(&quantize_dequantize(&y, &shape, &spec).unwrap()), bits_of(&y));
+        prop_assert_eq!(bits(&t2.dequantize()), bits(&y));
+        prop_assert_eq!(bits(&quantize_dequantize(&y, &shape, &spec).unwrap()), bits(&y));
     }
 
     #[test]
@@ -919,7 +918,7 @@ proptest! {
         prop_assert_eq!(&rebuilt, &t);
         let mut out = vec![0.0; x.len()];
         t.dequantize_into(&mut out, threads).unwrap();
-        prop_assert_eq!(bits_of(&out), bits_of(&t.dequantize()));
+        prop_assert_eq!(bits(&out), bits(&t.dequantize()));
     }
 
     #[test]

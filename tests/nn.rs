@@ -12,13 +12,9 @@ use mpx::nn::{self, DfdxLayer};
 
 // ---- helpers --------------------------------------------------------------------------------
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-#[path = "common/grads.rs"]
-mod grads;
-use grads::param_grads;
+mod common;
+use common::bits::bits;
+use common::grads::param_grads;
 
 /// Forward with a traced input, loss `sum(y * w)`: returns the output and the gradients.
 fn run<M, S: Shape>(
@@ -137,8 +133,6 @@ fn f32_encoder_block_and_encoder_are_bit_identical_to_dfdx() {
 }
 
 // ---- the runtime's mixed step, in every precision -------------------------------------------
-
-mod common;
 
 mod vit_step {
     use super::common::digits::{CLASSES, Digits, FEATURES};

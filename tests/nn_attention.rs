@@ -20,9 +20,8 @@ use dfdx::prelude::*;
 use mpx::nn::{self, ForwardIn};
 use mpx::precision::{Precision, bf16, f16};
 
-#[path = "common/grads.rs"]
-mod grads;
-use grads::param_grads;
+mod common;
+use common::grads::param_grads;
 
 /// Normwise relative error `|a - b| / |b|`.
 fn rel(a: &[f32], b: &[f32]) -> f64 {

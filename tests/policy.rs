@@ -5,7 +5,8 @@
 use std::any::{Any, TypeId};
 
 use dfdx::prelude::*;
-use mpx::policy::{DType, Policy, PolicyError, PolicySpec};
+use mpx::policy::{Policy, PolicyError, PolicySpec};
+use mpx::precision::DType;
 use mpx::precision::{AMP, bf16, f16};
 
 const PROBES: &str = include_str!("data/lossscale/semantics_probes.json");

@@ -11,9 +11,8 @@ use mpx::region::FullPrecision;
 
 type Ln<E> = dfdx::nn::modules::LayerNorm1D<8, E, Cpu>;
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+mod common;
+use common::bits::bits;
 
 /// Input rows with large, mixed values; row 0 sums to 4 * 30000 > 65504.
 fn big_rows() -> [[f32; 8]; 4] {

@@ -2,39 +2,16 @@
 //! step, no step allocates anything near the size of the working copy. Measured with a counting
 //! allocator (this test binary's global allocator; counts are per thread).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
 use dfdx::optim::{Sgd, SgdConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
 use mpx::step::GradScaler;
 
-struct Counting;
-
-thread_local! {
-    static BYTES: Cell<usize> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to the system allocator; only adds a thread-local byte count.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = BYTES.try_with(|b| b.set(b.get() + layout.size()));
-        // SAFETY: the caller's layout is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+mod common;
+use common::heap;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn allocated() -> usize {
-    BYTES.with(Cell::get)
-}
+static ALLOC: heap::Counting = heap::Counting;
 
 type Mlp = (
     Linear<256, 256>,
@@ -77,14 +54,14 @@ fn step_f32(
 
 /// Bytes allocated by each of `n` calls of `f` after a first, warming call.
 fn per_call(n: usize, mut f: impl FnMut()) -> (usize, Vec<usize>) {
-    let before = allocated();
+    let before = heap::allocated_here();
     f();
-    let first = allocated() - before;
+    let first = heap::allocated_here() - before;
     let later = (0..n)
         .map(|_| {
-            let before = allocated();
+            let before = heap::allocated_here();
             f();
-            allocated() - before
+            heap::allocated_here() - before
         })
         .collect();
     (first, later)

@@ -4,8 +4,8 @@
 //! overflow; those are skipped, counted, and leave the master untouched, and every applied step's
 //! loss tracks an f32 run that applies the same updates on the same batches.
 
-#[path = "common/digits.rs"]
-mod digits;
+mod common;
+use common::digits;
 
 use dfdx::{optim::*, prelude::*};
 use digits::{CLASSES, Digits, FEATURES};

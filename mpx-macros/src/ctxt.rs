@@ -86,6 +86,119 @@ pub(crate) fn set_once<T>(
     }
 }
 
+/// Parses the value of `key = value` as a `T` into `slot`, once (see [`set_once`]); `Ok(true)`,
+/// so a [`parse_keyed`] handler can return it for a known key.
+pub(crate) fn set_parsed<T: syn::parse::Parse>(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<T>,
+    name: &str,
+) -> syn::Result<bool> {
+    let value: T = meta.value()?.parse()?;
+    set_once(cx, &meta.path, slot, value, name);
+    Ok(true)
+}
+
+/// Parses `crate = "path"` into `slot`, once; `Ok(true)`, as [`set_parsed`].
+pub(crate) fn set_crate(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<syn::Path>,
+) -> syn::Result<bool> {
+    let path = crate_path(meta)?;
+    set_once(cx, &meta.path, slot, path, "crate");
+    Ok(true)
+}
+
+/// Parses a list of names (`key = x` or `key = (x, y)`, see [`name_list`]) into `slot`, once;
+/// `Ok(true)`, as [`set_parsed`].
+pub(crate) fn set_names(
+    meta: &syn::meta::ParseNestedMeta<'_>,
+    cx: &mut Ctxt,
+    slot: &mut Option<Vec<syn::Ident>>,
+    name: &str,
+    usage: &str,
+) -> syn::Result<bool> {
+    let value: syn::Expr = meta.value()?.parse()?;
+    let names = name_list(&value, usage)?;
+    set_once(cx, &meta.path, slot, names, name);
+    Ok(true)
+}
+
+/// `x` or `(x, y, ..)`: a list of plain names (an argument's value such as `inputs = (x, y)`);
+/// anything else is an error whose message is `usage`.
+pub(crate) fn name_list(e: &syn::Expr, usage: &str) -> syn::Result<Vec<syn::Ident>> {
+    let one = |e: &syn::Expr| match e {
+        syn::Expr::Path(p) if p.qself.is_none() => p
+            .path
+            .get_ident()
+            .cloned()
+            .ok_or_else(|| syn::Error::new_spanned(e, usage)),
+        other => Err(syn::Error::new_spanned(other, usage)),
+    };
+    match e {
+        syn::Expr::Tuple(t) => t.elems.iter().map(one).collect(),
+        syn::Expr::Paren(p) => Ok(vec![one(&p.expr)?]),
+        other => Ok(vec![one(other)?]),
+    }
+}
+
+/// Records an error for each kind of function `#[<attr>]` cannot rewrite: a `const fn` (with
+/// `const_why`), an `async fn` (with `async_fix`), an `extern` one, a variadic one.
+pub(crate) fn plain_fn_only(
+    sig: &syn::Signature,
+    attr: &str,
+    const_why: &str,
+    async_fix: &str,
+    cx: &mut Ctxt,
+) {
+    let kinds = [
+        (
+            sig.constness.as_ref().map(ToTokens::to_token_stream),
+            format!("a `const fn`: {const_why}"),
+        ),
+        (
+            sig.asyncness.as_ref().map(ToTokens::to_token_stream),
+            format!("an `async fn`; {async_fix}"),
+        ),
+        (
+            sig.abi.as_ref().map(ToTokens::to_token_stream),
+            "an `extern` function; remove the ABI".to_owned(),
+        ),
+        (
+            sig.variadic.as_ref().map(ToTokens::to_token_stream),
+            "a variadic function".to_owned(),
+        ),
+    ];
+    for (tokens, what) in kinds {
+        if let Some(tokens) = tokens {
+            cx.error_spanned(tokens, format!("`#[{attr}]` cannot rewrite {what}"));
+        }
+    }
+}
+
+/// The end of an attribute's expansion: the errors recorded in `cx` followed by the user's item
+/// unchanged, or, when there are none, the expansion `out` makes.
+pub(crate) fn finish(
+    cx: Ctxt,
+    item: TokenStream,
+    attr: &str,
+    out: impl FnOnce() -> Option<TokenStream>,
+) -> TokenStream {
+    match cx.check().map(|()| out()) {
+        Ok(Some(expanded)) => expanded,
+        Err(err) => with_errors(item, err),
+        // Unreachable in practice: a missing expansion always comes with a recorded error.
+        Ok(None) => with_errors(
+            item,
+            syn::Error::new(
+                proc_macro2::Span::call_site(),
+                format!("`#[{attr}]` could not rewrite this item"),
+            ),
+        ),
+    }
+}
+
 /// Skips an unknown argument's value (up to the next top-level comma).
 pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> {
     while !input.is_empty() && !input.peek(syn::Token![,]) {
@@ -111,10 +224,7 @@ pub(crate) fn item_fn(
     match syn::parse2::<syn::Item>(item.clone()) {
         Ok(syn::Item::Fn(f)) => Some(f),
         Ok(other) => {
-            cx.error_spanned(
-                crate::full_precision::item_head(&other),
-                format!("`#[{attr}]` applies to {what}"),
-            );
+            cx.error_spanned(item_head(&other), format!("`#[{attr}]` applies to {what}"));
             None
         }
         Err(err) => {
@@ -124,6 +234,39 @@ pub(crate) fn item_fn(
             ));
             None
         }
+    }
+}
+
+/// The tokens an item error points at: the item up to its name (not the whole body).
+fn item_head(item: &syn::Item) -> TokenStream {
+    use quote::quote;
+    match item {
+        syn::Item::Struct(s) => {
+            let (k, i) = (&s.struct_token, &s.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Enum(e) => {
+            let (k, i) = (&e.enum_token, &e.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Impl(i) => i.impl_token.to_token_stream(),
+        syn::Item::Trait(t) => {
+            let (k, i) = (&t.trait_token, &t.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Mod(m) => {
+            let (k, i) = (&m.mod_token, &m.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Const(c) => {
+            let (k, i) = (&c.const_token, &c.ident);
+            quote!(#k #i)
+        }
+        syn::Item::Static(s) => {
+            let (k, i) = (&s.static_token, &s.ident);
+            quote!(#k #i)
+        }
+        other => other.to_token_stream(),
     }
 }
 

@@ -4,7 +4,7 @@
 //! | boundary | trait | where it is required |
 //! |---|---|---|
 //! | the master model is f32 | [`MasterModel`] | [`step::filter_value_and_grad`](crate::step::filter_value_and_grad), [`step::optimizer_update`](crate::step::optimizer_update), `#[mixed_step]` |
-//! | an input tensor is f32 | [`FullPrecisionTensor`] | [`cast_input`], the input of a `#[mixed_step]` forward pass |
+//! | a forward pass's input is f32 (or integer) | [`HalfInput`](crate::step::HalfInput) | [`GradScaler::forward`](crate::step::GradScaler::forward), the traced batch of a `#[mixed_step]` |
 //!
 //! Each trait carries a `#[diagnostic::on_unimplemented]` message, so the compiler error names
 //! the boundary and the fix rather than a dfdx trait. Emulated bf16 is stored in f32, so an
@@ -12,11 +12,7 @@
 //! f32 is what the mixed step expects.
 
 use dfdx::nn::tensor_collection::TensorCollection;
-use dfdx::shapes::Shape;
-use dfdx::tensor::{Cpu, OwnedTape, PutTape, Tensor};
-
-use crate::cast::Cast;
-use crate::precision::Precision;
+use dfdx::tensor::Cpu;
 
 /// An f32 master model: what optimizers update and the mixed step casts its working copy from.
 ///
@@ -66,67 +62,4 @@ impl<M: TensorCollection<f32, Cpu>> MasterModel for M {}
 /// ```
 pub fn require_master<M: MasterModel>(model: &M) -> &M {
     model
-}
-
-/// An f32 tensor (no tape): what the mixed step's forward pass takes as input before casting it
-/// to the half type itself.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::boundary::FullPrecisionTensor;
-/// fn needs_f32<X: FullPrecisionTensor>(_: &X) {}
-/// let dev = Cpu::default();
-/// needs_f32(&dev.tensor([1.0f32, 2.0]));
-/// ```
-///
-/// A half tensor does not compile:
-/// ```compile_fail
-/// use dfdx::prelude::*;
-/// use mpx_runtime::boundary::FullPrecisionTensor;
-/// use mpx_runtime::precision::f16;
-/// fn needs_f32<X: FullPrecisionTensor>(_: &X) {}
-/// let dev = Cpu::default();
-/// needs_f32(&dev.tensor([1.0f32, 2.0]).to_dtype::<f16>());
-/// ```
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` is not an f32 tensor, and this API requires full precision",
-    label = "expected an f32 tensor without a tape",
-    note = "pass the f32 tensor (the mixed step casts its input to the half type itself); cast a half tensor up with `mpx::cast::cast_to_f32(&t)`, or run half-precision code in f32 with `#[full_precision]`"
-)]
-pub trait FullPrecisionTensor {
-    /// The tensor's shape.
-    type Shape: Shape;
-    /// The tensor itself, as an f32 tensor.
-    fn as_f32(&self) -> &Tensor<Self::Shape, f32, Cpu>;
-}
-
-impl<S: Shape> FullPrecisionTensor for Tensor<S, f32, Cpu> {
-    type Shape = S;
-    fn as_f32(&self) -> &Tensor<S, f32, Cpu> {
-        self
-    }
-}
-
-/// Casts an f32 input to half precision `H` and puts `tape` on it: the entry of the half forward
-/// pass in a mixed step (what `#[mixed_step]` generates for `x.traced(grads)`).
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::boundary::cast_input;
-/// use mpx_runtime::precision::f16;
-/// let dev = Cpu::default();
-/// let x = dev.tensor([1.0f32, 65520.0]);
-/// let h = cast_input::<f16, _>(&x, OwnedTape::default());
-/// assert_eq!(h.retaped::<NoneTape>().array(), [f16::ONE, f16::INFINITY]);
-/// ```
-pub fn cast_input<H: Precision, X: FullPrecisionTensor>(
-    x: &X,
-    tape: OwnedTape<H::Elem, Cpu>,
-) -> Tensor<X::Shape, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>
-where
-    Tensor<X::Shape, f32, Cpu>: Cast<H, Output = Tensor<X::Shape, H::Elem, Cpu>>,
-{
-    Cast::<H>::cast(x.as_f32()).put_tape(tape)
 }

@@ -2,7 +2,7 @@
 //!
 //! A value is non-finite (NaN or ±inf) exactly when its exponent bits are all ones. Instead of
 //! testing element by element (`iter().all(|x| x.is_finite())`, which branches on every value),
-//! the checks here walk a slice in chunks of [`CHUNK`] elements, fold each chunk with a
+//! the checks here walk a slice in chunks of 4096 elements, fold each chunk with a
 //! branch-free OR of `(bits & !SIGN) + (1 << mantissa_bits)` (bit 31 of that sum, or bit 15 for f16,
 //! is set exactly when the exponent field is all ones), and look at the folded value once per
 //! chunk, leaving early when a chunk holds a non-finite value. The inner loop uses only
@@ -28,14 +28,15 @@
 //! ```
 
 use crate::cast::FloatLeaves;
-use crate::precision::{FloatBits, Precision};
+use crate::precision::{FloatBits, FloatSliceMut, Precision};
 use half::f16;
 
 /// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
-pub const CHUNK: usize = 4096;
+pub(crate) const CHUNK: usize = 4096;
 
 /// Why a fused unscale could not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FiniteError {
     /// Source and destination slices of different lengths.
     #[error(
@@ -49,16 +50,18 @@ pub enum FiniteError {
     },
 }
 
+/// `true` when `bad` finds nothing in any chunk of `bits`: it looks once per chunk of [`CHUNK`]
+/// values (whole chunks first, so their loop has a fixed length), and stops at the first bad one.
+#[inline]
+fn no_bad_chunk<T>(bits: &[T], bad: impl Fn(&[T]) -> bool) -> bool {
+    let mut chunks = bits.chunks_exact(CHUNK);
+    !chunks.any(&bad) && !bad(chunks.remainder())
+}
+
 /// `true` when no element of `bits` (binary32 patterns) is NaN or infinite.
 #[inline]
 fn finite_u32(bits: &[u32]) -> bool {
-    let mut chunks = bits.chunks_exact(CHUNK);
-    for chunk in &mut chunks {
-        if fold_u32(chunk) & 0x8000_0000 != 0 {
-            return false;
-        }
-    }
-    fold_u32(chunks.remainder()) & 0x8000_0000 == 0
+    no_bad_chunk(bits, |c| fold_u32(c) & 0x8000_0000 != 0)
 }
 
 /// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk: bit 31 ends up set iff some exponent is 0xff.
@@ -72,13 +75,7 @@ fn fold_u32(chunk: &[u32]) -> u32 {
 /// `true` when no element of `bits` (binary16 patterns) is NaN or infinite.
 #[inline]
 fn finite_u16(bits: &[u16]) -> bool {
-    let mut chunks = bits.chunks_exact(CHUNK);
-    for chunk in &mut chunks {
-        if fold_u16(chunk) & 0x8000 != 0 {
-            return false;
-        }
-    }
-    fold_u16(chunks.remainder()) & 0x8000 == 0
+    no_bad_chunk(bits, |c| fold_u16(c) & 0x8000 != 0)
 }
 
 /// ORs `(b & 0x7fff) + 0x0400` over a chunk: bit 15 ends up set iff some exponent is 0x1f.
@@ -209,12 +206,52 @@ pub fn unscale_into_checked<E: Precision<Elem = E>>(
             dst: dst.len(),
         });
     }
+    Ok(unscale_stored_into::<E>(src, inv_scale, dst))
+}
+
+/// [`unscale_into_checked`] for values stored in precision `P` (emulated bf16: f32 storage,
+/// rounded to bf16 as it is widened): the mixed step's move of scaled half gradients into f32
+/// master gradients. `true` when every value was finite; slices of different lengths are
+/// reported as not finite (the step checks the lengths first).
+pub(crate) fn unscale_stored_into<P: Precision>(
+    src: &[P::Elem],
+    inv_scale: f32,
+    dst: &mut [f32],
+) -> bool {
+    if src.len() != dst.len() {
+        return false;
+    }
     let mut acc = 0u32;
     for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-        E::widen(s, d);
+        P::widen(s, d);
         acc |= unscale_chunk(d, inv_scale);
     }
-    Ok(acc & 0x8000_0000 == 0)
+    acc & 0x8000_0000 == 0
+}
+
+/// Checks finiteness and multiplies by `inv_scale` values stored in precision `P`, in place: f32
+/// in one pass ([`unscale_in_place_checked`]); other storage chunk by chunk through f32: widen,
+/// unscale and check, round back, and check again (a value can overflow when it is rounded
+/// back). `true` when every value was finite.
+pub(crate) fn unscale_stored_in_place<P: Precision>(
+    values: &mut [P::Elem],
+    inv_scale: f32,
+) -> bool {
+    if P::IDENTITY
+        && let FloatSliceMut::F32(v) = P::floats_mut(values)
+    {
+        return unscale_in_place_checked(v, inv_scale);
+    }
+    let mut buf = [0.0f32; 1024];
+    let mut finite = true;
+    for chunk in values.chunks_mut(buf.len()) {
+        let tmp = &mut buf[..chunk.len()];
+        P::widen(chunk, tmp);
+        finite &= unscale_in_place_checked(tmp, inv_scale);
+        P::round(tmp, chunk);
+        finite &= all_finite_slice::<P::Elem>(chunk);
+    }
+    finite
 }
 
 /// Fused unscale and check in place: multiplies every value by `inv_scale` (in f32) and returns
@@ -287,6 +324,7 @@ fn f32_bits(values: &[f32]) -> &[u32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::{AMP, bf16};
 
     #[test]
     fn exponent_boundaries_f32() {
@@ -335,13 +373,13 @@ mod tests {
         assert!(!unscale_in_place_checked(&mut v, 2.0));
         assert!(v[CHUNK].is_infinite());
         let mut h = [f16::MAX, f16::NAN];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 0.5));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, 0.5));
         assert_eq!(h[0], f16::from_f32(32752.0));
         // f16 values finite in f32 after the multiply, but rounding back to f16 overflows.
         let mut h = [f16::ONE, f16::MAX];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, 2.0));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, 2.0));
         let mut h = [f16::ONE, f16::from_f32(2.0)];
-        assert!(<f16 as Precision>::unscale_in_place(&mut h, 2.0));
+        assert!(unscale_stored_in_place::<f16>(&mut h, 2.0));
         assert_eq!(h, [f16::from_f32(2.0), f16::from_f32(4.0)]);
     }
 
@@ -355,7 +393,7 @@ mod tests {
         let mut v = [0.0f32];
         assert!(!unscale_in_place_checked(&mut v, inv), "0 * inf is NaN");
         let mut h = [f16::ONE];
-        assert!(!<f16 as Precision>::unscale_in_place(&mut h, inv));
+        assert!(!unscale_stored_in_place::<f16>(&mut h, inv));
         let mut dst = [0.0f32; 2];
         assert_eq!(
             unscale_into_checked(&[f16::ONE, f16::ZERO], inv, &mut dst),
@@ -365,5 +403,24 @@ mod tests {
             unscale_into_checked(&[1.0f32, 2.0], f32::NAN, &mut dst),
             Ok(false)
         );
+    }
+
+    #[test]
+    fn in_place_unscale_reports_a_value_that_overflows_when_rounded_back() {
+        // 60000 * 2 = 120000 is finite in f32 but not in f16 (max 65504).
+        let mut v = [f16::from_f32(60000.0), f16::from_f32(1.0)];
+        assert!(!unscale_stored_in_place::<f16>(&mut v, 2.0));
+        let mut v = [f16::from_f32(1024.0), f16::from_f32(-3.0)];
+        assert!(unscale_stored_in_place::<f16>(&mut v, 1.0 / 1024.0));
+        assert_eq!(v, [f16::ONE, f16::from_f32(-3.0 / 1024.0)]);
+        let mut a = [AMP(f16::from_f32(60000.0))];
+        assert!(!unscale_stored_in_place::<AMP<f16>>(&mut a, 2.0));
+        // Emulated bf16 rounds to bf16 first (1 + 2^-9 -> 1), then unscales.
+        let mut b = [1.0 + 1.0 / 512.0, f32::NAN];
+        assert!(!unscale_stored_in_place::<bf16>(&mut b, 0.5));
+        assert_eq!(b[0], 0.5);
+        let mut f = [3.0f32, 5.0];
+        assert!(unscale_stored_in_place::<f32>(&mut f, 0.5));
+        assert_eq!(f, [1.5, 2.5]);
     }
 }

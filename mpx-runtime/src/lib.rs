@@ -10,11 +10,10 @@
 //! | [`scaling`] | loss scales: no-op, static, dynamic |
 //! | [`finite`] | bit-level finiteness checks |
 //! | [`kernels`] | mpx's own CPU GEMM (f32, f16, bf16) and fused element-wise passes |
-//! | [`nn`] | mixed-ready layers (a fused `Linear`) built on those kernels |
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
-//! | [`nn`] | mixed-ready layers: layer norm, attention, transformer encoder, ViT |
+//! | [`nn`] | mixed-ready layers built on those kernels: a fused `Linear`, layer norm, attention, transformer encoder, ViT |
 
 pub mod boundary;
 pub mod cast;

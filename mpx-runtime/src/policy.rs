@@ -24,7 +24,8 @@
 //!
 //! # Examples
 //! ```
-//! use mpx_runtime::policy::{DType, Policy, PolicySpec};
+//! use mpx_runtime::policy::{Policy, PolicySpec};
+//! use mpx_runtime::precision::DType;
 //! use mpx_runtime::precision::f16;
 //!
 //! let spec: PolicySpec = "params=float32,compute=float16,output=float32".parse().unwrap();
@@ -42,7 +43,7 @@ use std::marker::PhantomData;
 use std::str::FromStr;
 
 use crate::cast::Cast;
-use crate::precision::{Precision, bf16, f16};
+use crate::precision::{DType, Precision, bf16, f16};
 
 /// Every dtype name the parser accepts, for error messages.
 const DTYPE_CHOICES: &str = "full, f32, float32, half, f16, float16, bf16, bfloat16, f64, float64";
@@ -89,6 +90,7 @@ fn in_policy(part: &str, policy: &str) -> String {
 /// assert!(long.len() < 200);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// A dtype name that is not one of jmp's.
     #[error("unknown dtype `{value}`{}; expected one of {DTYPE_CHOICES}", in_policy(.value, .policy))]
@@ -146,51 +148,7 @@ pub enum PolicyError {
     },
 }
 
-/// A floating-point dtype a policy can name: jmp's four.
-///
-/// `Float64` exists because jmp accepts it in policy strings; no mpx cast produces f64 (mpx
-/// leaves f64 alone), so a typed [`Policy`] cannot hold it.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::policy::DType;
-/// assert_eq!("bfloat16".parse::<DType>(), Ok(DType::BFloat16));
-/// assert_eq!(DType::Float32.to_string(), "full");
-/// assert_eq!(DType::Float16.name(), "float16");
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// IEEE binary16 (`f16`, `half`).
-    Float16,
-    /// bfloat16 (emulated in mpx: see [`crate::precision`]).
-    BFloat16,
-    /// IEEE binary32 (`full`).
-    Float32,
-    /// IEEE binary64.
-    Float64,
-}
-
 impl DType {
-    /// jmp's long name: `float16`, `bfloat16`, `float32`, `float64`.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::Float16 => "float16",
-            DType::BFloat16 => "bfloat16",
-            DType::Float32 => "float32",
-            DType::Float64 => "float64",
-        }
-    }
-
-    /// jmp's short name, as its `str(policy)` prints it: `f16`, `bf16`, `full`, `f64`.
-    pub fn short_name(self) -> &'static str {
-        match self {
-            DType::Float16 => "f16",
-            DType::BFloat16 => "bf16",
-            DType::Float32 => "full",
-            DType::Float64 => "f64",
-        }
-    }
-
     /// Parses one jmp dtype name (exact, case-sensitive); `None` if unknown.
     fn from_jmp_name(s: &str) -> Option<DType> {
         Some(match s {
@@ -227,13 +185,6 @@ impl DType {
     }
 }
 
-impl fmt::Display for DType {
-    /// jmp's short name (`full`, `f16`, `bf16`, `f64`).
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.short_name())
-    }
-}
-
 impl FromStr for DType {
     type Err = PolicyError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -246,7 +197,8 @@ impl FromStr for DType {
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::policy::{DType, PolicySpec};
+/// use mpx_runtime::policy::PolicySpec;
+/// use mpx_runtime::precision::DType;
 /// // jmp's defaults: compute = params, output = compute
 /// let s: PolicySpec = "c=bf16".parse().unwrap();
 /// assert_eq!((s.param, s.compute, s.output), (DType::Float32, DType::BFloat16, DType::BFloat16));

@@ -63,6 +63,7 @@ use crate::precision::Precision;
 /// assert!(RegionError::NotRebuilt.to_string().contains("iter_tensors"));
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegionError {
     /// The device failed (in practice: out of memory); the device's error is the source.
     #[error("the device failed in a full-precision region")]

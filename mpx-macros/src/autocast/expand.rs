@@ -13,8 +13,8 @@ use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
 
-use crate::full_precision::valid::is_self;
 use crate::ops::{Form, Fp32Op, fp32_op};
+use crate::syntax::is_self;
 
 /// Method names whose result is an iterator: a table method called on one (`.iter().sum()`) is
 /// `Iterator`'s, not dfdx's, and stays as it is.

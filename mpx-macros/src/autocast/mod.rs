@@ -27,7 +27,7 @@ mod valid;
 use proc_macro2::TokenStream;
 use syn::visit_mut::VisitMut;
 
-use crate::ctxt::{Ctxt, item_fn, runtime_path, with_errors};
+use crate::ctxt::{Ctxt, finish, item_fn, runtime_path};
 
 /// Entry point: the rewritten function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -54,18 +54,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         }
         f
     });
-    match (cx.check(), rewritten) {
-        (Ok(()), Some(f)) => quote::quote!(#f),
-        (Err(err), _) => with_errors(item, err),
-        // Unreachable in practice: a missing rewrite always comes with a recorded error.
-        (Ok(()), None) => with_errors(
-            item,
-            syn::Error::new(
-                proc_macro2::Span::call_site(),
-                "`#[autocast]` could not rewrite this item",
-            ),
-        ),
-    }
+    finish(cx, item, "autocast", || {
+        rewritten.map(|f| quote::quote!(#f))
+    })
 }
 
 /// The error for a function with no tensor operation of the table.

@@ -2,8 +2,8 @@
 
 use super::ast::Args;
 use crate::ctxt::Ctxt;
-use crate::full_precision::valid::find_half;
 use crate::ops::FP32_OPS;
+use crate::syntax::find_half;
 
 /// A checked function, ready to rewrite.
 pub(crate) struct Plan {

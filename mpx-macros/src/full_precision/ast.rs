@@ -2,7 +2,7 @@
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, crate_path, parse_keyed, set_once};
+use crate::ctxt::{Ctxt, parse_keyed, set_crate, set_names, set_parsed};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`half`, `params`, `inputs`, `crate`";
@@ -25,54 +25,18 @@ pub(crate) struct Args {
 /// in `cx` and carrying on, so every mistake is reported at once.
 pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     let mut out = Args::default();
-    parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| {
-        Ok(match key {
-            "half" => {
-                let v: syn::Type = meta.value()?.parse()?;
-                set_once(cx, &meta.path, &mut out.half, v, "half");
-                true
-            }
-            "params" => {
-                let v: syn::Expr = meta.value()?.parse()?;
-                set_once(cx, &meta.path, &mut out.params, v, "params");
-                true
-            }
-            "inputs" => {
-                let v: syn::Expr = meta.value()?.parse()?;
-                let names = input_names(&v)?;
-                set_once(cx, &meta.path, &mut out.inputs, names, "inputs");
-                true
-            }
-            "crate" => {
-                let v = crate_path(meta)?;
-                set_once(cx, &meta.path, &mut out.krate, v, "crate");
-                true
-            }
-            _ => false,
-        })
+    parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| match key {
+        "half" => set_parsed(meta, cx, &mut out.half, "half"),
+        "params" => set_parsed(meta, cx, &mut out.params, "params"),
+        "inputs" => set_names(meta, cx, &mut out.inputs, "inputs", INPUTS_USAGE),
+        "crate" => set_crate(meta, cx, &mut out.krate),
+        _ => Ok(false),
     });
     out
 }
 
-/// `x` or `(x, y, ..)`: argument names.
-fn input_names(e: &syn::Expr) -> syn::Result<Vec<syn::Ident>> {
-    let one = |e: &syn::Expr| match e {
-        syn::Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => Ok(p
-            .path
-            .get_ident()
-            .cloned()
-            .unwrap_or_else(|| unreachable!())),
-        other => Err(syn::Error::new_spanned(
-            other,
-            "`inputs` lists argument names: `inputs = x` or `inputs = (x, y)`",
-        )),
-    };
-    match e {
-        syn::Expr::Tuple(t) => t.elems.iter().map(one).collect(),
-        syn::Expr::Paren(p) => Ok(vec![one(&p.expr)?]),
-        other => Ok(vec![one(other)?]),
-    }
-}
+/// What `inputs` takes, as its error says.
+const INPUTS_USAGE: &str = "`inputs` lists argument names: `inputs = x` or `inputs = (x, y)`";
 
 /// How an argument's type reads to the macro: the region casts only tensors passed by value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

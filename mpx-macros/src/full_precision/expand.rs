@@ -6,7 +6,8 @@ use quote::{format_ident, quote};
 use syn::visit_mut::VisitMut;
 
 use super::ast::Args;
-use super::valid::{Params, Plan, is_self};
+use super::valid::{Params, Plan};
+use crate::syntax::is_self;
 
 /// Name of the f32 parameter copy inside the closure when `params = self.field`.
 const PARAMS: &str = "__mpx_params";

@@ -9,13 +9,13 @@
 //! }
 //! ```
 
-pub(crate) mod ast;
+mod ast;
 mod expand;
-pub(crate) mod valid;
+mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, item_fn, with_errors};
+use crate::ctxt::{Ctxt, finish, item_fn};
 
 /// Entry point: the expanded function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -30,51 +30,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let plan = f
         .as_ref()
         .and_then(|f| valid::check(&parsed_args, f, &mut cx));
-    match (cx.check(), f, plan) {
-        (Ok(()), Some(f), Some(plan)) => expand::expand(&parsed_args, &plan, f),
-        (Err(err), _, _) => with_errors(item, err),
-        // Unreachable in practice: a missing plan always comes with a recorded error.
-        _ => with_errors(
-            item,
-            syn::Error::new(
-                proc_macro2::Span::call_site(),
-                "`#[full_precision]` could not rewrite this item",
-            ),
-        ),
-    }
-}
-
-/// The tokens an item error points at: the item up to its name (not the whole body).
-pub(crate) fn item_head(item: &syn::Item) -> TokenStream {
-    use quote::{ToTokens, quote};
-    match item {
-        syn::Item::Struct(s) => {
-            let (k, i) = (&s.struct_token, &s.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Enum(e) => {
-            let (k, i) = (&e.enum_token, &e.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Impl(i) => i.impl_token.to_token_stream(),
-        syn::Item::Trait(t) => {
-            let (k, i) = (&t.trait_token, &t.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Mod(m) => {
-            let (k, i) = (&m.mod_token, &m.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Const(c) => {
-            let (k, i) = (&c.const_token, &c.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Static(s) => {
-            let (k, i) = (&s.static_token, &s.ident);
-            quote!(#k #i)
-        }
-        other => other.to_token_stream(),
-    }
+    finish(cx, item, "full_precision", || {
+        Some(expand::expand(&parsed_args, &plan?, f?))
+    })
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 use syn::spanned::Spanned;
 
 use super::ast::{ArgKind, Args, classify};
-use crate::ctxt::Ctxt;
+use crate::ctxt::{Ctxt, plain_fn_only};
+use crate::syntax::{find_half, is_self};
 
 /// Where the region's parameters come from.
 pub(crate) enum Params {
@@ -23,34 +24,17 @@ pub(crate) struct Plan {
     pub params: Option<Params>,
 }
 
-/// The precision traits a generic parameter may be bounded by to be taken as the half type.
-const PRECISION_TRAITS: [&str; 2] = ["Precision", "HalfPrecision"];
-
 /// Rejects what the region cannot rewrite: the fn kind, arguments, return type, half type and
 /// `params`; every problem is recorded in `cx`.
 pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan> {
     let sig = &f.sig;
-    if let Some(t) = &sig.constness {
-        cx.error_spanned(
-            t,
-            "`#[full_precision]` cannot rewrite a `const fn`: tensor code is not const",
-        );
-    }
-    if let Some(t) = &sig.asyncness {
-        cx.error_spanned(
-            t,
-            "`#[full_precision]` cannot rewrite an `async fn`; make it a plain `fn` (a region runs to completion on the CPU)",
-        );
-    }
-    if let Some(abi) = &sig.abi {
-        cx.error_spanned(
-            abi,
-            "`#[full_precision]` cannot rewrite an `extern` function; remove the ABI",
-        );
-    }
-    if let Some(v) = &sig.variadic {
-        cx.error_spanned(v, "`#[full_precision]` cannot rewrite a variadic function");
-    }
+    plain_fn_only(
+        sig,
+        "full_precision",
+        "tensor code is not const",
+        "make it a plain `fn` (a region runs to completion on the CPU)",
+        cx,
+    );
 
     let tensor_args = match &args.inputs {
         Some(names) => named_inputs(names, sig, cx),
@@ -142,67 +126,6 @@ fn named_inputs(names: &[syn::Ident], sig: &syn::Signature, cx: &mut Ctxt) -> Ve
     found
 }
 
-/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one;
-/// otherwise an error on `ident` naming the attribute `#[<attr>]` (shared with `#[autocast]`).
-pub(crate) fn find_half(
-    generics: &syn::Generics,
-    ident: &syn::Ident,
-    attr: &str,
-    cx: &mut Ctxt,
-) -> Option<syn::Type> {
-    let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
-        bounds.iter().any(|b| match b {
-            syn::TypeParamBound::Trait(t) => t
-                .path
-                .segments
-                .last()
-                .is_some_and(|s| PRECISION_TRAITS.iter().any(|n| s.ident == n)),
-            _ => false,
-        })
-    };
-    let mut found: Vec<syn::Ident> = generics
-        .type_params()
-        .filter(|p| bounded(&p.bounds))
-        .map(|p| p.ident.clone())
-        .collect();
-    if let Some(wc) = &generics.where_clause {
-        for pred in &wc.predicates {
-            if let syn::WherePredicate::Type(pt) = pred
-                && let syn::Type::Path(tp) = &pt.bounded_ty
-                && let Some(id) = tp.path.get_ident()
-                && bounded(&pt.bounds)
-                && !found.contains(id)
-            {
-                found.push(id.clone());
-            }
-        }
-    }
-    match found.len() {
-        1 => {
-            let id = found.remove(0);
-            Some(syn::parse_quote!(#id))
-        }
-        0 => {
-            cx.error_spanned(
-                ident,
-                format!("`#[{attr}]` cannot tell the half type: add a type parameter `H: mpx::precision::Precision` (tensors of element `H::Elem`), or name it with `#[{attr}(half = H)]` (e.g. for a method whose `H` belongs to the `impl`)"),
-            );
-            None
-        }
-        _ => {
-            let names: Vec<String> = found.iter().map(|i| format!("`{i}`")).collect();
-            cx.error_spanned(
-                ident,
-                format!(
-                    "`#[{attr}]` found several precision parameters ({}); name the caller's with `half = ..`",
-                    names.join(", ")
-                ),
-            );
-            None
-        }
-    }
-}
-
 /// `params = ln` (an argument that is not a tensor) or `params = self.ln`.
 fn check_params(p: &syn::Expr, sig: &syn::Signature, cx: &mut Ctxt) -> Option<Params> {
     const WHAT: &str = "`params` names the module whose parameters the body uses: a function argument (`params = ln`) or a field of `self` (`params = self.ln`)";
@@ -249,9 +172,4 @@ fn check_params(p: &syn::Expr, sig: &syn::Signature, cx: &mut Ctxt) -> Option<Pa
             None
         }
     }
-}
-
-/// `true` for the expression `self`.
-pub(crate) fn is_self(e: &syn::Expr) -> bool {
-    matches!(e, syn::Expr::Path(p) if p.qself.is_none() && p.path.is_ident("self"))
 }

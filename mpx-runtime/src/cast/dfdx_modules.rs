@@ -18,52 +18,22 @@ use dfdx::nn::modules::{
     Residual, Sigmoid, Sin, Softmax, SplitInto, Sqrt, Square, Tanh, TransformerDecoder,
     TransformerDecoderBlock, TransformerEncoderBlock, UnbiasedLinear,
 };
-use dfdx::tensor::Cpu;
 
-use super::{Cast, FloatLeaves, FloatSliceMut};
+use super::{Cast, FloatLeaves, FloatSliceMut, cast_by_fields};
 use crate::precision::{AMP, FloatBits, Precision, f16};
 
-/// Field-by-field impls of a parameter module for one element type `$e`.
-macro_rules! params_for {
-    ($e:ty; $name:ident [$($c:ident),*] cast { $($f:tt),* } keep { $($k:tt),* }) => {
-        impl<$(const $c: usize,)* P: Precision> Cast<P> for $name<$($c,)* $e, Cpu> {
-            type Output = $name<$($c,)* P::Elem, Cpu>;
-            fn cast(&self) -> Self::Output {
-                $name { $($f: Cast::<P>::cast(&self.$f),)* $($k: self.$k.clone(),)* }
-            }
-        }
-        impl<$(const $c: usize),*> FloatLeaves for $name<$($c,)* $e, Cpu> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-                true $(&& self.$f.visit_float_bits(visit))*
-            }
-            fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
-                $(self.$f.visit_floats_mut(visit);)*
-            }
-        }
-    };
-}
-
-/// [`params_for`] for every float element type (f32, f16, `AMP<f16>`).
-macro_rules! params {
-    ($($t:tt)*) => {
-        params_for!(f32; $($t)*);
-        params_for!(f16; $($t)*);
-        params_for!(AMP<f16>; $($t)*);
-    };
-}
-
-params!(Linear [I, O] cast { weight, bias } keep {});
-params!(UnbiasedLinear [I, O] cast { weight } keep {});
-params!(LayerNorm1D [M] cast { gamma, beta } keep { epsilon });
-params!(BatchNorm1D [C] cast { scale, bias, running_mean, running_var } keep { epsilon, momentum });
-params!(BatchNorm2D [C] cast { scale, bias, running_mean, running_var } keep { epsilon, momentum });
-params!(Bias2D [C] cast { bias } keep {});
-params!(Embedding [V, M] cast { weight } keep {});
-params!(MultiHeadAttention [M, H, K, V] cast { w_q, w_k, w_v, w_o } keep {});
-params!(TransformerEncoderBlock [M, H, F] cast { self_attn, norm1, ff, norm2 } keep {});
-params!(TransformerDecoderBlock [M, H, F] cast { self_attn, norm1, mh_attn, norm2, ff, norm3 } keep {});
-params!(TransformerDecoder [M, H, F, L] cast { 0 } keep {});
-params!(Transformer [M, H, A, B, F] cast { encoder, decoder } keep {});
+cast_by_fields!(Linear [I, O] cast { weight, bias } keep {});
+cast_by_fields!(UnbiasedLinear [I, O] cast { weight } keep {});
+cast_by_fields!(LayerNorm1D [M] cast { gamma, beta } keep { epsilon });
+cast_by_fields!(BatchNorm1D [C] cast { scale, bias, running_mean, running_var } keep { epsilon, momentum });
+cast_by_fields!(BatchNorm2D [C] cast { scale, bias, running_mean, running_var } keep { epsilon, momentum });
+cast_by_fields!(Bias2D [C] cast { bias } keep {});
+cast_by_fields!(Embedding [V, M] cast { weight } keep {});
+cast_by_fields!(MultiHeadAttention [M, H, K, V] cast { w_q, w_k, w_v, w_o } keep {});
+cast_by_fields!(TransformerEncoderBlock [M, H, F] cast { self_attn, norm1, ff, norm2 } keep {});
+cast_by_fields!(TransformerDecoderBlock [M, H, F] cast { self_attn, norm1, mh_attn, norm2, ff, norm3 } keep {});
+cast_by_fields!(TransformerDecoder [M, H, F, L] cast { 0 } keep {});
+cast_by_fields!(Transformer [M, H, A, B, F] cast { encoder, decoder } keep {});
 
 /// `LeakyReLU`'s slope is a value of the module's dtype.
 macro_rules! leaky_for {

@@ -52,6 +52,8 @@ mod leaf;
 mod module;
 mod tensor_io;
 
+pub(crate) use tensor_io::grad_slice;
+
 use crate::precision::{FloatBits, HalfPrecision, Precision, bf16, f16};
 
 /// The mutable view of a float leaf that [`FloatLeaves::visit_floats_mut`] passes (defined in
@@ -62,6 +64,53 @@ pub use module::{
     CastError, CastScratch, cast_module, cast_module_into, module_visit_float_bits,
     module_visit_floats_mut, try_cast_module,
 };
+
+/// `Cast<P>` and [`FloatLeaves`] for a module of a const-generic layout and a float element,
+/// field by field, for each float element type (f32, f16, `AMP<f16>`): the `cast` fields are
+/// cast, the `keep` fields (hyperparameters such as `epsilon`) cloned.
+///
+/// `cast_by_fields!(LayerNorm1D [M] cast { gamma, beta } keep { epsilon });` covers
+/// `LayerNorm1D<M, E, Cpu>` for every `E`. Used for dfdx's modules and for `mpx::nn`'s layers.
+macro_rules! cast_by_fields {
+    ($($t:tt)*) => {
+        $crate::cast::cast_by_fields_of!(f32; $($t)*);
+        $crate::cast::cast_by_fields_of!($crate::precision::f16; $($t)*);
+        $crate::cast::cast_by_fields_of!($crate::precision::AMP<$crate::precision::f16>; $($t)*);
+    };
+}
+pub(crate) use cast_by_fields;
+
+/// [`cast_by_fields`] for one element type `$e`.
+macro_rules! cast_by_fields_of {
+    ($e:ty; $name:ident [$($c:ident),*] cast { $($f:tt),* } keep { $($k:tt),* }) => {
+        impl<$(const $c: usize,)* P: $crate::precision::Precision> $crate::cast::Cast<P>
+            for $name<$($c,)* $e, ::dfdx::tensor::Cpu>
+        {
+            type Output = $name<$($c,)* P::Elem, ::dfdx::tensor::Cpu>;
+            fn cast(&self) -> Self::Output {
+                $name {
+                    $($f: $crate::cast::Cast::<P>::cast(&self.$f),)*
+                    $($k: ::core::clone::Clone::clone(&self.$k),)*
+                }
+            }
+        }
+        impl<$(const $c: usize),*> $crate::cast::FloatLeaves for $name<$($c,)* $e, ::dfdx::tensor::Cpu> {
+            fn visit_float_bits(
+                &self,
+                visit: &mut dyn FnMut($crate::precision::FloatBits<'_>) -> bool,
+            ) -> bool {
+                true $(&& $crate::cast::FloatLeaves::visit_float_bits(&self.$f, visit))*
+            }
+            fn visit_floats_mut(
+                &mut self,
+                visit: &mut dyn FnMut($crate::cast::FloatSliceMut<'_>),
+            ) {
+                $($crate::cast::FloatLeaves::visit_floats_mut(&mut self.$f, visit);)*
+            }
+        }
+    };
+}
+pub(crate) use cast_by_fields_of;
 
 /// A tree whose floating-point leaves can be cast to precision `P`.
 ///

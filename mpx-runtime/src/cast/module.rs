@@ -17,6 +17,7 @@ use crate::precision::{FloatBits, Precision, f16};
 
 /// Why a module cast failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CastError {
     /// The destination of [`cast_module_into`] does not line up with the source (a tensor with
     /// runtime dimensions has a different size, or the tensor counts differ).

@@ -9,11 +9,17 @@
 use std::any::Any;
 
 use dfdx::shapes::{Dtype, HasShape, Shape};
-use dfdx::tensor::{Cpu, Tensor};
+use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
 use crate::precision::{FloatBits, FloatSliceMut, Precision};
+
+/// A gradient buffer (dfdx's private CPU vector) as a slice. Written outside any `Cpu: Device<E>`
+/// bound, under which the storage type does not resolve to the vector.
+pub(crate) fn grad_slice<E: Dtype>(buf: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
+    &mut buf[..]
+}
 
 /// A contiguous view of the tensor (shares storage when it already is contiguous), so that its
 /// physical storage has exactly `num_elements` values in logical order.

@@ -13,6 +13,7 @@
 /// assert!(err.to_string().contains("at most 8"));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MxError {
     /// A custom format too narrow to hold a value (E0M0, an integer of 0 or 1 bits).
     #[error(

@@ -3,10 +3,8 @@
 //! widening a tensor to f32, rounding an f32 sum into a gradient entry once, strided head views
 //! for mpx's GEMM.
 
-use std::any::TypeId;
-
 use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, Storage, Tensor};
+use dfdx::tensor::{Cpu, CpuError, Tensor};
 
 use crate::kernels::{KernelError, MatRef, Operand};
 use crate::precision::Precision;
@@ -15,7 +13,7 @@ use crate::precision::Precision;
 /// bit-identical to dfdx's layers; every other precision (f16, `AMP<f16>`, emulated bf16) runs
 /// the fused ops.
 pub(crate) fn is_f32<P: Precision>() -> bool {
-    TypeId::of::<P>() == TypeId::of::<f32>()
+    P::IDENTITY
 }
 
 /// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32.
@@ -37,13 +35,7 @@ pub(crate) fn narrow<P: Precision>(v: &[f32]) -> Vec<P::Elem> {
     out
 }
 
-/// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
-/// does not resolve).
-pub(crate) fn grad_slice<E: Precision<Elem = E> + dfdx::shapes::Dtype>(
-    v: &mut <Cpu as Storage<E>>::Vec,
-) -> &mut [E] {
-    &mut v[..]
-}
+pub(crate) use crate::cast::grad_slice;
 
 /// `dst = round_P(dst + add)`: the gradient already in `dst` and the new contribution summed in
 /// f32 and rounded once (as mpx's regions do).

@@ -2,9 +2,11 @@
 //!
 //! Two sealed traits describe every precision mpx knows; no other crate can implement them:
 //!
-//! - [`Precision`]: what a precision is. Its storage type (`Elem`), its jmp dtype, how f32 values
-//!   round into it and widen out of it, its bit view for finiteness checks, and the slice work a
-//!   mixed step does in it.
+//! - [`Precision`]: what a precision is. Its storage type (`Elem`), its jmp dtype ([`DType`]),
+//!   how f32 values round into it and widen out of it, and its views of stored values (bits for
+//!   finiteness checks, a mutable view for in-place visitors). The work done *in* a precision
+//!   (unscaling gradients, reading gradient buffers) lives with the code that does it
+//!   (`mpx::finite`, `mpx::step`).
 //! - [`HalfPrecision`]: a precision that can be the compute precision of a mixed step.
 //!
 //! | marker | storage (`P::Elem`) | [`HalfPrecision`] | what it is |
@@ -27,7 +29,7 @@
 //!
 //! # Examples
 //! ```
-//! use mpx_runtime::policy::DType;
+//! use mpx_runtime::precision::DType;
 //! use mpx_runtime::precision::{HalfPrecision, Precision, bf16, f16};
 //! assert_eq!(<f16 as Precision>::DTYPE, DType::Float16);
 //! let mut out = [0.0f32; 2];
@@ -37,18 +39,17 @@
 //! assert!(bf16::EMULATED);
 //! ```
 
+mod dtype;
 mod impls;
 mod slices;
 
-use dfdx::tensor::{Cpu, Storage};
-
 pub use dfdx::dtypes::AMP;
+pub use dtype::DType;
 pub use half::{bf16, f16};
+pub use slices::round_to_bf16;
 pub(crate) use slices::sized;
-pub use slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16};
 
 use crate::kernels::Operand;
-use crate::policy::DType;
 
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
@@ -106,7 +107,7 @@ pub enum FloatSliceMut<'a> {
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::policy::DType;
+/// use mpx_runtime::precision::DType;
 /// use mpx_runtime::precision::{Precision, bf16, f16};
 /// let mut h = [f16::ZERO; 2];
 /// f16::round(&[1.5, 65520.0], &mut h);
@@ -148,35 +149,6 @@ pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::D
     /// The stored values as an operand of mpx's GEMM (emulated bf16: f32 values the kernels round
     /// to bf16 while packing).
     fn operand(values: &[Self::Elem]) -> Operand<'_>;
-
-    /// A gradient buffer (dfdx's private CPU vector) as a slice.
-    fn grad_slice(buf: &mut <Cpu as Storage<Self::Elem>>::Vec) -> &mut [Self::Elem]
-    where
-        Cpu: Storage<Self::Elem>;
-
-    /// Moves scaled gradients of this precision into f32 master gradients in one pass: widen
-    /// (emulated bf16: round to bf16 first), check finiteness on the scaled values, multiply by
-    /// `inv_scale`. Returns `true` when every value was finite. `src` and `dst` have the same
-    /// length (a mismatch is reported as not finite).
-    fn transfer(src: &[Self::Elem], inv_scale: f32, dst: &mut [f32]) -> bool;
-
-    /// Checks finiteness and multiplies by `inv_scale` in place (the [`IDENTITY`] path), chunk by
-    /// chunk through f32: widen, unscale and check, round back, and check again (a value can
-    /// overflow when it is rounded back). Returns `true` when every value was finite.
-    ///
-    /// [`IDENTITY`]: Precision::IDENTITY
-    fn unscale_in_place(values: &mut [Self::Elem], inv_scale: f32) -> bool {
-        let mut buf = [0.0f32; 1024];
-        let mut finite = true;
-        for chunk in values.chunks_mut(buf.len()) {
-            let tmp = &mut buf[..chunk.len()];
-            Self::widen(chunk, tmp);
-            finite &= crate::finite::unscale_in_place_checked(tmp, inv_scale);
-            Self::round(tmp, chunk);
-            finite &= crate::finite::all_finite_slice(chunk);
-        }
-        finite
-    }
 
     /// The reused scratch buffer `n` values of this storage type are read into: `tmp32` for f32
     /// storage, `tmp16` for f16 storage. Grows, never shrinks. For mpx's tensor reads; not a

@@ -15,40 +15,19 @@ pub(crate) fn sized<T: Copy + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
 }
 
 /// Views `AMP<f16>` values as plain `f16` (`AMP` is `#[repr(transparent)]`).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::precision::{AMP, amp_as_f16, f16};
-/// assert_eq!(amp_as_f16(&[AMP(f16::ONE)]), &[f16::ONE]);
-/// ```
-pub fn amp_as_f16(src: &[AMP<f16>]) -> &[f16] {
+pub(crate) fn amp_as_f16(src: &[AMP<f16>]) -> &[f16] {
     // SAFETY: AMP<F> is #[repr(transparent)] over F.
     unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), src.len()) }
 }
 
 /// Mutable form of [`amp_as_f16`].
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::precision::{AMP, amp_as_f16_mut, f16};
-/// let mut v = [AMP(f16::ONE)];
-/// amp_as_f16_mut(&mut v)[0] = f16::ZERO;
-/// assert_eq!(v[0].0, f16::ZERO);
-/// ```
-pub fn amp_as_f16_mut(src: &mut [AMP<f16>]) -> &mut [f16] {
+pub(crate) fn amp_as_f16_mut(src: &mut [AMP<f16>]) -> &mut [f16] {
     // SAFETY: AMP<F> is #[repr(transparent)] over F.
     unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast::<f16>(), src.len()) }
 }
 
 /// Views plain `f16` values as `AMP<f16>` (the inverse of [`amp_as_f16_mut`]).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::precision::{f16, f16_as_amp_mut};
-/// let mut v = [f16::ONE];
-/// assert_eq!(f16_as_amp_mut(&mut v)[0].0, f16::ONE);
-/// ```
-pub fn f16_as_amp_mut(src: &mut [f16]) -> &mut [AMP<f16>] {
+pub(crate) fn f16_as_amp_mut(src: &mut [f16]) -> &mut [AMP<f16>] {
     // SAFETY: AMP<F> is #[repr(transparent)] over F.
     unsafe { std::slice::from_raw_parts_mut(src.as_mut_ptr().cast::<AMP<f16>>(), src.len()) }
 }

@@ -38,7 +38,7 @@ const DEFAULT_MIN_SCALE: f32 = 1.0;
 /// above `min` (mpx also raises a scale below `min` on finite steps; we follow jmp there).
 ///
 /// The whole state (scale, counter, period, factor, min, max) serializes with serde and is
-/// validated when read back, so a restored scale continues the identical trajectory (jmp loses
+/// validated when read back (every field is required; no maximum is `"max_scale": null`), so a restored scale continues the identical trajectory (jmp loses
 /// a custom min through pytree round-trips; this does not).
 ///
 /// | jmp / mpx | PyTorch `GradScaler` | here |
@@ -294,7 +294,9 @@ impl DynamicLossScaleBuilder {
 }
 
 /// Serialized form of [`DynamicLossScale`]: every field, validated when read back. Unknown
-/// fields are errors, so a misspelt field (`"maxscale"`) cannot restore silently.
+/// fields are errors, so a misspelt field (`"maxscale"`) cannot restore silently, and every
+/// field is required: "no maximum" is written as `"max_scale": null`, never by leaving the
+/// field out (serde would otherwise read a missing `Option` as `None`).
 #[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DynamicState {
@@ -303,6 +305,7 @@ struct DynamicState {
     period: u32,
     factor: f32,
     min_scale: f32,
+    #[serde(deserialize_with = "Option::deserialize")]
     max_scale: Option<f32>,
 }
 

@@ -10,6 +10,7 @@
 /// assert!(err.to_string().contains("period 0"));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LossScaleError {
     /// A scale value (initial, static, min or max) that is NaN, infinite, zero, negative, or so
     /// small (at most 2^-128) that its reciprocal, the factor unscaling multiplies by, overflows.

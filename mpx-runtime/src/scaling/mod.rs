@@ -57,8 +57,8 @@ pub use dynamic::{DynamicLossScale, DynamicLossScaleBuilder};
 pub use error::LossScaleError;
 
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
-use crate::finite::{all_finite, unscale_in_place_checked};
-use crate::precision::{Precision, f16};
+use crate::finite::{all_finite, unscale_in_place_checked, unscale_stored_in_place};
+use crate::precision::f16;
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Tape, Tensor};
 use dfdx::tensor_ops::TryMul;
@@ -163,12 +163,7 @@ pub trait LossScale {
         X: Cast<f32> + ?Sized,
         X::Output: FloatLeaves,
     {
-        let mut out = tree.cast();
-        let inv = self.inv_loss_scale();
-        if inv != 1.0 {
-            unscale_leaves(&mut out, inv);
-        }
-        out
+        self.unscale_checked(tree).0
     }
 
     /// [`unscale`](LossScale::unscale) and [`all_finite`] in one pass over the gradients: returns
@@ -220,7 +215,7 @@ fn unscale_leaves<T: FloatLeaves + ?Sized>(tree: &mut T, inv: f32) -> bool {
         finite &= match leaf {
             FloatSliceMut::F32(values) => unscale_in_place_checked(values, inv),
             // Not produced by a cast to f32; handled anyway, rounding back to f16.
-            FloatSliceMut::F16(values) => <f16 as Precision>::unscale_in_place(values, inv),
+            FloatSliceMut::F16(values) => unscale_stored_in_place::<f16>(values, inv),
         };
     });
     finite

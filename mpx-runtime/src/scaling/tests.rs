@@ -180,3 +180,29 @@ fn a_skipped_step_never_counts_toward_growth() {
     }
     assert_eq!((s.loss_scale(), s.counter()), (512.0, 0));
 }
+
+#[test]
+fn restored_dynamic_state_requires_every_field() {
+    let good = serde_json::to_value(DynamicLossScale::default()).unwrap();
+    assert_eq!(good["max_scale"], serde_json::Value::Null);
+    for field in [
+        "loss_scale",
+        "counter",
+        "period",
+        "factor",
+        "min_scale",
+        "max_scale",
+    ] {
+        let mut bad = good.clone();
+        bad.as_object_mut().unwrap().remove(field);
+        let err = serde_json::from_value::<DynamicLossScale>(bad).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("missing field `{field}`")),
+            "{field}: {err}"
+        );
+    }
+    // An explicit null is "no maximum" and restores.
+    let restored: DynamicLossScale = serde_json::from_value(good).unwrap();
+    assert_eq!(restored.max_scale(), None);
+}

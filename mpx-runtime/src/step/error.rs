@@ -10,6 +10,7 @@ use dfdx::tensor::CpuError;
 /// [`UpdateOutcome::Skipped`](super::UpdateOutcome::Skipped). It becomes an error only when a
 /// limit on consecutive skips is set and exceeded ([`StepError::TooManySkips`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StepError {
     /// The device failed (in practice: out of memory); the device's error is the source.
     #[error("the device failed during the mixed step")]
@@ -43,6 +44,12 @@ pub enum StepError {
     },
 
     /// The optimizer rejected the update; dfdx's `OptimizerUpdateError` is the source.
+    ///
+    /// The optimizer has already run when this comes back, and dfdx's optimizers do not undo
+    /// what they did: Adam has advanced its step count `t` (its bias correction moves on), and
+    /// on `UnusedParams` every parameter that had a gradient has been updated. Unlike a
+    /// skipped step, this one leaves neither the master nor the optimizer state as it was;
+    /// rebuild them (or reload a checkpoint) before training on.
     #[error(
         "the optimizer update failed; if its source names unused tensors, the gradients were not \
          produced for this master model (was the workspace built from a different master?)"
@@ -95,14 +102,48 @@ pub enum StepError {
 }
 
 /// dfdx reports a module's and a backward pass's errors as `CpuError`, so a step that returns
-/// dfdx's error type (`Result<_, D::Err>`) can still use `?` on a mixed backward pass: a device
-/// error passes through as itself; a workspace that does not match the model, or a cast that
-/// could not rebuild it, as `CpuError::WrongNumElements` (the tensors did not line up).
+/// dfdx's error type (`Result<_, D::Err>`) can still use `?` on a mixed backward pass.
+///
+/// `CpuError` has two variants, `OutOfMemory` and `WrongNumElements`, so only the causes that
+/// are one of them convert:
+/// - a device error ([`StepError::Device`], or the optimizer's `DeviceError` inside
+///   [`StepError::Optimizer`]) as itself;
+/// - tensors that did not line up ([`StepError::WorkspaceMismatch`], [`StepError::Cast`], the
+///   optimizer's `UnusedParams`) as `WrongNumElements`.
+///
+/// # Panics
+/// On [`StepError::TooManySkips`], [`StepError::InvalidScale`], [`StepError::UnknownMaster`],
+/// [`StepError::NoBackward`] and [`StepError::Checkpoint`], with the error's own
+/// message: `CpuError` has no variant for either, and reporting them as a shape or memory
+/// error would send the reader after the wrong cause. A step that should handle them returns
+/// [`StepError`] or `Box<dyn Error>` (both keep the cause); dfdx's own `backward` and `update`
+/// panic on errors the same way.
+///
+/// # Examples
+/// ```
+/// use dfdx::tensor::CpuError;
+/// use mpx_runtime::step::StepError;
+/// let err = StepError::from(CpuError::OutOfMemory);
+/// assert!(matches!(CpuError::from(err), CpuError::OutOfMemory));
+/// ```
 impl From<StepError> for CpuError {
     fn from(e: StepError) -> Self {
         match e {
-            StepError::Device(e) => e,
-            _ => CpuError::WrongNumElements,
+            StepError::Device(e) | StepError::Optimizer(OptimizerUpdateError::DeviceError(e)) => e,
+            StepError::WorkspaceMismatch { .. }
+            | StepError::Cast(_)
+            | StepError::Optimizer(OptimizerUpdateError::UnusedParams(_)) => {
+                CpuError::WrongNumElements
+            }
+            e @ (StepError::TooManySkips { .. }
+            | StepError::InvalidScale { .. }
+            | StepError::UnknownMaster { .. }
+            | StepError::NoBackward { .. }
+            | StepError::Checkpoint(_)) => {
+                panic!(
+                    "{e} (dfdx's CpuError cannot carry this cause: return StepError or Box<dyn Error> from the step to handle it)"
+                )
+            }
         }
     }
 }

@@ -25,6 +25,7 @@ use dfdx::tensor::{
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo};
 
 use super::direct::Direct;
+use crate::cast::grad_slice;
 use crate::precision::Precision;
 
 /// The working copy's half gradients of each finished backward, waiting to be moved to the
@@ -157,7 +158,7 @@ where
         let inv = region.inv;
         inner.add_backward_op(move |g: &mut Gradients<H::Elem, Cpu>| {
             let mut v = vec![0.0f32; n];
-            H::widen(H::grad_slice(g.get_or_alloc_mut(&ghost)?), &mut v);
+            H::widen(grad_slice::<H::Elem>(g.get_or_alloc_mut(&ghost)?), &mut v);
             if inv != 1.0 {
                 for x in &mut v {
                     *x *= inv;
@@ -360,7 +361,7 @@ where
                 Ok(seed)
             }),
             apply: Box::new(move |g: &mut Gradients<H::Elem, Cpu>, seed: Vec<H::Elem>| {
-                let buf = H::grad_slice(g.get_or_alloc_mut(&y_ghost)?);
+                let buf = grad_slice::<H::Elem>(g.get_or_alloc_mut(&y_ghost)?);
                 buf.iter_mut().zip(&seed).for_each(|(d, s)| *d += *s);
                 Ok(())
             }),

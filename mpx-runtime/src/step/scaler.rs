@@ -610,7 +610,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             loss: p.loss,
             scale: p.scale,
             precision: if entry.working.in_f32() {
-                crate::policy::DType::Float32.name()
+                crate::precision::DType::Float32.name()
             } else {
                 H::DTYPE.name()
             },

@@ -17,7 +17,7 @@ use super::error::StepError;
 use super::half_region::Stash;
 use super::layout::{MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share};
 use crate::boundary::MasterModel;
-use crate::cast::{CastScratch, cast_module_into, try_cast_module};
+use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
 use crate::finite::{add_scaled_checked, all_finite_f32};
 use crate::precision::Precision;
 
@@ -308,7 +308,7 @@ where
         let mut finite = true;
         let direct = self.written.get(i).copied().unwrap_or(false);
         for g in self.half_grads.iter_mut() {
-            let src = H::grad_slice(g.get_or_alloc_mut(t)?);
+            let src = grad_slice::<H::Elem>(g.get_or_alloc_mut(t)?);
             if src.len() != n {
                 self.mismatch = Some(len_mismatch(i, n, src.len()));
                 return Ok(None);

@@ -1,7 +1,7 @@
 // `Precision` is sealed: a user type cannot become an mpx precision, even with every item written.
-use dfdx::tensor::{Cpu, Storage};
 use mpx::kernels::Operand;
-use mpx::policy::DType;
+use mpx::precision::DType;
+use mpx::precision::f16;
 use mpx::precision::{FloatBits, FloatSliceMut, Precision};
 
 #[derive(Clone, Copy, Debug)]
@@ -26,13 +26,7 @@ impl Precision for Int8 {
     fn operand(values: &[f32]) -> Operand<'_> {
         Operand::F32(values)
     }
-    fn grad_slice(buf: &mut <Cpu as Storage<f32>>::Vec) -> &mut [f32] {
-        buf
-    }
-    fn transfer(src: &[f32], inv_scale: f32, dst: &mut [f32]) -> bool {
-        <f32 as Precision>::transfer(src, inv_scale, dst)
-    }
-    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<mpx::precision::f16>, n: usize) -> &'a mut [f32] {
+    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<f16>, n: usize) -> &'a mut [f32] {
         tmp32.resize(n, 0.0);
         &mut tmp32[..n]
     }

@@ -1,0 +1,73 @@
+//! Reading the user's function, shared by `#[full_precision]` and `#[autocast]`: which type
+//! parameter is the caller's half type, and whether an expression is `self`.
+
+use crate::ctxt::Ctxt;
+
+/// The precision traits a generic parameter may be bounded by to be taken as the half type.
+const PRECISION_TRAITS: [&str; 2] = ["Precision", "HalfPrecision"];
+
+/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one;
+/// otherwise an error on `ident` naming the attribute `#[<attr>]`.
+pub(crate) fn find_half(
+    generics: &syn::Generics,
+    ident: &syn::Ident,
+    attr: &str,
+    cx: &mut Ctxt,
+) -> Option<syn::Type> {
+    let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
+        bounds.iter().any(|b| match b {
+            syn::TypeParamBound::Trait(t) => t
+                .path
+                .segments
+                .last()
+                .is_some_and(|s| PRECISION_TRAITS.iter().any(|n| s.ident == n)),
+            _ => false,
+        })
+    };
+    let mut found: Vec<syn::Ident> = generics
+        .type_params()
+        .filter(|p| bounded(&p.bounds))
+        .map(|p| p.ident.clone())
+        .collect();
+    if let Some(wc) = &generics.where_clause {
+        for pred in &wc.predicates {
+            if let syn::WherePredicate::Type(pt) = pred
+                && let syn::Type::Path(tp) = &pt.bounded_ty
+                && let Some(id) = tp.path.get_ident()
+                && bounded(&pt.bounds)
+                && !found.contains(id)
+            {
+                found.push(id.clone());
+            }
+        }
+    }
+    match found.len() {
+        1 => {
+            let id = found.remove(0);
+            Some(syn::parse_quote!(#id))
+        }
+        0 => {
+            cx.error_spanned(
+                ident,
+                format!("`#[{attr}]` cannot tell the half type: add a type parameter `H: mpx::precision::Precision` (tensors of element `H::Elem`), or name it with `#[{attr}(half = H)]` (e.g. for a method whose `H` belongs to the `impl`)"),
+            );
+            None
+        }
+        _ => {
+            let names: Vec<String> = found.iter().map(|i| format!("`{i}`")).collect();
+            cx.error_spanned(
+                ident,
+                format!(
+                    "`#[{attr}]` found several precision parameters ({}); name the caller's with `half = ..`",
+                    names.join(", ")
+                ),
+            );
+            None
+        }
+    }
+}
+
+/// `true` for the expression `self`.
+pub(crate) fn is_self(e: &syn::Expr) -> bool {
+    matches!(e, syn::Expr::Path(p) if p.qself.is_none() && p.path.is_ident("self"))
+}
