@@ -260,3 +260,55 @@ fn fused_patch_embedding_and_head_match_f32_in_f16_and_bf16() {
     check("f16 patch + head", &r16, &r32, 8.0 * U16, &[]);
     check("bf16 patch + head", &rbf, &r32, 8.0 * UBF16, &[]);
 }
+
+/// Whether every value is a bf16 value (its low 16 bits zero).
+fn all_bf16(v: &[f32]) -> bool {
+    v.iter().all(|x| x.to_bits() & 0xffff == 0)
+}
+
+/// Emulated bf16 stores f32, so only the precision says that the fused linear layers' outputs and
+/// gradients are rounded: in an encoder block and in the ViT's patch embedding and head run with
+/// `forward_in::<bf16, _>`, the output, the input's gradient and every parameter's gradient hold
+/// bf16 values (the inputs and parameters themselves are arbitrary f32 values), and the same
+/// layers in f32 do not (the key bias's gradient aside: it is exactly zero, see above).
+#[test]
+fn emulated_bf16_outputs_and_gradients_are_bf16_values() {
+    use mpx::nn::vit::{ClassificationHead, PatchEmbedding};
+    let dev = Cpu::seed_from_u64(11);
+    let block = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f32>();
+    let x: Seq<f32> = dev.sample_normal();
+    for bf in [true, false] {
+        let y = if bf {
+            block.forward_in::<bf16, _>(x.leaky_trace())
+        } else {
+            block.forward_in::<f32, _>(x.leaky_trace())
+        };
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * x.clone()).sum().backward();
+        let mut all = vec![out, g.get(&x).as_vec()];
+        all.extend(param_grads(&block, &g));
+        assert_eq!(all.len(), 2 + 16);
+        for (i, v) in all.iter().enumerate() {
+            assert_eq!(
+                all_bf16(v),
+                bf || i == 5,
+                "encoder block, bf16 = {bf}, #{i}"
+            );
+        }
+    }
+
+    let patch = dev.build_module::<PatchEmbedding<64, 4, 16, M, f32, Cpu>, f32>();
+    let head = dev.build_module::<ClassificationHead<M, 10, f32, Cpu>, f32>();
+    let images: Tensor<Rank2<B, 64>, f32, Cpu> = dev.sample_normal();
+    let w: Tensor<Rank2<B, 10>, f32, Cpu> = dev.sample_normal();
+    let t = head.forward_in::<bf16, _>(patch.forward_in::<bf16, _>(images.leaky_trace()));
+    let out = t.retaped::<NoneTape>().as_vec();
+    let g = (t * w).sum().backward();
+    let mut all = vec![out, g.get(&images).as_vec()];
+    all.extend(param_grads(&patch, &g));
+    all.extend(param_grads(&head, &g));
+    assert_eq!(all.len(), 2 + 2 + 4);
+    for (i, v) in all.iter().enumerate() {
+        assert!(all_bf16(v), "patch + head, #{i}");
+    }
+}

@@ -1,7 +1,7 @@
-//! Shared pieces of the fused half-precision tape ops ([`dense`](super::dense_op),
+//! Shared pieces of the fused half-precision tape ops ([`fused_linear`](super::linear),
 //! [`attention_core`](super::attention_core), [`layer_norm_kernel`](super::layer_norm_kernel)):
-//! widening a tensor to f32, rounding an f32 sum into a gradient entry once, strided head views
-//! for mpx's GEMM.
+//! widening a tensor to f32, rounding to the precision in place, rounding an f32 sum into a
+//! gradient entry once, strided head views for mpx's GEMM.
 
 use std::any::TypeId;
 
@@ -28,6 +28,21 @@ pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     let mut v = vec![0.0f32; n];
     E::widen(&h, &mut v);
     v
+}
+
+/// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
+/// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
+pub(crate) fn round_in_place<P: Precision>(values: &mut [P::Elem]) {
+    if TypeId::of::<P>() == TypeId::of::<P::Elem>() {
+        return;
+    }
+    // widened 256 values at a time into a stack buffer: no allocation
+    let mut buf = [0.0f32; 256];
+    for chunk in values.chunks_mut(256) {
+        let b = &mut buf[..chunk.len()];
+        <P::Elem as Precision>::widen(chunk, b);
+        P::round(b, chunk);
+    }
 }
 
 /// f32 values rounded to `P` (the values a half tensor of `P` holds).

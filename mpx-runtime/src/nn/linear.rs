@@ -4,7 +4,7 @@
 //! - **Forward:** one GEMM `X·Wᵀ` (f32 sums), then one pass adding the bias, applying the
 //!   activation and rounding to the layer's dtype.
 //! - **Backward** (one op on the tape): one pass applying `ReLU`'s mask to `dY` and summing the bias
-//!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X` ([`write_weight_grad`]).
+//!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X`.
 //! - **Inside a [`GradScaler`](crate::step::GradScaler) forward pass** the layer of the working
 //!   copy is linked to the master tensors it stands for: `dW` and `db` are added in f32 straight
 //!   to the master's gradients, unscaled and checked for finiteness in the same pass, with no half
@@ -30,6 +30,8 @@ use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
+use super::half_ops::round_in_place;
+use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::kernels::{
     Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
@@ -403,7 +405,7 @@ fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
     }
 }
 
-/// Rows per GEMM call in the forward and in `dX`: bounds the f32 scratch (`ROW_CHUNK x O` or
+/// Rows per GEMM call in the forward and in `dX`: bounds the f32 sums (`ROW_CHUNK x O` or
 /// `ROW_CHUNK x I` values) whatever the batch.
 const ROW_CHUNK: usize = 512;
 
@@ -413,75 +415,29 @@ fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }
 
-/// Largest f32 scratch (values) a thread keeps between calls: 1 MiB.
-const SCRATCH_KEEP: usize = 1 << 18;
-
-/// Runs `f` on `n` f32 values of this thread's reusable scratch (their contents are whatever
-/// the last use left: `f` must overwrite them, as the GEMMs below do with `accumulate = false`).
-/// A fresh buffer is used when the scratch is busy (re-entered) or `n` is above
-/// [`SCRATCH_KEEP`], so that a thread never holds more than that between calls.
-fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    if n > SCRATCH_KEEP {
-        return f(&mut vec![0.0; n]);
-    }
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < n {
-                buf.resize(n, 0.0);
-            }
-            f(&mut buf[..n])
-        }
-        Err(_) => f(&mut vec![0.0; n]),
-    })
-}
-
-fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
-    let mut v = vec![E::default(); t.shape().num_elements()];
+/// The values of a tensor (contiguous) in a pooled buffer.
+fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Buf<E> {
+    let mut v = scratch::take(t.shape().num_elements());
     t.copy_into(&mut v);
     v
 }
 
-/// Writes the weight gradient: `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), the
-/// product summed in f32 and rounded once into `dst` (`O x I`).
-///
-/// This is the ordinary path. Inside a [`GradScaler`](crate::step::GradScaler) forward pass, a
-/// layer of the working copy is linked to its master tensors and adds the same f32 product,
-/// unscaled and checked, straight to the master's f32 gradient instead.
-///
-/// # Errors
-/// [`KernelError::Length`] if `dz` and `x` are not whole rows (`rows` of them) or `dst` does not
-/// hold `O x I` values.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::nn::write_weight_grad;
-/// // rows = 2, O = 1, I = 2: dW = dz0·x0 + dz1·x1
-/// let mut dw = [1.0f32, 1.0];
-/// write_weight_grad(&[1.0f32, 2.0], &[1.0, 2.0, 3.0, 4.0], 2, &mut dw).unwrap();
-/// assert_eq!(dw, [1.0 + 7.0, 1.0 + 10.0]);
-/// ```
-pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
+/// `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), summed in f32 and rounded once
+/// into `dst` (`O x I`, of precision `P`): the weight gradient of a layer no scaler links.
+fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
     dz: &[E],
     x: &[E],
     rows: usize,
     dst: &mut [E],
 ) -> Result<(), KernelError> {
-    let o = dz.len().checked_div(rows).unwrap_or(0);
-    let i = x.len().checked_div(rows).unwrap_or(0);
-    if dst.len() != o * i {
-        return Err(KernelError::Length {
-            what: "dst",
-            len: dst.len(),
-            expected: o * i,
-        });
-    }
-    with_weight_grad(dz, x, rows, |dw| add_f32_into(dw, as_dst(dst)))
+    with_weight_grad(dz, x, rows, |dw| {
+        add_f32_into(dw, as_dst(dst))?;
+        round_in_place::<P>(dst);
+        Ok(())
+    })
 }
 
-/// Computes `dZᵀ·X` (f32 sums, `O x I`) into this thread's scratch and hands it to `use_dw`:
+/// Computes `dZᵀ·X` (f32 sums, `O x I`) into a pooled buffer and hands it to `use_dw`:
 /// [`write_weight_grad`] rounds it into a gradient of the layer's dtype, a linked layer adds it
 /// to the master's f32 gradient ([`crate::step::direct`]).
 fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
@@ -492,24 +448,104 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
 ) -> Result<R, KernelError> {
     let o = dz.len().checked_div(rows).unwrap_or(0);
     let i = x.len().checked_div(rows).unwrap_or(0);
-    for (what, len, expected) in [("dz", dz.len(), rows * o), ("x", x.len(), rows * i)] {
-        if len != expected {
-            return Err(KernelError::Length {
-                what,
-                len,
-                expected,
-            });
-        }
-    }
-    with_scratch(o * i, |dw| {
+    let mut dw = scratch::take::<f32>(o * i);
+    gemm(
+        MatRef::row_major(E::operand(dz), rows, o).t(),
+        MatRef::row_major(E::operand(x), rows, i),
+        &mut dw,
+        false,
+    )?;
+    use_dw(&mut dw)
+}
+
+/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:
+/// the fused op of [`FusedLinear`], also run by the layers that hold dfdx's `Linear`
+/// ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward, the ViT's
+/// patch embedding and head) on their `weight` and `bias`.
+///
+/// - Forward: one GEMM (f32 sums) per `ROW_CHUNK` rows, then one pass adding the bias, applying
+///   the activation and rounding to the element type; for emulated bf16 (f32 storage) the output
+///   is then rounded to bf16.
+/// - Backward: `ReLU`'s mask and the bias-gradient sums in one pass over a copy of `dY`; inside a
+///   [`GradScaler`](crate::step::GradScaler) forward pass (a [`Link`](crate::step::direct)),
+///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
+///   gradient entries and rounded once to `P`. Then `dX += dZ·W`, rounded once to `P`.
+///
+/// The input's and the weight's values are copied once, into pooled buffers ([`scratch`]) that
+/// the backward reads and then gives back.
+pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    weight: &Tensor<Rank2<O, I>, E, Cpu>,
+    bias: &Tensor<Rank1<O>, E, Cpu>,
+    act: Activation,
+    x: Tensor<Sx, E, Cpu, T>,
+    out: Sy,
+) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
+where
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+    Sx: Shape,
+    Sy: Shape,
+    T: Tape<E, Cpu>,
+{
+    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let rows = x.shape().num_elements() / I;
+    let (xv, wv) = (read(&x), read(weight));
+    let mut b32 = scratch::take::<f32>(O);
+    E::widen(&read(bias), &mut b32);
+    let mut y = vec![E::default(); rows * O];
+    // f32 sums for at most ROW_CHUNK rows at a time, so the buffer stays small at any batch
+    let mut acc = scratch::take::<f32>(rows.min(ROW_CHUNK) * O);
+    for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
+        let r = xc.len() / I;
+        let acc = &mut acc[..r * O];
         gemm(
-            MatRef::row_major(E::operand(dz), rows, o).t(),
-            MatRef::row_major(E::operand(x), rows, i),
-            dw,
+            MatRef::row_major(E::operand(xc), r, I),
+            MatRef::row_major(E::operand(&wv), O, I).t(),
+            acc,
             false,
-        )?;
-        use_dw(dw)
-    })
+        )
+        .map_err(shape_err)?;
+        bias_act_into(acc, &b32, act, as_dst(yc)).map_err(shape_err)?;
+    }
+    drop((acc, b32));
+    round_in_place::<P>(&mut y);
+    let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
+    // Inside a scaler's forward pass, the master tensors this weight and bias stand for: their
+    // gradients are then written there directly, in f32.
+    let link = if T::OWNS_TAPE {
+        crate::step::direct::link(weight, bias)
+    } else {
+        None
+    };
+    let y = x.device().try_tensor_from_vec(y, out)?;
+    if T::OWNS_TAPE {
+        // The op keeps the input's and the weight's values (pooled, read once), the ReLU mask
+        // (1 bit per output) and ghosts for the gradient entries.
+        let (x_id, w_id, b_id, y_id) = (x.ghost(), weight.ghost(), bias.ghost(), y.ghost());
+        drop(x);
+        tape.add_backward_op(move |grads| {
+            let mut dz = scratch::take::<E>(rows * O);
+            dz.copy_from_slice(slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            let mut db = scratch::take_zeroed::<f32>(O);
+            mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
+            drop(mask);
+            if let Some(link) = &link {
+                link.add_bias_grad(&db)?;
+                with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                    .map_err(shape_err)??;
+            } else {
+                let gb = slice::<E>(grads.get_or_alloc_mut(&b_id)?);
+                add_f32_into(&db, as_dst(gb)).map_err(shape_err)?;
+                round_in_place::<P>(gb);
+                let gw = slice::<E>(grads.get_or_alloc_mut(&w_id)?);
+                write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
+            }
+            drop((db, xv));
+            input_grad::<P, E, I, O>(&dz, &wv, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+        });
+    }
+    Ok(y.put_tape(tape))
 }
 
 impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
@@ -517,68 +553,14 @@ impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedAct
 where
     Cpu: Device<E>,
 {
-    /// The fused forward on any input whose last axis is `I`; `out` is the output shape.
+    /// The fused forward (in the element type as the precision) on any input whose last axis is
+    /// `I`; `out` is the output shape.
     fn fused<Sx: Shape, Sy: Shape, T: Tape<E, Cpu>>(
         &self,
         x: Tensor<Sx, E, Cpu, T>,
         out: Sy,
     ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError> {
-        let (x, mut tape) = x.try_contiguous()?.split_tape();
-        let rows = x.shape().num_elements() / I;
-        let (xv, wv) = (read(&x), read(&self.weight));
-        let mut bias = vec![0.0f32; O];
-        E::widen(&read(&self.bias), &mut bias);
-        let mut y = vec![E::default(); rows * O];
-        // f32 sums for at most ROW_CHUNK rows at a time, so the scratch stays small at any batch
-        with_scratch(rows.min(ROW_CHUNK) * O, |acc| {
-            for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
-                let r = xc.len() / I;
-                let acc = &mut acc[..r * O];
-                gemm(
-                    MatRef::row_major(E::operand(xc), r, I),
-                    MatRef::row_major(E::operand(&wv), O, I).t(),
-                    acc,
-                    false,
-                )?;
-                bias_act_into(acc, &bias, A::ACT, as_dst(yc))?;
-            }
-            Ok(())
-        })
-        .map_err(shape_err)?;
-        let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| relu_mask_of(&y));
-        // Inside a scaler's forward pass, the master tensors this layer's weight and bias
-        // stand for: their gradients are then written there directly, in f32.
-        let link = if T::OWNS_TAPE {
-            crate::step::direct::link(&self.weight, &self.bias)
-        } else {
-            None
-        };
-        let y = x.device().try_tensor_from_vec(y, out)?;
-        if T::OWNS_TAPE {
-            // The op keeps the input's values and the weight's (both moved, not copied again),
-            // the ReLU mask (1 bit per output) and ghosts for the gradient entries.
-            let (x_id, w_id, b_id, y_id) =
-                (x.ghost(), self.weight.ghost(), self.bias.ghost(), y.ghost());
-            tape.add_backward_op(move |grads| {
-                let mut dz: Vec<E> = slice::<E>(grads.get_or_alloc_mut(&y_id)?).to_vec();
-                let mut db = vec![0.0f32; O];
-                mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
-                drop(mask);
-                if let Some(link) = &link {
-                    link.add_bias_grad(&db)?;
-                    with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
-                        .map_err(shape_err)??;
-                } else {
-                    add_f32_into(&db, as_dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
-                        .map_err(shape_err)?;
-                    write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w_id)?))
-                        .map_err(shape_err)?;
-                }
-                drop(xv);
-                input_grad::<E, I, O>(&dz, &wv, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
-            });
-        }
-        Ok(y.put_tape(tape))
+        fused_linear::<E, E, I, O, Sx, Sy, T>(&self.weight, &self.bias, A::ACT, x, out)
     }
 }
 
@@ -588,30 +570,35 @@ fn slice<E: Precision<Elem = E> + Dtype>(v: &mut <Cpu as Storage<E>>::Vec) -> &m
     &mut v[..]
 }
 
-/// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it).
-fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
+/// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it), rounded once to
+/// `P`.
+fn input_grad<
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    const I: usize,
+    const O: usize,
+>(
     dz: &[E],
     wv: &[E],
     gx: &mut [E],
 ) -> Result<(), CpuError> {
     let rows = dz.len() / O;
-    with_scratch(rows.min(ROW_CHUNK) * I, |dx| {
-        for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
-            let r = dzc.len() / O;
-            let dx = &mut dx[..r * I];
-            gemm(
-                MatRef::row_major(E::operand(dzc), r, O),
-                MatRef::row_major(E::operand(wv), O, I),
-                dx,
-                false,
-            )?;
-            add_f32_into(dx, as_dst(gxc))?;
-        }
-        Ok(())
-    })
-    .map_err(shape_err)
+    let mut dx = scratch::take::<f32>(rows.min(ROW_CHUNK) * I);
+    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
+        let r = dzc.len() / O;
+        let dx = &mut dx[..r * I];
+        gemm(
+            MatRef::row_major(E::operand(dzc), r, O),
+            MatRef::row_major(E::operand(wv), O, I),
+            dx,
+            false,
+        )
+        .map_err(shape_err)?;
+        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
+        round_in_place::<P>(gxc);
+    }
+    Ok(())
 }
-
 impl<
     const I: usize,
     const O: usize,

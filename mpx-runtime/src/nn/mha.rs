@@ -9,9 +9,10 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
-use super::dense_op::dense;
 use super::half_ops::is_f32;
+use super::linear::fused_linear;
 use super::mixed::{MixedModule, native_module};
+use crate::kernels::Activation;
 use crate::precision::{AMP, Precision, f16};
 use crate::region::FullPrecision;
 
@@ -181,29 +182,22 @@ where
             // Half precision: the projections and the whole attention core as fused ops on
             // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
             let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
-            let v = dense::<P, E, M, V, _, _, _>(
-                &wv.weight,
-                &wv.bias,
-                false,
-                v.retaped::<T>(),
-                (b, s2, Const::<V>),
-            )?;
-            let k = dense::<P, E, M, K, _, _, _>(
-                &wk.weight,
-                &wk.bias,
-                false,
-                k.retaped::<T>(),
-                (b, s2, Const::<K>),
-            )?;
+            let id = Activation::Identity;
+            let v = v.retaped::<T>();
+            let v =
+                fused_linear::<P, E, M, V, _, _, _>(&wv.weight, &wv.bias, id, v, (b, s2, Const))?;
+            let k = k.retaped::<T>();
+            let k =
+                fused_linear::<P, E, M, K, _, _, _>(&wk.weight, &wk.bias, id, k, (b, s2, Const))?;
             let q =
-                dense::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, false, q, (b, s1, Const::<K>))?;
+                fused_linear::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, id, q, (b, s1, Const))?;
             let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
-            return dense::<P, E, V, M, _, _, _>(
+            return fused_linear::<P, E, V, M, _, _, _>(
                 &wo.weight,
                 &wo.bias,
-                false,
+                id,
                 tokens,
-                (b, s1, Const::<M>),
+                (b, s1, Const),
             );
         }
 

@@ -39,7 +39,6 @@
 mod attention_core;
 mod cast;
 mod convert;
-mod dense_op;
 mod encoder;
 mod half_ops;
 mod layer_norm;
@@ -47,6 +46,7 @@ mod layer_norm_kernel;
 pub(crate) mod linear;
 mod mha;
 mod mixed;
+mod scratch;
 pub mod vit;
 
 pub use convert::*;
