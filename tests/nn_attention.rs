@@ -312,3 +312,26 @@ fn emulated_bf16_outputs_and_gradients_are_bf16_values() {
         assert!(all_bf16(v), "patch + head, #{i}");
     }
 }
+
+/// Attention over an empty sequence (no queries or no keys) is an error in every precision, not a
+/// panic inside the fused op.
+#[test]
+fn attention_on_an_empty_sequence_is_an_error() {
+    let dev = Cpu::seed_from_u64(12);
+    let m32 = dev.build_module::<nn::MultiHeadAttention<M, 4>, f32>();
+    let m16 = m32.clone().to_dtype::<f16>();
+    let empty: Tensor<(Const<2>, usize, Const<M>), f32, Cpu> = dev.zeros_like(&(Const, 0, Const));
+    let three: Tensor<(Const<2>, usize, Const<M>), f32, Cpu> = dev.ones_like(&(Const, 3, Const));
+    for (q, kv) in [(&empty, &empty), (&three, &empty), (&empty, &three)] {
+        let (q16, kv16) = (q.clone().to_dtype::<f16>(), kv.clone().to_dtype::<f16>());
+        let r16 = m16.try_forward_in::<f16, _>((q16.leaky_trace(), kv16.clone(), kv16));
+        assert!(r16.is_err(), "f16, q {:?}, kv {:?}", q.shape(), kv.shape());
+        let rbf = m32.try_forward_in::<bf16, _>((q.leaky_trace(), kv.clone(), kv.clone()));
+        assert!(rbf.is_err(), "bf16");
+        let r32 = m32.try_forward_in::<f32, _>((q.leaky_trace(), kv.clone(), kv.clone()));
+        assert!(r32.is_err(), "f32");
+    }
+    // Self-attention on an unbatched empty sequence as well.
+    let x: Tensor<(usize, Const<M>), f16, Cpu> = dev.zeros_like(&(0, Const));
+    assert!(m16.try_forward(x).is_err());
+}

@@ -30,6 +30,11 @@ use crate::region::FullPrecision;
 /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
 /// `NUM_HEADS` (a compile-time error otherwise).
 ///
+/// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
+/// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
+/// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
+/// `forward` panics there, as dfdx's does on an error.
+///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
@@ -171,12 +176,17 @@ where
     ) -> Result<Self::Output, CpuError> {
         #[allow(clippy::let_unit_value)]
         let () = Self::TYPE_CHECK;
-        assert_eq!(q.shape().0, k.shape().0, "q and k differ in batch size");
-        assert_eq!(q.shape().0, v.shape().0, "q and v differ in batch size");
-        assert_eq!(k.shape().1, v.shape().1, "k and v differ in length");
         let b = q.shape().0;
         let s1 = q.shape().1;
         let s2 = v.shape().1;
+        // Batches that differ, keys and values of different lengths, or an empty sequence (a
+        // softmax over no keys, or no queries) are shape errors.
+        let agree = b.size() == k.shape().0.size()
+            && b.size() == v.shape().0.size()
+            && k.shape().1.size() == s2.size();
+        if !agree || s1.size() == 0 || s2.size() == 0 {
+            return Err(CpuError::WrongNumElements);
+        }
 
         if !is_f32::<P>() {
             // Half precision: the projections and the whole attention core as fused ops on
@@ -253,9 +263,11 @@ where
             Tensor<(S2, Const<M>), E, Cpu>,
         ),
     ) -> Result<Self::Output, CpuError> {
-        assert_eq!(k.shape().0, v.shape().0, "k and v differ in length");
         let s1 = q.shape().0;
         let s2 = k.shape().0;
+        if v.shape().0.size() != s2.size() {
+            return Err(CpuError::WrongNumElements);
+        }
         let q = q.try_broadcast_like(&(Const::<1>, s1, Const::<M>))?;
         let k = k.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;
         let v = v.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;
