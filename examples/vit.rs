@@ -17,7 +17,7 @@
 //! mixed runs keep an f32 master and Adam on it, run forward and backward on a half working copy
 //! (`mpx::step`), compute the loss in f32, and scale it with a dynamic loss scale.
 //!
-//! The model is mpx's [`DigitsVit`] (`mpx::nn::vit`): 16 patches of 2x2 pixels, width 32, two
+//! The model is [`DigitsVit`], an `mpx::nn::vit::Vit`: 16 patches of 2x2 pixels, width 32, two
 //! `mpx::nn` encoder blocks (4 heads, feed-forward 64), mean pooling and a layer-norm + linear
 //! head. In a half precision its layers run as fused ops on mpx's own GEMM: every linear layer
 //! (projections, feed-forward, patch embedding, head) is one op with f32 sums rounded once to the
@@ -44,7 +44,6 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use dfdx::{optim::*, prelude::*};
 use mpx::cast::{Cast, cast_module, cast_to_half_precision};
-use mpx::nn::vit::DigitsVit;
 use mpx::nn::{ForwardIn, MixedModule};
 use mpx::precision::{HalfPrecision, Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
@@ -52,7 +51,7 @@ use mpx::step::{
     MixedWorkspace, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
 };
 
-use digits::{CLASSES, Digits, FEATURES};
+use digits::{CLASSES, Digits, DigitsVit, FEATURES};
 use train::{RunResult, bar, correct, epoch_batches, say, test_accuracy};
 
 #[global_allocator]

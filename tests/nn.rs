@@ -575,9 +575,9 @@ fn class_token_prepends_and_gets_the_first_positions_gradient() {
 
 #[test]
 fn vit_is_a_castable_tree_with_float_leaves() {
+    use common::digits::DigitsVit;
     use mpx::cast::{cast_module, cast_tree};
     use mpx::finite::all_finite;
-    use mpx::nn::vit::DigitsVit;
     use mpx::precision::f16;
     let dev = Cpu::seed_from_u64(4);
     let vit = dev.build_module::<DigitsVit, f32>();
