@@ -17,9 +17,9 @@ use mpx::scaling::DynamicLossScale;
 use mpx::step::GradScaler;
 
 type Mlp = (
-    nn::builder::LinearReLU<512, 1024>,
-    nn::builder::LinearReLU<1024, 1024>,
-    nn::builder::Linear<1024, 10>,
+    nn::builders::LinearReLU<512, 1024>,
+    nn::builders::LinearReLU<1024, 1024>,
+    nn::builders::Linear<1024, 10>,
 );
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 

@@ -8,7 +8,7 @@
 
 use dfdx::nn::tensor_collection::{TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef};
 use dfdx::prelude::*;
-use mpx::nn::{self, DfdxLayer};
+use mpx::nn::{self, IntoLayers, Mpx};
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ fn f32_layer_norm_is_bit_identical_to_dfdx() {
     let mut theirs = dev.build_module::<builders::LayerNorm1D<8>, f32>();
     theirs.gamma = dev.sample_normal();
     theirs.beta = dev.sample_normal();
-    let ours = nn::LayerNorm1D::from_dfdx(theirs.clone());
+    let ours: nn::LayerNorm1D<8> = theirs.clone().into_layers(Mpx);
     let x1: Tensor<Rank1<8>, f32, Cpu> = dev.sample_normal();
     assert_bit_identical(&ours, &theirs, &theirs, &x1, &dev.sample_normal());
     let x2: Tensor<Rank2<3, 8>, f32, Cpu> = dev.sample_normal() * 40.0;
@@ -131,7 +131,7 @@ fn f32_encoder_block_and_encoder_are_bit_identical_to_dfdx() {
     assert_bit_identical(&ours, &theirs, &theirs, &x2, &dev.sample_normal());
 
     let theirs = dev.build_module::<builders::TransformerEncoder<8, 2, 16, 3>, f32>();
-    let ours = nn::TransformerEncoder::<8, 2, 16, 3>::from_dfdx(theirs.clone());
+    let ours: nn::TransformerEncoder<8, 2, 16, 3> = theirs.clone().into_layers(Mpx);
     let x3: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal() * 10.0;
     assert_bit_identical(&ours, &theirs, &theirs, &x3, &dev.sample_normal());
 }
@@ -432,7 +432,7 @@ fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
     );
 
     // mpx in f16: finite, forward and gradients.
-    let ours16 = nn::TransformerEncoder::<M, 4, 64, 2, f16>::from_dfdx(theirs16);
+    let ours16: nn::TransformerEncoder<M, 4, 64, 2, f16> = theirs16.into_layers(Mpx);
     let x16 = x.clone().to_dtype::<f16>();
     let y16 = ours16.forward(x16.leaky_trace());
     let out16: Vec<f32> = y16.as_vec().into_iter().map(f32::from).collect();
@@ -440,7 +440,7 @@ fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
     let g16 = (y16 * w.clone().to_dtype::<f16>()).sum().backward();
 
     // The f32 reference: our layers in f32 (= dfdx's, bit for bit) on the same values.
-    let ours32 = nn::TransformerEncoder::<M, 4, 64, 2>::from_dfdx(theirs32);
+    let ours32: nn::TransformerEncoder<M, 4, 64, 2> = theirs32.into_layers(Mpx);
     let y32 = ours32.forward(x.leaky_trace());
     let out32 = y32.retaped::<NoneTape>().as_vec();
     let g32 = (y32 * w).sum().backward();

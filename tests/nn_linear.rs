@@ -10,7 +10,7 @@
 use dfdx::shapes::Shape;
 use dfdx::{optim::*, prelude::*};
 use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
-use mpx::nn::{self, IntoMpx};
+use mpx::nn::{self, IntoLayers, Mpx};
 use mpx::precision::{AMP, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
 use mpx::step::{GradScaler, MixedWorkspace, filter_value_and_grad, optimizer_update};
@@ -242,7 +242,7 @@ half_matches_exact!(
 #[test]
 fn rank3_input_equals_rank2_rows() {
     let dev = Cpu::seed_from_u64(7);
-    let l = dev.build_module::<nn::builder::LinearReLU<6, 5>, f32>();
+    let l = dev.build_module::<nn::builders::LinearReLU<6, 5>, f32>();
     let x: Tensor<Rank3<2, 3, 6>, f32, Cpu> = dev.sample_normal();
     let y3 = l.forward(x.clone());
     let y2 = l.forward(x.clone().reshape::<Rank2<6, 6>>());
@@ -257,7 +257,7 @@ fn conversions_keep_parameters() {
     let dev = Cpu::seed_from_u64(8);
     let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
     let (w0, b2) = (model.0.weight.as_vec(), model.2.bias.as_vec());
-    let (a, relu, b) = model.into_mpx();
+    let (a, relu, b) = model.into_layers(Mpx);
     assert_eq!(
         (a.weight.as_vec(), b.bias.as_vec()),
         (w0.clone(), b2.clone())
@@ -270,9 +270,9 @@ fn conversions_keep_parameters() {
 }
 
 type MpxMlp = (
-    nn::builder::LinearReLU<16, 32>,
-    nn::builder::LinearReLU<32, 32>,
-    nn::builder::Linear<32, 4>,
+    nn::builders::LinearReLU<16, 32>,
+    nn::builders::LinearReLU<32, 32>,
+    nn::builders::Linear<32, 4>,
 );
 
 /// Mean cross-entropy after `steps` Adam steps of the mixed step with working precision `H`.

@@ -12,7 +12,7 @@
 //!
 //! The parameters are dfdx's (`weight: (O, I)`, `bias: (O,)`), so optimizers, `alloc_grads`,
 //! mpx's casts and the mixed step's working copy treat the layer like dfdx's; [`From`] converts
-//! either way, and [`IntoMpx`] converts the `Linear` layers of a whole model.
+//! either way, and [`IntoLayers`] converts the `Linear` layers of a whole model.
 //!
 //! Element types: `f32`, `f16` and `AMP<f16>` (f16 storage; sums in f32 on every path but
 //! [`KernelPath::Avx512Fp16`](crate::kernels::KernelPath), which sums up to 32 products in f16:
@@ -30,6 +30,7 @@ use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
+use super::convert::{Dfdx, IntoLayers, Mpx};
 use super::half_ops::round_in_place;
 use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
@@ -84,14 +85,14 @@ pub mod act {
 }
 
 /// A linear layer `y = act(x·Wᵀ + b)` with the parameters of dfdx's `Linear`. Use the aliases
-/// [`Linear`] and [`LinearReLU`], and build it with [`builder::Linear`] / [`builder::LinearReLU`].
+/// [`Linear`] and [`LinearReLU`], and build it with [`builders::Linear`] / [`builders::LinearReLU`].
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
 /// use mpx_runtime::nn;
 /// let dev = Cpu::default();
-/// let layer = dev.build_module::<nn::builder::LinearReLU<3, 2>, f32>();
+/// let layer = dev.build_module::<nn::builders::LinearReLU<3, 2>, f32>();
 /// let y = layer.forward(dev.tensor([[1.0f32, -2.0, 0.5]]));
 /// assert!(y.as_vec().iter().all(|v| *v >= 0.0));
 /// ```
@@ -126,7 +127,7 @@ pub type Linear<const I: usize, const O: usize, E, D = Cpu> =
 /// use dfdx::prelude::*;
 /// use mpx_runtime::precision::f16;
 /// let dev = Cpu::default();
-/// let l = dev.build_module::<mpx_runtime::nn::builder::LinearReLU<3, 2>, f16>();
+/// let l = dev.build_module::<mpx_runtime::nn::builders::LinearReLU<3, 2>, f16>();
 /// let y = l.forward(dev.tensor([[1.0f32, 2.0, 3.0]]).to_dtype::<f16>());
 /// assert!(y.as_vec().iter().all(|v| v.to_f32() >= 0.0));
 /// ```
@@ -152,14 +153,17 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> FusedLinear<I, 
     }
 }
 
-/// Builders, as dfdx's `dfdx::nn::builders`.
-pub mod builder {
+/// Builders for `dev.build_module::<...>()`, as dfdx's `dfdx::nn::builders`: the types that
+/// exist only to be built. mpx's other layers ([`LayerNorm1D`](super::LayerNorm1D),
+/// [`MultiHeadAttention`](super::MultiHeadAttention), the encoder, the ViT's parts) build from
+/// their own types.
+pub mod builders {
     /// Builds a [`Linear`](super::Linear) with `I` inputs and `O` outputs.
     ///
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builder::Linear<4, 2>, f32>();
+    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builders::Linear<4, 2>, f32>();
     /// assert_eq!(m.weight.shape(), &(Const::<2>, Const::<4>));
     /// ```
     #[derive(Debug, Clone, Copy, Default)]
@@ -170,17 +174,31 @@ pub mod builder {
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builder::LinearReLU<4, 2>, f32>();
+    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builders::LinearReLU<4, 2>, f32>();
     /// assert_eq!(m.bias.shape(), &(Const::<2>,));
     /// ```
     #[derive(Debug, Clone, Copy, Default)]
     pub struct LinearReLU<const I: usize, const O: usize>;
+
+    /// Builds an [`MxLinear`](crate::mx::MxLinear) with `I` inputs and `O` outputs, quantized
+    /// as the [`MxConfig`](crate::mx::MxConfig) `C` says.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::mx::Mxfp8Weights;
+    /// use mpx_runtime::nn::builders;
+    /// let m = Cpu::default().build_module::<builders::MxLinear<4, 2, Mxfp8Weights>, f32>();
+    /// assert_eq!(m.weight.shape(), &(Const::<2>, Const::<4>));
+    /// ```
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct MxLinear<const I: usize, const O: usize, C>(std::marker::PhantomData<C>);
 }
 
 macro_rules! build {
     ($b:ident, $a:ty) => {
         impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> BuildOnDevice<D, E>
-            for builder::$b<I, O>
+            for builders::$b<I, O>
         where
             FusedLinear<I, O, E, D, $a>: BuildModule<D, E>,
         {
@@ -296,61 +314,35 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> From<LinearReLU<I,
     }
 }
 
-/// Converts a model's dfdx `Linear` layers into mpx's fused [`Linear`], moving the parameters;
-/// activations are kept as they are. To fuse a `(Linear, ReLU)` pair into one [`LinearReLU`], use
-/// `LinearReLU::from((linear, relu))`.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::IntoMpx;
-/// let dev = Cpu::default();
-/// let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
-/// let x = dev.tensor([[1.0f32, 2.0, 3.0, 4.0]]);
-/// let want = model.forward(x.clone());
-/// let fused = model.into_mpx(); // (mpx Linear<4, 8>, ReLU, mpx Linear<8, 2>)
-/// let got = fused.forward(x);
-/// for (a, b) in got.as_vec().iter().zip(want.as_vec()) {
-///     assert!((a - b).abs() < 1e-5);
-/// }
-/// ```
-pub trait IntoMpx {
-    /// The model with mpx's layers.
-    type Mpx;
-    /// Converts, moving the parameters.
-    fn into_mpx(self) -> Self::Mpx;
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoMpx for DfdxLinear<I, O, E, D> {
-    type Mpx = Linear<I, O, E, D>;
-    fn into_mpx(self) -> Self::Mpx {
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Mpx>
+    for DfdxLinear<I, O, E, D>
+{
+    type Output = Linear<I, O, E, D>;
+    /// dfdx's `Linear` to the fused [`Linear`].
+    fn into_layers(self, _: Mpx) -> Self::Output {
         self.into()
     }
 }
 
-impl IntoMpx for DfdxReLU {
-    type Mpx = DfdxReLU;
-    fn into_mpx(self) -> Self::Mpx {
-        self
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for Linear<I, O, E, D>
+{
+    type Output = DfdxLinear<I, O, E, D>;
+    /// The fused [`Linear`] back to dfdx's.
+    fn into_layers(self, _: Dfdx) -> Self::Output {
+        self.into()
     }
 }
 
-macro_rules! tuple_into_mpx {
-    ($($m:ident . $i:tt),+) => {
-        impl<$($m: IntoMpx),+> IntoMpx for ($($m,)+) {
-            type Mpx = ($($m::Mpx,)+);
-            fn into_mpx(self) -> Self::Mpx {
-                ($(self.$i.into_mpx(),)+)
-            }
-        }
-    };
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for LinearReLU<I, O, E, D>
+{
+    type Output = (DfdxLinear<I, O, E, D>, DfdxReLU);
+    /// The fused [`LinearReLU`] back to dfdx's `(Linear, ReLU)`.
+    fn into_layers(self, _: Dfdx) -> Self::Output {
+        self.into()
+    }
 }
-tuple_into_mpx!(A.0);
-tuple_into_mpx!(A.0, B.1);
-tuple_into_mpx!(A.0, B.1, C.2);
-tuple_into_mpx!(A.0, B.1, C.2, F.3);
-tuple_into_mpx!(A.0, B.1, C.2, F.3, G.4);
-tuple_into_mpx!(A.0, B.1, C.2, F.3, G.4, H.5);
 
 // ---- casts -------------------------------------------------------------------------------------
 

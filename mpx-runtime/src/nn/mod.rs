@@ -17,7 +17,7 @@
 //!
 //! Every layer has dfdx's field names and parameter layout, implements dfdx's
 //! `TensorCollection` (so `alloc_grads`, optimizers, `build_module` and mpx's casts and mixed
-//! steps work) and converts from and to dfdx's layer ([`DfdxLayer`], `From`). With `f32` each is
+//! steps work) and converts from and to dfdx's layer ([`IntoLayers`], `From`). With `f32` each is
 //! bit-identical to dfdx's, forward and gradients.
 //!
 //! The precision: dfdx's `Module::forward` runs in the element type as the precision (f32, f16,
