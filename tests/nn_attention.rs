@@ -335,3 +335,37 @@ fn attention_on_an_empty_sequence_is_an_error() {
     let x: Tensor<(usize, Const<M>), f16, Cpu> = dev.zeros_like(&(0, Const));
     assert!(m16.try_forward(x).is_err());
 }
+
+/// The fused ops take their buffers from a pool kept across steps, holding whatever the last user
+/// left. A forward and backward of an encoder block gives the same bits again after other runs
+/// (other shapes, other values, NaN written through every buffer they used) went through the pool.
+#[test]
+fn fused_ops_give_the_same_bits_when_their_buffers_are_reused() {
+    let dev = Cpu::seed_from_u64(13);
+    let block = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f16>();
+    let x: Seq<f32> = dev.sample_normal();
+    let x = x.to_dtype::<f16>();
+    let run = || {
+        let y = block.forward_in::<f16, _>(x.leaky_trace());
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * x.clone()).sum().backward();
+        let mut all = vec![widen(&out), widen(&g.get(&x).as_vec())];
+        all.extend(param_grads(&block, &g));
+        all.into_iter()
+            .map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    let first = run();
+    // Other runs through the same ops: a longer sequence, and a NaN input (NaN everywhere).
+    let other = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f16>();
+    let long: Tensor<Rank3<2, 9, M>, f32, Cpu> = dev.sample_normal();
+    let long = long.to_dtype::<f16>();
+    let _ = (other.forward_in::<f16, _>(long.leaky_trace()))
+        .sum()
+        .backward();
+    let nan: Tensor<Rank3<B, S, M>, f16, Cpu> = dev.zeros() + f16::NAN;
+    let _ = (other.forward_in::<f16, _>(nan.leaky_trace()))
+        .sum()
+        .backward();
+    assert_eq!(run(), first);
+}

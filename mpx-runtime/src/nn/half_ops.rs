@@ -8,7 +8,9 @@ use std::any::TypeId;
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tensor};
 
-use crate::kernels::{KernelError, MatRef, Operand};
+use super::scratch::{self, Buf};
+use crate::cast::FloatSliceMut;
+use crate::kernels::{Dst, KernelError, MatRef, Operand, add_f32_into};
 use crate::precision::Precision;
 
 /// `true` for the f32 precision itself (`P = f32`): the layers then keep dfdx's own operations,
@@ -18,16 +20,25 @@ pub(crate) fn is_f32<P: Precision>() -> bool {
     TypeId::of::<P>() == TypeId::of::<f32>()
 }
 
-/// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32.
+/// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32, in
+/// a pooled buffer.
 pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     t: &Tensor<S, E, Cpu, T>,
-) -> Vec<f32> {
+) -> Buf<f32> {
     let n = t.shape().num_elements();
-    let mut h = vec![E::default(); n];
+    let mut h = scratch::take::<E>(n);
     t.copy_into(&mut h);
-    let mut v = vec![0.0f32; n];
+    let mut v = scratch::take::<f32>(n);
     E::widen(&h, &mut v);
     v
+}
+
+/// `values` as a kernel pass's destination.
+pub(crate) fn as_dst<E: Precision<Elem = E> + dfdx::shapes::Dtype>(values: &mut [E]) -> Dst<'_> {
+    match E::floats_mut(values) {
+        FloatSliceMut::F32(v) => Dst::F32(v),
+        FloatSliceMut::F16(v) => Dst::F16(v),
+    }
 }
 
 /// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
@@ -62,13 +73,13 @@ pub(crate) fn grad_slice<E: Precision<Elem = E> + dfdx::shapes::Dtype>(
 
 /// `dst = round_P(dst + add)`: the gradient already in `dst` and the new contribution summed in
 /// f32 and rounded once (as mpx's regions do).
-pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) {
-    let mut sum = vec![0.0f32; dst.len()];
-    <P::Elem as Precision>::widen(dst, &mut sum);
-    for (s, a) in sum.iter_mut().zip(add) {
-        *s += a;
-    }
-    P::round(&sum, dst);
+///
+/// # Errors
+/// A shape error if the lengths differ.
+pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) -> Result<(), CpuError> {
+    add_f32_into(add, as_dst(dst)).map_err(shape_err)?;
+    round_in_place::<P>(dst);
+    Ok(())
 }
 
 /// A `rows x cols` f32 view starting at `offset`, rows `row_stride` apart (one head of a
@@ -89,8 +100,8 @@ pub(crate) fn view(
     }
 }
 
-/// Kernel errors cannot happen in these ops (the shapes are fixed by the layers' types); should
-/// one, it is reported as dfdx's shape error.
+/// Kernel errors cannot happen in the fused ops (the shapes are fixed by the layers' types);
+/// should one, it is reported as dfdx's shape error.
 pub(crate) fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }

@@ -31,11 +31,11 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, Ten
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::convert::{Dfdx, IntoLayers, Mpx};
-use super::half_ops::round_in_place;
+use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
 use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::kernels::{
-    Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
+    Activation, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 use crate::precision::{AMP, FloatBits, Precision, f16};
@@ -369,14 +369,6 @@ cast_for!(f32, f16, AMP<f16>);
 
 // ---- the fused op ------------------------------------------------------------------------------
 
-/// `values` as a pass's destination.
-fn as_dst<E: Precision<Elem = E> + Dtype>(values: &mut [E]) -> Dst<'_> {
-    match E::floats_mut(values) {
-        FloatSliceMut::F32(v) => Dst::F32(v),
-        FloatSliceMut::F16(v) => Dst::F16(v),
-    }
-}
-
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
     match E::operand(y) {
@@ -400,12 +392,6 @@ fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
 /// Rows per GEMM call in the forward and in `dX`: bounds the f32 sums (`ROW_CHUNK x O` or
 /// `ROW_CHUNK x I` values) whatever the batch.
 const ROW_CHUNK: usize = 512;
-
-/// Kernel errors cannot happen here (the layer's shapes are fixed by its types); should one, it
-/// is reported as dfdx's shape error.
-fn shape_err(_: KernelError) -> CpuError {
-    CpuError::WrongNumElements
-}
 
 /// The values of a tensor (contiguous) in a pooled buffer.
 fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Buf<E> {
@@ -518,7 +504,7 @@ where
         drop(x);
         tape.add_backward_op(move |grads| {
             let mut dz = scratch::take::<E>(rows * O);
-            dz.copy_from_slice(slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
             let mut db = scratch::take_zeroed::<f32>(O);
             mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
             drop(mask);
@@ -527,14 +513,14 @@ where
                 with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
                     .map_err(shape_err)??;
             } else {
-                let gb = slice::<E>(grads.get_or_alloc_mut(&b_id)?);
+                let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
                 add_f32_into(&db, as_dst(gb)).map_err(shape_err)?;
                 round_in_place::<P>(gb);
-                let gw = slice::<E>(grads.get_or_alloc_mut(&w_id)?);
+                let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
                 write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
             }
             drop((db, xv));
-            input_grad::<P, E, I, O>(&dz, &wv, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+            input_grad::<P, E, I, O>(&dz, &wv, grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?))
         });
     }
     Ok(y.put_tape(tape))
@@ -554,12 +540,6 @@ where
     ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError> {
         fused_linear::<E, E, I, O, Sx, Sy, T>(&self.weight, &self.bias, A::ACT, x, out)
     }
-}
-
-/// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
-/// does not resolve).
-fn slice<E: Precision<Elem = E> + Dtype>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
-    &mut v[..]
 }
 
 /// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it), rounded once to
