@@ -572,3 +572,47 @@ fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
     assert_ne!(params(&master), params(&before));
     assert_eq!(params(&master), params(&fresh));
 }
+
+/// In emulated bf16 (`forward_in::<bf16, _>` on f32 tensors) the fused layer rounds its output and
+/// its gradients to bf16, as a layer of bf16 storage would: each is the f32 result (the same layer
+/// run in f32, within the f32 bound) rounded once to bf16, so within a bf16 rounding (`2^-8`
+/// relative) of it, and holds bf16 values only.
+#[test]
+fn emulated_bf16_rounds_output_and_gradients_to_bf16() {
+    use mpx::nn::ForwardIn;
+    use mpx::precision::bf16;
+    let dev = Cpu::seed_from_u64(21);
+    let l = dev.build_module::<nn::builders::LinearReLU<I, O>, f32>();
+    let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
+    let run = |bf: bool| {
+        let y = if bf {
+            l.forward_in::<bf16, _>(x.leaky_trace())
+        } else {
+            l.forward_in::<f32, _>(x.leaky_trace())
+        };
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * c.clone()).sum().backward();
+        [
+            out,
+            g.get(&x).as_vec(),
+            g.get(&l.weight).as_vec(),
+            g.get(&l.bias).as_vec(),
+        ]
+    };
+    let (bf, f) = (run(true), run(false));
+    for (i, (a, b)) in bf.iter().zip(&f).enumerate() {
+        assert!(
+            a.iter().all(|v| v.to_bits() & 0xffff == 0),
+            "#{i}: not bf16"
+        );
+        assert!(b.iter().any(|v| v.to_bits() & 0xffff != 0), "#{i}: f32 is");
+        for (a, b) in a.iter().zip(b) {
+            // one bf16 rounding of a value within 1e-5 relative of b (f32 sums of 70 terms)
+            assert!(
+                (a - b).abs() <= b.abs() * (1.0 / 256.0 + 1e-5) + 1e-6,
+                "#{i}: {a} vs {b}"
+            );
+        }
+    }
+}

@@ -17,7 +17,12 @@
 //! Element types: `f32`, `f16` and `AMP<f16>` (f16 storage; sums in f32 on every path but
 //! [`KernelPath::Avx512Fp16`](crate::kernels::KernelPath), which sums up to 32 products in f16:
 //! see the kernels' error bounds). Emulated bf16 stores f32, so it runs the f32 kernels on the
-//! values the mixed step rounded.
+//! values the mixed step rounded; run in it with [`forward_in::<bf16, _>`](super::ForwardIn)
+//! ([`MixedModule`]), the layer also rounds its output and gradients to bf16.
+//!
+//! The transformer layers ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's
+//! feed-forward, the ViT's patch embedding and head) run their dfdx `Linear`s through the same
+//! fused op, so they get the same direct gradients inside a `GradScaler`.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -32,6 +37,7 @@ use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::convert::{Dfdx, IntoLayers, Mpx};
 use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
+use super::mixed::MixedModule;
 use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::kernels::{
@@ -526,22 +532,48 @@ where
     Ok(y.put_tape(tape))
 }
 
-impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
-    FusedLinear<I, O, E, Cpu, A>
+/// The fused layer on one sample `(I,)`, a batch `(B, I)` or a batch of sequences `(B, S, I)`,
+/// in precision `P` (`forward_in::<P, _>`; dfdx's `forward` runs in the element type). With
+/// emulated bf16 (f32 storage) the output and the gradients are rounded to bf16.
+macro_rules! mixed_forward {
+    ($($d:ident),*) => {
+        impl<const I: usize, const O: usize, E, P, A, $($d: Dim,)* T>
+            MixedModule<P, Tensor<($($d,)* Const<I>,), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+        where
+            E: Precision<Elem = E> + Dtype,
+            P: Precision<Elem = E>,
+            A: FusedActivation,
+            Cpu: Device<E>,
+            T: Tape<E, Cpu>,
+        {
+            type Output = Tensor<($($d,)* Const<O>,), E, Cpu, T>;
+            fn try_mixed_forward(
+                &self,
+                x: Tensor<($($d,)* Const<I>,), E, Cpu, T>,
+            ) -> Result<Self::Output, CpuError> {
+                #[allow(non_snake_case)]
+                let ($($d,)* _,) = *x.shape();
+                fused_linear::<P, E, I, O, _, _, T>(&self.weight, &self.bias, A::ACT, x, ($($d,)* Const::<O>,))
+            }
+        }
+    };
+}
+mixed_forward!();
+mixed_forward!(B);
+mixed_forward!(B, S);
+
+/// dfdx's `Module`: the forward pass in the element type as the precision.
+impl<const I: usize, const O: usize, E, A, X> Module<X> for FusedLinear<I, O, E, Cpu, A>
 where
-    Cpu: Device<E>,
+    E: Precision<Elem = E> + Dtype,
+    Self: MixedModule<E, X>,
 {
-    /// The fused forward (in the element type as the precision) on any input whose last axis is
-    /// `I`; `out` is the output shape.
-    fn fused<Sx: Shape, Sy: Shape, T: Tape<E, Cpu>>(
-        &self,
-        x: Tensor<Sx, E, Cpu, T>,
-        out: Sy,
-    ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError> {
-        fused_linear::<E, E, I, O, Sx, Sy, T>(&self.weight, &self.bias, A::ACT, x, out)
+    type Output = <Self as MixedModule<E, X>>::Output;
+    type Error = CpuError;
+    fn try_forward(&self, x: X) -> Result<Self::Output, CpuError> {
+        MixedModule::<E, X>::try_mixed_forward(self, x)
     }
 }
-
 /// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it), rounded once to
 /// `P`.
 fn input_grad<
@@ -570,65 +602,4 @@ fn input_grad<
         round_in_place::<P>(gxc);
     }
     Ok(())
-}
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    T: Tape<E, Cpu>,
-> Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<Rank1<O>, E, Cpu, T>;
-    type Error = CpuError;
-    /// One sample.
-    fn try_forward(&self, x: Tensor<Rank1<I>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
-        self.fused(x, (Const::<O>,))
-    }
-}
-
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    B: Dim,
-    T: Tape<E, Cpu>,
-> Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<(B, Const<O>), E, Cpu, T>;
-    type Error = CpuError;
-    /// A batch of rows.
-    fn try_forward(&self, x: Tensor<(B, Const<I>), E, Cpu, T>) -> Result<Self::Output, CpuError> {
-        let out = (x.shape().0, Const::<O>);
-        self.fused(x, out)
-    }
-}
-
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    B: Dim,
-    S: Dim,
-    T: Tape<E, Cpu>,
-> Module<Tensor<(B, S, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<(B, S, Const<O>), E, Cpu, T>;
-    type Error = CpuError;
-    /// A batch of sequences.
-    fn try_forward(
-        &self,
-        x: Tensor<(B, S, Const<I>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
-        let (b, s, _) = *x.shape();
-        self.fused(x, (b, s, Const::<O>))
-    }
 }
