@@ -238,6 +238,9 @@ where
         .build()?;
     let total = epochs * (d.train_len() / BATCH);
     let pb = bar(name, total);
+    // The fused ops' buffers, kept across steps, count toward this run's peak: none are left
+    // from an earlier run.
+    mpx::nn::release_buffers();
     let baseline = heap::reset_peak();
     let mut ws = MixedWorkspace::<H, _>::new(&master)?.with_max_consecutive_skips(50);
     let (mut busy, mut steps) = (Duration::ZERO, 0u32);
@@ -529,6 +532,9 @@ where
     let (half_grads, half_grad_bytes) = retained(|| working.alloc_grads());
     let (_master_grads, master_grad_bytes) = retained(|| master.alloc_grads());
     let xh = cast_to_half_precision::<H, _>(x);
+    // What the tape keeps sits partly in the fused ops' pooled buffers: empty the pool first, so
+    // that they are allocated (and counted) here.
+    mpx::nn::release_buffers();
     let (out, activations) = retained(|| working.forward_in::<H, _>(xh.traced(half_grads)));
     drop(out);
     Memory {

@@ -267,6 +267,23 @@ fn conversions_keep_parameters() {
     assert_eq!(back.weight.as_vec(), w0);
     let b_back: dfdx::nn::modules::Linear<8, 2, f32, Cpu> = b.into();
     assert_eq!(b_back.bias.as_vec(), b2);
+    // A model that mixes both families converts whole, either way.
+    let mixed = (
+        nn::Linear::from(b_back),
+        ReLU,
+        dev.build_module::<Linear<2, 3>, f32>(),
+    );
+    let (l0, _, l2): (nn::Linear<8, 2, f32>, ReLU, nn::Linear<2, 3, f32>) =
+        mixed.clone().into_layers(Mpx);
+    assert_eq!(
+        (l0.bias.as_vec(), l2.weight.as_vec()),
+        (b2, mixed.2.weight.as_vec())
+    );
+    let (d0, _, d2) = mixed.clone().into_layers(nn::Dfdx);
+    assert_eq!(
+        (d0.weight.as_vec(), d2.bias.as_vec()),
+        (mixed.0.weight.as_vec(), mixed.2.bias.as_vec())
+    );
 }
 
 type MpxMlp = (

@@ -142,9 +142,26 @@ tuple!(A.0, B.1, C.2, D.3, G.4);
 tuple!(A.0, B.1, C.2, D.3, G.4, H.5);
 
 /// Implements [`IntoLayers`] for an `mpx::nn` layer with a dfdx counterpart of the same name and
-/// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`].
+/// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`];
+/// each is already in its own family (so models that mix both convert whole).
 macro_rules! dfdx_layer {
     ($name:ident [$(const $c:ident),*]) => {
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            $crate::nn::IntoLayers<$crate::nn::Mpx> for $name<$($c,)* E, D>
+        {
+            type Output = Self;
+            fn into_layers(self, _: $crate::nn::Mpx) -> Self {
+                self
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            $crate::nn::IntoLayers<$crate::nn::Dfdx> for dfdx::nn::modules::$name<$($c,)* E, D>
+        {
+            type Output = Self;
+            fn into_layers(self, _: $crate::nn::Dfdx) -> Self {
+                self
+            }
+        }
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
             $crate::nn::IntoLayers<$crate::nn::Mpx> for dfdx::nn::modules::$name<$($c,)* E, D>
         {

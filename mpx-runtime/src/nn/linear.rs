@@ -20,6 +20,10 @@
 //! values the mixed step rounded; run in it with [`forward_in::<bf16, _>`](super::ForwardIn)
 //! ([`MixedModule`]), the layer also rounds its output and gradients to bf16.
 //!
+//! The op's buffers (the input's and the weight's values it keeps for the backward, the f32
+//! sums) come from a pool that keeps them across steps, so a step allocates none of them after
+//! the first; [`release_buffers`](super::release_buffers) frees the pool.
+//!
 //! The transformer layers ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's
 //! feed-forward, the ViT's patch embedding and head) run their dfdx `Linear`s through the same
 //! fused op, so they get the same direct gradients inside a `GradScaler`.
@@ -331,6 +335,26 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Mpx>
 }
 
 impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for DfdxLinear<I, O, E, D>
+{
+    type Output = Self;
+    /// Already dfdx's.
+    fn into_layers(self, _: Dfdx) -> Self {
+        self
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> IntoLayers<Mpx>
+    for FusedLinear<I, O, E, D, A>
+{
+    type Output = Self;
+    /// Already mpx's.
+    fn into_layers(self, _: Mpx) -> Self {
+        self
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
     for Linear<I, O, E, D>
 {
     type Output = DfdxLinear<I, O, E, D>;
@@ -455,8 +479,11 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
 ///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
 ///   gradient entries and rounded once to `P`. Then `dX += dZ·W`, rounded once to `P`.
 ///
-/// The input's and the weight's values are copied once, into pooled buffers ([`scratch`]) that
-/// the backward reads and then gives back.
+/// The op keeps the input and the weight tensors themselves for the backward (shared, not
+/// copied): dfdx lends no slice of a tensor's storage, so each pass copies the values it
+/// multiplies into pooled buffers ([`scratch`]) and gives them back when its GEMM is done. The
+/// pool then holds one layer's operands at a time, not a copy of every layer's input and weight
+/// from the forward to the backward.
 pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
     weight: &Tensor<Rank2<O, I>, E, Cpu>,
     bias: &Tensor<Rank1<O>, E, Cpu>,
@@ -492,7 +519,7 @@ where
         .map_err(shape_err)?;
         bias_act_into(acc, &b32, act, as_dst(yc)).map_err(shape_err)?;
     }
-    drop((acc, b32));
+    drop((acc, b32, xv, wv));
     round_in_place::<P>(&mut y);
     let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
     // Inside a scaler's forward pass, the master tensors this weight and bias stand for: their
@@ -504,16 +531,18 @@ where
     };
     let y = x.device().try_tensor_from_vec(y, out)?;
     if T::OWNS_TAPE {
-        // The op keeps the input's and the weight's values (pooled, read once), the ReLU mask
-        // (1 bit per output) and ghosts for the gradient entries.
+        // The op keeps the input and the weight (the tensors, shared), the ReLU mask (1 bit per
+        // output) and ghosts for the gradient entries.
         let (x_id, w_id, b_id, y_id) = (x.ghost(), weight.ghost(), bias.ghost(), y.ghost());
-        drop(x);
+        let w = weight.clone();
         tape.add_backward_op(move |grads| {
             let mut dz = scratch::take::<E>(rows * O);
             dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
             let mut db = scratch::take_zeroed::<f32>(O);
             mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
             drop(mask);
+            let xv = read(&x);
+            drop(x);
             if let Some(link) = &link {
                 link.add_bias_grad(&db)?;
                 with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
@@ -526,6 +555,8 @@ where
                 write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
             }
             drop((db, xv));
+            let wv = read(&w);
+            drop(w);
             input_grad::<P, E, I, O>(&dz, &wv, grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?))
         });
     }
@@ -574,8 +605,8 @@ where
         MixedModule::<E, X>::try_mixed_forward(self, x)
     }
 }
-/// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it), rounded once to
-/// `P`.
+/// `gx += dZ·W`, in row chunks of f32 sums, rounded once to `P`. `W` is the forward pass's: the
+/// op holds that tensor, and dfdx copies a shared tensor's storage before writing to it.
 fn input_grad<
     P: Precision<Elem = E>,
     E: Precision<Elem = E> + Dtype,

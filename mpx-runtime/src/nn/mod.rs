@@ -55,3 +55,4 @@ pub use layer_norm::*;
 pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
+pub use scratch::release_buffers;

@@ -58,6 +58,29 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     Buf { values }
 }
 
+/// Frees the buffers mpx's fused layers keep between steps (their operand copies and work
+/// buffers; see [`Linear`](crate::nn::Linear)); the next forward pass allocates them again.
+///
+/// The pool only grows while training: it holds what the fused ops of one step held at once at
+/// their peak. Call this when a program is done with a model (or before measuring the heap one
+/// step needs), not between steps.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::{self, builders};
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let l = dev.build_module::<builders::Linear<64, 64>, f16>();
+/// let x: Tensor<Rank2<8, 64>, f32, Cpu> = dev.sample_normal();
+/// let y = l.forward(x.to_dtype::<f16>().leaky_trace());
+/// let _grads = y.sum().backward(); // the op's buffers went back to the pool
+/// nn::release_buffers();
+/// ```
+pub fn release_buffers() {
+    POOL.lock().unwrap_or_else(PoisonError::into_inner).clear();
+}
+
 /// A zeroed buffer of `n` values (for sums that are added to).
 pub(crate) fn take_zeroed<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     let mut b = take(n);
