@@ -63,9 +63,9 @@ type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 
 /// The same MLP from mpx's fused layers.
 type MpxMlp = (
-    nn::builder::LinearReLU<512, 1024>,
-    nn::builder::LinearReLU<1024, 1024>,
-    nn::builder::Linear<1024, 10>,
+    nn::builders::LinearReLU<512, 1024>,
+    nn::builders::LinearReLU<1024, 1024>,
+    nn::builders::Linear<1024, 10>,
 );
 type MpxMaster = <MpxMlp as BuildOnDevice<Cpu, f32>>::Built;
 

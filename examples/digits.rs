@@ -60,9 +60,9 @@ type Mlp = (
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 /// The same MLP in mpx's fused layers: one op per `Linear` + `ReLU` pair.
 type FusedMlp = (
-    mpx::nn::builder::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builder::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builder::Linear<HIDDEN, CLASSES>,
+    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
+    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
+    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
 );
 type FusedMaster = <FusedMlp as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;

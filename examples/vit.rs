@@ -17,7 +17,7 @@
 //! mixed runs keep an f32 master and Adam on it, run forward and backward on a half working copy
 //! (`mpx::step`), compute the loss in f32, and scale it with a dynamic loss scale.
 //!
-//! The model is mpx's [`DigitsVit`] (`mpx::nn::vit`): 16 patches of 2x2 pixels, width 32, two
+//! The model is [`DigitsVit`], an `mpx::nn::vit::Vit`: 16 patches of 2x2 pixels, width 32, two
 //! `mpx::nn` encoder blocks (4 heads, feed-forward 64), mean pooling and a layer-norm + linear
 //! head. In a half precision its layers run as fused ops on mpx's own GEMM: every linear layer
 //! (projections, feed-forward, patch embedding, head) is one op with f32 sums rounded once to the
@@ -44,7 +44,6 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use dfdx::{optim::*, prelude::*};
 use mpx::cast::{Cast, cast_module, cast_to_half_precision};
-use mpx::nn::vit::DigitsVit;
 use mpx::nn::{ForwardIn, MixedModule};
 use mpx::precision::{HalfPrecision, Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
@@ -52,7 +51,7 @@ use mpx::step::{
     MixedWorkspace, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
 };
 
-use digits::{CLASSES, Digits, FEATURES};
+use digits::{CLASSES, Digits, DigitsVit, FEATURES};
 use train::{RunResult, bar, correct, epoch_batches, say, test_accuracy};
 
 #[global_allocator]
@@ -239,6 +238,9 @@ where
         .build()?;
     let total = epochs * (d.train_len() / BATCH);
     let pb = bar(name, total);
+    // The fused ops' buffers, kept across steps, count toward this run's peak: none are left
+    // from an earlier run.
+    mpx::nn::release_buffers();
     let baseline = heap::reset_peak();
     let mut ws = MixedWorkspace::<H, _>::new(&master)?.with_max_consecutive_skips(50);
     let (mut busy, mut steps) = (Duration::ZERO, 0u32);
@@ -530,6 +532,9 @@ where
     let (half_grads, half_grad_bytes) = retained(|| working.alloc_grads());
     let (_master_grads, master_grad_bytes) = retained(|| master.alloc_grads());
     let xh = cast_to_half_precision::<H, _>(x);
+    // What the tape keeps sits partly in the fused ops' pooled buffers: empty the pool first, so
+    // that they are allocated (and counted) here.
+    mpx::nn::release_buffers();
     let (out, activations) = retained(|| working.forward_in::<H, _>(xh.traced(half_grads)));
     drop(out);
     Memory {

@@ -568,8 +568,8 @@ fn a_staged_forward_chains_its_gradients_through_f32_glue() {
 // ---- a model built from mpx's own layers ---------------------------------------------------
 
 type MpxMlp = (
-    mpx::nn::builder::LinearReLU<4, 16>,
-    mpx::nn::builder::Linear<16, 3>,
+    mpx::nn::builders::LinearReLU<4, 16>,
+    mpx::nn::builders::Linear<16, 3>,
 );
 type MpxModel = <MpxMlp as BuildOnDevice<Cpu, f32>>::Built;
 

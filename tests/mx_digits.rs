@@ -9,7 +9,8 @@ mod common;
 use common::digits::{CLASSES, Digits, FEATURES};
 use dfdx::nn::modules::Linear as LinearLayer;
 use dfdx::{optim::*, prelude::*};
-use mpx::mx::{IntoMx, MxConfig, MxLinear, Mxfp4Weights, Mxfp8Weights};
+use mpx::mx::{MxConfig, MxLinear, Mxfp4Weights, Mxfp8Weights};
+use mpx::nn::IntoLayers;
 
 const BATCH: usize = 32;
 const EPOCHS: usize = 20;
@@ -90,7 +91,7 @@ where
 }
 
 fn mx_accuracy<C: MxConfig>(dev: &Cpu, d: &Digits, init: &F32Mlp) -> (f64, Vec<f32>) {
-    let model: MxMlp<C> = init.clone().into_mx::<C>();
+    let model: MxMlp<C> = init.clone().into_layers(C::default());
     train_and_test(dev, d, model)
 }
 
@@ -135,7 +136,7 @@ fn mxfp8_weights_train_within_two_points_of_f32() {
 fn straight_through_gradients_reach_the_master_weights() {
     let dev: Cpu = Cpu::seed_from_u64(3);
     let init = dev.build_module::<Mlp, f32>();
-    let mx: MxMlp<Mxfp8Weights> = init.clone().into_mx::<Mxfp8Weights>();
+    let mx: MxMlp<Mxfp8Weights> = init.clone().into_layers(Mxfp8Weights);
     let x: X = dev.sample_normal();
     // Through the same (fake-quantized) forward weights, the straight-through gradient of the
     // master weights equals the gradient a plain Linear gets at those quantized weights.
@@ -172,9 +173,10 @@ fn straight_through_gradients_reach_the_master_weights() {
 
 #[test]
 fn mx_linear_quantizes_inputs_when_asked_for_every_input_rank() {
-    use mpx::mx::{Mxfp8, builder, quantize_dequantize};
+    use mpx::mx::{Mxfp8, quantize_dequantize};
+    use mpx::nn::builders;
     let dev: Cpu = Cpu::seed_from_u64(5);
-    let layer = dev.build_module::<builder::MxLinear<40, 3, Mxfp8>, f32>();
+    let layer = dev.build_module::<builders::MxLinear<40, 3, Mxfp8>, f32>();
     let spec = Mxfp8::input_spec().expect("Mxfp8 quantizes inputs");
     let x: Tensor<Rank3<2, 2, 40>, f32, _> = dev.sample_normal();
     // reference: quantize the inputs (blocks of 32 along the 40 features: 32 + 8) and the weight

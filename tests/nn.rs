@@ -8,7 +8,7 @@
 
 use dfdx::nn::tensor_collection::{TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef};
 use dfdx::prelude::*;
-use mpx::nn::{self, DfdxLayer};
+use mpx::nn::{self, IntoLayers, Mpx};
 
 // ---- helpers --------------------------------------------------------------------------------
 
@@ -77,7 +77,7 @@ fn f32_layer_norm_is_bit_identical_to_dfdx() {
     let mut theirs = dev.build_module::<builders::LayerNorm1D<8>, f32>();
     theirs.gamma = dev.sample_normal();
     theirs.beta = dev.sample_normal();
-    let ours = nn::LayerNorm1D::from_dfdx(theirs.clone());
+    let ours: nn::LayerNorm1D<8> = theirs.clone().into_layers(Mpx);
     let x1: Tensor<Rank1<8>, f32, Cpu> = dev.sample_normal();
     assert_bit_identical(&ours, &theirs, &theirs, &x1, &dev.sample_normal());
     let x2: Tensor<Rank2<3, 8>, f32, Cpu> = dev.sample_normal() * 40.0;
@@ -127,7 +127,7 @@ fn f32_encoder_block_and_encoder_are_bit_identical_to_dfdx() {
     assert_bit_identical(&ours, &theirs, &theirs, &x2, &dev.sample_normal());
 
     let theirs = dev.build_module::<builders::TransformerEncoder<8, 2, 16, 3>, f32>();
-    let ours = nn::TransformerEncoder::<8, 2, 16, 3>::from_dfdx(theirs.clone());
+    let ours: nn::TransformerEncoder<8, 2, 16, 3> = theirs.clone().into_layers(Mpx);
     let x3: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal() * 10.0;
     assert_bit_identical(&ours, &theirs, &theirs, &x3, &dev.sample_normal());
 }
@@ -426,7 +426,7 @@ fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
     );
 
     // mpx in f16: finite, forward and gradients.
-    let ours16 = nn::TransformerEncoder::<M, 4, 64, 2, f16>::from_dfdx(theirs16);
+    let ours16: nn::TransformerEncoder<M, 4, 64, 2, f16> = theirs16.into_layers(Mpx);
     let x16 = x.clone().to_dtype::<f16>();
     let y16 = ours16.forward(x16.leaky_trace());
     let out16: Vec<f32> = y16.as_vec().into_iter().map(f32::from).collect();
@@ -434,7 +434,7 @@ fn f16_overflow_input_breaks_dfdx_and_not_mpx() {
     let g16 = (y16 * w.clone().to_dtype::<f16>()).sum().backward();
 
     // The f32 reference: our layers in f32 (= dfdx's, bit for bit) on the same values.
-    let ours32 = nn::TransformerEncoder::<M, 4, 64, 2>::from_dfdx(theirs32);
+    let ours32: nn::TransformerEncoder<M, 4, 64, 2> = theirs32.into_layers(Mpx);
     let y32 = ours32.forward(x.leaky_trace());
     let out32 = y32.retaped::<NoneTape>().as_vec();
     let g32 = (y32 * w).sum().backward();
@@ -569,9 +569,9 @@ fn class_token_prepends_and_gets_the_first_positions_gradient() {
 
 #[test]
 fn vit_is_a_castable_tree_with_float_leaves() {
+    use common::digits::DigitsVit;
     use mpx::cast::{cast_module, cast_tree};
     use mpx::finite::all_finite;
-    use mpx::nn::vit::DigitsVit;
     use mpx::precision::f16;
     let dev = Cpu::seed_from_u64(4);
     let vit = dev.build_module::<DigitsVit, f32>();

@@ -259,3 +259,112 @@ fn fused_patch_embedding_and_head_match_f32_in_f16_and_bf16() {
     check("f16 patch + head", &r16, &r32, 8.0 * U16, &[]);
     check("bf16 patch + head", &rbf, &r32, 8.0 * UBF16, &[]);
 }
+
+/// Whether every value is a bf16 value (its low 16 bits zero).
+fn all_bf16(v: &[f32]) -> bool {
+    v.iter().all(|x| x.to_bits() & 0xffff == 0)
+}
+
+/// Emulated bf16 stores f32, so only the precision says that the fused linear layers' outputs and
+/// gradients are rounded: in an encoder block and in the ViT's patch embedding and head run with
+/// `forward_in::<bf16, _>`, the output, the input's gradient and every parameter's gradient hold
+/// bf16 values (the inputs and parameters themselves are arbitrary f32 values), and the same
+/// layers in f32 do not (the key bias's gradient aside: it is exactly zero, see above).
+#[test]
+fn emulated_bf16_outputs_and_gradients_are_bf16_values() {
+    use mpx::nn::vit::{ClassificationHead, PatchEmbedding};
+    let dev = Cpu::seed_from_u64(11);
+    let block = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f32>();
+    let x: Seq<f32> = dev.sample_normal();
+    for bf in [true, false] {
+        let y = if bf {
+            block.forward_in::<bf16, _>(x.leaky_trace())
+        } else {
+            block.forward_in::<f32, _>(x.leaky_trace())
+        };
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * x.clone()).sum().backward();
+        let mut all = vec![out, g.get(&x).as_vec()];
+        all.extend(param_grads(&block, &g));
+        assert_eq!(all.len(), 2 + 16);
+        for (i, v) in all.iter().enumerate() {
+            assert_eq!(
+                all_bf16(v),
+                bf || i == 5,
+                "encoder block, bf16 = {bf}, #{i}"
+            );
+        }
+    }
+
+    let patch = dev.build_module::<PatchEmbedding<64, 4, 16, M, f32, Cpu>, f32>();
+    let head = dev.build_module::<ClassificationHead<M, 10, f32, Cpu>, f32>();
+    let images: Tensor<Rank2<B, 64>, f32, Cpu> = dev.sample_normal();
+    let w: Tensor<Rank2<B, 10>, f32, Cpu> = dev.sample_normal();
+    let t = head.forward_in::<bf16, _>(patch.forward_in::<bf16, _>(images.leaky_trace()));
+    let out = t.retaped::<NoneTape>().as_vec();
+    let g = (t * w).sum().backward();
+    let mut all = vec![out, g.get(&images).as_vec()];
+    all.extend(param_grads(&patch, &g));
+    all.extend(param_grads(&head, &g));
+    assert_eq!(all.len(), 2 + 2 + 4);
+    for (i, v) in all.iter().enumerate() {
+        assert!(all_bf16(v), "patch + head, #{i}");
+    }
+}
+
+/// Attention over an empty sequence (no queries or no keys) is an error in every precision, not a
+/// panic inside the fused op.
+#[test]
+fn attention_on_an_empty_sequence_is_an_error() {
+    let dev = Cpu::seed_from_u64(12);
+    let m32 = dev.build_module::<nn::MultiHeadAttention<M, 4>, f32>();
+    let m16 = m32.clone().to_dtype::<f16>();
+    let empty: Tensor<(Const<2>, usize, Const<M>), f32, Cpu> = dev.zeros_like(&(Const, 0, Const));
+    let three: Tensor<(Const<2>, usize, Const<M>), f32, Cpu> = dev.ones_like(&(Const, 3, Const));
+    for (q, kv) in [(&empty, &empty), (&three, &empty), (&empty, &three)] {
+        let (q16, kv16) = (q.clone().to_dtype::<f16>(), kv.clone().to_dtype::<f16>());
+        let r16 = m16.try_forward_in::<f16, _>((q16.leaky_trace(), kv16.clone(), kv16));
+        assert!(r16.is_err(), "f16, q {:?}, kv {:?}", q.shape(), kv.shape());
+        let rbf = m32.try_forward_in::<bf16, _>((q.leaky_trace(), kv.clone(), kv.clone()));
+        assert!(rbf.is_err(), "bf16");
+        let r32 = m32.try_forward_in::<f32, _>((q.leaky_trace(), kv.clone(), kv.clone()));
+        assert!(r32.is_err(), "f32");
+    }
+    // Self-attention on an unbatched empty sequence as well.
+    let x: Tensor<(usize, Const<M>), f16, Cpu> = dev.zeros_like(&(0, Const));
+    assert!(m16.try_forward(x).is_err());
+}
+
+/// The fused ops take their buffers from a pool kept across steps, holding whatever the last user
+/// left. A forward and backward of an encoder block gives the same bits again after other runs
+/// (other shapes, other values, NaN written through every buffer they used) went through the pool.
+#[test]
+fn fused_ops_give_the_same_bits_when_their_buffers_are_reused() {
+    let dev = Cpu::seed_from_u64(13);
+    let block = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f16>();
+    let x: Seq<f32> = dev.sample_normal();
+    let x = x.to_dtype::<f16>();
+    let run = || {
+        let y = block.forward_in::<f16, _>(x.leaky_trace());
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * x.clone()).sum().backward();
+        let mut all = vec![widen(&out), widen(&g.get(&x).as_vec())];
+        all.extend(param_grads(&block, &g));
+        all.into_iter()
+            .map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    let first = run();
+    // Other runs through the same ops: a longer sequence, and a NaN input (NaN everywhere).
+    let other = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f16>();
+    let long: Tensor<Rank3<2, 9, M>, f32, Cpu> = dev.sample_normal();
+    let long = long.to_dtype::<f16>();
+    let _ = (other.forward_in::<f16, _>(long.leaky_trace()))
+        .sum()
+        .backward();
+    let nan: Tensor<Rank3<B, S, M>, f16, Cpu> = dev.zeros() + f16::NAN;
+    let _ = (other.forward_in::<f16, _>(nan.leaky_trace()))
+        .sum()
+        .backward();
+    assert_eq!(run(), first);
+}

@@ -10,7 +10,7 @@
 use dfdx::shapes::Shape;
 use dfdx::{optim::*, prelude::*};
 use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
-use mpx::nn::{self, IntoMpx};
+use mpx::nn::{self, IntoLayers, Mpx};
 use mpx::precision::{AMP, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
 use mpx::step::{GradScaler, MixedWorkspace, filter_value_and_grad, optimizer_update};
@@ -242,7 +242,7 @@ half_matches_exact!(
 #[test]
 fn rank3_input_equals_rank2_rows() {
     let dev = Cpu::seed_from_u64(7);
-    let l = dev.build_module::<nn::builder::LinearReLU<6, 5>, f32>();
+    let l = dev.build_module::<nn::builders::LinearReLU<6, 5>, f32>();
     let x: Tensor<Rank3<2, 3, 6>, f32, Cpu> = dev.sample_normal();
     let y3 = l.forward(x.clone());
     let y2 = l.forward(x.clone().reshape::<Rank2<6, 6>>());
@@ -257,7 +257,7 @@ fn conversions_keep_parameters() {
     let dev = Cpu::seed_from_u64(8);
     let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
     let (w0, b2) = (model.0.weight.as_vec(), model.2.bias.as_vec());
-    let (a, relu, b) = model.into_mpx();
+    let (a, relu, b) = model.into_layers(Mpx);
     assert_eq!(
         (a.weight.as_vec(), b.bias.as_vec()),
         (w0.clone(), b2.clone())
@@ -267,12 +267,29 @@ fn conversions_keep_parameters() {
     assert_eq!(back.weight.as_vec(), w0);
     let b_back: dfdx::nn::modules::Linear<8, 2, f32, Cpu> = b.into();
     assert_eq!(b_back.bias.as_vec(), b2);
+    // A model that mixes both families converts whole, either way.
+    let mixed = (
+        nn::Linear::from(b_back),
+        ReLU,
+        dev.build_module::<Linear<2, 3>, f32>(),
+    );
+    let (l0, _, l2): (nn::Linear<8, 2, f32>, ReLU, nn::Linear<2, 3, f32>) =
+        mixed.clone().into_layers(Mpx);
+    assert_eq!(
+        (l0.bias.as_vec(), l2.weight.as_vec()),
+        (b2, mixed.2.weight.as_vec())
+    );
+    let (d0, _, d2) = mixed.clone().into_layers(nn::Dfdx);
+    assert_eq!(
+        (d0.weight.as_vec(), d2.bias.as_vec()),
+        (mixed.0.weight.as_vec(), mixed.2.bias.as_vec())
+    );
 }
 
 type MpxMlp = (
-    nn::builder::LinearReLU<16, 32>,
-    nn::builder::LinearReLU<32, 32>,
-    nn::builder::Linear<32, 4>,
+    nn::builders::LinearReLU<16, 32>,
+    nn::builders::LinearReLU<32, 32>,
+    nn::builders::Linear<32, 4>,
 );
 
 /// Mean cross-entropy after `steps` Adam steps of the mixed step with working precision `H`.
@@ -571,4 +588,48 @@ fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
     assert!(good_step(&mut master, &mut opt) && good_step(&mut fresh, &mut fresh_opt));
     assert_ne!(params(&master), params(&before));
     assert_eq!(params(&master), params(&fresh));
+}
+
+/// In emulated bf16 (`forward_in::<bf16, _>` on f32 tensors) the fused layer rounds its output and
+/// its gradients to bf16, as a layer of bf16 storage would: each is the f32 result (the same layer
+/// run in f32, within the f32 bound) rounded once to bf16, so within a bf16 rounding (`2^-8`
+/// relative) of it, and holds bf16 values only.
+#[test]
+fn emulated_bf16_rounds_output_and_gradients_to_bf16() {
+    use mpx::nn::ForwardIn;
+    use mpx::precision::bf16;
+    let dev = Cpu::seed_from_u64(21);
+    let l = dev.build_module::<nn::builders::LinearReLU<I, O>, f32>();
+    let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
+    let run = |bf: bool| {
+        let y = if bf {
+            l.forward_in::<bf16, _>(x.leaky_trace())
+        } else {
+            l.forward_in::<f32, _>(x.leaky_trace())
+        };
+        let out = y.retaped::<NoneTape>().as_vec();
+        let g = (y * c.clone()).sum().backward();
+        [
+            out,
+            g.get(&x).as_vec(),
+            g.get(&l.weight).as_vec(),
+            g.get(&l.bias).as_vec(),
+        ]
+    };
+    let (bf, f) = (run(true), run(false));
+    for (i, (a, b)) in bf.iter().zip(&f).enumerate() {
+        assert!(
+            a.iter().all(|v| v.to_bits() & 0xffff == 0),
+            "#{i}: not bf16"
+        );
+        assert!(b.iter().any(|v| v.to_bits() & 0xffff != 0), "#{i}: f32 is");
+        for (a, b) in a.iter().zip(b) {
+            // one bf16 rounding of a value within 1e-5 relative of b (f32 sums of 70 terms)
+            assert!(
+                (a - b).abs() <= b.abs() * (1.0 / 256.0 + 1e-5) + 1e-6,
+                "#{i}: {a} vs {b}"
+            );
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! The ViT of `examples/vit.rs` (`mpx::nn::vit::DigitsVit`: `mpx::nn` encoder blocks with their
+//! The ViT of `examples/vit.rs` (`DigitsVit` of `common/digits.rs`: `mpx::nn` encoder blocks with their
 //! layer norms and attention softmax in f32) trains for a few steps in mixed f16 on the real
 //! digits without NaN: a loss scale that starts far too high (2^24) makes the first steps
 //! overflow; those are skipped, counted, and leave the master untouched, and every applied step's
@@ -8,10 +8,9 @@ mod common;
 use common::digits;
 
 use dfdx::{optim::*, prelude::*};
-use digits::{CLASSES, Digits, FEATURES};
+use digits::{CLASSES, Digits, DigitsVit, FEATURES};
 use mpx::cast::cast_to_half_precision;
 use mpx::nn::ForwardIn;
-use mpx::nn::vit::DigitsVit;
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
 use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad, optimizer_update};

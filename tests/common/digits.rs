@@ -10,6 +10,12 @@ pub const FEATURES: usize = 64;
 /// Number of classes.
 pub const CLASSES: usize = 10;
 
+/// The ViT for these digits (`mpx::nn::vit::Vit` on 64 pixels, 10 classes): 2x2 patches (16
+/// tokens), width 32, 4 heads, feed-forward width 64, 2 encoder blocks. Trained by
+/// `examples/vit.rs`; build it with `dev.build_module::<DigitsVit, f32>()`.
+pub type DigitsVit<E = f32, D = Cpu> =
+    mpx::nn::vit::Vit<FEATURES, 4, 16, 32, 4, 64, 2, CLASSES, E, D>;
+
 /// A train/test split of the digits, pixels scaled to [0, 1].
 pub struct Digits {
     /// Row-major `train_len x 64` pixels.

@@ -1,5 +1,6 @@
 //! [`MxLinear`]: a dfdx linear layer whose weights (and optionally inputs) are MX fake-quantized
-//! in the forward pass, and [`IntoMx`], which converts a model's `Linear` layers to it.
+//! in the forward pass. An [`MxConfig`] is also a family of layers for
+//! [`IntoLayers`](crate::nn::IntoLayers), which converts a model's `Linear` layers to `MxLinear`.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -17,6 +18,7 @@ use super::fake_quant::MxFakeQuant;
 use super::spec::MxSpec;
 use super::tensor::MxTensor;
 use crate::nn::linear::{linear_bias_options, linear_weight_options};
+use crate::nn::{Dfdx, IntoLayers};
 
 /// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):
 /// the weights' spec, and optionally the inputs'. Implement it for your own marker type to use
@@ -82,18 +84,8 @@ config!(
     Mxfp8, MxFormat::Fp8E4M3, true
 );
 
-/// Builder types for `dev.build_module::<...>()`, as `dfdx::nn::builders`.
-pub mod builder {
-    use std::marker::PhantomData;
-
-    /// Builds an [`MxLinear`](super::MxLinear) with `I` inputs and `O` outputs, quantized as
-    /// `C` says.
-    #[derive(Debug, Clone, Copy, Default)]
-    pub struct MxLinear<const I: usize, const O: usize, C>(PhantomData<C>);
-}
-
 impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Device<E>> BuildOnDevice<D, E>
-    for builder::MxLinear<I, O, C>
+    for crate::nn::builders::MxLinear<I, O, C>
 where
     MxLinear<I, O, C, E, D>: BuildModule<D, E>,
 {
@@ -109,9 +101,10 @@ where
 /// # Examples
 /// ```
 /// use dfdx::{optim::*, prelude::*};
-/// use mpx_runtime::mx::{builder, Mxfp4Weights};
+/// use mpx_runtime::mx::Mxfp4Weights;
+/// use mpx_runtime::nn::builders;
 /// let dev: Cpu = Default::default();
-/// let mut model = dev.build_module::<(builder::MxLinear<8, 4, Mxfp4Weights>, ReLU), f32>();
+/// let mut model = dev.build_module::<(builders::MxLinear<8, 4, Mxfp4Weights>, ReLU), f32>();
 /// let mut opt = Sgd::new(&model, SgdConfig { lr: 0.1, ..Default::default() });
 /// let x: Tensor<Rank2<2, 8>, f32, _> = dev.sample_normal();
 /// let before = model.0.weight.clone();
@@ -131,20 +124,22 @@ pub struct MxLinear<const I: usize, const O: usize, C, E: Dtype, D: Storage<E>> 
 }
 
 impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Storage<E>> MxLinear<I, O, C, E, D> {
-    /// An MX layer with these parameters (see also [`IntoMx`]).
+    /// An MX layer with these parameters (see also [`IntoLayers`]).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::mx::{MxLinear, Mxfp8Weights};
+    /// let dev = Cpu::default();
+    /// let l = MxLinear::<2, 1, Mxfp8Weights, f32, Cpu>::new(dev.tensor([[1.0, 2.0]]), dev.tensor([0.5]));
+    /// // 1 and 2 are exact in MXFP8
+    /// assert_eq!(l.forward(dev.tensor([[1.0f32, 1.0]])).array(), [[3.5]]);
+    /// ```
     pub fn new(weight: Tensor<Rank2<O, I>, E, D>, bias: Tensor<Rank1<O>, E, D>) -> Self {
         MxLinear {
             weight,
             bias,
             config: PhantomData,
-        }
-    }
-
-    /// Back to a plain dfdx `Linear` with the master weights.
-    pub fn into_linear(self) -> Linear<I, O, E, D> {
-        Linear {
-            weight: self.weight,
-            bias: self.bias,
         }
     }
 }
@@ -264,89 +259,36 @@ impl<const I: usize, const O: usize, C: MxConfig, B: Dim, S: Dim, T: Tape<f32, C
     }
 }
 
-/// Converts a model's dfdx `Linear` layers (f32, `Cpu`) to [`MxLinear`] with config `C`,
-/// copying the weights; activations and other parameter-free layers stay as they are. Implemented
-/// for `Linear`, `MxLinear` (changes its config), dfdx's activations, `()`, and tuples of these up
-/// to 6 (dfdx's sequential models).
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::mx::{IntoMx, MxLinear, Mxfp8Weights};
-/// let dev: Cpu = Default::default();
-/// let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
-/// let mx: (MxLinear<4, 8, Mxfp8Weights, f32, Cpu>, ReLU, MxLinear<8, 2, Mxfp8Weights, f32, Cpu>) =
-///     model.clone().into_mx::<Mxfp8Weights>();
-/// assert_eq!(mx.0.weight.as_vec(), model.0.weight.as_vec()); // master weights copied
-/// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
-/// let (a, b) = (model.forward(x.clone()).as_vec(), mx.forward(x).as_vec());
-/// assert!(a.iter().zip(&b).all(|(a, b)| (a - b).abs() < 0.1)); // close...
-/// assert_ne!(a, b); // ...but computed with MXFP8 weights
-/// ```
-pub trait IntoMx {
-    /// The model with MX layers.
-    type Mx<C: MxConfig>;
-    /// Converts, moving the weights.
-    fn into_mx<C: MxConfig>(self) -> Self::Mx<C>;
-}
+// An MX config is the family of MX layers quantized as it says (see `nn::IntoLayers`).
 
-impl<const I: usize, const O: usize> IntoMx for Linear<I, O, f32, Cpu> {
-    type Mx<C: MxConfig> = MxLinear<I, O, C, f32, Cpu>;
-    fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+impl<const I: usize, const O: usize, C: MxConfig> IntoLayers<C> for Linear<I, O, f32, Cpu> {
+    type Output = MxLinear<I, O, C, f32, Cpu>;
+    /// dfdx's f32 `Linear` to an [`MxLinear`] quantized as `C` says (the weights are the f32
+    /// master).
+    fn into_layers(self, _: C) -> Self::Output {
         MxLinear::new(self.weight, self.bias)
     }
 }
 
-impl<const I: usize, const O: usize, C0: MxConfig> IntoMx for MxLinear<I, O, C0, f32, Cpu> {
-    type Mx<C: MxConfig> = MxLinear<I, O, C, f32, Cpu>;
-    fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
+impl<const I: usize, const O: usize, C0: MxConfig, C: MxConfig> IntoLayers<C>
+    for MxLinear<I, O, C0, f32, Cpu>
+{
+    type Output = MxLinear<I, O, C, f32, Cpu>;
+    /// The same weights quantized as `C` says.
+    fn into_layers(self, _: C) -> Self::Output {
         MxLinear::new(self.weight, self.bias)
     }
 }
 
-macro_rules! unchanged {
-    ($($t:ty),* $(,)?) => {
-        $(impl IntoMx for $t {
-            type Mx<C: MxConfig> = $t;
-            fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
-                self
-            }
-        })*
-    };
-}
-
-unchanged!(
-    (),
-    dfdx::nn::modules::ReLU,
-    dfdx::nn::modules::Tanh,
-    dfdx::nn::modules::Sigmoid,
-    dfdx::nn::modules::FastGeLU,
-    dfdx::nn::modules::AccurateGeLU,
-    dfdx::nn::modules::Softmax,
-    dfdx::nn::modules::LogSoftmax,
-    dfdx::nn::modules::Abs,
-    dfdx::nn::modules::Square,
-    dfdx::nn::modules::Sin,
-    dfdx::nn::modules::Cos,
-    dfdx::nn::modules::Exp,
-    dfdx::nn::modules::Ln,
-    dfdx::nn::modules::Sqrt,
-);
-
-macro_rules! tuple_into_mx {
-    ($($m:ident . $i:tt),+) => {
-        impl<$($m: IntoMx),+> IntoMx for ($($m,)+) {
-            type Mx<C: MxConfig> = ($($m::Mx<C>,)+);
-            fn into_mx<C: MxConfig>(self) -> Self::Mx<C> {
-                ($(self.$i.into_mx::<C>(),)+)
-            }
+impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for MxLinear<I, O, C, E, D>
+{
+    type Output = Linear<I, O, E, D>;
+    /// Back to dfdx's `Linear`, with the f32 master weights.
+    fn into_layers(self, _: Dfdx) -> Self::Output {
+        Linear {
+            weight: self.weight,
+            bias: self.bias,
         }
-    };
+    }
 }
-
-tuple_into_mx!(A.0);
-tuple_into_mx!(A.0, B.1);
-tuple_into_mx!(A.0, B.1, C2.2);
-tuple_into_mx!(A.0, B.1, C2.2, D.3);
-tuple_into_mx!(A.0, B.1, C2.2, D.3, F.4);
-tuple_into_mx!(A.0, B.1, C2.2, D.3, F.4, G.5);

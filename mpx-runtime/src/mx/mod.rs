@@ -15,7 +15,7 @@
 //! | [`quantize_dequantize`] | round trip in one pass, no packing |
 //! | [`compare_formats`], [`format_table`] | printable tables |
 //! | [`MxFakeQuant`] | fake quantization of dfdx tensors with a straight-through gradient |
-//! | [`MxLinear`], [`IntoMx`] | a dfdx linear layer with MX weights (and optionally inputs), and the conversion of a model's `Linear` layers |
+//! | [`MxLinear`] | a dfdx linear layer with MX weights (and optionally inputs); `model.into_layers(config)` ([`IntoLayers`](crate::nn::IntoLayers)) converts a model's `Linear` layers, `nn::builders::MxLinear` builds one |
 //!
 //! # The quantization rule
 //! * Blocks of `k` consecutive elements run along the **last axis**; a row whose length is not a
@@ -64,8 +64,7 @@ pub use element::{CustomFloat, CustomInt, MxFormat, Rounding, SpecialValues};
 pub use error::MxError;
 pub use fake_quant::MxFakeQuant;
 pub use linear::{
-    IntoMx, MxConfig, MxLinear, Mxfp4Weights, Mxfp6Weights, Mxfp8, Mxfp8Weights, Mxint8Weights,
-    builder,
+    MxConfig, MxLinear, Mxfp4Weights, Mxfp6Weights, Mxfp8, Mxfp8Weights, Mxint8Weights,
 };
 pub use scale::E8M0;
 pub use spec::MxSpec;

@@ -20,6 +20,7 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVe
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, view, widen};
+use super::scratch;
 use crate::kernels::gemm;
 use crate::precision::Precision;
 
@@ -55,7 +56,7 @@ where
 
     // p: f32 softmax weights of every (batch, head), n1 x n2 each
     let block = n1 * n2;
-    let mut p = vec![0.0f32; nb * heads * block];
+    let mut p = scratch::take::<f32>(nb * heads * block);
     for (bh, pb) in p.chunks_exact_mut(block).enumerate() {
         let (bi, h) = (bh / heads, bh % heads);
         gemm(
@@ -71,13 +72,15 @@ where
     }
     drop((q32, k32));
     // the weights as the half type holds them, then widened again for the GEMM
-    let p_half = narrow::<P>(&p);
-    let mut pr = vec![0.0f32; p.len()];
+    let mut p_half = scratch::take::<E>(p.len());
+    P::round(&p, &mut p_half);
+    let mut pr = scratch::take::<f32>(p.len());
     E::widen(&p_half, &mut pr);
     drop(p_half);
 
-    let mut out = vec![0.0f32; nb * n1 * V];
-    let mut tmp = vec![0.0f32; n1 * dv];
+    // every (batch, head) writes its own columns of every row: `out` is overwritten whole
+    let mut out = scratch::take::<f32>(nb * n1 * V);
+    let mut tmp = scratch::take::<f32>(n1 * dv);
     for bh in 0..nb * heads {
         let (bi, h) = (bh / heads, bh % heads);
         gemm(
@@ -93,22 +96,23 @@ where
     let y = q
         .device()
         .try_tensor_from_vec(narrow::<P>(&out), (b, s1, Const::<V>))?;
-    drop(out);
+    drop((out, tmp));
 
     if T::OWNS_TAPE {
         // Kept: q, k, v (the tensors themselves, shared), the f32 and rounded weights.
         let (q_id, k_id, v_id, y_id) = (q.ghost(), k.ghost(), v.ghost(), y.ghost());
         tape.add_backward_op(move |grads| {
-            let mut dy = vec![0.0f32; nb * n1 * V];
+            let mut dy = scratch::take::<f32>(nb * n1 * V);
             E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
             let (q32, k32, v32) = (widen(&q), widen(&k), widen(&v));
-            let mut dq = vec![0.0f32; q32.len()];
-            let mut dk_all = vec![0.0f32; k32.len()];
-            let mut dv_all = vec![0.0f32; v32.len()];
-            let mut ds = vec![0.0f32; block];
-            let mut tq = vec![0.0f32; n1 * dk];
-            let mut tk = vec![0.0f32; n2 * dk];
-            let mut tv = vec![0.0f32; n2 * dv];
+            let mut dq = scratch::take_zeroed::<f32>(q32.len());
+            let mut dk_all = scratch::take_zeroed::<f32>(k32.len());
+            let mut dv_all = scratch::take_zeroed::<f32>(v32.len());
+            // overwritten by each GEMM
+            let mut ds = scratch::take::<f32>(block);
+            let mut tq = scratch::take::<f32>(n1 * dk);
+            let mut tk = scratch::take::<f32>(n2 * dk);
+            let mut tv = scratch::take::<f32>(n2 * dv);
             for bh in 0..nb * heads {
                 let (bi, h) = (bh / heads, bh % heads);
                 let (qo, ko, vo, yo) = (
@@ -157,9 +161,9 @@ where
                 .map_err(shape_err)?;
                 scatter(&tk, &mut dk_all, ko, dk, K, true);
             }
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&q_id)?), &dq);
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&k_id)?), &dk_all);
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&v_id)?), &dv_all);
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&q_id)?), &dq)?;
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&k_id)?), &dk_all)?;
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&v_id)?), &dv_all)?;
             Ok(())
         });
     }

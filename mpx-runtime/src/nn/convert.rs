@@ -1,58 +1,180 @@
-//! [`DfdxLayer`]: conversions between `mpx::nn` layers and the dfdx layers they stand for.
+//! [`IntoLayers`]: one conversion for every family of layers (dfdx's, mpx's fused and
+//! mixed-ready ones, MX fake-quantized ones), applied through a whole model.
 
 use dfdx::nn::modules::Repeated;
 
-/// An `mpx::nn` layer with a dfdx counterpart of the same parameter layout: weights move across
-/// unchanged (the tensors themselves, so ids and buffers are kept).
-///
-/// The single layers also implement `From` both ways; this trait covers the stacks
-/// (`Repeated`, which is dfdx's `TransformerEncoder`) too.
+/// The family of mpx's layers: dfdx's `Linear` becomes the fused [`Linear`](super::Linear),
+/// dfdx's `LayerNorm1D`, `MultiHeadAttention`, `TransformerEncoderBlock` and
+/// `TransformerEncoder` become their `mpx::nn` counterparts. A target for
+/// [`IntoLayers::into_layers`].
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
-/// use mpx_runtime::nn::{DfdxLayer, TransformerEncoder};
+/// use mpx_runtime::nn::{self, IntoLayers, Mpx};
 /// let dev = Cpu::default();
-/// let theirs = dev.build_module::<dfdx::nn::builders::TransformerEncoder<8, 2, 16, 2>, f32>();
-/// let ours = TransformerEncoder::<8, 2, 16, 2>::from_dfdx(theirs.clone());
-/// assert_eq!(ours.modules[1].norm2.gamma.array(), theirs.modules[1].norm2.gamma.array());
-/// let back = ours.into_dfdx();
-/// assert_eq!(back.modules[0].ff.0.0.weight.array(), theirs.modules[0].ff.0.0.weight.array());
+/// let ln = dev.build_module::<LayerNorm1D<4>, f32>();
+/// let ours: nn::LayerNorm1D<4, f32, Cpu> = ln.into_layers(Mpx);
+/// assert_eq!(ours.gamma.array(), [1.0; 4]);
 /// ```
-pub trait DfdxLayer: Sized {
-    /// The dfdx layer with the same parameters.
-    type Dfdx;
-    /// Takes over a dfdx layer's parameters.
-    fn from_dfdx(layer: Self::Dfdx) -> Self;
-    /// Hands the parameters back as the dfdx layer.
-    fn into_dfdx(self) -> Self::Dfdx;
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Mpx;
+
+/// The family of dfdx's own layers: mpx's layers go back to the dfdx layers they stand for (a
+/// fused [`LinearReLU`](super::LinearReLU) to dfdx's `(Linear, ReLU)`). A target for
+/// [`IntoLayers::into_layers`].
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::{self, Dfdx, IntoLayers};
+/// let dev = Cpu::default();
+/// let fused = dev.build_module::<nn::builders::LinearReLU<3, 2>, f32>();
+/// let (linear, _relu) = fused.clone().into_layers(Dfdx);
+/// assert_eq!(linear.weight.array(), fused.weight.array());
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Dfdx;
+
+/// Converts a model's layers into the family `F`, moving the parameters (the tensors themselves,
+/// so their ids and buffers are kept). Layers without a counterpart in `F` (activations, `()`)
+/// stay as they are; tuples (dfdx's sequential models, up to 6) and `Repeated` stacks convert
+/// layer by layer.
+///
+/// The families:
+/// - [`Mpx`]: dfdx's layers to mpx's (`Linear` to the fused [`Linear`](super::Linear); to fuse
+///   a `(Linear, ReLU)` pair into one [`LinearReLU`](super::LinearReLU), use
+///   `LinearReLU::from((linear, relu))`);
+/// - [`Dfdx`]: mpx's layers (and [`MxLinear`](crate::mx::MxLinear)) back to dfdx's;
+/// - an [`MxConfig`](crate::mx::MxConfig) such as
+///   [`Mxfp8Weights`](crate::mx::Mxfp8Weights): f32 `Linear` and `MxLinear` layers to
+///   [`MxLinear`](crate::mx::MxLinear) with that config.
+///
+/// The single layers also convert with `From` both ways.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::mx::Mxfp8Weights;
+/// use mpx_runtime::nn::{Dfdx, IntoLayers, Mpx};
+/// let dev = Cpu::default();
+/// let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+/// let x = dev.tensor([[1.0f32, 2.0, 3.0, 4.0]]);
+/// let want = model.forward(x.clone());
+/// let fused = model.clone().into_layers(Mpx); // (mpx Linear<4, 8>, ReLU, mpx Linear<8, 2>)
+/// for (a, b) in fused.forward(x.clone()).as_vec().iter().zip(want.as_vec()) {
+///     assert!((a - b).abs() < 1e-5);
+/// }
+/// let back = fused.into_layers(Dfdx);
+/// assert_eq!(back.2.weight.array(), model.2.weight.array());
+/// let mx = model.into_layers(Mxfp8Weights); // MxLinear layers, weights in MXFP8
+/// assert_eq!(mx.0.weight.array(), back.0.weight.array()); // the f32 master weights
+/// ```
+pub trait IntoLayers<F> {
+    /// The model with `F`'s layers.
+    type Output;
+    /// Converts, moving the parameters.
+    fn into_layers(self, family: F) -> Self::Output;
 }
 
-impl<T: DfdxLayer, const N: usize> DfdxLayer for Repeated<T, N> {
-    type Dfdx = Repeated<T::Dfdx, N>;
-    fn from_dfdx(layer: Self::Dfdx) -> Self {
+impl<F, T: IntoLayers<F>, const N: usize> IntoLayers<F> for Repeated<T, N>
+where
+    F: Copy,
+{
+    type Output = Repeated<T::Output, N>;
+    fn into_layers(self, family: F) -> Self::Output {
         Repeated {
-            modules: layer.modules.into_iter().map(T::from_dfdx).collect(),
-        }
-    }
-    fn into_dfdx(self) -> Self::Dfdx {
-        Repeated {
-            modules: self.modules.into_iter().map(T::into_dfdx).collect(),
+            modules: self
+                .modules
+                .into_iter()
+                .map(|m| m.into_layers(family))
+                .collect(),
         }
     }
 }
 
-/// Implements [`DfdxLayer`] through the layer's two `From` impls.
+/// Layers that are the same in every family.
+macro_rules! unchanged {
+    ($($t:ty),* $(,)?) => {
+        $(impl<F> IntoLayers<F> for $t {
+            type Output = $t;
+            fn into_layers(self, _: F) -> Self::Output {
+                self
+            }
+        })*
+    };
+}
+
+unchanged!(
+    (),
+    dfdx::nn::modules::ReLU,
+    dfdx::nn::modules::Tanh,
+    dfdx::nn::modules::Sigmoid,
+    dfdx::nn::modules::FastGeLU,
+    dfdx::nn::modules::AccurateGeLU,
+    dfdx::nn::modules::Softmax,
+    dfdx::nn::modules::LogSoftmax,
+    dfdx::nn::modules::Abs,
+    dfdx::nn::modules::Square,
+    dfdx::nn::modules::Sin,
+    dfdx::nn::modules::Cos,
+    dfdx::nn::modules::Exp,
+    dfdx::nn::modules::Ln,
+    dfdx::nn::modules::Sqrt,
+);
+
+/// Tuples convert element by element.
+macro_rules! tuple {
+    ($($m:ident . $i:tt),+) => {
+        impl<F: Copy, $($m: IntoLayers<F>),+> IntoLayers<F> for ($($m,)+) {
+            type Output = ($($m::Output,)+);
+            fn into_layers(self, family: F) -> Self::Output {
+                ($(self.$i.into_layers(family),)+)
+            }
+        }
+    };
+}
+tuple!(A.0);
+tuple!(A.0, B.1);
+tuple!(A.0, B.1, C.2);
+tuple!(A.0, B.1, C.2, D.3);
+tuple!(A.0, B.1, C.2, D.3, G.4);
+tuple!(A.0, B.1, C.2, D.3, G.4, H.5);
+
+/// Implements [`IntoLayers`] for an `mpx::nn` layer with a dfdx counterpart of the same name and
+/// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`];
+/// each is already in its own family (so models that mix both convert whole).
 macro_rules! dfdx_layer {
     ($name:ident [$(const $c:ident),*]) => {
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            $crate::nn::DfdxLayer for $name<$($c,)* E, D>
+            $crate::nn::IntoLayers<$crate::nn::Mpx> for $name<$($c,)* E, D>
         {
-            type Dfdx = dfdx::nn::modules::$name<$($c,)* E, D>;
-            fn from_dfdx(layer: Self::Dfdx) -> Self {
-                layer.into()
+            type Output = Self;
+            fn into_layers(self, _: $crate::nn::Mpx) -> Self {
+                self
             }
-            fn into_dfdx(self) -> Self::Dfdx {
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            $crate::nn::IntoLayers<$crate::nn::Dfdx> for dfdx::nn::modules::$name<$($c,)* E, D>
+        {
+            type Output = Self;
+            fn into_layers(self, _: $crate::nn::Dfdx) -> Self {
+                self
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            $crate::nn::IntoLayers<$crate::nn::Mpx> for dfdx::nn::modules::$name<$($c,)* E, D>
+        {
+            type Output = $name<$($c,)* E, D>;
+            fn into_layers(self, _: $crate::nn::Mpx) -> Self::Output {
+                self.into()
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            $crate::nn::IntoLayers<$crate::nn::Dfdx> for $name<$($c,)* E, D>
+        {
+            type Output = dfdx::nn::modules::$name<$($c,)* E, D>;
+            fn into_layers(self, _: $crate::nn::Dfdx) -> Self::Output {
                 self.into()
             }
         }

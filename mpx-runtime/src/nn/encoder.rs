@@ -9,12 +9,13 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::convert::dfdx_layer;
-use super::dense_op::dense;
 use super::half_ops::is_f32;
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
+use super::linear::fused_linear;
 use super::mha::MultiHeadAttention;
 use super::mixed::{MixedModule, build_on_device, native_module};
+use crate::kernels::Activation;
 use crate::precision::{AMP, Precision, f16};
 
 /// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
@@ -193,8 +194,8 @@ macro_rules! block_forward {
                     #[allow(non_snake_case)]
                     let ($($d,)+ _) = shape;
                     let hidden = ($($d,)+ Const::<F>);
-                    let h = dense::<P, E, M, F, _, _, _>(&l1.weight, &l1.bias, true, x.clone().put_tape(tape), hidden)?;
-                    let f = dense::<P, E, F, M, _, _, _>(&l2.weight, &l2.bias, false, h, shape)?;
+                    let h = fused_linear::<P, E, M, F, _, _, _>(&l1.weight, &l1.bias, Activation::ReLU, x.clone().put_tape(tape), hidden)?;
+                    let f = fused_linear::<P, E, F, M, _, _, _>(&l2.weight, &l2.bias, Activation::Identity, h, shape)?;
                     return add_layer_norm::<P, E, M, _, T>(f, Some(x), &n2.gamma, &n2.beta, n2.epsilon);
                 }
                 let x = x.try_add(src)?;

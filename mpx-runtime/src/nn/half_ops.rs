@@ -1,12 +1,14 @@
-//! Shared pieces of the fused half-precision tape ops ([`dense`](super::dense_op),
+//! Shared pieces of the fused half-precision tape ops ([`fused_linear`](super::linear),
 //! [`attention_core`](super::attention_core), [`layer_norm_kernel`](super::layer_norm_kernel)):
-//! widening a tensor to f32, rounding an f32 sum into a gradient entry once, strided head views
-//! for mpx's GEMM.
+//! widening a tensor to f32, rounding to the precision in place, rounding an f32 sum into a
+//! gradient entry once, strided head views for mpx's GEMM.
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
 
-use crate::kernels::{KernelError, MatRef, Operand};
+use super::scratch::{self, Buf};
+use crate::cast::FloatSliceMut;
+use crate::kernels::{Dst, KernelError, MatRef, Operand, add_f32_into};
 use crate::precision::Precision;
 
 /// `true` for the f32 precision itself (`P = f32`): the layers then keep dfdx's own operations,
@@ -16,16 +18,40 @@ pub(crate) fn is_f32<P: Precision>() -> bool {
     P::IDENTITY
 }
 
-/// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32.
+/// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32, in
+/// a pooled buffer.
 pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     t: &Tensor<S, E, Cpu, T>,
-) -> Vec<f32> {
+) -> Buf<f32> {
     let n = t.shape().num_elements();
-    let mut h = vec![E::default(); n];
+    let mut h = scratch::take::<E>(n);
     t.copy_into(&mut h);
-    let mut v = vec![0.0f32; n];
+    let mut v = scratch::take::<f32>(n);
     E::widen(&h, &mut v);
     v
+}
+
+/// `values` as a kernel pass's destination.
+pub(crate) fn as_dst<E: Precision<Elem = E> + dfdx::shapes::Dtype>(values: &mut [E]) -> Dst<'_> {
+    match E::floats_mut(values) {
+        FloatSliceMut::F32(v) => Dst::F32(v),
+        FloatSliceMut::F16(v) => Dst::F16(v),
+    }
+}
+
+/// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
+/// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
+pub(crate) fn round_in_place<P: Precision>(values: &mut [P::Elem]) {
+    if TypeId::of::<P>() == TypeId::of::<P::Elem>() {
+        return;
+    }
+    // widened 256 values at a time into a stack buffer: no allocation
+    let mut buf = [0.0f32; 256];
+    for chunk in values.chunks_mut(256) {
+        let b = &mut buf[..chunk.len()];
+        <P::Elem as Precision>::widen(chunk, b);
+        P::round(b, chunk);
+    }
 }
 
 /// f32 values rounded to `P` (the values a half tensor of `P` holds).
@@ -39,13 +65,13 @@ pub(crate) use crate::cast::grad_slice;
 
 /// `dst = round_P(dst + add)`: the gradient already in `dst` and the new contribution summed in
 /// f32 and rounded once (as mpx's regions do).
-pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) {
-    let mut sum = vec![0.0f32; dst.len()];
-    <P::Elem as Precision>::widen(dst, &mut sum);
-    for (s, a) in sum.iter_mut().zip(add) {
-        *s += a;
-    }
-    P::round(&sum, dst);
+///
+/// # Errors
+/// A shape error if the lengths differ.
+pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) -> Result<(), CpuError> {
+    add_f32_into(add, as_dst(dst)).map_err(shape_err)?;
+    round_in_place::<P>(dst);
+    Ok(())
 }
 
 /// A `rows x cols` f32 view starting at `offset`, rows `row_stride` apart (one head of a
@@ -66,8 +92,8 @@ pub(crate) fn view(
     }
 }
 
-/// Kernel errors cannot happen in these ops (the shapes are fixed by the layers' types); should
-/// one, it is reported as dfdx's shape error.
+/// Kernel errors cannot happen in the fused ops (the shapes are fixed by the layers' types);
+/// should one, it is reported as dfdx's shape error.
 pub(crate) fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }

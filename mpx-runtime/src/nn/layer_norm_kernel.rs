@@ -15,6 +15,7 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVe
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::{accumulate, grad_slice, narrow, widen};
+use super::scratch;
 use crate::precision::Precision;
 
 /// `LayerNorm(a + b)` (or of `a` alone) over the last axis, which must have `M` values; the
@@ -37,7 +38,7 @@ where
     let b = b.map(ReshapeTo::try_contiguous).transpose()?;
     let mut z = widen(&a);
     if let Some(b) = &b {
-        for (z, v) in z.iter_mut().zip(widen(b)) {
+        for (z, v) in z.iter_mut().zip(widen(b).iter()) {
             *z += v;
         }
     }
@@ -45,17 +46,17 @@ where
     let rows = z.len() / M;
     let eps = epsilon as f32;
     // z becomes x̂ in place; rstd per row
-    let mut rstd = vec![0.0f32; rows];
-    let mut y = vec![0.0f32; z.len()];
+    let mut rstd = scratch::take::<f32>(rows);
+    let mut y = scratch::take::<f32>(z.len());
     for ((zr, yr), r) in z
         .chunks_exact_mut(M)
         .zip(y.chunks_exact_mut(M))
-        .zip(&mut rstd)
+        .zip(rstd.iter_mut())
     {
         let mean = zr.iter().sum::<f32>() / M as f32;
         let var = zr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / M as f32;
         *r = 1.0 / (var + eps).sqrt();
-        for (((x, y), g), bt) in zr.iter_mut().zip(yr).zip(&g32).zip(&b32) {
+        for (((x, y), g), bt) in zr.iter_mut().zip(yr).zip(g32.iter()).zip(b32.iter()) {
             *x = (*x - mean) * *r;
             *y = *x * g + bt;
         }
@@ -76,10 +77,17 @@ where
         );
         drop((a, b));
         tape.add_backward_op(move |grads| {
-            let mut dy = vec![0.0f32; xhat.len()];
+            let mut dy = scratch::take::<f32>(xhat.len());
             E::widen(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?), &mut dy);
-            let (mut dg, mut db) = (vec![0.0f32; M], vec![0.0f32; M]);
-            for ((dr, xr), r) in dy.chunks_exact_mut(M).zip(xhat.chunks_exact(M)).zip(&rstd) {
+            let (mut dg, mut db) = (
+                scratch::take_zeroed::<f32>(M),
+                scratch::take_zeroed::<f32>(M),
+            );
+            for ((dr, xr), r) in dy
+                .chunks_exact_mut(M)
+                .zip(xhat.chunks_exact(M))
+                .zip(rstd.iter())
+            {
                 let (mut mean_d, mut mean_dx) = (0.0f32, 0.0f32);
                 for (j, (d, x)) in dr.iter_mut().zip(xr).enumerate() {
                     db[j] += *d;
@@ -94,11 +102,11 @@ where
                     *d = (*d - mean_d - x * mean_dx) * r;
                 }
             }
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&g_id)?), &dg);
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&bt_id)?), &db);
-            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&a_id)?), &dy);
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&g_id)?), &dg)?;
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&bt_id)?), &db)?;
+            accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&a_id)?), &dy)?;
             if let Some(b_id) = &b_id {
-                accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(b_id)?), &dy);
+                accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(b_id)?), &dy)?;
             }
             Ok(())
         });

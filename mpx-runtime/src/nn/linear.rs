@@ -4,7 +4,7 @@
 //! - **Forward:** one GEMM `X·Wᵀ` (f32 sums), then one pass adding the bias, applying the
 //!   activation and rounding to the layer's dtype.
 //! - **Backward** (one op on the tape): one pass applying `ReLU`'s mask to `dY` and summing the bias
-//!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X` ([`write_weight_grad`]).
+//!   gradient, then `dX += dZ·W` and `dW += dZᵀ·X`.
 //! - **Inside a [`GradScaler`](crate::step::GradScaler) forward pass** the layer of the working
 //!   copy is linked to the master tensors it stands for: `dW` and `db` are added in f32 straight
 //!   to the master's gradients, unscaled and checked for finiteness in the same pass, with no half
@@ -12,12 +12,21 @@
 //!
 //! The parameters are dfdx's (`weight: (O, I)`, `bias: (O,)`), so optimizers, `alloc_grads`,
 //! mpx's casts and the mixed step's working copy treat the layer like dfdx's; [`From`] converts
-//! either way, and [`IntoMpx`] converts the `Linear` layers of a whole model.
+//! either way, and [`IntoLayers`] converts the `Linear` layers of a whole model.
 //!
 //! Element types: `f32`, `f16` and `AMP<f16>` (f16 storage; sums in f32 on every path but
 //! [`KernelPath::Avx512Fp16`](crate::kernels::KernelPath), which sums up to 32 products in f16:
 //! see the kernels' error bounds). Emulated bf16 stores f32, so it runs the f32 kernels on the
-//! values the mixed step rounded.
+//! values the mixed step rounded; run in it with [`forward_in::<bf16, _>`](super::ForwardIn)
+//! ([`MixedModule`]), the layer also rounds its output and gradients to bf16.
+//!
+//! The op's buffers (the input's and the weight's values it keeps for the backward, the f32
+//! sums) come from a pool that keeps them across steps, so a step allocates none of them after
+//! the first; [`release_buffers`](super::release_buffers) frees the pool.
+//!
+//! The transformer layers ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's
+//! feed-forward, the ViT's patch embedding and head) run their dfdx `Linear`s through the same
+//! fused op, so they get the same direct gradients inside a `GradScaler`.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -30,9 +39,13 @@ use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
+use super::convert::{Dfdx, IntoLayers, Mpx};
+use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
+use super::mixed::MixedModule;
+use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
 use crate::kernels::{
-    Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
+    Activation, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 use crate::precision::{AMP, FloatBits, Precision, f16};
@@ -82,14 +95,14 @@ pub mod act {
 }
 
 /// A linear layer `y = act(x·Wᵀ + b)` with the parameters of dfdx's `Linear`. Use the aliases
-/// [`Linear`] and [`LinearReLU`], and build it with [`builder::Linear`] / [`builder::LinearReLU`].
+/// [`Linear`] and [`LinearReLU`], and build it with [`builders::Linear`] / [`builders::LinearReLU`].
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
 /// use mpx_runtime::nn;
 /// let dev = Cpu::default();
-/// let layer = dev.build_module::<nn::builder::LinearReLU<3, 2>, f32>();
+/// let layer = dev.build_module::<nn::builders::LinearReLU<3, 2>, f32>();
 /// let y = layer.forward(dev.tensor([[1.0f32, -2.0, 0.5]]));
 /// assert!(y.as_vec().iter().all(|v| *v >= 0.0));
 /// ```
@@ -124,7 +137,7 @@ pub type Linear<const I: usize, const O: usize, E, D = Cpu> =
 /// use dfdx::prelude::*;
 /// use mpx_runtime::precision::f16;
 /// let dev = Cpu::default();
-/// let l = dev.build_module::<mpx_runtime::nn::builder::LinearReLU<3, 2>, f16>();
+/// let l = dev.build_module::<mpx_runtime::nn::builders::LinearReLU<3, 2>, f16>();
 /// let y = l.forward(dev.tensor([[1.0f32, 2.0, 3.0]]).to_dtype::<f16>());
 /// assert!(y.as_vec().iter().all(|v| v.to_f32() >= 0.0));
 /// ```
@@ -150,14 +163,17 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> FusedLinear<I, 
     }
 }
 
-/// Builders, as dfdx's `dfdx::nn::builders`.
-pub mod builder {
+/// Builders for `dev.build_module::<...>()`, as dfdx's `dfdx::nn::builders`: the types that
+/// exist only to be built. mpx's other layers ([`LayerNorm1D`](super::LayerNorm1D),
+/// [`MultiHeadAttention`](super::MultiHeadAttention), the encoder, the ViT's parts) build from
+/// their own types.
+pub mod builders {
     /// Builds a [`Linear`](super::Linear) with `I` inputs and `O` outputs.
     ///
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builder::Linear<4, 2>, f32>();
+    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builders::Linear<4, 2>, f32>();
     /// assert_eq!(m.weight.shape(), &(Const::<2>, Const::<4>));
     /// ```
     #[derive(Debug, Clone, Copy, Default)]
@@ -168,17 +184,31 @@ pub mod builder {
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builder::LinearReLU<4, 2>, f32>();
+    /// let m = Cpu::default().build_module::<mpx_runtime::nn::builders::LinearReLU<4, 2>, f32>();
     /// assert_eq!(m.bias.shape(), &(Const::<2>,));
     /// ```
     #[derive(Debug, Clone, Copy, Default)]
     pub struct LinearReLU<const I: usize, const O: usize>;
+
+    /// Builds an [`MxLinear`](crate::mx::MxLinear) with `I` inputs and `O` outputs, quantized
+    /// as the [`MxConfig`](crate::mx::MxConfig) `C` says.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::mx::Mxfp8Weights;
+    /// use mpx_runtime::nn::builders;
+    /// let m = Cpu::default().build_module::<builders::MxLinear<4, 2, Mxfp8Weights>, f32>();
+    /// assert_eq!(m.weight.shape(), &(Const::<2>, Const::<4>));
+    /// ```
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct MxLinear<const I: usize, const O: usize, C>(std::marker::PhantomData<C>);
 }
 
 macro_rules! build {
     ($b:ident, $a:ty) => {
         impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> BuildOnDevice<D, E>
-            for builder::$b<I, O>
+            for builders::$b<I, O>
         where
             FusedLinear<I, O, E, D, $a>: BuildModule<D, E>,
         {
@@ -294,61 +324,55 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> From<LinearReLU<I,
     }
 }
 
-/// Converts a model's dfdx `Linear` layers into mpx's fused [`Linear`], moving the parameters;
-/// activations are kept as they are. To fuse a `(Linear, ReLU)` pair into one [`LinearReLU`], use
-/// `LinearReLU::from((linear, relu))`.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::IntoMpx;
-/// let dev = Cpu::default();
-/// let model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
-/// let x = dev.tensor([[1.0f32, 2.0, 3.0, 4.0]]);
-/// let want = model.forward(x.clone());
-/// let fused = model.into_mpx(); // (mpx Linear<4, 8>, ReLU, mpx Linear<8, 2>)
-/// let got = fused.forward(x);
-/// for (a, b) in got.as_vec().iter().zip(want.as_vec()) {
-///     assert!((a - b).abs() < 1e-5);
-/// }
-/// ```
-pub trait IntoMpx {
-    /// The model with mpx's layers.
-    type Mpx;
-    /// Converts, moving the parameters.
-    fn into_mpx(self) -> Self::Mpx;
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoMpx for DfdxLinear<I, O, E, D> {
-    type Mpx = Linear<I, O, E, D>;
-    fn into_mpx(self) -> Self::Mpx {
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Mpx>
+    for DfdxLinear<I, O, E, D>
+{
+    type Output = Linear<I, O, E, D>;
+    /// dfdx's `Linear` to the fused [`Linear`].
+    fn into_layers(self, _: Mpx) -> Self::Output {
         self.into()
     }
 }
 
-impl IntoMpx for DfdxReLU {
-    type Mpx = DfdxReLU;
-    fn into_mpx(self) -> Self::Mpx {
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for DfdxLinear<I, O, E, D>
+{
+    type Output = Self;
+    /// Already dfdx's.
+    fn into_layers(self, _: Dfdx) -> Self {
         self
     }
 }
 
-macro_rules! tuple_into_mpx {
-    ($($m:ident . $i:tt),+) => {
-        impl<$($m: IntoMpx),+> IntoMpx for ($($m,)+) {
-            type Mpx = ($($m::Mpx,)+);
-            fn into_mpx(self) -> Self::Mpx {
-                ($(self.$i.into_mpx(),)+)
-            }
-        }
-    };
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> IntoLayers<Mpx>
+    for FusedLinear<I, O, E, D, A>
+{
+    type Output = Self;
+    /// Already mpx's.
+    fn into_layers(self, _: Mpx) -> Self {
+        self
+    }
 }
-tuple_into_mpx!(A.0);
-tuple_into_mpx!(A.0, B.1);
-tuple_into_mpx!(A.0, B.1, C.2);
-tuple_into_mpx!(A.0, B.1, C.2, F.3);
-tuple_into_mpx!(A.0, B.1, C.2, F.3, G.4);
-tuple_into_mpx!(A.0, B.1, C.2, F.3, G.4, H.5);
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for Linear<I, O, E, D>
+{
+    type Output = DfdxLinear<I, O, E, D>;
+    /// The fused [`Linear`] back to dfdx's.
+    fn into_layers(self, _: Dfdx) -> Self::Output {
+        self.into()
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
+    for LinearReLU<I, O, E, D>
+{
+    type Output = (DfdxLinear<I, O, E, D>, DfdxReLU);
+    /// The fused [`LinearReLU`] back to dfdx's `(Linear, ReLU)`.
+    fn into_layers(self, _: Dfdx) -> Self::Output {
+        self.into()
+    }
+}
 
 // ---- casts -------------------------------------------------------------------------------------
 
@@ -375,14 +399,6 @@ cast_for!(f32, f16, AMP<f16>);
 
 // ---- the fused op ------------------------------------------------------------------------------
 
-/// `values` as a pass's destination.
-fn as_dst<E: Precision<Elem = E> + Dtype>(values: &mut [E]) -> Dst<'_> {
-    match E::floats_mut(values) {
-        FloatSliceMut::F32(v) => Dst::F32(v),
-        FloatSliceMut::F16(v) => Dst::F16(v),
-    }
-}
-
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
     match E::operand(y) {
@@ -403,85 +419,33 @@ fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
     }
 }
 
-/// Rows per GEMM call in the forward and in `dX`: bounds the f32 scratch (`ROW_CHUNK x O` or
+/// Rows per GEMM call in the forward and in `dX`: bounds the f32 sums (`ROW_CHUNK x O` or
 /// `ROW_CHUNK x I` values) whatever the batch.
 const ROW_CHUNK: usize = 512;
 
-/// Kernel errors cannot happen here (the layer's shapes are fixed by its types); should one, it
-/// is reported as dfdx's shape error.
-fn shape_err(_: KernelError) -> CpuError {
-    CpuError::WrongNumElements
-}
-
-/// Largest f32 scratch (values) a thread keeps between calls: 1 MiB.
-const SCRATCH_KEEP: usize = 1 << 18;
-
-/// Runs `f` on `n` f32 values of this thread's reusable scratch (their contents are whatever
-/// the last use left: `f` must overwrite them, as the GEMMs below do with `accumulate = false`).
-/// A fresh buffer is used when the scratch is busy (re-entered) or `n` is above
-/// [`SCRATCH_KEEP`], so that a thread never holds more than that between calls.
-fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    if n > SCRATCH_KEEP {
-        return f(&mut vec![0.0; n]);
-    }
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < n {
-                buf.resize(n, 0.0);
-            }
-            f(&mut buf[..n])
-        }
-        Err(_) => f(&mut vec![0.0; n]),
-    })
-}
-
-fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
-    let mut v = vec![E::default(); t.shape().num_elements()];
+/// The values of a tensor (contiguous) in a pooled buffer.
+fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Buf<E> {
+    let mut v = scratch::take(t.shape().num_elements());
     t.copy_into(&mut v);
     v
 }
 
-/// Writes the weight gradient: `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), the
-/// product summed in f32 and rounded once into `dst` (`O x I`).
-///
-/// This is the ordinary path. Inside a [`GradScaler`](crate::step::GradScaler) forward pass, a
-/// layer of the working copy is linked to its master tensors and adds the same f32 product,
-/// unscaled and checked, straight to the master's f32 gradient instead.
-///
-/// # Errors
-/// [`KernelError::Length`] if `dz` and `x` are not whole rows (`rows` of them) or `dst` does not
-/// hold `O x I` values.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::nn::write_weight_grad;
-/// // rows = 2, O = 1, I = 2: dW = dz0·x0 + dz1·x1
-/// let mut dw = [1.0f32, 1.0];
-/// write_weight_grad(&[1.0f32, 2.0], &[1.0, 2.0, 3.0, 4.0], 2, &mut dw).unwrap();
-/// assert_eq!(dw, [1.0 + 7.0, 1.0 + 10.0]);
-/// ```
-pub fn write_weight_grad<E: Precision<Elem = E> + Dtype>(
+/// `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), summed in f32 and rounded once
+/// into `dst` (`O x I`, of precision `P`): the weight gradient of a layer no scaler links.
+fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
     dz: &[E],
     x: &[E],
     rows: usize,
     dst: &mut [E],
 ) -> Result<(), KernelError> {
-    let o = dz.len().checked_div(rows).unwrap_or(0);
-    let i = x.len().checked_div(rows).unwrap_or(0);
-    if dst.len() != o * i {
-        return Err(KernelError::Length {
-            what: "dst",
-            len: dst.len(),
-            expected: o * i,
-        });
-    }
-    with_weight_grad(dz, x, rows, |dw| add_f32_into(dw, as_dst(dst)))
+    with_weight_grad(dz, x, rows, |dw| {
+        add_f32_into(dw, as_dst(dst))?;
+        round_in_place::<P>(dst);
+        Ok(())
+    })
 }
 
-/// Computes `dZᵀ·X` (f32 sums, `O x I`) into this thread's scratch and hands it to `use_dw`:
+/// Computes `dZᵀ·X` (f32 sums, `O x I`) into a pooled buffer and hands it to `use_dw`:
 /// [`write_weight_grad`] rounds it into a gradient of the layer's dtype, a linked layer adds it
 /// to the master's f32 gradient ([`crate::step::direct`]).
 fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
@@ -492,184 +456,181 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
 ) -> Result<R, KernelError> {
     let o = dz.len().checked_div(rows).unwrap_or(0);
     let i = x.len().checked_div(rows).unwrap_or(0);
-    for (what, len, expected) in [("dz", dz.len(), rows * o), ("x", x.len(), rows * i)] {
-        if len != expected {
-            return Err(KernelError::Length {
-                what,
-                len,
-                expected,
-            });
-        }
-    }
-    with_scratch(o * i, |dw| {
-        gemm(
-            MatRef::row_major(E::operand(dz), rows, o).t(),
-            MatRef::row_major(E::operand(x), rows, i),
-            dw,
-            false,
-        )?;
-        use_dw(dw)
-    })
+    let mut dw = scratch::take::<f32>(o * i);
+    gemm(
+        MatRef::row_major(E::operand(dz), rows, o).t(),
+        MatRef::row_major(E::operand(x), rows, i),
+        &mut dw,
+        false,
+    )?;
+    use_dw(&mut dw)
 }
 
-impl<const I: usize, const O: usize, E: Precision<Elem = E> + Dtype, A: FusedActivation>
-    FusedLinear<I, O, E, Cpu, A>
+/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:
+/// the fused op of [`FusedLinear`], also run by the layers that hold dfdx's `Linear`
+/// ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward, the ViT's
+/// patch embedding and head) on their `weight` and `bias`.
+///
+/// - Forward: one GEMM (f32 sums) per `ROW_CHUNK` rows, then one pass adding the bias, applying
+///   the activation and rounding to the element type; for emulated bf16 (f32 storage) the output
+///   is then rounded to bf16.
+/// - Backward: `ReLU`'s mask and the bias-gradient sums in one pass over a copy of `dY`; inside a
+///   [`GradScaler`](crate::step::GradScaler) forward pass (a [`Link`](crate::step::direct)),
+///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
+///   gradient entries and rounded once to `P`. Then `dX += dZ·W`, rounded once to `P`.
+///
+/// The op keeps the input and the weight tensors themselves for the backward (shared, not
+/// copied): dfdx lends no slice of a tensor's storage, so each pass copies the values it
+/// multiplies into pooled buffers ([`scratch`]) and gives them back when its GEMM is done. The
+/// pool then holds one layer's operands at a time, not a copy of every layer's input and weight
+/// from the forward to the backward.
+pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    weight: &Tensor<Rank2<O, I>, E, Cpu>,
+    bias: &Tensor<Rank1<O>, E, Cpu>,
+    act: Activation,
+    x: Tensor<Sx, E, Cpu, T>,
+    out: Sy,
+) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
 where
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
     Cpu: Device<E>,
+    Sx: Shape,
+    Sy: Shape,
+    T: Tape<E, Cpu>,
 {
-    /// The fused forward on any input whose last axis is `I`; `out` is the output shape.
-    fn fused<Sx: Shape, Sy: Shape, T: Tape<E, Cpu>>(
-        &self,
-        x: Tensor<Sx, E, Cpu, T>,
-        out: Sy,
-    ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError> {
-        let (x, mut tape) = x.try_contiguous()?.split_tape();
-        let rows = x.shape().num_elements() / I;
-        let (xv, wv) = (read(&x), read(&self.weight));
-        let mut bias = vec![0.0f32; O];
-        E::widen(&read(&self.bias), &mut bias);
-        let mut y = vec![E::default(); rows * O];
-        // f32 sums for at most ROW_CHUNK rows at a time, so the scratch stays small at any batch
-        with_scratch(rows.min(ROW_CHUNK) * O, |acc| {
-            for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
-                let r = xc.len() / I;
-                let acc = &mut acc[..r * O];
-                gemm(
-                    MatRef::row_major(E::operand(xc), r, I),
-                    MatRef::row_major(E::operand(&wv), O, I).t(),
-                    acc,
-                    false,
-                )?;
-                bias_act_into(acc, &bias, A::ACT, as_dst(yc))?;
-            }
-            Ok(())
-        })
+    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let rows = x.shape().num_elements() / I;
+    let (xv, wv) = (read(&x), read(weight));
+    let mut b32 = scratch::take::<f32>(O);
+    E::widen(&read(bias), &mut b32);
+    let mut y = vec![E::default(); rows * O];
+    // f32 sums for at most ROW_CHUNK rows at a time, so the buffer stays small at any batch
+    let mut acc = scratch::take::<f32>(rows.min(ROW_CHUNK) * O);
+    for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
+        let r = xc.len() / I;
+        let acc = &mut acc[..r * O];
+        gemm(
+            MatRef::row_major(E::operand(xc), r, I),
+            MatRef::row_major(E::operand(&wv), O, I).t(),
+            acc,
+            false,
+        )
         .map_err(shape_err)?;
-        let mask = (T::OWNS_TAPE && A::ACT == Activation::ReLU).then(|| relu_mask_of(&y));
-        // Inside a scaler's forward pass, the master tensors this layer's weight and bias
-        // stand for: their gradients are then written there directly, in f32.
-        let link = if T::OWNS_TAPE {
-            crate::step::direct::link(&self.weight, &self.bias)
-        } else {
-            None
-        };
-        let y = x.device().try_tensor_from_vec(y, out)?;
-        if T::OWNS_TAPE {
-            // The op keeps the input's values and the weight's (both moved, not copied again),
-            // the ReLU mask (1 bit per output) and ghosts for the gradient entries.
-            let (x_id, w_id, b_id, y_id) =
-                (x.ghost(), self.weight.ghost(), self.bias.ghost(), y.ghost());
-            tape.add_backward_op(move |grads| {
-                let mut dz: Vec<E> = slice::<E>(grads.get_or_alloc_mut(&y_id)?).to_vec();
-                let mut db = vec![0.0f32; O];
-                mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
-                drop(mask);
-                if let Some(link) = &link {
-                    link.add_bias_grad(&db)?;
-                    with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
-                        .map_err(shape_err)??;
-                } else {
-                    add_f32_into(&db, as_dst(slice::<E>(grads.get_or_alloc_mut(&b_id)?)))
-                        .map_err(shape_err)?;
-                    write_weight_grad(&dz, &xv, rows, slice::<E>(grads.get_or_alloc_mut(&w_id)?))
-                        .map_err(shape_err)?;
-                }
-                drop(xv);
-                input_grad::<E, I, O>(&dz, &wv, slice::<E>(grads.get_or_alloc_mut(&x_id)?))
-            });
+        bias_act_into(acc, &b32, act, as_dst(yc)).map_err(shape_err)?;
+    }
+    drop((acc, b32, xv, wv));
+    round_in_place::<P>(&mut y);
+    let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
+    // Inside a scaler's forward pass, the master tensors this weight and bias stand for: their
+    // gradients are then written there directly, in f32.
+    let link = if T::OWNS_TAPE {
+        crate::step::direct::link(weight, bias)
+    } else {
+        None
+    };
+    let y = x.device().try_tensor_from_vec(y, out)?;
+    if T::OWNS_TAPE {
+        // The op keeps the input and the weight (the tensors, shared), the ReLU mask (1 bit per
+        // output) and ghosts for the gradient entries.
+        let (x_id, w_id, b_id, y_id) = (x.ghost(), weight.ghost(), bias.ghost(), y.ghost());
+        let w = weight.clone();
+        tape.add_backward_op(move |grads| {
+            let mut dz = scratch::take::<E>(rows * O);
+            dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            let mut db = scratch::take_zeroed::<f32>(O);
+            mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
+            drop(mask);
+            let xv = read(&x);
+            drop(x);
+            if let Some(link) = &link {
+                link.add_bias_grad(&db)?;
+                with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                    .map_err(shape_err)??;
+            } else {
+                let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
+                add_f32_into(&db, as_dst(gb)).map_err(shape_err)?;
+                round_in_place::<P>(gb);
+                let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
+                write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
+            }
+            drop((db, xv));
+            let wv = read(&w);
+            drop(w);
+            input_grad::<P, E, I, O>(&dz, &wv, grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+        });
+    }
+    Ok(y.put_tape(tape))
+}
+
+/// The fused layer on one sample `(I,)`, a batch `(B, I)` or a batch of sequences `(B, S, I)`,
+/// in precision `P` (`forward_in::<P, _>`; dfdx's `forward` runs in the element type). With
+/// emulated bf16 (f32 storage) the output and the gradients are rounded to bf16.
+macro_rules! mixed_forward {
+    ($($d:ident),*) => {
+        impl<const I: usize, const O: usize, E, P, A, $($d: Dim,)* T>
+            MixedModule<P, Tensor<($($d,)* Const<I>,), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
+        where
+            E: Precision<Elem = E> + Dtype,
+            P: Precision<Elem = E>,
+            A: FusedActivation,
+            Cpu: Device<E>,
+            T: Tape<E, Cpu>,
+        {
+            type Output = Tensor<($($d,)* Const<O>,), E, Cpu, T>;
+            fn try_mixed_forward(
+                &self,
+                x: Tensor<($($d,)* Const<I>,), E, Cpu, T>,
+            ) -> Result<Self::Output, CpuError> {
+                #[allow(non_snake_case)]
+                let ($($d,)* _,) = *x.shape();
+                fused_linear::<P, E, I, O, _, _, T>(&self.weight, &self.bias, A::ACT, x, ($($d,)* Const::<O>,))
+            }
         }
-        Ok(y.put_tape(tape))
+    };
+}
+mixed_forward!();
+mixed_forward!(B);
+mixed_forward!(B, S);
+
+/// dfdx's `Module`: the forward pass in the element type as the precision.
+impl<const I: usize, const O: usize, E, A, X> Module<X> for FusedLinear<I, O, E, Cpu, A>
+where
+    E: Precision<Elem = E> + Dtype,
+    Self: MixedModule<E, X>,
+{
+    type Output = <Self as MixedModule<E, X>>::Output;
+    type Error = CpuError;
+    fn try_forward(&self, x: X) -> Result<Self::Output, CpuError> {
+        MixedModule::<E, X>::try_mixed_forward(self, x)
     }
 }
-
-/// A gradient entry as a slice (outside the `Cpu: Device<E>` bound, under which the storage type
-/// does not resolve).
-fn slice<E: Precision<Elem = E> + Dtype>(v: &mut <Cpu as Storage<E>>::Vec) -> &mut [E] {
-    &mut v[..]
-}
-
-/// `gx += dZ·W`, in row chunks of f32 sums (`W` as the forward pass read it).
-fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
+/// `gx += dZ·W`, in row chunks of f32 sums, rounded once to `P`. `W` is the forward pass's: the
+/// op holds that tensor, and dfdx copies a shared tensor's storage before writing to it.
+fn input_grad<
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    const I: usize,
+    const O: usize,
+>(
     dz: &[E],
     wv: &[E],
     gx: &mut [E],
 ) -> Result<(), CpuError> {
     let rows = dz.len() / O;
-    with_scratch(rows.min(ROW_CHUNK) * I, |dx| {
-        for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
-            let r = dzc.len() / O;
-            let dx = &mut dx[..r * I];
-            gemm(
-                MatRef::row_major(E::operand(dzc), r, O),
-                MatRef::row_major(E::operand(wv), O, I),
-                dx,
-                false,
-            )?;
-            add_f32_into(dx, as_dst(gxc))?;
-        }
-        Ok(())
-    })
-    .map_err(shape_err)
-}
-
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    T: Tape<E, Cpu>,
-> Module<Tensor<Rank1<I>, E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<Rank1<O>, E, Cpu, T>;
-    type Error = CpuError;
-    /// One sample.
-    fn try_forward(&self, x: Tensor<Rank1<I>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
-        self.fused(x, (Const::<O>,))
+    let mut dx = scratch::take::<f32>(rows.min(ROW_CHUNK) * I);
+    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
+        let r = dzc.len() / O;
+        let dx = &mut dx[..r * I];
+        gemm(
+            MatRef::row_major(E::operand(dzc), r, O),
+            MatRef::row_major(E::operand(wv), O, I),
+            dx,
+            false,
+        )
+        .map_err(shape_err)?;
+        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
+        round_in_place::<P>(gxc);
     }
-}
-
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    B: Dim,
-    T: Tape<E, Cpu>,
-> Module<Tensor<(B, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<(B, Const<O>), E, Cpu, T>;
-    type Error = CpuError;
-    /// A batch of rows.
-    fn try_forward(&self, x: Tensor<(B, Const<I>), E, Cpu, T>) -> Result<Self::Output, CpuError> {
-        let out = (x.shape().0, Const::<O>);
-        self.fused(x, out)
-    }
-}
-
-impl<
-    const I: usize,
-    const O: usize,
-    E: Precision<Elem = E> + Dtype,
-    A: FusedActivation,
-    B: Dim,
-    S: Dim,
-    T: Tape<E, Cpu>,
-> Module<Tensor<(B, S, Const<I>), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<(B, S, Const<O>), E, Cpu, T>;
-    type Error = CpuError;
-    /// A batch of sequences.
-    fn try_forward(
-        &self,
-        x: Tensor<(B, S, Const<I>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
-        let (b, s, _) = *x.shape();
-        self.fused(x, (b, s, Const::<O>))
-    }
+    Ok(())
 }

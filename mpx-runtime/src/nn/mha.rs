@@ -9,9 +9,10 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
-use super::dense_op::dense;
 use super::half_ops::is_f32;
+use super::linear::fused_linear;
 use super::mixed::{MixedModule, native_module};
+use crate::kernels::Activation;
 use crate::precision::{AMP, Precision, f16};
 use crate::region::FullPrecision;
 
@@ -28,6 +29,11 @@ use crate::region::FullPrecision;
 /// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
 /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
 /// `NUM_HEADS` (a compile-time error otherwise).
+///
+/// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
+/// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
+/// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
+/// `forward` panics there, as dfdx's does on an error.
 ///
 /// # Examples
 /// ```
@@ -170,40 +176,38 @@ where
     ) -> Result<Self::Output, CpuError> {
         #[allow(clippy::let_unit_value)]
         let () = Self::TYPE_CHECK;
-        assert_eq!(q.shape().0, k.shape().0, "q and k differ in batch size");
-        assert_eq!(q.shape().0, v.shape().0, "q and v differ in batch size");
-        assert_eq!(k.shape().1, v.shape().1, "k and v differ in length");
         let b = q.shape().0;
         let s1 = q.shape().1;
         let s2 = v.shape().1;
+        // Batches that differ, keys and values of different lengths, or an empty sequence (a
+        // softmax over no keys, or no queries) are shape errors.
+        let agree = b.size() == k.shape().0.size()
+            && b.size() == v.shape().0.size()
+            && k.shape().1.size() == s2.size();
+        if !agree || s1.size() == 0 || s2.size() == 0 {
+            return Err(CpuError::WrongNumElements);
+        }
 
         if !is_f32::<P>() {
             // Half precision: the projections and the whole attention core as fused ops on
             // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
             let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
-            let v = dense::<P, E, M, V, _, _, _>(
-                &wv.weight,
-                &wv.bias,
-                false,
-                v.retaped::<T>(),
-                (b, s2, Const::<V>),
-            )?;
-            let k = dense::<P, E, M, K, _, _, _>(
-                &wk.weight,
-                &wk.bias,
-                false,
-                k.retaped::<T>(),
-                (b, s2, Const::<K>),
-            )?;
+            let id = Activation::Identity;
+            let v = v.retaped::<T>();
+            let v =
+                fused_linear::<P, E, M, V, _, _, _>(&wv.weight, &wv.bias, id, v, (b, s2, Const))?;
+            let k = k.retaped::<T>();
+            let k =
+                fused_linear::<P, E, M, K, _, _, _>(&wk.weight, &wk.bias, id, k, (b, s2, Const))?;
             let q =
-                dense::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, false, q, (b, s1, Const::<K>))?;
+                fused_linear::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, id, q, (b, s1, Const))?;
             let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
-            return dense::<P, E, V, M, _, _, _>(
+            return fused_linear::<P, E, V, M, _, _, _>(
                 &wo.weight,
                 &wo.bias,
-                false,
+                id,
                 tokens,
-                (b, s1, Const::<M>),
+                (b, s1, Const),
             );
         }
 
@@ -259,9 +263,11 @@ where
             Tensor<(S2, Const<M>), E, Cpu>,
         ),
     ) -> Result<Self::Output, CpuError> {
-        assert_eq!(k.shape().0, v.shape().0, "k and v differ in length");
         let s1 = q.shape().0;
         let s2 = k.shape().0;
+        if v.shape().0.size() != s2.size() {
+            return Err(CpuError::WrongNumElements);
+        }
         let q = q.try_broadcast_like(&(Const::<1>, s1, Const::<M>))?;
         let k = k.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;
         let v = v.try_broadcast_like(&(Const::<1>, s2, Const::<M>))?;

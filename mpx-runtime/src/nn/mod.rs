@@ -17,7 +17,7 @@
 //!
 //! Every layer has dfdx's field names and parameter layout, implements dfdx's
 //! `TensorCollection` (so `alloc_grads`, optimizers, `build_module` and mpx's casts and mixed
-//! steps work) and converts from and to dfdx's layer ([`DfdxLayer`], `From`). With `f32` each is
+//! steps work) and converts from and to dfdx's layer ([`IntoLayers`], `From`). With `f32` each is
 //! bit-identical to dfdx's, forward and gradients.
 //!
 //! The precision: dfdx's `Module::forward` runs in the element type as the precision (f32, f16,
@@ -39,7 +39,6 @@
 mod attention_core;
 mod cast;
 mod convert;
-mod dense_op;
 mod encoder;
 mod half_ops;
 mod layer_norm;
@@ -47,6 +46,7 @@ mod layer_norm_kernel;
 pub(crate) mod linear;
 mod mha;
 mod mixed;
+mod scratch;
 pub mod vit;
 
 pub use convert::*;
@@ -55,3 +55,4 @@ pub use layer_norm::*;
 pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
+pub use scratch::release_buffers;

@@ -7,8 +7,9 @@ use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
 
-use crate::nn::dense_op::dense;
+use crate::kernels::Activation;
 use crate::nn::half_ops::is_f32;
+use crate::nn::linear::fused_linear;
 use crate::nn::mixed::{build_on_device, native_module};
 use crate::nn::{LayerNorm1D, MixedModule};
 use crate::precision::{AMP, Precision, f16};
@@ -148,6 +149,7 @@ where
             return self.linear.try_forward(x);
         }
         let out = (x.shape().0, Const::<C>);
-        dense::<P, E, M, C, _, _, _>(&self.linear.weight, &self.linear.bias, false, x, out)
+        let (w, b) = (&self.linear.weight, &self.linear.bias);
+        fused_linear::<P, E, M, C, _, _, _>(w, b, Activation::Identity, x, out)
     }
 }

@@ -58,23 +58,6 @@ pub struct Vit<
     pub head: ClassificationHead<MODEL, CLASSES, E, D>,
 }
 
-/// The ViT for the 8x8 digits (64 pixels, 10 classes): 2x2 patches (16 tokens), width 32,
-/// 4 heads, feed-forward width 64, 2 encoder blocks. Build it with
-/// `dev.build_module::<DigitsVit, f32>()`.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::vit::DigitsVit;
-/// let dev = Cpu::default();
-/// let vit = dev.build_module::<DigitsVit, f32>();
-/// assert_eq!(vit.encoder.modules.len(), 2);
-/// // patches 4*32+32, positions 16*32, two blocks of 4*(32*32+32) + 2*64 + (32*64+64) + (64*32+32),
-/// // head 64 + 32*10+10
-/// assert_eq!(vit.num_trainable_params(), 160 + 512 + 2 * 8544 + 394);
-/// ```
-pub type DigitsVit<E = f32, D = Cpu> = Vit<64, 4, 16, 32, 4, 64, 2, 10, E, D>;
-
 impl<
     const PIXELS: usize,
     const PATCH_DIM: usize,

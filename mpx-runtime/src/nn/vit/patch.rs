@@ -7,9 +7,10 @@ use dfdx::shapes::{Axes5, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
+use crate::kernels::Activation;
 use crate::nn::MixedModule;
-use crate::nn::dense_op::dense;
 use crate::nn::half_ops::is_f32;
+use crate::nn::linear::fused_linear;
 use crate::nn::mixed::native_module;
 use crate::precision::{AMP, Precision, f16};
 
@@ -200,6 +201,6 @@ where
         // Half precision: one fused op on mpx's GEMM (f32 sums, rounded once to P).
         let out = (patches.shape().0, Const::<PATCHES>, Const::<M>);
         let (w, b) = (&self.linear.weight, &self.linear.bias);
-        dense::<P, E, PATCH_DIM, M, _, _, _>(w, b, false, patches, out)
+        fused_linear::<P, E, PATCH_DIM, M, _, _, _>(w, b, Activation::Identity, patches, out)
     }
 }

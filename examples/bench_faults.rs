@@ -1,0 +1,130 @@
+//! Page faults per training step of mpx's fused layers (issue 17, item 3), counted by the kernel
+//! for this process (minor faults, field 10 of `/proc/self/stat`; Linux only) over the steps
+//! after a warm-up:
+//! - bench_step's row f: MLP 512-1024-1024-10 of `mpx::nn::{LinearReLU, Linear}`, batch 256;
+//! - the ViT of `examples/vit.rs` (`mpx::nn::vit::Vit`, 16 tokens of width 32, 2 encoder blocks)
+//!   on random 8x8 images, batch 32.
+//!
+//! Both train with Adam and a `GradScaler<f16>` (what `#[mixed_step]` expands to).
+//!
+//! ```text
+//! cargo run --release --example bench_faults [-- STEPS]
+//! ```
+//!
+//! A fault is the first touch of a fresh 4 KiB page: a step that allocates a large buffer anew
+//! (and frees it after) pays one per page it writes, unless the allocator kept the pages. glibc's
+//! malloc adapts its mmap threshold to the largest block freed, so a process that runs one model
+//! may keep them; `MALLOC_MMAP_THRESHOLD_=131072` fixes the threshold at glibc's starting value
+//! (as in a process whose allocations vary), which shows the allocations per step.
+
+use dfdx::{optim::*, prelude::*};
+use mpx::nn;
+use mpx::precision::f16;
+use mpx::scaling::DynamicLossScale;
+use mpx::step::GradScaler;
+
+type Mlp = (
+    nn::builders::LinearReLU<512, 1024>,
+    nn::builders::LinearReLU<1024, 1024>,
+    nn::builders::Linear<1024, 10>,
+);
+/// The ViT of `examples/vit.rs`: 8x8 images in 2x2 patches, width 32, 4 heads, feed-forward 64,
+/// 2 blocks, 10 classes.
+type Vit = nn::vit::Vit<64, 4, 16, 32, 4, 64, 2, 10>;
+
+const WARM_UP: usize = 3;
+/// Counted steps when no count is given.
+const STEPS: usize = 30;
+
+/// This process's minor page faults so far (`None` where `/proc` is not there).
+fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    // field 10 (minflt) is the 8th after the command name
+    rest.split_whitespace().nth(7)?.parse().ok()
+}
+
+/// Faults per step of `step` over `steps` steps, after the warm-up.
+fn per_step(steps: usize, mut step: impl FnMut()) -> Option<f64> {
+    for _ in 0..WARM_UP {
+        step();
+    }
+    let before = minor_faults()?;
+    for _ in 0..steps {
+        step();
+    }
+    Some((minor_faults()?.saturating_sub(before)) as f64 / steps as f64)
+}
+
+/// One-hot labels, class `(r * 7) % 10` for row `r`.
+fn labels<const B: usize>(dev: &Cpu) -> Tensor<Rank2<B, 10>, f32, Cpu> {
+    let mut y = vec![0.0f32; B * 10];
+    for r in 0..B {
+        y[r * 10 + (r * 7) % 10] = 1.0;
+    }
+    dev.tensor_from_vec(y, (Const, Const))
+}
+
+fn scaler() -> GradScaler<f16, DynamicLossScale> {
+    let scaling = DynamicLossScale::builder()
+        .initial(65536.0)
+        .build()
+        .expect("a valid loss scale");
+    GradScaler::new(scaling)
+}
+
+/// The faults per step of training `$model` on `$x`, `$y` (a macro: the model types differ).
+macro_rules! train {
+    ($steps:expr, $model:expr, $x:expr, $y:expr) => {{
+        let mut model = $model;
+        let mut opt = Adam::new(&model, AdamConfig::default());
+        let mut scaler = scaler();
+        let (x, y) = ($x, $y);
+        let mut grads = Some(model.alloc_grads());
+        per_step($steps, || {
+            let g = grads.take().expect("gradients present");
+            let out = scaler.forward(&model, x.clone().traced(g), |m, x| m.forward(x));
+            let mut g = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+            scaler.update(&mut model, &mut opt, &g).expect("update");
+            model.zero_grads(&mut g);
+            grads = Some(g);
+        })
+    }};
+}
+
+fn main() {
+    let steps: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(STEPS);
+    let dev = Cpu::seed_from_u64(0);
+    let report = |what: &str, faults: Option<f64>| match faults {
+        Some(f) => println!(
+            "{what}: {f:.0} minor page faults per step ({steps} steps after {WARM_UP} warm-up steps)"
+        ),
+        None => println!("{what}: no /proc/self/stat, page faults not counted"),
+    };
+    let x: Tensor<Rank2<256, 512>, f32, Cpu> = dev.sample_normal();
+    let mlp = train!(
+        steps,
+        dev.build_module::<Mlp, f32>(),
+        x,
+        labels::<256>(&dev)
+    );
+    report(
+        "row f (MLP 512-1024-1024-10 of mpx's fused layers, batch 256, GradScaler<f16>)",
+        mlp,
+    );
+    let images: Tensor<Rank2<32, 64>, f32, Cpu> = dev.sample_uniform();
+    let vit = train!(
+        steps,
+        dev.build_module::<Vit, f32>(),
+        images,
+        labels::<32>(&dev)
+    );
+    report(
+        "ViT of examples/vit.rs (random 8x8 images, batch 32, GradScaler<f16>)",
+        vit,
+    );
+}
