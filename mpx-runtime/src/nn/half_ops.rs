@@ -42,7 +42,7 @@ pub(crate) fn as_dst<E: Precision<Elem = E> + dfdx::shapes::Dtype>(values: &mut 
 /// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
 /// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
 pub(crate) fn round_in_place<P: Precision>(values: &mut [P::Elem]) {
-    if TypeId::of::<P>() == TypeId::of::<P::Elem>() {
+    if P::DTYPE == <P::Elem as Precision>::DTYPE {
         return;
     }
     // widened 256 values at a time into a stack buffer: no allocation
