@@ -90,14 +90,18 @@ impl Case {
             _ => (Operand::F16(&self.a16), Operand::F16(&self.b16)),
         };
         let a = if self.at {
-            MatRef::row_major(av, self.k, self.m).t()
+            MatRef::row_major(av, self.k, self.m)
+                .expect("shape fits")
+                .t()
         } else {
-            MatRef::row_major(av, self.m, self.k)
+            MatRef::row_major(av, self.m, self.k).expect("shape fits")
         };
         let b = if self.bt {
-            MatRef::row_major(bv, self.n, self.k).t()
+            MatRef::row_major(bv, self.n, self.k)
+                .expect("shape fits")
+                .t()
         } else {
-            MatRef::row_major(bv, self.k, self.n)
+            MatRef::row_major(bv, self.k, self.n).expect("shape fits")
         };
         gemm_on(path, a, b, &mut self.c, false).expect("shapes fit");
     }

@@ -58,7 +58,7 @@ pub(crate) struct Micro<T> {
 /// let x = [f16::from_f32(3.0), f16::from_f32(4.0)]; // X: 1x2
 /// let mut c = [0.0f32];
 /// // X · Wᵀ
-/// gemm(MatRef::row_major_f16(&x, 1, 2), MatRef::row_major_f16(&w, 1, 2).t(), &mut c, false).unwrap();
+/// gemm(MatRef::row_major_f16(&x, 1, 2).unwrap(), MatRef::row_major_f16(&w, 1, 2).unwrap().t(), &mut c, false).unwrap();
 /// assert_eq!(c, [11.0]);
 /// ```
 pub fn gemm(
@@ -79,7 +79,7 @@ pub fn gemm(
 /// ```
 /// use mpx_runtime::kernels::{gemm_on, KernelPath, MatRef};
 /// let mut c = [1.0f32];
-/// let a = MatRef::row_major_f32(&[2.0], 1, 1);
+/// let a = MatRef::row_major_f32(&[2.0], 1, 1).unwrap();
 /// gemm_on(KernelPath::Portable, a, a, &mut c, true).unwrap();
 /// assert_eq!(c, [5.0]);
 /// ```
@@ -105,7 +105,7 @@ pub(crate) fn gemm_threads<'a>(
 ) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
     let _count = CountTime(std::time::Instant::now());
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
     if m == 0 || n == 0 || k == 0 {
         if !accumulate {
             c.fill(0.0);
@@ -114,18 +114,19 @@ pub(crate) fn gemm_threads<'a>(
     }
     // each block zeroes its own part of C first (on its thread, just before using it)
     let zero = !accumulate;
-    if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) = (path, a.values, b.values)
+    if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) =
+        (path, a.values(), b.values())
     {
         let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
         let a = Src {
             data: bits(av),
-            rs: a.row_stride,
-            cs: a.col_stride,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
         };
         let b = Src {
             data: bits(bv),
-            rs: b.row_stride,
-            cs: b.col_stride,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
         };
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
@@ -133,13 +134,13 @@ pub(crate) fn gemm_threads<'a>(
     with_wide(|[wa, wb]| {
         let a = Src {
             data: prepared(&a, wa),
-            rs: a.row_stride,
-            cs: a.col_stride,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
         };
         let b = Src {
             data: prepared(&b, wb),
-            rs: b.row_stride,
-            cs: b.col_stride,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
         };
         let dims = (m, n, k);
         match path {
@@ -153,6 +154,9 @@ pub(crate) fn gemm_threads<'a>(
     Ok(())
 }
 
+/// Checks that the path runs here and the shapes fit: `A.cols == B.rows`, both views inside
+/// their slices, `C` holding `m x n` values. Every size is computed with checked arithmetic, so
+/// no shape wraps around into one that fits.
 fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<(), KernelError> {
     if !path.is_supported() {
         return Err(KernelError::Unsupported {
@@ -160,27 +164,21 @@ fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<
             supported: KernelPath::supported(),
         });
     }
-    if a.cols != b.rows {
+    if a.cols() != b.rows() {
         return Err(KernelError::InnerMismatch {
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows: b.rows,
-            b_cols: b.cols,
+            a_rows: a.rows(),
+            a_cols: a.cols(),
+            b_rows: b.rows(),
+            b_cols: b.cols(),
         });
     }
-    for (name, mat) in [("A", a), ("B", b)] {
-        if mat.needed() > mat.values.len() {
-            return Err(KernelError::OperandTooShort {
-                name,
-                needed: mat.needed(),
-                len: mat.values.len(),
-            });
-        }
-    }
-    if c.len() != a.rows * b.cols {
+    // the views are valid by construction; checked again, as cheaply, where the kernels rely on it
+    a.validate("A")?;
+    b.validate("B")?;
+    if a.rows().checked_mul(b.cols()) != Some(c.len()) {
         return Err(KernelError::OutputLength {
-            m: a.rows,
-            n: b.cols,
+            m: a.rows(),
+            n: b.cols(),
             len: c.len(),
         });
     }
@@ -211,8 +209,8 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
 /// conversion) and bf16 operands rounded into `buf`.
 fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
-    let n = m.needed();
-    match m.values {
+    let n = m.needed().expect("checked by `check`");
+    match m.values() {
         Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
             let buf = grown(buf, n);
@@ -249,7 +247,7 @@ impl Drop for CountTime {
 /// use mpx_runtime::kernels::{gemm, gemm_nanos, MatRef};
 /// let before = gemm_nanos();
 /// let mut c = [0.0f32];
-/// gemm(MatRef::row_major_f32(&[1.0], 1, 1), MatRef::row_major_f32(&[1.0], 1, 1), &mut c, false).unwrap();
+/// gemm(MatRef::row_major_f32(&[1.0], 1, 1).unwrap(), MatRef::row_major_f32(&[1.0], 1, 1).unwrap(), &mut c, false).unwrap();
 /// assert!(gemm_nanos() > before);
 /// ```
 pub fn gemm_nanos() -> u64 {
@@ -409,7 +407,7 @@ fn split(
     threads: usize,
     task: &(dyn Fn(Out, (usize, usize), (usize, usize)) + Sync),
 ) {
-    let threads = if m * n * kd < PAR_MIN_WORK {
+    let threads = if m.saturating_mul(n).saturating_mul(kd) < PAR_MIN_WORK {
         1
     } else {
         threads.max(1)

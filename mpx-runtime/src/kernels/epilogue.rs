@@ -67,8 +67,9 @@ fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), Ker
 /// row-major `rows x bias.len()` GEMM result and is overwritten with the f32 values.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `acc` is not a whole number of rows of `bias.len()`, or `out`'s
-/// length differs from `acc`'s.
+/// [`KernelError::EmptyRow`] if `bias` is empty, [`KernelError::NotWholeRows`] if `acc` is not a
+/// whole number of rows of `bias.len()`, [`KernelError::Length`] if `out`'s length differs from
+/// `acc`'s.
 ///
 /// # Examples
 /// ```
@@ -86,13 +87,7 @@ pub fn bias_act_into(
 ) -> Result<(), KernelError> {
     let cols = bias.len();
     expect_len("out", out.len(), acc.len())?;
-    if cols == 0 || !acc.len().is_multiple_of(cols) {
-        return Err(KernelError::Length {
-            what: "acc (whole rows of bias.len())",
-            len: acc.len(),
-            expected: acc.len() - acc.len() % cols.max(1),
-        });
-    }
+    whole_rows("acc", acc.len(), "bias", cols)?;
     let rows = acc.chunks_exact_mut(cols);
     match (act, out) {
         (Activation::Identity, Dst::F32(o)) => {
@@ -239,8 +234,9 @@ impl ReluMask {
 /// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or the mask's length
-/// differs from `dy`'s.
+/// [`KernelError::EmptyRow`] if `bias_grad` is empty, [`KernelError::NotWholeRows`] if `dy` is
+/// not whole rows of `bias_grad.len()`, [`KernelError::Length`] if the mask's length differs from
+/// `dy`'s.
 ///
 /// # Examples
 /// ```
@@ -310,13 +306,28 @@ pub fn relu_mask_bias_grad_f32(
 
 fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelError> {
     if let Some(y) = y {
-        expect_len("y", y, dy)?;
+        expect_len("mask", y, dy)?;
     }
-    if cols == 0 || !dy.is_multiple_of(cols) {
-        return Err(KernelError::Length {
-            what: "dy (whole rows of bias_grad.len())",
-            len: dy,
-            expected: dy - dy % cols.max(1),
+    whole_rows("dy", dy, "bias_grad", cols)
+}
+
+/// Checks that `len` values (of `what`) are whole rows of `row_len` (the length of `row_what`),
+/// and that rows are not empty.
+fn whole_rows(
+    what: &'static str,
+    len: usize,
+    row_what: &'static str,
+    row_len: usize,
+) -> Result<(), KernelError> {
+    if row_len == 0 {
+        return Err(KernelError::EmptyRow { what: row_what });
+    }
+    if !len.is_multiple_of(row_len) {
+        return Err(KernelError::NotWholeRows {
+            what,
+            len,
+            row_len,
+            row_what,
         });
     }
     Ok(())

@@ -66,7 +66,7 @@
 //! let a = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
 //! let b = [1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0];
 //! let mut c = [0.0f32; 4];
-//! gemm(MatRef::row_major_f32(&a, 2, 3), MatRef::row_major_f32(&b, 3, 2), &mut c, false).unwrap();
+//! gemm(MatRef::row_major_f32(&a, 2, 3).unwrap(), MatRef::row_major_f32(&b, 3, 2).unwrap(), &mut c, false).unwrap();
 //! assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
 //! ```
 

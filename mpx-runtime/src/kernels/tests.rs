@@ -24,8 +24,8 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// Element (i, j) of a view, as f64, as the kernel sees it (bf16 rounded).
 fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
-    let idx = i * m.row_stride + j * m.col_stride;
-    match m.values {
+    let idx = i * m.row_stride() + j * m.col_stride();
+    match m.values() {
         Operand::F32(v) => f64::from(v[idx]),
         Operand::F16(v) => v[idx].to_f64(),
         Operand::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
@@ -34,7 +34,7 @@ fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
 
 /// Checks `gemm_on(path, a, b)` against the f64 product, within `rel·S + abs` per element.
 fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
     let init = values(m * n, 99);
     let mut c = if accumulate {
         init.clone()
@@ -43,7 +43,7 @@ fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     };
     gemm_on(path, a, b, &mut c, accumulate).unwrap();
     let native = path == KernelPath::Avx512Fp16
-        && matches!((a.values, b.values), (Operand::F16(_), Operand::F16(_)));
+        && matches!((a.values(), b.values()), (Operand::F16(_), Operand::F16(_)));
     let (rel, abs) = if native {
         fp16_error_bound(k)
     } else {
@@ -91,9 +91,9 @@ fn linear_products(path: KernelPath, kind: &str) {
     };
     let (xo, wo, dyo) = op(kind);
     let (xm, wm, dym) = (
-        MatRef::row_major(xo, bsz, i),
-        MatRef::row_major(wo, o, i),
-        MatRef::row_major(dyo, bsz, o),
+        MatRef::row_major(xo, bsz, i).unwrap(),
+        MatRef::row_major(wo, o, i).unwrap(),
+        MatRef::row_major(dyo, bsz, o).unwrap(),
     );
     check(path, xm, wm.t(), false); // forward X·Wᵀ
     check(path, dym, wm, true); // dX += dY·W
@@ -123,8 +123,8 @@ fn fp16_bound_is_about_260_times_the_f32_bound_and_holds_at_step_shapes() {
         let (ah, bh) = (h(&a), h(&b));
         check(
             KernelPath::Avx512Fp16,
-            MatRef::row_major_f16(&ah, 64, 1024),
-            MatRef::row_major_f16(&bh, 1024, 80),
+            MatRef::row_major_f16(&ah, 64, 1024).unwrap(),
+            MatRef::row_major_f16(&bh, 1024, 80).unwrap(),
             false,
         );
     }
@@ -148,29 +148,113 @@ fn shape_errors_are_reported() {
     let a = [0.0f32; 6];
     let mut c = [0.0f32; 4];
     let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a, 2, 3),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
         &mut c,
         false,
     );
     assert!(matches!(r, Err(KernelError::InnerMismatch { .. })));
-    let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a[..5], 3, 2),
-        &mut c,
-        false,
+    assert_eq!(
+        MatRef::row_major_f32(&a[..5], 3, 2).unwrap_err(),
+        KernelError::OperandTooShort {
+            name: "operand",
+            needed: 6,
+            len: 5
+        }
     );
-    assert!(matches!(
-        r,
-        Err(KernelError::OperandTooShort { name: "B", .. })
-    ));
     let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a, 3, 2),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
+        MatRef::row_major_f32(&a, 3, 2).unwrap(),
         &mut c[..3],
         false,
     );
     assert!(matches!(r, Err(KernelError::OutputLength { .. })));
+}
+
+/// Issue 18, defect 1: sizes that wrap around in `usize` must be refused, on every path, before
+/// any kernel runs (before the fix, `m x n` wrapped to 0 and the GEMM wrote through a null-sized
+/// C: SIGSEGV; a wrapping stride read far outside A on `Avx2Fma`, panicked elsewhere).
+#[test]
+fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
+    let one = [1.0f32; 2];
+    // (1 << 63) x 1 with row stride 0: reaches one element; m x n = 2^64 wraps to 0 = c.len()
+    let tall = MatRef::new(Operand::F32(&one), 1 << 63, 1, 0, 1).unwrap();
+    let b = MatRef::row_major_f32(&one, 1, 2).unwrap();
+    for path in KernelPath::supported() {
+        let mut c: [f32; 0] = [];
+        assert_eq!(
+            gemm_on(path, tall, b, &mut c, false),
+            Err(KernelError::OutputLength {
+                m: 1 << 63,
+                n: 2,
+                len: 0
+            }),
+            "{path:?}"
+        );
+    }
+    // 3 rows 2^63 apart: the last row's offset 2^64 wraps to 0, inside a 1-element slice
+    let e = MatRef::new(Operand::F32(&one[..1]), 3, 1, 1 << 63, 1).unwrap_err();
+    assert_eq!(
+        e,
+        KernelError::OperandOverflow {
+            name: "operand",
+            rows: 3,
+            cols: 1,
+            row_stride: 1 << 63,
+            col_stride: 1
+        }
+    );
+    // the same through the transpose and through a column stride
+    assert!(MatRef::new(Operand::F32(&one), 1, 3, 1, 1 << 63).is_err());
+    assert!(MatRef::row_major_f32(&one, 1 << 62, 4).is_err());
+    // the reach is exact: the last reachable element is allowed, one past it is not
+    let v = [0.0f32; 8];
+    assert!(MatRef::new(Operand::F32(&v), 3, 2, 3, 1).is_ok()); // reaches 2·3 + 1·1 + 1 = 8
+    assert_eq!(
+        MatRef::new(Operand::F32(&v[..7]), 3, 2, 3, 1).unwrap_err(),
+        KernelError::OperandTooShort {
+            name: "operand",
+            needed: 8,
+            len: 7
+        }
+    );
+}
+
+/// Issue 18, defect 6: an empty bias used to be reported as "acc has 6 values, expected 6".
+#[test]
+fn element_wise_errors_say_what_was_wrong() {
+    let mut acc = [0.0f32; 6];
+    let mut out = [0.0f32; 6];
+    let e = bias_act_into(&mut acc, &[], Activation::Identity, Dst::F32(&mut out)).unwrap_err();
+    assert_eq!(e, KernelError::EmptyRow { what: "bias" });
+    assert!(e.to_string().contains("bias is empty"), "{e}");
+    let e = bias_act_into(&mut acc, &[0.0; 4], Activation::ReLU, Dst::F32(&mut out)).unwrap_err();
+    assert_eq!(
+        e,
+        KernelError::NotWholeRows {
+            what: "acc",
+            len: 6,
+            row_len: 4,
+            row_what: "bias"
+        }
+    );
+    assert!(
+        e.to_string()
+            .contains("acc has 6 values, not a whole number of rows of 4"),
+        "{e}"
+    );
+    let e = relu_mask_bias_grad_f32(&mut acc, None, &mut []).unwrap_err();
+    assert_eq!(e, KernelError::EmptyRow { what: "bias_grad" });
+    let mut dy = [f16::ZERO; 6];
+    let e = relu_mask_bias_grad_f16(&mut dy, None, &mut [0.0; 5]).unwrap_err();
+    assert!(matches!(
+        e,
+        KernelError::NotWholeRows {
+            len: 6,
+            row_len: 5,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -224,7 +308,7 @@ fn epilogues_match_scalar_references() {
 
 /// Runs `gemm_threads` on `threads` threads and returns the output's bits.
 fn bits_on(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, threads: usize) -> Vec<u32> {
-    let mut c = values(a.rows * b.cols, 21);
+    let mut c = values(a.rows() * b.cols(), 21);
     driver::gemm_threads(path, a, b, &mut c, true, threads).unwrap();
     c.iter().map(|v| v.to_bits()).collect()
 }
@@ -250,14 +334,14 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         ];
         for (ao, bo) in ops {
             let am = if at {
-                MatRef::row_major(ao, k, m).t()
+                MatRef::row_major(ao, k, m).unwrap().t()
             } else {
-                MatRef::row_major(ao, m, k)
+                MatRef::row_major(ao, m, k).unwrap()
             };
             let bm = if bt {
-                MatRef::row_major(bo, n, k).t()
+                MatRef::row_major(bo, n, k).unwrap().t()
             } else {
-                MatRef::row_major(bo, k, n)
+                MatRef::row_major(bo, k, n).unwrap()
             };
             for path in KernelPath::supported() {
                 let one = bits_on(path, am, bm, 1);
@@ -273,8 +357,8 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         // and the split result is right (gemm_on uses every available thread)
         check(
             detected_path(),
-            MatRef::row_major_f32(&a, m, k),
-            MatRef::row_major_f32(&b, k, n),
+            MatRef::row_major_f32(&a, m, k).unwrap(),
+            MatRef::row_major_f32(&b, k, n).unwrap(),
             false,
         );
     }
@@ -395,7 +479,7 @@ fn bits_packed(
     init: Option<&[f32]>,
     threads: usize,
 ) -> Vec<u32> {
-    let mut c = init.map_or_else(|| vec![f32::NAN; a.rows * b.cols], <[f32]>::to_vec);
+    let mut c = init.map_or_else(|| vec![f32::NAN; a.rows() * b.cols()], <[f32]>::to_vec);
     strided::with_packing(packing, || {
         driver::gemm_threads(KernelPath::Avx2Fma, a, b, &mut c, init.is_some(), threads)
     })
@@ -428,19 +512,13 @@ fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
         // contiguous (in place possible) or transposed (packed)
         let a_big = values(3 * m * k, 34);
         let a_views = [
-            MatRef::row_major_f32(&av, m, k),
-            MatRef::row_major_f32(&av, k, m).t(),
-            MatRef {
-                values: Operand::F32(&a_big),
-                rows: m,
-                cols: k,
-                row_stride: 3 * k,
-                col_stride: 3,
-            },
+            MatRef::row_major_f32(&av, m, k).unwrap(),
+            MatRef::row_major_f32(&av, k, m).unwrap().t(),
+            MatRef::new(Operand::F32(&a_big), m, k, 3 * k, 3).unwrap(),
         ];
         let b_views = [
-            MatRef::row_major_f32(&bv, k, n),
-            MatRef::row_major_f32(&bv, n, k).t(),
+            MatRef::row_major_f32(&bv, k, n).unwrap(),
+            MatRef::row_major_f32(&bv, n, k).unwrap().t(),
         ];
         for a in a_views {
             for b in b_views {
@@ -452,10 +530,10 @@ fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
                                 want,
                                 bits_packed(packing, (a, b), init, threads),
                                 "{packing:?} {m}x{n}x{k} strides A {}/{} B {}/{} init {} on {threads}",
-                                a.row_stride,
-                                a.col_stride,
-                                b.row_stride,
-                                b.col_stride,
+                                a.row_stride(),
+                                a.col_stride(),
+                                b.row_stride(),
+                                b.col_stride(),
                                 init.is_some()
                             );
                         }
@@ -479,8 +557,8 @@ fn overwriting_c_gives_plus_zero_as_zeroing_and_adding_does() {
         let mut c = vec![f32::NAN; m * n];
         gemm_on(
             path,
-            MatRef::row_major_f32(&a, m, k),
-            MatRef::row_major_f32(&b, k, n),
+            MatRef::row_major_f32(&a, m, k).unwrap(),
+            MatRef::row_major_f32(&b, k, n).unwrap(),
             &mut c,
             false,
         )

@@ -41,8 +41,8 @@ where
     let (x32, w32, b32) = (widen(&x), widen(weight), widen(bias));
     let mut z = vec![0.0f32; rows * O];
     gemm(
-        MatRef::row_major_f32(&x32, rows, I),
-        MatRef::row_major_f32(&w32, O, I).t(),
+        MatRef::row_major_f32(&x32, rows, I).map_err(shape_err)?,
+        MatRef::row_major_f32(&w32, O, I).map_err(shape_err)?.t(),
         &mut z,
         false,
     )
@@ -77,8 +77,8 @@ where
             let x32 = widen(&x);
             let mut dw = vec![0.0f32; O * I];
             gemm(
-                MatRef::row_major_f32(&dz, rows, O).t(),
-                MatRef::row_major_f32(&x32, rows, I),
+                MatRef::row_major_f32(&dz, rows, O).map_err(shape_err)?.t(),
+                MatRef::row_major_f32(&x32, rows, I).map_err(shape_err)?,
                 &mut dw,
                 false,
             )
@@ -86,8 +86,8 @@ where
             accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?), &dw);
             let mut dx = x32;
             gemm(
-                MatRef::row_major_f32(&dz, rows, O),
-                MatRef::row_major_f32(&widen(&w), O, I),
+                MatRef::row_major_f32(&dz, rows, O).map_err(shape_err)?,
+                MatRef::row_major_f32(&widen(&w), O, I).map_err(shape_err)?,
                 &mut dx,
                 false,
             )

@@ -503,8 +503,8 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
     }
     with_scratch(o * i, |dw| {
         gemm(
-            MatRef::row_major(E::operand(dz), rows, o).t(),
-            MatRef::row_major(E::operand(x), rows, i),
+            MatRef::row_major(E::operand(dz), rows, o)?.t(),
+            MatRef::row_major(E::operand(x), rows, i)?,
             dw,
             false,
         )?;
@@ -535,8 +535,8 @@ where
                 let r = xc.len() / I;
                 let acc = &mut acc[..r * O];
                 gemm(
-                    MatRef::row_major(E::operand(xc), r, I),
-                    MatRef::row_major(E::operand(&wv), O, I).t(),
+                    MatRef::row_major(E::operand(xc), r, I)?,
+                    MatRef::row_major(E::operand(&wv), O, I)?.t(),
                     acc,
                     false,
                 )?;
@@ -600,8 +600,8 @@ fn input_grad<E: Precision<Elem = E> + Dtype, const I: usize, const O: usize>(
             let r = dzc.len() / O;
             let dx = &mut dx[..r * I];
             gemm(
-                MatRef::row_major(E::operand(dzc), r, O),
-                MatRef::row_major(E::operand(wv), O, I),
+                MatRef::row_major(E::operand(dzc), r, O)?,
+                MatRef::row_major(E::operand(wv), O, I)?,
                 dx,
                 false,
             )?;
