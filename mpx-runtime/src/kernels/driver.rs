@@ -22,7 +22,7 @@ use super::mat::{MatRef, Operand};
 use super::pack::{PackElem, Src, pack_a, pack_b};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
-use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
+use super::{KernelError, KernelPath, active_path, avx2, avx512, bf16, fp16, pool, portable};
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
@@ -131,6 +131,25 @@ pub(crate) fn gemm_threads<'a>(
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
     }
+    if let (KernelPath::Avx512Bf16, Operand::Bf16(_), Operand::Bf16(_)) =
+        (path, a.values(), b.values())
+    {
+        with_wide(|[wa, wb]| {
+            let a = Src {
+                data: prepared(&a, wa),
+                rs: a.row_stride(),
+                cs: a.col_stride(),
+            };
+            let b = Src {
+                data: prepared(&b, wb),
+                rs: b.row_stride(),
+                cs: b.col_stride(),
+            };
+            // SAFETY: `check` accepted the path: the CPU has AVX-512 F and AVX512-BF16.
+            unsafe { bf16::run((m, n, k), a, b, (c, zero), threads) };
+        });
+        return Ok(());
+    }
     with_wide(|[wa, wb]| {
         let a = Src {
             data: prepared(&a, wa),
@@ -144,7 +163,7 @@ pub(crate) fn gemm_threads<'a>(
         };
         let dims = (m, n, k);
         match path {
-            KernelPath::Avx512Fp16 | KernelPath::Avx512 => {
+            KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16 | KernelPath::Avx512 => {
                 run(&avx512::micro(), dims, a, b, (c, zero), threads);
             }
             KernelPath::Avx2Fma => run_strided(&avx2::tiles(), dims, a, b, (c, zero), threads),
@@ -400,7 +419,7 @@ fn run_strided(
 /// Cuts `C` into the [`Grid`] of `threads` threads (one below [`PAR_MIN_WORK`]) and runs
 /// `task(out, rows, cols)` for each block on the calling thread and helpers of the pool.
 #[allow(clippy::type_complexity)]
-fn split(
+pub(crate) fn split(
     (m, n, kd): (usize, usize, usize),
     (mr, nr): (usize, usize),
     c: &mut [f32],

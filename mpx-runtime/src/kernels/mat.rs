@@ -182,8 +182,8 @@ impl<'a> MatRef<'a> {
         self.col_stride
     }
 
-    /// Elements the view reaches (0 for an empty matrix): `(rows - 1) * row_stride + (cols - 1)
-    /// * col_stride + 1`, or `None` if that does not fit in `usize`.
+    /// Elements the view reaches (0 for an empty matrix): `(rows - 1)·row_stride + (cols -
+    /// 1)·col_stride + 1`, or `None` if that does not fit in `usize`.
     pub(crate) fn needed(&self) -> Option<usize> {
         if self.rows == 0 || self.cols == 0 {
             return Some(0);

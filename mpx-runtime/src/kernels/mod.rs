@@ -75,6 +75,7 @@
 
 mod avx2;
 mod avx512;
+mod bf16;
 mod convert;
 mod driver;
 mod epilogue;
@@ -146,6 +147,23 @@ pub fn fp16_error_bound(k: usize) -> (f64, f64) {
     (
         gamma(FP16_FLUSH.min(k.max(1)), 2f64.powi(-11)) + gamma(runs + 1, 2f64.powi(-24)),
         k as f64 * 2f64.powi(-25),
+    )
+}
+
+/// The error bound of [`KernelPath::Avx512Bf16`] on bf16 operands for inner dimension `k`:
+/// `(relative, absolute)`, meaning `|ĉ - c'| ≤ relative·S' + absolute`, where `c'` and `S'` are
+/// taken over the bf16 operands with subnormal values read as zero (see the [module docs](self)).
+///
+/// # Examples
+/// ```
+/// let (rel, abs) = mpx_runtime::kernels::bf16_error_bound(1024);
+/// assert!(rel > 6.1e-5 && rel < 6.2e-5); // (1024 + 4) · 2^-24
+/// assert_eq!(abs, 2048.0 * 2f64.powi(-126));
+/// ```
+pub fn bf16_error_bound(k: usize) -> (f64, f64) {
+    (
+        gamma(k + k.div_ceil(bf16::KC), 2f64.powi(-24)),
+        2.0 * k as f64 * 2f64.powi(-126),
     )
 }
 

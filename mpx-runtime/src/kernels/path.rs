@@ -19,6 +19,9 @@ use super::KernelError;
 pub enum KernelPath {
     /// AVX-512 F with AVX512-FP16: f16 operands are multiplied and summed in f16.
     Avx512Fp16,
+    /// AVX-512 F, BW and VL with AVX512-BF16: bf16 operands are multiplied in pairs and summed in
+    /// f32 (`vdpbf16ps`); f32 and f16 operands as on [`KernelPath::Avx512`].
+    Avx512Bf16,
     /// AVX-512 F: f32 FMA on 16 lanes.
     Avx512,
     /// AVX2 with FMA: f32 FMA on 8 lanes.
@@ -29,8 +32,9 @@ pub enum KernelPath {
 
 impl KernelPath {
     /// Every path, fastest first.
-    pub const ALL: [KernelPath; 4] = [
+    pub const ALL: [KernelPath; 5] = [
         KernelPath::Avx512Fp16,
+        KernelPath::Avx512Bf16,
         KernelPath::Avx512,
         KernelPath::Avx2Fma,
         KernelPath::Portable,
@@ -51,6 +55,12 @@ impl KernelPath {
                     is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512fp16")
+                }
+                KernelPath::Avx512Bf16 => {
+                    is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bf16")
                 }
                 KernelPath::Avx512 => is_x86_feature_detected!("avx512f"),
                 KernelPath::Avx2Fma => {

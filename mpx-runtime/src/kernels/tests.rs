@@ -42,12 +42,14 @@ fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         vec![f32::NAN; m * n]
     };
     gemm_on(path, a, b, &mut c, accumulate).unwrap();
-    let native = path == KernelPath::Avx512Fp16
-        && matches!((a.values(), b.values()), (Operand::F16(_), Operand::F16(_)));
-    let (rel, abs) = if native {
-        fp16_error_bound(k)
-    } else {
-        (f32_error_bound(k + 1), 0.0)
+    let (rel, abs) = match (path, a.values(), b.values()) {
+        (KernelPath::Avx512Fp16, Operand::F16(_), Operand::F16(_)) => fp16_error_bound(k),
+        // the data holds no subnormals: c' = c, S' = S; + 1 for the accumulated C
+        (KernelPath::Avx512Bf16, Operand::Bf16(_), Operand::Bf16(_)) => {
+            let (rel, abs) = bf16_error_bound(k);
+            (rel + f32_error_bound(1), abs)
+        }
+        _ => (f32_error_bound(k + 1), 0.0),
     };
     for i in 0..m {
         for j in 0..n {
@@ -594,4 +596,330 @@ fn packing_a_k_contiguous_operand_matches_the_definition() {
             }
         }
     }
+}
+
+/// A scalar model of `vdpbf16ps` and of the AVX512-BF16 GEMM built on it, from the instruction's
+/// definition (see [`bf16`](super::bf16)): independent of the kernel's code.
+mod bf16_model {
+    /// `x` with a subnormal value read as zero of the same sign.
+    fn daz(x: f32) -> f32 {
+        if x.is_subnormal() {
+            f32::from_bits(x.to_bits() & 0x8000_0000)
+        } else {
+            x
+        }
+    }
+
+    /// `fma(a, b, c)` rounded to nearest even, a result that is tiny after rounding to 24 bits
+    /// with an unbounded exponent flushed to zero of its sign.
+    fn fma_ftz(a: f32, b: f32, c: f32) -> f32 {
+        let r = a.mul_add(b, c);
+        let zero = f32::from_bits(r.to_bits() & 0x8000_0000);
+        if r.is_subnormal() {
+            return zero;
+        }
+        if r.abs() == f32::MIN_POSITIVE {
+            // the exact sum p + c (p exact in f64: two 8-bit significands) as s + e (TwoSum); at
+            // unbounded exponent it rounds below 2^-126 iff |p + c| < 2^-126 - 2^-151
+            let (p, c) = (f64::from(a) * f64::from(b), f64::from(c));
+            let s = p + c;
+            let bb = s - p;
+            let e = (p - (s - bb)) + (c - bb);
+            let t = f64::from(f32::MIN_POSITIVE) - 2f64.powi(-151);
+            if s.abs() < t || (s.abs() == t && e * s < 0.0) {
+                return zero;
+            }
+        }
+        r
+    }
+
+    fn bf(bits: u32) -> f32 {
+        f32::from_bits(bits << 16)
+    }
+
+    /// One lane of `vdpbf16ps`: `acc` plus the products of the pairs `a` and `b` (low half in
+    /// bits 0..16).
+    pub(super) fn dp(acc: f32, a: u32, b: u32) -> f32 {
+        let (a0, a1, b0, b1) = (bf(a & 0xffff), bf(a >> 16), bf(b & 0xffff), bf(b >> 16));
+        // NaN priority: src1 low, src2 low, src1 high, src2 high, then the accumulator; quieted
+        for x in [a0, b0, a1, b1, acc] {
+            if x.is_nan() {
+                return f32::from_bits(x.to_bits() | 0x0040_0000);
+            }
+        }
+        let t = fma_ftz(daz(a1), daz(b1), daz(acc));
+        let r = fma_ftz(daz(a0), daz(b0), t);
+        if r.is_nan() {
+            f32::from_bits(0xffc0_0000)
+        } else {
+            r
+        }
+    }
+
+    /// `vaddps`'s `c + x` (MXCSR's defaults): a NaN operand is returned quieted, `c` first (Rust's
+    /// `+` leaves the payload unspecified).
+    fn add(c: f32, x: f32) -> f32 {
+        match (c.is_nan(), x.is_nan()) {
+            (true, _) => f32::from_bits(c.to_bits() | 0x0040_0000),
+            (false, true) => f32::from_bits(x.to_bits() | 0x0040_0000),
+            _ => c + x,
+        }
+    }
+
+    /// `c + Σ_q dp(pairs)` as the micro-kernel computes one output: the sum from `+0.0`, then
+    /// one f32 add.
+    pub(super) fn tile_value(c: f32, a: &[u32], b: &[u32]) -> f32 {
+        add(c, a.iter().zip(b).fold(0.0, |acc, (&x, &y)| dp(acc, x, y)))
+    }
+}
+
+/// bf16 bit patterns with every kind of value: normals, subnormals, zeros, infinities, NaNs.
+fn bf16_bits(n: usize, seed: u64) -> Vec<u32> {
+    bf16_bits_with(n, seed, 10)
+}
+
+/// [`bf16_bits`] with one value in `one_in` drawn from the special values (the others: normals
+/// across the range, subnormals, values near the smallest normal and near 1).
+fn bf16_bits_with(n: usize, seed: u64, one_in: u64) -> Vec<u32> {
+    const SPECIAL: [u32; 12] = [
+        0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0x0080, 0x8080, 0x3f80,
+        0x7f7f,
+    ];
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let r = (s >> 16) as u32 & 0xffff;
+            match s % 10 {
+                0 if (s >> 50).is_multiple_of((one_in / 10).max(1)) => {
+                    SPECIAL[(s >> 40) as usize % SPECIAL.len()]
+                }
+                1 => r & 0x807f,            // subnormal or zero
+                2 => (r & 0x80ff) | 0x0080, // near the smallest normal
+                3 => (r & 0x807f) | 0x3f00, // near 1: products that cancel
+                _ => r & 0xbfff,            // finite (exponent below 128)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn vdpbf16ps_matches_its_scalar_model_bit_for_bit() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    let lanes = 16 * 40_000;
+    let a = bf16_bits(2 * lanes, 61);
+    let b = bf16_bits(2 * lanes, 62);
+    // accumulators of every kind: subnormal, zero, the negated first product (exact
+    // cancellation), near the smallest normal, any bits
+    let acc: Vec<f32> = bf16_bits(lanes, 63)
+        .iter()
+        .zip(values(lanes, 64))
+        .enumerate()
+        .map(|(l, (&h, x))| match l % 4 {
+            0 => -(f32::from_bits(a[2 * l] << 16) * f32::from_bits(b[2 * l] << 16)),
+            1 => f32::from_bits(x.to_bits() & 0x807f_ffff),
+            _ => f32::from_bits((h << 16) | (x.to_bits() & 0xffff)),
+        })
+        .collect();
+    let pair = |v: &[u32], l: usize| v[2 * l] | (v[2 * l + 1] << 16);
+    for chunk in 0..lanes / 16 {
+        let l0 = chunk * 16;
+        let acc16: [f32; 16] = acc[l0..l0 + 16].try_into().unwrap();
+        let a16: [u32; 16] = std::array::from_fn(|l| pair(&a, l0 + l));
+        let b16: [u32; 16] = std::array::from_fn(|l| pair(&b, l0 + l));
+        // SAFETY: the CPU has AVX-512 F and AVX512-BF16 (checked above).
+        let got = unsafe { super::bf16::dp_lanes(acc16, a16, b16) };
+        for l in 0..16 {
+            let want = bf16_model::dp(acc16[l], a16[l], b16[l]);
+            assert_eq!(
+                got[l].to_bits(),
+                want.to_bits(),
+                "acc {:#010x} a {:#010x} b {:#010x}: instruction {:#010x}, model {:#010x}",
+                acc16[l].to_bits(),
+                a16[l],
+                b16[l],
+                got[l].to_bits(),
+                want.to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_micro_kernel_matches_the_scalar_model_of_vdpbf16ps_bit_for_bit() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    let (mr, nr) = (super::bf16::MR, super::bf16::NR);
+    let mut lanes = 0;
+    for (round, pairs) in [1usize, 2, 3, 7, 64, 128]
+        .into_iter()
+        .cycle()
+        .take(600)
+        .enumerate()
+    {
+        let seed = round as u64 * 3 + 1;
+        let lo_hi =
+            |v: Vec<u32>| -> Vec<u32> { v.chunks_exact(2).map(|p| p[0] | (p[1] << 16)).collect() };
+        let a = lo_hi(bf16_bits(2 * pairs * mr, seed));
+        let b = lo_hi(bf16_bits(2 * pairs * nr, seed + 1));
+        // C: finite f32 values, subnormals among them, and some infinities / NaNs
+        let c0: Vec<f32> = bf16_bits(mr * nr, seed + 2)
+            .iter()
+            .zip(values(mr * nr, seed + 3))
+            .map(|(&h, x)| f32::from_bits((h << 16) | (x.to_bits() & 0xffff)))
+            .collect();
+        let mut c = c0.clone();
+        // SAFETY: the CPU has AVX-512 F and AVX512-BF16 (checked above); `c` holds MR x NR
+        // values at stride NR, owned here.
+        unsafe { super::bf16::kernel(pairs, &a, &b, c.as_mut_ptr(), nr) };
+        for i in 0..mr {
+            for j in 0..nr {
+                let ai: Vec<u32> = (0..pairs).map(|q| a[q * mr + i]).collect();
+                let bj: Vec<u32> = (0..pairs).map(|q| b[q * nr + j]).collect();
+                let want = bf16_model::tile_value(c0[i * nr + j], &ai, &bj);
+                let got = c[i * nr + j];
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "pairs {pairs} ({i},{j}): kernel {got:e} ({:#010x}), model {want:e} ({:#010x})",
+                    got.to_bits(),
+                    want.to_bits()
+                );
+                lanes += 1;
+            }
+        }
+    }
+    assert!(lanes > 100_000);
+}
+
+/// The AVX512-BF16 GEMM modelled from its definition: operands rounded to bf16 by
+/// `precision::round_to_bf16` (the reference rounding, not the kernels' own), k blocks of 256
+/// summed from `+0.0` by pairs (odd k padded with zeros) and added into `C` one block at a time.
+fn bf16_gemm_model(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumulate: bool) {
+    let round = |m: &MatRef<'_>, i: usize, j: usize| -> u32 {
+        let Operand::Bf16(v) = m.values() else {
+            unreachable!("bf16 operands")
+        };
+        let mut r = [0.0f32];
+        crate::precision::round_to_bf16(&[v[i * m.row_stride() + j * m.col_stride()]], &mut r);
+        r[0].to_bits() >> 16
+    };
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
+    let kc = super::bf16::KC;
+    for i in 0..m {
+        for j in 0..n {
+            let mut cij = if accumulate { c[i * n + j] } else { 0.0 };
+            for pc in (0..k).step_by(kc) {
+                let end = (pc + kc).min(k);
+                let pair = |m: &MatRef<'_>, at: &dyn Fn(usize) -> (usize, usize), p: usize| {
+                    let lo = round(m, at(p).0, at(p).1);
+                    let hi = if p + 1 < end {
+                        round(m, at(p + 1).0, at(p + 1).1)
+                    } else {
+                        0
+                    };
+                    lo | (hi << 16)
+                };
+                let ap: Vec<u32> = (pc..end)
+                    .step_by(2)
+                    .map(|p| pair(a, &|p| (i, p), p))
+                    .collect();
+                let bp: Vec<u32> = (pc..end)
+                    .step_by(2)
+                    .map(|p| pair(b, &|p| (p, j), p))
+                    .collect();
+                cij = bf16_model::tile_value(cij, &ap, &bp);
+            }
+            c[i * n + j] = cij;
+        }
+    }
+}
+
+#[test]
+fn bf16_gemm_matches_the_scalar_model_bit_for_bit_and_f64_within_its_bound() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    // f32 storage: bf16 values with random low halves, ties to even both ways among them,
+    // subnormals, infinities and NaNs
+    let f32s = |n: usize, seed: u64| -> Vec<f32> {
+        bf16_bits_with(n, seed, 2000)
+            .iter()
+            .zip(values(n, seed + 7))
+            .enumerate()
+            .map(|(idx, (&h, x))| {
+                let low = match idx % 5 {
+                    0 => 0x8000, // a tie
+                    1 => 0,      // exact
+                    _ => x.to_bits() & 0xffff,
+                };
+                f32::from_bits((h << 16) | low)
+            })
+            .collect()
+    };
+    let (mut finite_seen, mut tiny_seen) = (0, 0);
+    // (m, n, k): odd k, k past one block, edge tiles, a product split over threads
+    for (m, n, k, threads) in [
+        (8, 32, 2, 1),
+        (9, 33, 5, 1),
+        (37, 70, 300, 1),
+        (16, 40, 513, 3),
+        (150, 300, 100, 2),
+    ] {
+        let (av, bv) = (f32s(m * k, 51), f32s(k * n, 52));
+        let init = values(m * n, 53);
+        let a = MatRef::row_major(Operand::Bf16(&av), m, k).unwrap();
+        let b_store = f32s(k * n, 54);
+        let bt = MatRef::row_major(Operand::Bf16(&b_store), n, k)
+            .unwrap()
+            .t();
+        for b in [MatRef::row_major(Operand::Bf16(&bv), k, n).unwrap(), bt] {
+            for accumulate in [false, true] {
+                let mut want = init.clone();
+                bf16_gemm_model(&a, &b, &mut want, accumulate);
+                let mut got = if accumulate {
+                    init.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                driver::gemm_threads(KernelPath::Avx512Bf16, a, b, &mut got, accumulate, threads)
+                    .unwrap();
+                // every bit, except a NaN's payload: edge tiles add into C with Rust's `+`,
+                // which leaves it unspecified (the micro-kernel test above checks payloads)
+                let bits = |v: &[f32]| {
+                    v.iter()
+                        .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&got), bits(&want), "{m}x{n}x{k} acc {accumulate}");
+                let nan = got.iter().filter(|x| x.is_nan()).count();
+                let tiny = want.iter().filter(|x| x.abs() < 1e-30).count();
+                finite_seen += m * n - nan;
+                tiny_seen += tiny;
+            }
+        }
+    }
+    // the data exercised the finite path, near-underflow results among them
+    assert!(
+        finite_seen > 20_000 && tiny_seen > 0,
+        "{finite_seen} {tiny_seen}"
+    );
+    // on finite data without subnormals, within the stated bound of the f64 product
+    linear_products(KernelPath::Avx512Bf16, "bf16");
+}
+
+#[test]
+fn bf16_bound_is_the_f32_bound_with_a_rounding_per_block() {
+    let (rel, abs) = bf16_error_bound(300);
+    assert_eq!(rel, gamma(302, 2f64.powi(-24)));
+    assert_eq!(abs, 600.0 * 2f64.powi(-126));
+    assert!(rel > f32_error_bound(300));
 }
