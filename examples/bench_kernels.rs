@@ -15,7 +15,8 @@ use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::kernels::{
-    KernelPath, MatRef, Operand, available_threads, gemm_on, peak_fma_flops, with_threads,
+    KernelPath, MatRef, Operand, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
+    with_threads,
 };
 use mpx::precision::f16;
 
@@ -83,7 +84,9 @@ impl Case {
             at,
         }
     }
-    fn run(&mut self, path: KernelPath, dtype: &str) {
+    /// One product on `path`, or on the path chosen for the operands when `None` (what `gemm`
+    /// does for a layer).
+    fn run(&mut self, path: Option<KernelPath>, dtype: &str) {
         let (av, bv) = match dtype {
             "f32" => (Operand::F32(&self.a32), Operand::F32(&self.b32)),
             "bf16" => (Operand::Bf16(&self.a32), Operand::Bf16(&self.b32)),
@@ -103,7 +106,11 @@ impl Case {
         } else {
             MatRef::row_major(bv, self.k, self.n).expect("shape fits")
         };
-        gemm_on(path, a, b, &mut self.c, false).expect("shapes fit");
+        match path {
+            Some(path) => gemm_on(path, a, b, &mut self.c, false),
+            None => gemm(a, b, &mut self.c, false),
+        }
+        .expect("shapes fit");
     }
 }
 
@@ -138,6 +145,7 @@ fn main() {
         let g = f as f64 / t.elapsed().as_secs_f64() / 1e9;
         let ins = match path {
             KernelPath::Avx512Fp16 => "f16 vfmadd231ph zmm",
+            KernelPath::Avx512Bf16 => "bf16 pairs vdpbf16ps zmm (2 multiply-adds per f32 lane)",
             KernelPath::Avx512 => "f32 vfmadd231ps zmm",
             KernelPath::Avx2Fma => "f32 vfmadd231ps ymm",
             KernelPath::Portable => {
@@ -155,17 +163,37 @@ fn main() {
         println!("\nNot supported by this CPU (not measured): {missing:?}");
     }
 
-    // configurations: (path, dtype)
-    let mut configs = vec![];
+    // the calibration's choice among the same-bits paths
+    let cal = calibration();
+    println!(
+        "\nCalibration (first use, one thread, best of 5 rounds of 4 small probe products): chosen {:?}; {}",
+        cal.chosen,
+        cal.nanos
+            .iter()
+            .map(|(p, ns)| format!("{p:?} {:.0} µs", *ns as f64 / 1e3))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    // configurations: (path, dtype, threads); `None`: the default choice (`gemm`)
+    let mut configs: Vec<(Option<KernelPath>, &str, usize)> = vec![];
     for path in KernelPath::supported() {
         for dtype in ["f32", "f16", "bf16"] {
-            configs.push((path, dtype, 1));
+            configs.push((Some(path), dtype, 1));
         }
     }
-    // the best path, all threads
+    // all threads: the default choice, then every f32 FMA candidate it was chosen from, and the
+    // bf16 path
     let all = available_threads();
     for dtype in ["f32", "f16", "bf16"] {
-        configs.push((KernelPath::supported()[0], dtype, all));
+        configs.push((None, dtype, all));
+    }
+    for &(path, _) in &cal.nanos {
+        configs.push((Some(path), "f32", all));
+        configs.push((Some(path), "bf16", all));
+    }
+    if KernelPath::Avx512Bf16.is_supported() {
+        configs.push((Some(KernelPath::Avx512Bf16), "bf16", all));
     }
     // dfdx reference tensors
     let dev = Cpu::default();
@@ -233,28 +261,35 @@ fn main() {
             total * 1e3
         );
     };
-    for (ci, &(path, dtype, t1)) in configs.iter().enumerate() {
-        let peak_of = if path == KernelPath::Avx512Fp16 && dtype != "f16" {
-            peaks.get(&KernelPath::Avx512).copied()
-        } else if path == KernelPath::Portable {
-            None
-        } else {
-            peaks.get(&path).copied()
+    for (ci, &(path, dtype, th)) in configs.iter().enumerate() {
+        let resolved = path.unwrap_or(match dtype {
+            "bf16" if KernelPath::Avx512Bf16.is_supported() => KernelPath::Avx512Bf16,
+            "f16" if KernelPath::Avx512Fp16.is_supported() => KernelPath::Avx512Fp16,
+            _ => cal.chosen,
+        });
+        let peak_of = match (resolved, dtype) {
+            (KernelPath::Portable, _) => None,
+            (KernelPath::Avx512Fp16, "f16") | (KernelPath::Avx512Bf16, "bf16") => {
+                peaks.get(&resolved).copied()
+            }
+            (KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16, _) => {
+                peaks.get(&KernelPath::Avx512).copied()
+            }
+            _ => peaks.get(&resolved).copied(),
         };
-        let how = match (path, dtype) {
+        let how = match (resolved, dtype) {
             (KernelPath::Avx512Fp16, "f16") => "f16 FMA",
+            (KernelPath::Avx512Bf16, "bf16") => "bf16 pairs, vdpbf16ps",
             (_, "f16") => "widened to f32",
             (_, "bf16") => "rounded to bf16, f32 FMA",
             _ => "f32 FMA",
         };
-        let th = t1;
+        let name = match path {
+            Some(p) => format!("mpx {p:?} ({how}), {th} thread(s)"),
+            None => format!("mpx default = {resolved:?} ({how}), {th} thread(s)"),
+        };
         let peak_of = peak_of.map(|p| p * th as f64);
-        row(
-            format!("mpx {path:?} ({how}), {th} thread(s)"),
-            dtype,
-            &times[ci],
-            peak_of,
-        );
+        row(name, dtype, &times[ci], peak_of);
     }
     // the best f32 peak of this CPU
     let peak1 = KernelPath::supported()
@@ -319,17 +354,36 @@ fn small_products() {
             )
         })
         .collect();
-    let path = KernelPath::supported()[0];
+    // columns: (label, path or None for the default choice, dtype)
+    let cal = calibration();
+    let mut cols: Vec<(String, Option<KernelPath>, &str)> =
+        vec![(format!("default f32 ({:?})", cal.chosen), None, "f32")];
+    for &(p, _) in &cal.nanos {
+        cols.push((format!("{p:?} f32"), Some(p), "f32"));
+    }
+    cols.push(("default f16".to_string(), None, "f16"));
+    cols.push((
+        format!("{:?} bf16 (emulated)", cal.chosen),
+        Some(cal.chosen),
+        "bf16",
+    ));
+    if KernelPath::Avx512Bf16.is_supported() {
+        cols.push((
+            "Avx512Bf16 bf16".to_string(),
+            Some(KernelPath::Avx512Bf16),
+            "bf16",
+        ));
+    }
     let (rounds, reps) = (11, 200);
-    // [config][shape] -> seconds per call; configs: mpx f32, mpx f16, mpx bf16, dfdx f32
-    let mut times = vec![vec![vec![]; shapes.len()]; 4];
+    // [column][shape] -> seconds per call; the last column: dfdx f32
+    let mut times = vec![vec![vec![]; shapes.len()]; cols.len() + 1];
     for round in 0..=rounds {
         for (si, case) in cases.iter_mut().enumerate() {
-            for (ci, dtype) in ["f32", "f16", "bf16"].into_iter().enumerate() {
+            for (ci, (_, path, dtype)) in cols.iter().enumerate() {
                 let t = Instant::now();
                 with_threads(1, || {
                     for _ in 0..reps {
-                        case.run(path, dtype);
+                        case.run(*path, dtype);
                     }
                 })
                 .expect("threads >= 1");
@@ -343,33 +397,23 @@ fn small_products() {
                 std::hint::black_box(a.clone().matmul(b.clone()));
             }
             if round > 0 {
-                times[3][si].push(t.elapsed().as_secs_f64() / reps as f64);
+                times[cols.len()][si].push(t.elapsed().as_secs_f64() / reps as f64);
             }
         }
     }
-    println!(
-        "\nSmall products, µs per call ({path:?}; mpx on 1 thread, dfdx on its rayon pool):\n"
-    );
-    println!("| product | m x n x k | mpx f32 | mpx f16 | mpx bf16 | dfdx f32 | mpx f32 GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|");
-    let mut sums = [0.0f64; 4];
+    println!("\nSmall products, µs per call (mpx on 1 thread, dfdx on its rayon pool):\n");
+    let head: Vec<&str> = cols.iter().map(|c| c.0.as_str()).collect();
+    println!("| product | m x n x k | {} | dfdx f32 |", head.join(" | "));
+    println!("|---|---|{}---|", "---|".repeat(cols.len()));
+    let mut sums = vec![0.0f64; cols.len() + 1];
     for (si, &(m, n, k, _, _, name)) in shapes.iter().enumerate() {
-        let med: Vec<f64> = (0..4).map(|ci| median(times[ci][si].clone())).collect();
+        let med: Vec<f64> = (0..=cols.len())
+            .map(|ci| median(times[ci][si].clone()))
+            .collect();
         sums.iter_mut().zip(&med).for_each(|(s, t)| *s += t);
-        println!(
-            "| {name} | {m}x{n}x{k} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
-            med[0] * 1e6,
-            med[1] * 1e6,
-            med[2] * 1e6,
-            med[3] * 1e6,
-            2.0 * (m * n * k) as f64 / med[0] / 1e9
-        );
+        let cells: Vec<String> = med.iter().map(|t| format!("{:.2}", t * 1e6)).collect();
+        println!("| {name} | {m}x{n}x{k} | {} |", cells.join(" | "));
     }
-    println!(
-        "| all | | {:.2} | {:.2} | {:.2} | {:.2} | |",
-        sums[0] * 1e6,
-        sums[1] * 1e6,
-        sums[2] * 1e6,
-        sums[3] * 1e6
-    );
+    let cells: Vec<String> = sums.iter().map(|t| format!("{:.2}", t * 1e6)).collect();
+    println!("| all | | {} |", cells.join(" | "));
 }

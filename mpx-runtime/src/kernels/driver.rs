@@ -20,9 +20,10 @@ use half::slice::HalfFloatSliceExt;
 
 use super::mat::{MatRef, Operand};
 use super::pack::{PackElem, Src, pack_a, pack_b};
+use super::path::{forced_path, path_for};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
-use super::{KernelError, KernelPath, active_path, avx2, avx512, bf16, fp16, pool, portable};
+use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, pool, portable};
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
@@ -43,7 +44,10 @@ pub(crate) struct Micro<T> {
     pub(crate) run: MicroFn<T>,
 }
 
-/// `C = A·B` (or `C += A·B` with `accumulate`) on the [active path](super::active_path). `C` is
+/// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
+/// [`with_path`](super::with_path), else the one chosen for these operands: f16 and bf16
+/// operands on their own instructions where the CPU has them, everything else on
+/// [`detected_path`](super::detected_path). `C` is
 /// row-major `A.rows x B.cols` f32.
 ///
 /// # Errors
@@ -67,7 +71,8 @@ pub fn gemm(
     c: &mut [f32],
     accumulate: bool,
 ) -> Result<(), KernelError> {
-    gemm_on(active_path(), a, b, c, accumulate)
+    let path = forced_path().unwrap_or_else(|| path_for(a.values(), b.values()));
+    gemm_on(path, a, b, c, accumulate)
 }
 
 /// [`gemm`] on an explicit path.

@@ -4,13 +4,16 @@
 //! run time.
 //!
 //! # Paths
-//! A [`KernelPath`] names the instruction set the arithmetic runs on. [`detected_path`] picks the
-//! best one the CPU has (with `is_x86_feature_detected!`, once, cached); [`with_path`] forces one
-//! for the current thread (tests and benchmarks run every path the CPU supports this way).
+//! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, f16 and
+//! bf16 operands run on their own instructions where the CPU has them (AVX512-FP16,
+//! AVX512-BF16), and everything else on [`detected_path`]: the fastest of the paths that compute
+//! the same bits, measured on first use ([`calibration`]). [`with_path`] forces one for the
+//! current thread (tests and benchmarks run every path the CPU supports this way).
 //!
 //! | path | f32 operands | f16 operands | bf16 operands (f32 storage) |
 //! |---|---|---|---|
 //! | [`KernelPath::Avx512Fp16`] | f32 FMA, AVX-512 | **f16 FMA** (`vfmadd231ph`), sums moved to f32 every [`FP16_FLUSH`] products | rounded to bf16 while packing, f32 FMA, AVX-512 |
+//! | [`KernelPath::Avx512Bf16`] | f32 FMA, AVX-512 | widened to f32, f32 FMA | **bf16 pair dot products** (`vdpbf16ps`), f32 sums (see `bf16.rs`) |
 //! | [`KernelPath::Avx512`] | f32 FMA, AVX-512 | widened to f32 while packing, f32 FMA | as f32, after rounding |
 //! | [`KernelPath::Avx2Fma`] | f32 FMA, AVX2 | widened, f32 FMA | as f32, after rounding |
 //! | [`KernelPath::Portable`] | plain Rust | widened, plain Rust | as f32, after rounding |
@@ -40,8 +43,16 @@
 //!   larger. Typical errors are far below both (random-sign terms cancel their roundings). A partial sum past 65504 overflows to infinity, as any f16
 //!   sum would; the mixed step's loss scaling treats it as any other overflow.
 //!
-//! [`fp16_error_bound`] and [`f32_error_bound`] compute these bounds; the tests check every path
-//! against an f64 reference with them.
+//! - [`KernelPath::Avx512Bf16`] on bf16 operands: the products are exact as above, but subnormal
+//!   bf16 inputs are read as zero and tiny results flushed to zero, and each k block of 256 is
+//!   summed from zero and then added to `C`. Against the exact sum `c'` over the operands with
+//!   subnormals read as zero (and `S'` likewise), with `R = ceil(K / 256)`:
+//!   `|ĉ - c'| ≤ γ(K + R, u32)·S' + 2K·2^-126`. It differs from the f32 FMA paths on the same
+//!   operands only in the order inside each pair of k (the odd one is added first) and in the
+//!   flushing.
+//!
+//! [`fp16_error_bound`], [`bf16_error_bound`] and [`f32_error_bound`] compute these bounds; the
+//! tests check every path against an f64 reference with them.
 //!
 //! # Safety
 //! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
@@ -99,7 +110,7 @@ pub use epilogue::{
 };
 pub use error::KernelError;
 pub use mat::{MatRef, Operand};
-pub use path::{KernelPath, active_path, detected_path, with_path};
+pub use path::{Calibration, KernelPath, active_path, calibration, detected_path, with_path};
 pub use peak::peak_fma_flops;
 pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 

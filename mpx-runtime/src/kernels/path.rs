@@ -1,9 +1,25 @@
-//! [`KernelPath`]: which instructions the kernels use, detected once and overridable per thread.
+//! [`KernelPath`]: which instructions the kernels use, chosen once per process (by measurement
+//! where the candidates compute the same bits) and overridable per thread.
+//!
+//! # How the path is chosen
+//! The widest vectors are not always the fastest: on Zen 4 a 512-bit f32 FMA runs as two 256-bit
+//! halves, and the 6 x 16 AVX2 kernel, which reads small and thin operands in place, beats the
+//! 8 x 32 AVX-512 one (measured from outside: 1.05x on an MLP's products, 2.7x on an `n = 10`
+//! product, 1.39x on small ones). So on first use a short [calibration](calibration) times a few
+//! small products (one thread, about a millisecond in all) on each candidate and keeps the
+//! fastest, cached for the process.
+//!
+//! Only paths that compute **the same bits** compete: [`KernelPath::Avx512`] and
+//! [`KernelPath::Avx2Fma`] run the same FMA chain per output in the same order (the tests check
+//! it bit for bit), so the choice changes speed, never results. Paths with other arithmetic are
+//! chosen by operand type, not by timing: f16 operands take [`KernelPath::Avx512Fp16`] and bf16
+//! operands [`KernelPath::Avx512Bf16`] where the CPU has them; the portable loop only where
+//! neither FMA path runs.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use super::KernelError;
+use super::{KernelError, MatRef, Operand};
 
 /// The instruction set a kernel runs on. See the [module docs](super) for what each does with
 /// f32, f16 and bf16 operands.
@@ -90,7 +106,99 @@ impl KernelPath {
     }
 }
 
-/// The best path this CPU supports, detected on the first call and cached.
+/// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
+/// compute the same bits), the time each took on the probe products, and the one chosen.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::kernels::{calibration, detected_path};
+/// let c = calibration();
+/// assert_eq!(c.chosen, detected_path());
+/// assert!(c.nanos.iter().any(|&(p, _)| p == c.chosen));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Calibration {
+    /// The fastest candidate: the path f32 operands (and f16 / bf16 operands without their own
+    /// instructions) run on.
+    pub chosen: KernelPath,
+    /// Each candidate with its time on the probe products (nanoseconds, the best of a few
+    /// interleaved rounds, summed over the probes); 0 when there was a single candidate and
+    /// nothing was timed.
+    pub nanos: Vec<(KernelPath, u64)>,
+}
+
+/// Probe products of the calibration, `(m, n, k, B stored transposed)`: a Linear layer's forward
+/// at a small batch, a thin product (`n = 10`), a small weight gradient, a mid-sized square one.
+const PROBES: [(usize, usize, usize, bool); 4] = [
+    (32, 128, 64, true),
+    (64, 10, 256, true),
+    (128, 64, 32, false),
+    (192, 192, 192, false),
+];
+
+/// Rounds of the calibration; each candidate's best round counts.
+const ROUNDS: usize = 5;
+
+/// The calibration of this process, run on the first call and cached (see the
+/// [module docs](self)).
+pub fn calibration() -> &'static Calibration {
+    static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
+    CALIBRATION.get_or_init(calibrate)
+}
+
+/// Times each same-bits candidate on [`PROBES`] (one thread) and picks the fastest.
+fn calibrate() -> Calibration {
+    let candidates: Vec<KernelPath> = [KernelPath::Avx2Fma, KernelPath::Avx512]
+        .into_iter()
+        .filter(|p| p.is_supported())
+        .collect();
+    if candidates.len() < 2 {
+        let chosen = candidates.first().copied().unwrap_or(KernelPath::Portable);
+        return Calibration {
+            chosen,
+            nanos: vec![(chosen, 0)],
+        };
+    }
+    let size = PROBES
+        .iter()
+        .map(|&(m, n, k, _)| m.max(n) * k)
+        .max()
+        .unwrap_or(0);
+    let data: Vec<f32> = (0..size)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 512.0)
+        .collect();
+    let mut c = vec![0.0f32; PROBES.iter().map(|&(m, n, ..)| m * n).max().unwrap_or(0)];
+    let mut best = vec![u64::MAX; candidates.len()];
+    for _ in 0..ROUNDS {
+        for (slot, &path) in best.iter_mut().zip(&candidates) {
+            let start = std::time::Instant::now();
+            for &(m, n, k, bt) in &PROBES {
+                let (Ok(a), Ok(b)) = (
+                    MatRef::row_major_f32(&data[..m * k], m, k),
+                    if bt {
+                        MatRef::row_major_f32(&data[..n * k], n, k).map(MatRef::t)
+                    } else {
+                        MatRef::row_major_f32(&data[..k * n], k, n)
+                    },
+                ) else {
+                    continue;
+                };
+                let _ = super::driver::gemm_threads(path, a, b, &mut c[..m * n], false, 1);
+            }
+            let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            *slot = (*slot).min(ns);
+        }
+    }
+    let nanos: Vec<(KernelPath, u64)> = candidates.into_iter().zip(best).collect();
+    let chosen = nanos
+        .iter()
+        .min_by_key(|&&(_, ns)| ns)
+        .map_or(KernelPath::Portable, |&(p, _)| p);
+    Calibration { chosen, nanos }
+}
+
+/// The path f32 operands run on when none is forced: the fastest of the paths that compute the
+/// same bits, measured on first use ([`calibration`]).
 ///
 /// # Examples
 /// ```
@@ -98,16 +206,42 @@ impl KernelPath {
 /// assert!(detected_path().is_supported());
 /// ```
 pub fn detected_path() -> KernelPath {
-    static DETECTED: OnceLock<KernelPath> = OnceLock::new();
-    *DETECTED.get_or_init(|| KernelPath::supported()[0])
+    calibration().chosen
+}
+
+/// The path a product of `a` and `b` runs on when none is forced: f16 operands on
+/// [`KernelPath::Avx512Fp16`] and bf16 operands on [`KernelPath::Avx512Bf16`] where the CPU has
+/// them, everything else on [`detected_path`].
+pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>) -> KernelPath {
+    static FP16: OnceLock<bool> = OnceLock::new();
+    static BF16: OnceLock<bool> = OnceLock::new();
+    match (a, b) {
+        (Operand::F16(_), Operand::F16(_))
+            if *FP16.get_or_init(|| KernelPath::Avx512Fp16.is_supported()) =>
+        {
+            KernelPath::Avx512Fp16
+        }
+        (Operand::Bf16(_), Operand::Bf16(_))
+            if *BF16.get_or_init(|| KernelPath::Avx512Bf16.is_supported()) =>
+        {
+            KernelPath::Avx512Bf16
+        }
+        _ => detected_path(),
+    }
 }
 
 thread_local! {
     static FORCED: Cell<Option<KernelPath>> = const { Cell::new(None) };
 }
 
-/// The path kernels called on this thread use: the one forced by [`with_path`], else
-/// [`detected_path`].
+/// The path forced on this thread by [`with_path`], if any.
+pub(crate) fn forced_path() -> Option<KernelPath> {
+    FORCED.with(Cell::get)
+}
+
+/// The path f32 products called on this thread use: the one forced by [`with_path`], else
+/// [`detected_path`] (f16 and bf16 operands with their own instructions take those when none is
+/// forced, see the [module docs](self)).
 ///
 /// # Examples
 /// ```
@@ -115,7 +249,7 @@ thread_local! {
 /// with_path(KernelPath::Portable, || assert_eq!(active_path(), KernelPath::Portable)).unwrap();
 /// ```
 pub fn active_path() -> KernelPath {
-    FORCED.with(Cell::get).unwrap_or_else(detected_path)
+    forced_path().unwrap_or_else(detected_path)
 }
 
 /// Runs `f` with every kernel on this thread forced to `path` (layers included), then restores

@@ -923,3 +923,85 @@ fn bf16_bound_is_the_f32_bound_with_a_rounding_per_block() {
     assert_eq!(abs, 600.0 * 2f64.powi(-126));
     assert!(rel > f32_error_bound(300));
 }
+
+/// The calibration may pick either FMA path: they must give the same bits on every operand type,
+/// layout, accumulation and thread count, or the choice would change results.
+#[test]
+fn the_calibrated_candidates_compute_the_same_bits() {
+    let candidates: Vec<KernelPath> = [KernelPath::Avx2Fma, KernelPath::Avx512]
+        .into_iter()
+        .filter(|p| p.is_supported())
+        .collect();
+    if candidates.len() < 2 {
+        println!("skipped: a single FMA path on this CPU ({candidates:?}), nothing to choose");
+        return;
+    }
+    for (m, n, k) in [
+        (37, 70, 300),
+        (32, 10, 128),
+        (6, 16, 1),
+        (130, 33, 600),
+        (150, 300, 100),
+    ] {
+        let (a, b) = (values(m * k, 71), values(k * n, 72));
+        let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let (ah, bh) = (h(&a), h(&b));
+        for (ao, bo) in [
+            (Operand::F32(&a), Operand::F32(&b)),
+            (Operand::F16(&ah), Operand::F16(&bh)),
+            (Operand::Bf16(&a), Operand::Bf16(&b)),
+        ] {
+            let am = MatRef::row_major(ao, m, k).unwrap();
+            for bm in [
+                MatRef::row_major(bo, k, n).unwrap(),
+                MatRef::row_major(bo, n, k).unwrap().t(),
+            ] {
+                for threads in [1, 3] {
+                    let bits: Vec<Vec<u32>> = candidates
+                        .iter()
+                        .map(|&p| bits_on(p, am, bm, threads))
+                        .collect();
+                    assert_eq!(bits[0], bits[1], "{m}x{n}x{k} on {threads}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
+    let c = calibration();
+    assert!(c.chosen.is_supported());
+    assert_eq!(detected_path(), c.chosen);
+    let best = c.nanos.iter().min_by_key(|&&(_, ns)| ns).unwrap();
+    assert_eq!(best.0, c.chosen, "{c:?}");
+    assert!(c.nanos.iter().all(|&(p, _)| matches!(
+        p,
+        KernelPath::Avx2Fma | KernelPath::Avx512 | KernelPath::Portable
+    )));
+    // gemm with no forced path: f32 on the chosen path, bf16 on its own where the CPU has it
+    let (m, n, k) = (20, 40, 50);
+    let (a, b) = (values(m * k, 81), values(k * n, 82));
+    for (ao, bo, want) in [
+        (Operand::F32(&a), Operand::F32(&b), c.chosen),
+        (
+            Operand::Bf16(&a),
+            Operand::Bf16(&b),
+            if KernelPath::Avx512Bf16.is_supported() {
+                KernelPath::Avx512Bf16
+            } else {
+                c.chosen
+            },
+        ),
+    ] {
+        let (am, bm) = (
+            MatRef::row_major(ao, m, k).unwrap(),
+            MatRef::row_major(bo, k, n).unwrap(),
+        );
+        let mut got = vec![0.0f32; m * n];
+        gemm(am, bm, &mut got, false).unwrap();
+        let mut expect = vec![0.0f32; m * n];
+        gemm_on(want, am, bm, &mut expect, false).unwrap();
+        assert_eq!(got, expect, "{want:?}");
+    }
+}
