@@ -310,6 +310,7 @@ fn main() {
         peak1,
     );
     small_products();
+    pool_against_scope(&mut cases);
     println!(
         "\n% of path peak: against the path's per-thread FMA peak above times the threads used (f16 operands on Avx512Fp16: the f16 FMA peak; dfdx: the best f32 SIMD peak). The portable loop is no true peak (it is not vectorised), so the portable rows show none."
     );
@@ -416,4 +417,46 @@ fn small_products() {
     }
     let cells: Vec<String> = sums.iter().map(|t| format!("{:.2}", t * 1e6)).collect();
     println!("| all | | {} |", cells.join(" | "));
+}
+
+/// The 9 products on all threads, split by the persistent pool or by `std::thread::scope`
+/// (interleaved rounds, medians): which one the GEMM should keep.
+fn pool_against_scope(cases: &mut [Case]) {
+    let all = available_threads();
+    let (rounds, reps) = (21, 3);
+    let mut times = [vec![], vec![]];
+    for round in 0..=rounds {
+        for (ki, scoped) in [false, true].into_iter().enumerate() {
+            mpx::kernels::use_scoped_threads(scoped);
+            let t = Instant::now();
+            for _ in 0..reps {
+                for case in cases.iter_mut() {
+                    with_threads(all, || case.run(None, "f32")).expect("threads >= 1");
+                }
+            }
+            if round > 0 {
+                times[ki].push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+        }
+    }
+    mpx::kernels::use_scoped_threads(false);
+    let [pool, scope] = times.map(|v| {
+        let mut v = v;
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 4], v[v.len() / 2], v[3 * v.len() / 4])
+    });
+    println!(
+        "\nHelper threads on the 9 products (f32, default path, {all} threads), ms per step, median (quartiles) of {rounds} interleaved rounds:\n"
+    );
+    println!("| threads | median ms | quartiles ms |");
+    println!("|---|---|---|");
+    for (name, (q1, q2, q3)) in [("persistent pool", pool), ("std::thread::scope", scope)] {
+        println!(
+            "| {name} | {:.2} | {:.2}-{:.2} |",
+            q2 * 1e3,
+            q1 * 1e3,
+            q3 * 1e3
+        );
+    }
+    println!("| scope / pool | {:.3} | |", scope.1 / pool.1);
 }

@@ -7,6 +7,11 @@
 pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
 pub use mpx_runtime::*;
 
+/// The benchmark hooks ([`mpx_runtime::__bench`]) under their former path, for the examples and
+/// tests that still import `mpx::kernels` (`examples/bench_step.rs`). Not a public API.
+#[doc(hidden)]
+pub use mpx_runtime::__bench as kernels;
+
 #[doc(hidden)]
 /// Paths used by macro-generated code. Not a public API.
 pub mod __private {

@@ -210,12 +210,13 @@ pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc
     }
     for (i, row) in acc.iter().enumerate() {
         for (h, v) in row.iter().enumerate() {
-            // SAFETY: `i < MR`, `h * 16 + 16 <= NR`: inside the tile the caller guarantees.
-            let dst = unsafe { c.add(i * ldc + h * 16) };
+            // `i < MR`, `h * 16 + 16 <= NR`: inside the tile the caller lends us
+            let dst = c.wrapping_add(i * ldc + h * 16);
             // SAFETY: 16 values of the tile at `dst`, ours for the call.
             let old = unsafe { _mm512_loadu_ps(dst) };
+            let sum = _mm512_add_ps(old, *v);
             // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(dst, _mm512_add_ps(old, *v)) };
+            unsafe { _mm512_storeu_ps(dst, sum) };
         }
     }
 }

@@ -53,18 +53,6 @@ pub(crate) struct Micro<T> {
 /// # Errors
 /// [`KernelError::InnerMismatch`], [`KernelError::OperandTooShort`] or
 /// [`KernelError::OutputLength`] when the shapes do not fit.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, MatRef};
-/// use mpx_runtime::precision::f16;
-/// let w = [f16::from_f32(1.0), f16::from_f32(2.0)]; // W: 1x2
-/// let x = [f16::from_f32(3.0), f16::from_f32(4.0)]; // X: 1x2
-/// let mut c = [0.0f32];
-/// // X · Wᵀ
-/// gemm(MatRef::row_major_f16(&x, 1, 2).unwrap(), MatRef::row_major_f16(&w, 1, 2).unwrap().t(), &mut c, false).unwrap();
-/// assert_eq!(c, [11.0]);
-/// ```
 pub fn gemm(
     a: MatRef<'_>,
     b: MatRef<'_>,
@@ -79,15 +67,6 @@ pub fn gemm(
 ///
 /// # Errors
 /// As [`gemm`], and [`KernelError::Unsupported`] if this CPU lacks the path.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm_on, KernelPath, MatRef};
-/// let mut c = [1.0f32];
-/// let a = MatRef::row_major_f32(&[2.0], 1, 1).unwrap();
-/// gemm_on(KernelPath::Portable, a, a, &mut c, true).unwrap();
-/// assert_eq!(c, [5.0]);
-/// ```
 pub fn gemm_on<'a>(
     path: KernelPath,
     a: MatRef<'a>,
@@ -265,15 +244,6 @@ impl Drop for CountTime {
 /// Total wall-clock nanoseconds spent inside [`gemm`] / [`gemm_on`] calls so far, summed over
 /// calling threads: the difference across a training step is that step's matmul time (for
 /// profiling; costs two clock reads per call).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, gemm_nanos, MatRef};
-/// let before = gemm_nanos();
-/// let mut c = [0.0f32];
-/// gemm(MatRef::row_major_f32(&[1.0], 1, 1).unwrap(), MatRef::row_major_f32(&[1.0], 1, 1).unwrap(), &mut c, false).unwrap();
-/// assert!(gemm_nanos() > before);
-/// ```
 pub fn gemm_nanos() -> u64 {
     GEMM_NANOS.load(Ordering::Relaxed)
 }
@@ -374,8 +344,8 @@ impl Out {
     /// Pointer to element `(r, col)` of a full `mr x nr` tile, checked to lie inside `C`.
     pub(crate) fn tile(&self, r: usize, col: usize, mr: usize, nr: usize) -> *mut f32 {
         assert!(r + mr <= self.rows && col + nr <= self.ld);
-        // SAFETY: `r * ld + col < rows * ld`, inside the borrowed slice (asserted above).
-        unsafe { self.ptr.add(r * self.ld + col) }
+        // `r * ld + col < rows * ld`: inside the borrowed slice (asserted above)
+        self.ptr.wrapping_add(r * self.ld + col)
     }
 
     /// Columns `col..col + len` of row `r`.
@@ -386,8 +356,9 @@ impl Out {
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn segment(&self, r: usize, col: usize, len: usize) -> &mut [f32] {
         assert!(r < self.rows && col + len <= self.ld);
+        let start = self.ptr.wrapping_add(r * self.ld + col);
         // SAFETY: in bounds (asserted above); exclusive by the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ld + col), len) }
+        unsafe { std::slice::from_raw_parts_mut(start, len) }
     }
 }
 

@@ -3,16 +3,6 @@
 use super::KernelPath;
 
 /// A kernel call with operands that do not fit together, or a path the CPU lacks.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, KernelError, MatRef};
-/// let a = [0.0f32; 6];
-/// let mut c = [0.0f32; 4];
-/// let m = MatRef::row_major_f32(&a, 2, 3).unwrap();
-/// let e = gemm(m, m, &mut c, false);
-/// assert!(matches!(e, Err(KernelError::InnerMismatch { .. })));
-/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
     /// The inner dimensions of `A` (m x k) and `B` (k x n) differ.

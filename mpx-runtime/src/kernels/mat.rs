@@ -9,17 +9,6 @@ use half::f16;
 use super::KernelError;
 
 /// The values of an operand and how the kernel reads them.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, MatRef, Operand};
-/// // 1 + 2^-9 is not a bf16 value: as Bf16 it is read as 1.0
-/// let a = [1.0f32 + 1.0 / 512.0];
-/// let mut c = [0.0f32];
-/// let one = MatRef::row_major_f32(&[1.0], 1, 1).unwrap();
-/// gemm(MatRef::row_major(Operand::Bf16(&a), 1, 1).unwrap(), one, &mut c, false).unwrap();
-/// assert_eq!(c, [1.0]);
-/// ```
 #[derive(Debug, Clone, Copy)]
 pub enum Operand<'a> {
     /// f32 values.
@@ -41,17 +30,6 @@ impl Operand<'_> {
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{MatRef, Operand};
-/// let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-/// // every other column of a 2x6 matrix, as a 2x3 view
-/// let m = MatRef::new(Operand::F32(&v), 2, 3, 3, 1).unwrap();
-/// assert_eq!(m.t().rows(), 3);
-/// // a view reaching past its slice is refused
-/// assert!(MatRef::new(Operand::F32(&v), 3, 3, 3, 1).is_err());
-/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
     values: Operand<'a>,
@@ -67,14 +45,6 @@ impl<'a> MatRef<'a> {
     /// # Errors
     /// [`KernelError::OperandTooShort`] if the last element the view reaches lies past the
     /// slice, [`KernelError::OperandOverflow`] if its offset does not even fit in `usize`.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::{KernelError, MatRef, Operand};
-    /// let v = [0.0f32; 4];
-    /// let e = MatRef::new(Operand::F32(&v), 3, 1, 1 << 63, 1).unwrap_err();
-    /// assert!(matches!(e, KernelError::OperandOverflow { .. }));
-    /// ```
     pub fn new(
         values: Operand<'a>,
         rows: usize,
@@ -97,15 +67,6 @@ impl<'a> MatRef<'a> {
     ///
     /// # Errors
     /// As [`MatRef::new`]: the slice must hold `rows x cols` values.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::{MatRef, Operand};
-    /// let v = [1.0f32; 6];
-    /// let m = MatRef::row_major(Operand::Bf16(&v), 2, 3).unwrap();
-    /// assert_eq!((m.rows(), m.cols()), (2, 3));
-    /// assert!(MatRef::row_major(Operand::Bf16(&v), 1 << 63, 2).is_err());
-    /// ```
     pub fn row_major(values: Operand<'a>, rows: usize, cols: usize) -> Result<Self, KernelError> {
         Self::new(values, rows, cols, cols, 1)
     }
@@ -114,12 +75,6 @@ impl<'a> MatRef<'a> {
     ///
     /// # Errors
     /// As [`MatRef::row_major`].
-    ///
-    /// # Examples
-    /// ```
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f32(&[0.0; 6], 3, 2).unwrap();
-    /// assert_eq!(m.t().rows(), 2);
-    /// ```
     pub fn row_major_f32(values: &'a [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
         Self::row_major(Operand::F32(values), rows, cols)
     }
@@ -128,24 +83,11 @@ impl<'a> MatRef<'a> {
     ///
     /// # Errors
     /// As [`MatRef::row_major`].
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::precision::f16;
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f16(&[f16::ONE; 4], 2, 2).unwrap();
-    /// assert_eq!(m.cols(), 2);
-    /// ```
     pub fn row_major_f16(values: &'a [f16], rows: usize, cols: usize) -> Result<Self, KernelError> {
         Self::row_major(Operand::F16(values), rows, cols)
     }
 
     /// The transpose: the same values, rows and columns swapped (valid, as `self` is).
-    ///
-    /// # Examples
-    /// ```
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f32(&[0.0; 6], 2, 3).unwrap().t();
-    /// assert_eq!((m.rows(), m.cols()), (3, 2));
-    /// ```
     #[must_use]
     pub fn t(self) -> Self {
         Self {

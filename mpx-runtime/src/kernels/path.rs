@@ -23,14 +23,6 @@ use super::{KernelError, MatRef, Operand};
 
 /// The instruction set a kernel runs on. See the [module docs](super) for what each does with
 /// f32, f16 and bf16 operands.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::KernelPath;
-/// for path in KernelPath::ALL {
-///     println!("{path:?}: {}", if path.is_supported() { "supported" } else { "not on this CPU" });
-/// }
-/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
     /// AVX-512 F with AVX512-FP16: f16 operands are multiplied and summed in f16.
@@ -57,12 +49,6 @@ impl KernelPath {
     ];
 
     /// Whether this CPU has the instructions of the path.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::KernelPath;
-    /// assert!(KernelPath::Portable.is_supported());
-    /// ```
     pub fn is_supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
@@ -92,12 +78,6 @@ impl KernelPath {
     }
 
     /// The paths this CPU supports, fastest first.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::KernelPath;
-    /// assert_eq!(KernelPath::supported().last(), Some(&KernelPath::Portable));
-    /// ```
     pub fn supported() -> Vec<KernelPath> {
         KernelPath::ALL
             .into_iter()
@@ -108,14 +88,6 @@ impl KernelPath {
 
 /// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
 /// compute the same bits), the time each took on the probe products, and the one chosen.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{calibration, detected_path};
-/// let c = calibration();
-/// assert_eq!(c.chosen, detected_path());
-/// assert!(c.nanos.iter().any(|&(p, _)| p == c.chosen));
-/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Calibration {
     /// The fastest candidate: the path f32 operands (and f16 / bf16 operands without their own
@@ -199,13 +171,7 @@ fn calibrate() -> Calibration {
 
 /// The path f32 operands run on when none is forced: the fastest of the paths that compute the
 /// same bits, measured on first use ([`calibration`]).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::detected_path;
-/// assert!(detected_path().is_supported());
-/// ```
-pub fn detected_path() -> KernelPath {
+pub(crate) fn detected_path() -> KernelPath {
     calibration().chosen
 }
 
@@ -242,12 +208,6 @@ pub(crate) fn forced_path() -> Option<KernelPath> {
 /// The path f32 products called on this thread use: the one forced by [`with_path`], else
 /// [`detected_path`] (f16 and bf16 operands with their own instructions take those when none is
 /// forced, see the [module docs](self)).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{KernelPath, active_path, with_path};
-/// with_path(KernelPath::Portable, || assert_eq!(active_path(), KernelPath::Portable)).unwrap();
-/// ```
 pub fn active_path() -> KernelPath {
     forced_path().unwrap_or_else(detected_path)
 }
@@ -257,14 +217,6 @@ pub fn active_path() -> KernelPath {
 ///
 /// # Errors
 /// [`KernelError::Unsupported`] if this CPU lacks the path's instructions; `f` does not run.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{KernelPath, with_path};
-/// for path in KernelPath::supported() {
-///     with_path(path, || { /* run a layer or a GEMM */ }).unwrap();
-/// }
-/// ```
 pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, KernelError> {
     struct Restore(Option<KernelPath>);
     impl Drop for Restore {

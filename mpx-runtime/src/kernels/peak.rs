@@ -13,13 +13,6 @@ const CHAINS: usize = 12;
 ///
 /// # Errors
 /// [`KernelError::Unsupported`] if this CPU lacks the path.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{peak_fma_flops, KernelPath};
-/// let flops = peak_fma_flops(KernelPath::Portable, 10).unwrap();
-/// assert_eq!(flops, 10 * 12 * 8 * 2);
-/// ```
 pub fn peak_fma_flops(path: KernelPath, iters: usize) -> Result<u64, KernelError> {
     if !path.is_supported() {
         return Err(KernelError::Unsupported {

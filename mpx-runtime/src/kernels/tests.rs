@@ -2,6 +2,7 @@
 
 use half::f16;
 
+use super::path::detected_path;
 use super::strided::Packing;
 use super::*;
 

@@ -15,9 +15,10 @@
 //! either way, and [`IntoMpx`] converts the `Linear` layers of a whole model.
 //!
 //! Element types: `f32`, `f16` and `AMP<f16>` (f16 storage; sums in f32 on every path but
-//! [`KernelPath::Avx512Fp16`](crate::kernels::KernelPath), which sums up to 32 products in f16:
-//! see the kernels' error bounds). Emulated bf16 stores f32, so it runs the f32 kernels on the
-//! values the mixed step rounded.
+//! the AVX512-FP16 kernel path, which sums up to 32 products in f16:
+//! see the kernels' error bounds). Emulated bf16 stores f32: its products run on bf16 pair dot
+//! products (AVX512-BF16) where the CPU has them, else on the f32 kernels, on the values rounded
+//! to bf16.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -31,9 +32,10 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, Ten
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
+pub use crate::kernels::{Activation, KernelError};
 use crate::kernels::{
-    Activation, Dst, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
-    relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
+    Dst, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
+    relu_mask_bias_grad_f32,
 };
 use crate::precision::{AMP, FloatBits, Precision, f16};
 
@@ -41,7 +43,7 @@ use crate::precision::{AMP, FloatBits, Precision, f16};
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::kernels::Activation;
+/// use mpx_runtime::nn::Activation;
 /// use mpx_runtime::nn::{act, FusedActivation};
 /// assert_eq!(<act::ReLU as FusedActivation>::ACT, Activation::ReLU);
 /// ```
@@ -59,7 +61,7 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::Identity::ACT, mpx_runtime::kernels::Activation::Identity);
+    /// assert_eq!(act::Identity::ACT, mpx_runtime::nn::Activation::Identity);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct Identity;
@@ -72,7 +74,7 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::ReLU::ACT, mpx_runtime::kernels::Activation::ReLU);
+    /// assert_eq!(act::ReLU::ACT, mpx_runtime::nn::Activation::ReLU);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct ReLU;

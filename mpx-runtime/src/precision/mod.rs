@@ -47,7 +47,7 @@ pub use half::{bf16, f16};
 pub(crate) use slices::sized;
 pub use slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16};
 
-use crate::kernels::Operand;
+pub use crate::kernels::Operand;
 use crate::policy::DType;
 
 mod sealed {
