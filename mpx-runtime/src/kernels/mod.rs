@@ -103,6 +103,7 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
+mod scratch;
 mod strided;
 mod threads;
 mod transpose;
@@ -118,6 +119,7 @@ pub use error::KernelError;
 pub use mat::{MatRef, Operand};
 pub use path::{Calibration, KernelPath, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
+pub(crate) use scratch::with_scratch;
 pub use threads::{available_threads, max_threads, with_threads};
 
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path
@@ -129,6 +131,12 @@ pub mod bench {
         bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,
         max_threads, peak_fma_flops, use_scoped_threads, with_path, with_threads,
     };
+
+    /// [`with_scratch`](super::with_scratch) for the benchmark of allocation per call against
+    /// kept scratch.
+    pub fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        super::with_scratch(n, f)
+    }
 }
 
 /// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`): for

@@ -415,29 +415,11 @@ fn shape_err(_: KernelError) -> CpuError {
     CpuError::WrongNumElements
 }
 
-/// Largest f32 scratch (values) a thread keeps between calls: 1 MiB.
-const SCRATCH_KEEP: usize = 1 << 18;
-
-/// Runs `f` on `n` f32 values of this thread's reusable scratch (their contents are whatever
-/// the last use left: `f` must overwrite them, as the GEMMs below do with `accumulate = false`).
-/// A fresh buffer is used when the scratch is busy (re-entered) or `n` is above
-/// [`SCRATCH_KEEP`], so that a thread never holds more than that between calls.
+/// Runs `f` on `n` f32 values of this thread's reusable scratch, kept across calls and grown
+/// only ([`kernels::with_scratch`](crate::kernels::with_scratch)): `f` must overwrite them, as
+/// the GEMMs below do with `accumulate = false`.
 fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    if n > SCRATCH_KEEP {
-        return f(&mut vec![0.0; n]);
-    }
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < n {
-                buf.resize(n, 0.0);
-            }
-            f(&mut buf[..n])
-        }
-        Err(_) => f(&mut vec![0.0; n]),
-    })
+    crate::kernels::with_scratch(n, f)
 }
 
 fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Vec<E> {
