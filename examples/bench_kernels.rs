@@ -172,14 +172,18 @@ fn main() {
 
     // the calibration's choice among the same-bits paths
     let cal = calibration();
-    println!(
-        "\nCalibration (first use, one thread, best of 5 rounds of 4 small probe products): chosen {:?}; {}",
-        cal.chosen,
-        cal.nanos
-            .iter()
+    let fmt = |v: &[(KernelPath, u64)]| {
+        v.iter()
             .map(|(p, ns)| format!("{p:?} {:.0} µs", *ns as f64 / 1e3))
             .collect::<Vec<_>>()
             .join(", ")
+    };
+    println!(
+        "\nCalibration (first use, one thread, best of 5 rounds): ordinary products: chosen {:?} ({}); thin products (m or n <= 16): chosen {:?} ({})",
+        cal.chosen,
+        fmt(&cal.nanos),
+        cal.chosen_thin,
+        fmt(&cal.nanos_thin)
     );
 
     // configurations: (path, dtype, threads); `None`: the default choice (`gemm`)
@@ -365,8 +369,14 @@ fn small_products() {
         .collect();
     // columns: (label, path or None for the default choice, dtype)
     let cal = calibration();
-    let mut cols: Vec<(String, Option<KernelPath>, &str)> =
-        vec![(format!("default f32 ({:?})", cal.chosen), None, "f32")];
+    let mut cols: Vec<(String, Option<KernelPath>, &str)> = vec![(
+        format!(
+            "default f32 ({:?}, thin: {:?})",
+            cal.chosen, cal.chosen_thin
+        ),
+        None,
+        "f32",
+    )];
     for &(p, _) in &cal.nanos {
         cols.push((format!("{p:?} f32"), Some(p), "f32"));
     }

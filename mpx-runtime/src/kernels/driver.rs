@@ -59,7 +59,8 @@ pub fn gemm(
     c: &mut [f32],
     accumulate: bool,
 ) -> Result<(), KernelError> {
-    let path = forced_path().unwrap_or_else(|| path_for(a.values(), b.values()));
+    let path =
+        forced_path().unwrap_or_else(|| path_for(a.values(), b.values(), a.rows(), b.cols()));
     gemm_on(path, a, b, c, accumulate)
 }
 

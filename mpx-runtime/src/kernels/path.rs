@@ -5,9 +5,11 @@
 //! The widest vectors are not always the fastest: on Zen 4 a 512-bit f32 FMA runs as two 256-bit
 //! halves, and the 6 x 16 AVX2 kernel, which reads small and thin operands in place, beats the
 //! 8 x 32 AVX-512 one (measured from outside: 1.05x on an MLP's products, 2.7x on an `n = 10`
-//! product, 1.39x on small ones). So on first use a short [calibration](calibration) times a few
-//! small products (one thread, about a millisecond in all) on each candidate and keeps the
-//! fastest, cached for the process.
+//! product, 1.39x on small ones), and on another Zen 4 machine the AVX-512 kernel won on all but
+//! the thin products. So on first use a short [calibration](calibration) times a few small
+//! products (one thread, well under a millisecond in all) on each candidate and keeps the
+//! fastest, cached for the process: once for thin products (`m` or `n` at most [`THIN`]) and
+//! once for the others.
 //!
 //! Only paths that compute **the same bits** compete: [`KernelPath::Avx512`] and
 //! [`KernelPath::Avx2Fma`] run the same FMA chain per output in the same order (the tests check
@@ -87,25 +89,42 @@ impl KernelPath {
 }
 
 /// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
-/// compute the same bits), the time each took on the probe products, and the one chosen.
+/// compute the same bits), the time each took on the probe products, and the one chosen, for
+/// each of two classes of products: thin ones (`m` or `n` at most 16) and the others.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Calibration {
-    /// The fastest candidate: the path f32 operands (and f16 / bf16 operands without their own
-    /// instructions) run on.
+    /// The fastest candidate on the probes of ordinary products: the path f32 operands (and f16
+    /// / bf16 operands without their own instructions) run on.
     pub chosen: KernelPath,
-    /// Each candidate with its time on the probe products (nanoseconds, the best of a few
-    /// interleaved rounds, summed over the probes); 0 when there was a single candidate and
-    /// nothing was timed.
+    /// Each candidate with its time on those probes (nanoseconds, the best of a few interleaved
+    /// rounds, summed over the probes); 0 when there was a single candidate and nothing was
+    /// timed.
     pub nanos: Vec<(KernelPath, u64)>,
+    /// The fastest candidate on thin products (`m` or `n` at most 16: a layer with few
+    /// outputs, an attention head).
+    pub chosen_thin: KernelPath,
+    /// Each candidate with its time on the thin probes.
+    pub nanos_thin: Vec<(KernelPath, u64)>,
 }
 
+/// A product with `m` or `n` at most this is thin: its operands are read few times, and the
+/// path that reads them in place may win (see [`Calibration`]).
+pub(crate) const THIN: usize = 16;
+
 /// Probe products of the calibration, `(m, n, k, B stored transposed)`: a Linear layer's forward
-/// at a small batch, a thin product (`n = 10`), a small weight gradient, a mid-sized square one.
-const PROBES: [(usize, usize, usize, bool); 4] = [
+/// at a small batch, a small weight gradient, a mid-sized square one.
+const PROBES: [(usize, usize, usize, bool); 3] = [
     (32, 128, 64, true),
-    (64, 10, 256, true),
     (128, 64, 32, false),
     (192, 192, 192, false),
+];
+
+/// Thin probes: a layer with 10 outputs, its weight gradient, an attention head's two products.
+const PROBES_THIN: [(usize, usize, usize, bool); 4] = [
+    (64, 10, 256, true),
+    (10, 128, 32, false),
+    (16, 16, 8, true),
+    (16, 8, 16, false),
 ];
 
 /// Rounds of the calibration; each candidate's best round counts.
@@ -115,23 +134,29 @@ const ROUNDS: usize = 5;
 /// [module docs](self)).
 pub fn calibration() -> &'static Calibration {
     static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
-    CALIBRATION.get_or_init(calibrate)
+    CALIBRATION.get_or_init(|| {
+        let (chosen, nanos) = calibrate(&PROBES);
+        let (chosen_thin, nanos_thin) = calibrate(&PROBES_THIN);
+        Calibration {
+            chosen,
+            nanos,
+            chosen_thin,
+            nanos_thin,
+        }
+    })
 }
 
-/// Times each same-bits candidate on [`PROBES`] (one thread) and picks the fastest.
-fn calibrate() -> Calibration {
+/// Times each same-bits candidate on `probes` (one thread) and picks the fastest.
+fn calibrate(probes: &[(usize, usize, usize, bool)]) -> (KernelPath, Vec<(KernelPath, u64)>) {
     let candidates: Vec<KernelPath> = [KernelPath::Avx2Fma, KernelPath::Avx512]
         .into_iter()
         .filter(|p| p.is_supported())
         .collect();
     if candidates.len() < 2 {
         let chosen = candidates.first().copied().unwrap_or(KernelPath::Portable);
-        return Calibration {
-            chosen,
-            nanos: vec![(chosen, 0)],
-        };
+        return (chosen, vec![(chosen, 0)]);
     }
-    let size = PROBES
+    let size = probes
         .iter()
         .map(|&(m, n, k, _)| m.max(n) * k)
         .max()
@@ -139,23 +164,30 @@ fn calibrate() -> Calibration {
     let data: Vec<f32> = (0..size)
         .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 512.0)
         .collect();
-    let mut c = vec![0.0f32; PROBES.iter().map(|&(m, n, ..)| m * n).max().unwrap_or(0)];
+    let mut c = vec![0.0f32; probes.iter().map(|&(m, n, ..)| m * n).max().unwrap_or(0)];
     let mut best = vec![u64::MAX; candidates.len()];
     for _ in 0..ROUNDS {
         for (slot, &path) in best.iter_mut().zip(&candidates) {
             let start = std::time::Instant::now();
-            for &(m, n, k, bt) in &PROBES {
-                let (Ok(a), Ok(b)) = (
-                    MatRef::row_major_f32(&data[..m * k], m, k),
-                    if bt {
-                        MatRef::row_major_f32(&data[..n * k], n, k).map(MatRef::t)
-                    } else {
-                        MatRef::row_major_f32(&data[..k * n], k, n)
-                    },
-                ) else {
-                    continue;
-                };
-                let _ = super::driver::gemm_threads(path, a, b, &mut c[..m * n], false, 1);
+            // thin probes are short: repeat them so that a round is not timer noise
+            for _ in 0..if probes.len() == PROBES_THIN.len() {
+                8
+            } else {
+                1
+            } {
+                for &(m, n, k, bt) in probes {
+                    let (Ok(a), Ok(b)) = (
+                        MatRef::row_major_f32(&data[..m * k], m, k),
+                        if bt {
+                            MatRef::row_major_f32(&data[..n * k], n, k).map(MatRef::t)
+                        } else {
+                            MatRef::row_major_f32(&data[..k * n], k, n)
+                        },
+                    ) else {
+                        continue;
+                    };
+                    let _ = super::driver::gemm_threads(path, a, b, &mut c[..m * n], false, 1);
+                }
             }
             let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
             *slot = (*slot).min(ns);
@@ -166,7 +198,7 @@ fn calibrate() -> Calibration {
         .iter()
         .min_by_key(|&&(_, ns)| ns)
         .map_or(KernelPath::Portable, |&(p, _)| p);
-    Calibration { chosen, nanos }
+    (chosen, nanos)
 }
 
 /// The path f32 operands run on when none is forced: the fastest of the paths that compute the
@@ -175,10 +207,10 @@ pub(crate) fn detected_path() -> KernelPath {
     calibration().chosen
 }
 
-/// The path a product of `a` and `b` runs on when none is forced: f16 operands on
+/// The path an `m x n` product of `a` and `b` runs on when none is forced: f16 operands on
 /// [`KernelPath::Avx512Fp16`] and bf16 operands on [`KernelPath::Avx512Bf16`] where the CPU has
-/// them, everything else on [`detected_path`].
-pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>) -> KernelPath {
+/// them, everything else on the calibration's choice for its class (thin or not).
+pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>, m: usize, n: usize) -> KernelPath {
     static FP16: OnceLock<bool> = OnceLock::new();
     static BF16: OnceLock<bool> = OnceLock::new();
     match (a, b) {
@@ -192,6 +224,7 @@ pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>) -> KernelPath {
         {
             KernelPath::Avx512Bf16
         }
+        _ if m.min(n) <= THIN => calibration().chosen_thin,
         _ => detected_path(),
     }
 }

@@ -974,13 +974,26 @@ fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
     let c = calibration();
     assert!(c.chosen.is_supported());
     assert_eq!(detected_path(), c.chosen);
-    let best = c.nanos.iter().min_by_key(|&&(_, ns)| ns).unwrap();
-    assert_eq!(best.0, c.chosen, "{c:?}");
-    assert!(c.nanos.iter().all(|&(p, _)| matches!(
-        p,
-        KernelPath::Avx2Fma | KernelPath::Avx512 | KernelPath::Portable
-    )));
-    // gemm with no forced path: f32 on the chosen path, bf16 on its own where the CPU has it
+    for (chosen, nanos) in [(c.chosen, &c.nanos), (c.chosen_thin, &c.nanos_thin)] {
+        let best = nanos.iter().min_by_key(|&&(_, ns)| ns).unwrap();
+        assert_eq!(best.0, chosen, "{c:?}");
+        assert!(nanos.iter().all(|&(p, _)| matches!(
+            p,
+            KernelPath::Avx2Fma | KernelPath::Avx512 | KernelPath::Portable
+        )));
+    }
+    // gemm with no forced path: f32 on the chosen path (the thin one for n <= THIN), bf16 on
+    // its own where the CPU has it
+    let (m, n, k) = (20, 10, 50);
+    let (a, b) = (values(m * k, 83), values(k * n, 84));
+    let (am, bm) = (
+        MatRef::row_major_f32(&a, m, k).unwrap(),
+        MatRef::row_major_f32(&b, k, n).unwrap(),
+    );
+    let (mut got, mut expect) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+    gemm(am, bm, &mut got, false).unwrap();
+    gemm_on(c.chosen_thin, am, bm, &mut expect, false).unwrap();
+    assert_eq!(got, expect);
     let (m, n, k) = (20, 40, 50);
     let (a, b) = (values(m * k, 81), values(k * n, 82));
     for (ao, bo, want) in [
