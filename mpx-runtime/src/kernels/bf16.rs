@@ -41,7 +41,8 @@ pub(crate) const KC: usize = 256;
 const MC: usize = 64;
 const NC: usize = 512;
 
-/// `C = A·B` (`C += A·B` unless `zero`) with `A` and `B` already rounded to bf16 (f32 storage).
+/// `C = A·B` (`C += A·B` unless `zero`) with `A` and `B` in f32 storage, rounded to bf16 while
+/// packing.
 ///
 /// # Safety (for callers)
 /// The CPU must support AVX-512 F and AVX512-BF16 ([`KernelPath::Avx512Bf16`](super::KernelPath)
@@ -74,12 +75,26 @@ thread_local! {
     static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
 }
 
-/// A k-major f32 panel of `width` lines (`panel[p * width + l]`, `kc` values of k) as bf16 pairs
-/// (`pairs[q * width + l]`, low half `p = 2q`), the last pair zero-padded when `kc` is odd. The
-/// f32 values are bf16 values already: their upper halves are taken as they are.
+/// `x` rounded to bf16 (nearest, ties to even; a NaN quieted): the bits of
+/// [`round_to_bf16`](crate::precision::round_to_bf16), as the 16-bit pattern.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        (b | 0x0040_0000) >> 16
+    } else {
+        // no overflow: the largest non-NaN pattern, 0xff80_0000, plus 0x8000 fits
+        (b + 0x7fff + ((b >> 16) & 1)) >> 16
+    }
+}
+
+/// A k-major f32 panel of `width` lines (`panel[p * width + l]`, `kc` values of k) rounded to
+/// bf16 pairs (`pairs[q * width + l]`, low half `p = 2q`), the last pair zero-padded when `kc` is
+/// odd. The rounding happens here, on the packed panel, so the operand itself is read in place
+/// (no rounded copy of it).
 fn to_pairs(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
     let q_count = kc.div_ceil(2);
-    let hi = |x: f32| x.to_bits() >> 16;
+    let hi = bf16_bits;
     for q in 0..q_count {
         let even = &panel[2 * q * width..(2 * q + 1) * width];
         let dst = &mut pairs[q * width..(q + 1) * width];

@@ -116,23 +116,22 @@ pub(crate) fn gemm_threads<'a>(
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
     }
-    if let (KernelPath::Avx512Bf16, Operand::Bf16(_), Operand::Bf16(_)) =
+    if let (KernelPath::Avx512Bf16, Operand::Bf16(av), Operand::Bf16(bv)) =
         (path, a.values(), b.values())
     {
-        with_wide(|[wa, wb]| {
-            let a = Src {
-                data: prepared(&a, wa),
-                rs: a.row_stride(),
-                cs: a.col_stride(),
-            };
-            let b = Src {
-                data: prepared(&b, wb),
-                rs: b.row_stride(),
-                cs: b.col_stride(),
-            };
-            // SAFETY: `check` accepted the path: the CPU has AVX-512 F and AVX512-BF16.
-            unsafe { bf16::run((m, n, k), a, b, (c, zero), threads) };
-        });
+        // read in place: the values are rounded to bf16 while packing
+        let a = Src {
+            data: av,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
+        };
+        let b = Src {
+            data: bv,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
+        };
+        // SAFETY: `check` accepted the path: the CPU has AVX-512 F and AVX512-BF16.
+        unsafe { bf16::run((m, n, k), a, b, (c, zero), threads) };
         return Ok(());
     }
     with_wide(|[wa, wb]| {
