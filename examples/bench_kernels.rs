@@ -7,9 +7,13 @@
 //! ```
 //!
 //! mpx's GEMM uses all hardware threads by default; each configuration here is forced with
-//! `with_threads` (1 thread for every path, all threads for the best path). dfdx 0.13's CPU
-//! matmul uses all cores through rayon. Peaks are per thread. Times are medians
-//! of 11 runs of all 9 products; rounds of the configurations are interleaved.
+//! `with_threads` (1 thread for every path; all threads for the default choice, each f32
+//! candidate of the calibration and the bf16 path). dfdx 0.13's CPU matmul uses all cores
+//! through rayon. Peaks are per thread. Times are medians of 11 runs of all 9 products; rounds of
+//! the configurations are interleaved. Then: small products (one thread) on the default choice
+//! and each candidate; the persistent helper pool against `std::thread::scope`; and the
+//! weight-gradient outputs allocated per call against the kernels' kept scratch (time and page
+//! faults). The kernels are reached through `mpx::__bench`, hooks that are not a public API.
 
 use std::time::Instant;
 

@@ -10,8 +10,9 @@
 //! # Paths
 //! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, f16 and
 //! bf16 operands run on their own instructions where the CPU has them (AVX512-FP16,
-//! AVX512-BF16), and everything else on [`detected_path`]: the fastest of the paths that compute
-//! the same bits, measured on first use ([`calibration`]). [`with_path`] forces one for the
+//! AVX512-BF16), and everything else on the fastest of the paths that compute the same bits,
+//! measured on first use ([`calibration`]; separately for thin products, [`detected_path`] for
+//! the others). [`with_path`] forces one for the
 //! current thread (tests and benchmarks run every path the CPU supports this way).
 //!
 //! | path | f32 operands | f16 operands | bf16 operands (f32 storage) |

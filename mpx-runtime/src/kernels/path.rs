@@ -41,7 +41,8 @@ pub enum KernelPath {
 }
 
 impl KernelPath {
-    /// Every path, fastest first.
+    /// Every path, the widest instructions first (which is fastest depends on the CPU: see
+    /// [`calibration`]).
     pub const ALL: [KernelPath; 5] = [
         KernelPath::Avx512Fp16,
         KernelPath::Avx512Bf16,
@@ -79,7 +80,7 @@ impl KernelPath {
         }
     }
 
-    /// The paths this CPU supports, fastest first.
+    /// The paths this CPU supports, in the order of [`KernelPath::ALL`].
     pub fn supported() -> Vec<KernelPath> {
         KernelPath::ALL
             .into_iter()

@@ -35,7 +35,8 @@ pub fn peak_fma_flops(path: KernelPath, iters: usize) -> Result<u64, KernelError
         KernelPath::Avx2Fma => unsafe { x86::avx2(iters) },
         _ => portable(iters),
     };
-    Ok((iters * CHAINS * lanes * 2) as u64)
+    // a count, not a size: saturated rather than wrapped for absurd `iters`
+    Ok(u64::try_from(iters.saturating_mul(CHAINS * lanes * 2)).unwrap_or(u64::MAX))
 }
 
 /// Scalar multiply-adds on 8-lane arrays; returns the lane count.
