@@ -16,7 +16,7 @@
 //! as zero and a result that is tiny after rounding to 24 bits with an unbounded exponent
 //! flushed to zero of the same sign. MXCSR is neither read nor written. A NaN input is returned
 //! quieted, the first in the order `a0, b0, a1, b1, acc`; an invalid operation gives the default
-//! NaN `0xffc0_0000`. [`tests`](super::tests) hold a scalar model of exactly this and check the
+//! NaN `0xffc0_0000`. The kernels' unit tests hold a scalar model of exactly this and check the
 //! instruction and the whole GEMM against it bit for bit (on random data with subnormals, ties,
 //! infinities and NaNs); Intel's pseudocode states the same order and flushing.
 //!

@@ -47,7 +47,7 @@ pub(crate) struct Micro<T> {
 /// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
 /// [`with_path`](super::with_path), else the one chosen for these operands: f16 and bf16
 /// operands on their own instructions where the CPU has them, everything else on
-/// [`detected_path`](super::detected_path). `C` is
+/// `detected_path`. `C` is
 /// row-major `A.rows x B.cols` f32.
 ///
 /// # Errors

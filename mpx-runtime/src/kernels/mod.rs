@@ -11,7 +11,7 @@
 //! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, f16 and
 //! bf16 operands run on their own instructions where the CPU has them (AVX512-FP16,
 //! AVX512-BF16), and everything else on the fastest of the paths that compute the same bits,
-//! measured on first use ([`calibration`]; separately for thin products, [`detected_path`] for
+//! measured on first use ([`calibration`]; separately for thin products, [`detected_path`](path::detected_path) for
 //! the others). [`with_path`] forces one for the
 //! current thread (tests and benchmarks run every path the CPU supports this way).
 //!
@@ -133,7 +133,7 @@ pub mod bench {
         max_threads, peak_fma_flops, use_scoped_threads, with_path, with_threads,
     };
 
-    /// [`with_scratch`](super::with_scratch) for the benchmark of allocation per call against
+    /// `with_scratch` for the benchmark of allocation per call against
     /// kept scratch.
     pub fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
         super::with_scratch(n, f)
@@ -141,7 +141,7 @@ pub mod bench {
 }
 
 /// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`): for
-/// the benchmark comparing the two (see [`pool`]).
+/// the benchmark comparing the two (see `pool.rs`).
 pub fn use_scoped_threads(on: bool) {
     pool::use_scoped_threads(on);
 }
@@ -160,13 +160,13 @@ fn gamma(n: usize, u: f64) -> f64 {
 }
 
 /// The error bound of the f32 FMA paths for inner dimension `k`, as a multiple of `S = Σ|a||b|`
-/// (see the [module docs](self)).
+/// (see the kernels' module docs).
 pub fn f32_error_bound(k: usize) -> f64 {
     gamma(k, 2f64.powi(-24))
 }
 
 /// The error bound of [`KernelPath::Avx512Fp16`] on f16 operands for inner dimension `k`:
-/// `(relative, absolute)`, meaning `|ĉ - c| ≤ relative·S + absolute` (see the [module docs](self)).
+/// `(relative, absolute)`, meaning `|ĉ - c| ≤ relative·S + absolute` (see the kernels' module docs).
 pub fn fp16_error_bound(k: usize) -> (f64, f64) {
     let runs = k.div_ceil(FP16_FLUSH);
     (
@@ -177,7 +177,7 @@ pub fn fp16_error_bound(k: usize) -> (f64, f64) {
 
 /// The error bound of [`KernelPath::Avx512Bf16`] on bf16 operands for inner dimension `k`:
 /// `(relative, absolute)`, meaning `|ĉ - c'| ≤ relative·S' + absolute`, where `c'` and `S'` are
-/// taken over the bf16 operands with subnormal values read as zero (see the [module docs](self)).
+/// taken over the bf16 operands with subnormal values read as zero (see the kernels' module docs).
 pub fn bf16_error_bound(k: usize) -> (f64, f64) {
     (
         gamma(k + k.div_ceil(bf16::KC), 2f64.powi(-24)),

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use super::{KernelError, MatRef, Operand};
 
-/// The instruction set a kernel runs on. See the [module docs](super) for what each does with
+/// The instruction set a kernel runs on. See the kernels' module docs for what each does with
 /// f32, f16 and bf16 operands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
@@ -132,7 +132,7 @@ const PROBES_THIN: [(usize, usize, usize, bool); 4] = [
 const ROUNDS: usize = 5;
 
 /// The calibration of this process, run on the first call and cached (see the
-/// [module docs](self)).
+/// module docs above).
 pub fn calibration() -> &'static Calibration {
     static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
     CALIBRATION.get_or_init(|| {
@@ -240,8 +240,8 @@ pub(crate) fn forced_path() -> Option<KernelPath> {
 }
 
 /// The path f32 products called on this thread use: the one forced by [`with_path`], else
-/// [`detected_path`] (f16 and bf16 operands with their own instructions take those when none is
-/// forced, see the [module docs](self)).
+/// `detected_path` (f16 and bf16 operands with their own instructions take those when none is
+/// forced, see the module docs above).
 pub fn active_path() -> KernelPath {
     forced_path().unwrap_or_else(detected_path)
 }
