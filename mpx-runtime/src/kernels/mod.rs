@@ -66,9 +66,9 @@
 //! tests check every path against an f64 reference with them.
 //!
 //! # Safety
-//! Most of mpx's `unsafe` is in this module, though not all of it: `precision/slices.rs`
-//! reinterprets `AMP<f16>` slices as f16 ones, and `mx/block.rs` calls its row loops compiled
-//! for AVX2 after detecting it. Here: the SIMD micro-kernels (each runs only after its features
+//! Most of mpx's `unsafe` is in this module, though not all of it: `precision/` reinterprets
+//! `AMP<f16>` slices as f16 ones and float slices as their bits (`slices.rs`, `impls.rs`), and
+//! `mx/block.rs` calls its row loops compiled for AVX2 after detecting it. Here: the SIMD micro-kernels (each runs only after its features
 //! were detected; the AVX2 one reads tiles of A and B through pointers and strides, in place or
 //! packed, whose ranges `strided.rs` checks against the operand slices), the F16C slice
 //! conversions (`convert.rs`, same condition), the AVX transpose that packs f32 panels with k
