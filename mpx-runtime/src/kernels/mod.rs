@@ -32,11 +32,12 @@
 //! (tests and benchmarks). (dfdx 0.13's CPU matmul also uses all cores, through rayon.)
 //!
 //! The pool stays because it measured faster than `std::thread::scope`, which starts threads for
-//! each product: on the 9 products of the MLP step (f32, 2 threads, Zen 4 EPYC shared with other
-//! work) scope took 1.42x the pool's median time (29.2 ms against 20.5 ms per step; quartiles
-//! 20.9-33.5 against 14.3-22.1; `cargo run --release --example bench_kernels`, its last table).
-//! Fresh threads also start with empty packing buffers, so every product pays their page
-//! faults again; the pool's helpers keep theirs.
+//! each product: on the 9 products of the MLP step (f32, 2 threads, a 2-core Zen 4 EPYC shared
+//! with other work) scope took 1.42x, 1.39x and 1.20x the pool's median time in three runs (e.g.
+//! 23.2 ms against 19.4 ms per step, quartiles 19.5-27.5 against 15.4-22.1;
+//! `cargo run --release --example bench_kernels`, its helper-threads table). Scoped threads also
+//! start with empty packing buffers, so every product pays their allocation and page faults
+//! again; the pool's helpers keep theirs.
 //!
 //! # Error bounds
 //! Let `u32 = 2^-24` and `u16 = 2^-11` be the unit roundoffs of f32 and f16, `γ(n, u) =
