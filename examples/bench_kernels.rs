@@ -7,15 +7,20 @@
 //! ```
 //!
 //! mpx's GEMM uses all hardware threads by default; each configuration here is forced with
-//! `with_threads` (1 thread for every path, all threads for the best path). dfdx 0.13's CPU
-//! matmul uses all cores through rayon. Peaks are per thread. Times are medians
-//! of 11 runs of all 9 products; rounds of the configurations are interleaved.
+//! `with_threads` (1 thread for every path; all threads for the default choice, each f32
+//! candidate of the calibration and the bf16 path). dfdx 0.13's CPU matmul uses all cores
+//! through rayon. Peaks are per thread. Times are medians of 11 runs of all 9 products; rounds of
+//! the configurations are interleaved. Then: small products (one thread) on the default choice
+//! and each candidate; the persistent helper pool against `std::thread::scope`; and the
+//! weight-gradient outputs allocated per call against the kernels' kept scratch (time and page
+//! faults). The kernels are reached through `mpx::__bench`, hooks that are not a public API.
 
 use std::time::Instant;
 
 use dfdx::prelude::*;
-use mpx::kernels::{
-    KernelPath, MatRef, Operand, available_threads, gemm_on, peak_fma_flops, with_threads,
+use mpx::__bench::{
+    KernelPath, MatRef, Operand, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
+    use_scoped_threads, with_scratch, with_threads,
 };
 use mpx::precision::f16;
 
@@ -83,23 +88,40 @@ impl Case {
             at,
         }
     }
-    fn run(&mut self, path: KernelPath, dtype: &str) {
+    /// One product on `path`, or on the path chosen for the operands when `None` (what `gemm`
+    /// does for a layer), into the case's own output.
+    fn run(&mut self, path: Option<KernelPath>, dtype: &str) {
+        let mut c = std::mem::take(&mut self.c);
+        self.run_into(path, dtype, &mut c);
+        self.c = c;
+    }
+
+    /// [`Case::run`] into `c` (`m x n` values).
+    fn run_into(&self, path: Option<KernelPath>, dtype: &str, c: &mut [f32]) {
         let (av, bv) = match dtype {
             "f32" => (Operand::F32(&self.a32), Operand::F32(&self.b32)),
             "bf16" => (Operand::Bf16(&self.a32), Operand::Bf16(&self.b32)),
             _ => (Operand::F16(&self.a16), Operand::F16(&self.b16)),
         };
         let a = if self.at {
-            MatRef::row_major(av, self.k, self.m).t()
+            MatRef::row_major(av, self.k, self.m)
+                .expect("shape fits")
+                .t()
         } else {
-            MatRef::row_major(av, self.m, self.k)
+            MatRef::row_major(av, self.m, self.k).expect("shape fits")
         };
         let b = if self.bt {
-            MatRef::row_major(bv, self.n, self.k).t()
+            MatRef::row_major(bv, self.n, self.k)
+                .expect("shape fits")
+                .t()
         } else {
-            MatRef::row_major(bv, self.k, self.n)
+            MatRef::row_major(bv, self.k, self.n).expect("shape fits")
         };
-        gemm_on(path, a, b, &mut self.c, false).expect("shapes fit");
+        match path {
+            Some(path) => gemm_on(path, a, b, c, false),
+            None => gemm(a, b, c, false),
+        }
+        .expect("shapes fit");
     }
 }
 
@@ -134,6 +156,7 @@ fn main() {
         let g = f as f64 / t.elapsed().as_secs_f64() / 1e9;
         let ins = match path {
             KernelPath::Avx512Fp16 => "f16 vfmadd231ph zmm",
+            KernelPath::Avx512Bf16 => "bf16 pairs vdpbf16ps zmm (2 multiply-adds per f32 lane)",
             KernelPath::Avx512 => "f32 vfmadd231ps zmm",
             KernelPath::Avx2Fma => "f32 vfmadd231ps ymm",
             KernelPath::Portable => {
@@ -151,17 +174,41 @@ fn main() {
         println!("\nNot supported by this CPU (not measured): {missing:?}");
     }
 
-    // configurations: (path, dtype)
-    let mut configs = vec![];
+    // the calibration's choice among the same-bits paths
+    let cal = calibration();
+    let fmt = |v: &[(KernelPath, u64)]| {
+        v.iter()
+            .map(|(p, ns)| format!("{p:?} {:.0} µs", *ns as f64 / 1e3))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "\nCalibration (first use, one thread, best of 5 rounds): ordinary products: chosen {:?} ({}); thin products (m or n <= 16): chosen {:?} ({})",
+        cal.chosen,
+        fmt(&cal.nanos),
+        cal.chosen_thin,
+        fmt(&cal.nanos_thin)
+    );
+
+    // configurations: (path, dtype, threads); `None`: the default choice (`gemm`)
+    let mut configs: Vec<(Option<KernelPath>, &str, usize)> = vec![];
     for path in KernelPath::supported() {
         for dtype in ["f32", "f16", "bf16"] {
-            configs.push((path, dtype, 1));
+            configs.push((Some(path), dtype, 1));
         }
     }
-    // the best path, all threads
+    // all threads: the default choice, then every f32 FMA candidate it was chosen from, and the
+    // bf16 path
     let all = available_threads();
     for dtype in ["f32", "f16", "bf16"] {
-        configs.push((KernelPath::supported()[0], dtype, all));
+        configs.push((None, dtype, all));
+    }
+    for &(path, _) in &cal.nanos {
+        configs.push((Some(path), "f32", all));
+        configs.push((Some(path), "bf16", all));
+    }
+    if KernelPath::Avx512Bf16.is_supported() {
+        configs.push((Some(KernelPath::Avx512Bf16), "bf16", all));
     }
     // dfdx reference tensors
     let dev = Cpu::default();
@@ -229,28 +276,35 @@ fn main() {
             total * 1e3
         );
     };
-    for (ci, &(path, dtype, t1)) in configs.iter().enumerate() {
-        let peak_of = if path == KernelPath::Avx512Fp16 && dtype != "f16" {
-            peaks.get(&KernelPath::Avx512).copied()
-        } else if path == KernelPath::Portable {
-            None
-        } else {
-            peaks.get(&path).copied()
+    for (ci, &(path, dtype, th)) in configs.iter().enumerate() {
+        let resolved = path.unwrap_or(match dtype {
+            "bf16" if KernelPath::Avx512Bf16.is_supported() => KernelPath::Avx512Bf16,
+            "f16" if KernelPath::Avx512Fp16.is_supported() => KernelPath::Avx512Fp16,
+            _ => cal.chosen,
+        });
+        let peak_of = match (resolved, dtype) {
+            (KernelPath::Portable, _) => None,
+            (KernelPath::Avx512Fp16, "f16") | (KernelPath::Avx512Bf16, "bf16") => {
+                peaks.get(&resolved).copied()
+            }
+            (KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16, _) => {
+                peaks.get(&KernelPath::Avx512).copied()
+            }
+            _ => peaks.get(&resolved).copied(),
         };
-        let how = match (path, dtype) {
+        let how = match (resolved, dtype) {
             (KernelPath::Avx512Fp16, "f16") => "f16 FMA",
+            (KernelPath::Avx512Bf16, "bf16") => "bf16 pairs, vdpbf16ps",
             (_, "f16") => "widened to f32",
             (_, "bf16") => "rounded to bf16, f32 FMA",
             _ => "f32 FMA",
         };
-        let th = t1;
+        let name = match path {
+            Some(p) => format!("mpx {p:?} ({how}), {th} thread(s)"),
+            None => format!("mpx default = {resolved:?} ({how}), {th} thread(s)"),
+        };
         let peak_of = peak_of.map(|p| p * th as f64);
-        row(
-            format!("mpx {path:?} ({how}), {th} thread(s)"),
-            dtype,
-            &times[ci],
-            peak_of,
-        );
+        row(name, dtype, &times[ci], peak_of);
     }
     // the best f32 peak of this CPU
     let peak1 = KernelPath::supported()
@@ -271,6 +325,8 @@ fn main() {
         peak1,
     );
     small_products();
+    pool_against_scope(&mut cases);
+    scratch_against_allocation(&mut cases);
     println!(
         "\n% of path peak: against the path's per-thread FMA peak above times the threads used (f16 operands on Avx512Fp16: the f16 FMA peak; dfdx: the best f32 SIMD peak). The portable loop is no true peak (it is not vectorised), so the portable rows show none."
     );
@@ -315,17 +371,42 @@ fn small_products() {
             )
         })
         .collect();
-    let path = KernelPath::supported()[0];
+    // columns: (label, path or None for the default choice, dtype)
+    let cal = calibration();
+    let mut cols: Vec<(String, Option<KernelPath>, &str)> = vec![(
+        format!(
+            "default f32 ({:?}, thin: {:?})",
+            cal.chosen, cal.chosen_thin
+        ),
+        None,
+        "f32",
+    )];
+    for &(p, _) in &cal.nanos {
+        cols.push((format!("{p:?} f32"), Some(p), "f32"));
+    }
+    cols.push(("default f16".to_string(), None, "f16"));
+    cols.push((
+        format!("{:?} bf16 (emulated)", cal.chosen),
+        Some(cal.chosen),
+        "bf16",
+    ));
+    if KernelPath::Avx512Bf16.is_supported() {
+        cols.push((
+            "Avx512Bf16 bf16".to_string(),
+            Some(KernelPath::Avx512Bf16),
+            "bf16",
+        ));
+    }
     let (rounds, reps) = (11, 200);
-    // [config][shape] -> seconds per call; configs: mpx f32, mpx f16, mpx bf16, dfdx f32
-    let mut times = vec![vec![vec![]; shapes.len()]; 4];
+    // [column][shape] -> seconds per call; the last column: dfdx f32
+    let mut times = vec![vec![vec![]; shapes.len()]; cols.len() + 1];
     for round in 0..=rounds {
         for (si, case) in cases.iter_mut().enumerate() {
-            for (ci, dtype) in ["f32", "f16", "bf16"].into_iter().enumerate() {
+            for (ci, (_, path, dtype)) in cols.iter().enumerate() {
                 let t = Instant::now();
                 with_threads(1, || {
                     for _ in 0..reps {
-                        case.run(path, dtype);
+                        case.run(*path, dtype);
                     }
                 })
                 .expect("threads >= 1");
@@ -339,33 +420,132 @@ fn small_products() {
                 std::hint::black_box(a.clone().matmul(b.clone()));
             }
             if round > 0 {
-                times[3][si].push(t.elapsed().as_secs_f64() / reps as f64);
+                times[cols.len()][si].push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+        }
+    }
+    println!("\nSmall products, µs per call (mpx on 1 thread, dfdx on its rayon pool):\n");
+    let head: Vec<&str> = cols.iter().map(|c| c.0.as_str()).collect();
+    println!("| product | m x n x k | {} | dfdx f32 |", head.join(" | "));
+    println!("|---|---|{}---|", "---|".repeat(cols.len()));
+    let mut sums = vec![0.0f64; cols.len() + 1];
+    for (si, &(m, n, k, _, _, name)) in shapes.iter().enumerate() {
+        let med: Vec<f64> = (0..=cols.len())
+            .map(|ci| median(times[ci][si].clone()))
+            .collect();
+        sums.iter_mut().zip(&med).for_each(|(s, t)| *s += t);
+        let cells: Vec<String> = med.iter().map(|t| format!("{:.2}", t * 1e6)).collect();
+        println!("| {name} | {m}x{n}x{k} | {} |", cells.join(" | "));
+    }
+    let cells: Vec<String> = sums.iter().map(|t| format!("{:.2}", t * 1e6)).collect();
+    println!("| all | | {} |", cells.join(" | "));
+}
+
+/// The 9 products on all threads, split by the persistent pool or by `std::thread::scope`
+/// (interleaved rounds, medians): which one the GEMM should keep.
+fn pool_against_scope(cases: &mut [Case]) {
+    let all = available_threads();
+    let (rounds, reps) = (21, 3);
+    let mut times = [vec![], vec![]];
+    for round in 0..=rounds {
+        for (ki, scoped) in [false, true].into_iter().enumerate() {
+            use_scoped_threads(scoped);
+            let t = Instant::now();
+            for _ in 0..reps {
+                for case in cases.iter_mut() {
+                    with_threads(all, || case.run(None, "f32")).expect("threads >= 1");
+                }
+            }
+            if round > 0 {
+                times[ki].push(t.elapsed().as_secs_f64() / reps as f64);
+            }
+        }
+    }
+    use_scoped_threads(false);
+    let [pool, scope] = times.map(|v| {
+        let mut v = v;
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 4], v[v.len() / 2], v[3 * v.len() / 4])
+    });
+    println!(
+        "\nHelper threads on the 9 products (f32, default path, {all} threads), ms per step, median (quartiles) of {rounds} interleaved rounds:\n"
+    );
+    println!("| threads | median ms | quartiles ms |");
+    println!("|---|---|---|");
+    for (name, (q1, q2, q3)) in [("persistent pool", pool), ("std::thread::scope", scope)] {
+        println!(
+            "| {name} | {:.2} | {:.2}-{:.2} |",
+            q2 * 1e3,
+            q1 * 1e3,
+            q3 * 1e3
+        );
+    }
+    println!("| scope / pool | {:.3} | |", scope.1 / pool.1);
+}
+
+/// Minor page faults of this process so far (Linux: field 10 of `/proc/self/stat`; 0 elsewhere).
+fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            rest.split(' ').nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// The step's three weight-gradient products (`dYᵀ·X`, f32 outputs of up to 1024 x 1024) written
+/// into a buffer allocated per call, as a layer whose scratch is not kept does, or into the
+/// kernels' kept scratch: time and page faults per step.
+fn scratch_against_allocation(cases: &mut [Case]) {
+    let all = available_threads();
+    let (rounds, reps) = (21, 3);
+    let dw: Vec<usize> = (0..cases.len()).filter(|i| i % 3 == 2).collect();
+    let mut times = [vec![], vec![]];
+    let mut faults = [0u64, 0u64];
+    for round in 0..=rounds {
+        for (ki, kept) in [false, true].into_iter().enumerate() {
+            let f0 = minor_faults();
+            let t = Instant::now();
+            for _ in 0..reps {
+                for &i in &dw {
+                    let case = &cases[i];
+                    let n = case.m * case.n;
+                    let run = |out: &mut [f32]| {
+                        with_threads(all, || case.run_into(None, "f32", out))
+                            .expect("threads >= 1");
+                    };
+                    if kept {
+                        with_scratch(n, run);
+                    } else {
+                        run(&mut vec![0.0f32; n]);
+                    }
+                }
+            }
+            if round > 0 {
+                times[ki].push(t.elapsed().as_secs_f64() / reps as f64);
+                faults[ki] += minor_faults() - f0;
             }
         }
     }
     println!(
-        "\nSmall products, µs per call ({path:?}; mpx on 1 thread, dfdx on its rayon pool):\n"
+        "\nThe step's 3 weight-gradient products (dYᵀ·X, f32, default path, {all} threads), output allocated per call or the kernels' kept scratch; median (quartiles) of {rounds} interleaved rounds:\n"
     );
-    println!("| product | m x n x k | mpx f32 | mpx f16 | mpx bf16 | dfdx f32 | mpx f32 GFLOP/s |");
-    println!("|---|---|---|---|---|---|---|");
-    let mut sums = [0.0f64; 4];
-    for (si, &(m, n, k, _, _, name)) in shapes.iter().enumerate() {
-        let med: Vec<f64> = (0..4).map(|ci| median(times[ci][si].clone())).collect();
-        sums.iter_mut().zip(&med).for_each(|(s, t)| *s += t);
+    println!("| output buffer | ms per step | quartiles ms | minor page faults per step |");
+    println!("|---|---|---|---|");
+    for (ki, name) in ["allocated per call", "kept scratch (grown only)"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut v = times[ki].clone();
+        v.sort_by(f64::total_cmp);
+        let (q1, q2, q3) = (v[v.len() / 4], v[v.len() / 2], v[3 * v.len() / 4]);
         println!(
-            "| {name} | {m}x{n}x{k} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
-            med[0] * 1e6,
-            med[1] * 1e6,
-            med[2] * 1e6,
-            med[3] * 1e6,
-            2.0 * (m * n * k) as f64 / med[0] / 1e9
+            "| {name} | {:.2} | {:.2}-{:.2} | {:.0} |",
+            q2 * 1e3,
+            q1 * 1e3,
+            q3 * 1e3,
+            faults[ki] as f64 / (rounds * reps) as f64
         );
     }
-    println!(
-        "| all | | {:.2} | {:.2} | {:.2} | {:.2} | |",
-        sums[0] * 1e6,
-        sums[1] * 1e6,
-        sums[2] * 1e6,
-        sums[3] * 1e6
-    );
 }

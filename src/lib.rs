@@ -117,6 +117,11 @@ pub mod prelude {
     pub use mpx_runtime::step::GradScaler;
 }
 
+/// The benchmark hooks ([`mpx_runtime::__bench`]) under their former path, for the examples and
+/// tests that still import `mpx::kernels` (`examples/bench_step.rs`). Not a public API.
+#[doc(hidden)]
+pub use mpx_runtime::__bench as kernels;
+
 /// Paths used by macro-generated code. Not a public API.
 #[doc(hidden)]
 pub mod __private {

@@ -9,7 +9,7 @@
 //! | [`cast`] | casting any tree between precisions |
 //! | [`scaling`] | loss scales: no-op, static, dynamic |
 //! | [`finite`] | bit-level finiteness checks |
-//! | [`kernels`] | mpx's own CPU GEMM (f32, f16, bf16) and fused element-wise passes |
+//! | [`nn`] | mixed-ready layers (a fused `Linear`) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes; internal, not a public API) |
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
@@ -18,7 +18,7 @@
 pub mod boundary;
 pub mod cast;
 pub mod finite;
-pub mod kernels;
+pub(crate) mod kernels;
 pub mod mx;
 pub mod nn;
 pub mod policy;
@@ -26,6 +26,11 @@ pub mod precision;
 pub mod region;
 pub mod scaling;
 pub mod step;
+
+/// Hooks into mpx's GEMM for its own benchmarks and tests (force a path or a thread count, time a
+/// product). Not a public API: it may change in any release.
+#[doc(hidden)]
+pub use kernels::bench as __bench;
 
 /// dfdx, for paths in code the macros generate. Not a public API.
 #[doc(hidden)]

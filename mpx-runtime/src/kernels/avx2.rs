@@ -40,7 +40,9 @@ unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: 
     // The body, expanded once per layout the driver produces, with the strides that are
     // constants there written as literals so that the address arithmetic folds: A packed
     // (`rs = 1, cs = 6`), A with k contiguous (`cs = 1`), A with rows contiguous (`rs = 1`); B
-    // packed (`rs = 16`) or rows of the caller's matrix.
+    // packed (`rs = 16`) or rows of the caller's matrix. Addresses are computed with
+    // `wrapping_add` (safe); only the reads and writes through them are `unsafe`, each inside the
+    // ranges the caller guarantees.
     macro_rules! body {
         ($ars:expr, $acs:expr, $brs:expr) => {{
             let (ars, acs, brs): (usize, usize, usize) = ($ars, $acs, $brs);
@@ -50,11 +52,14 @@ unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: 
             // one step of k: two loads of B, a broadcast of each row of A, 12 FMAs
             macro_rules! step {
                 ($q:expr) => {{
-                    let (aq, bq) = (ap.add($q * acs), bp.add($q * brs));
-                    let b0 = _mm256_loadu_ps(bq);
-                    let b1 = _mm256_loadu_ps(bq.add(8));
+                    let (aq, bq) = (ap.wrapping_add($q * acs), bp.wrapping_add($q * brs));
+                    // SAFETY: B(p, 0..8) for this p < kc: readable by the caller's contract.
+                    let b0 = unsafe { _mm256_loadu_ps(bq) };
+                    // SAFETY: B(p, 8..16), as above.
+                    let b1 = unsafe { _mm256_loadu_ps(bq.wrapping_add(8)) };
                     for (i, row) in acc.iter_mut().enumerate() {
-                        let av = _mm256_broadcast_ss(&*aq.add(i * ars));
+                        // SAFETY: A(i, p) for i < MR, this p < kc: readable by the contract.
+                        let av = _mm256_broadcast_ss(unsafe { &*aq.wrapping_add(i * ars) });
                         row[0] = _mm256_fmadd_ps(av, b0, row[0]);
                         row[1] = _mm256_fmadd_ps(av, b1, row[1]);
                     }
@@ -65,39 +70,38 @@ unsafe fn kernel(kc: usize, a: TileA, b: TileB, c: *mut f32, ldc: usize, first: 
                 step!(1);
                 step!(2);
                 step!(3);
-                ap = ap.add(4 * acs);
-                bp = bp.add(4 * brs);
+                ap = ap.wrapping_add(4 * acs);
+                bp = bp.wrapping_add(4 * brs);
             }
             for _ in 0..kc % 4 {
                 step!(0);
-                ap = ap.add(acs);
-                bp = bp.add(brs);
+                ap = ap.wrapping_add(acs);
+                bp = bp.wrapping_add(brs);
             }
             for (i, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
-                    let dst = c.add(i * ldc + h * 8);
+                    let dst = c.wrapping_add(i * ldc + h * 8);
                     let old = if first {
                         _mm256_setzero_ps()
                     } else {
-                        _mm256_loadu_ps(dst)
+                        // SAFETY: C(i, 8h..8h + 8) of the tile the caller lends us.
+                        unsafe { _mm256_loadu_ps(dst) }
                     };
-                    _mm256_storeu_ps(dst, _mm256_add_ps(old, *v));
+                    let sum = _mm256_add_ps(old, *v);
+                    // SAFETY: as above; no one else accesses the tile during the call.
+                    unsafe { _mm256_storeu_ps(dst, sum) };
                 }
             }
         }};
     }
-    // SAFETY: the caller guarantees AVX2+FMA and every access: reads `i * ars + p * acs`
-    // (i < MR, p < kc) from A, `p * brs + j` (j < NR) from B, reads and writes `i * ldc + j` in C.
-    unsafe {
-        match (a.rs, a.cs, b.rs) {
-            (1, MR, NR) => body!(1, MR, NR),
-            (1, MR, brs) => body!(1, MR, brs),
-            (rs, 1, NR) => body!(rs, 1, NR),
-            (rs, 1, brs) => body!(rs, 1, brs),
-            (1, cs, NR) => body!(1, cs, NR),
-            (1, cs, brs) => body!(1, cs, brs),
-            (rs, cs, brs) => body!(rs, cs, brs),
-        }
+    match (a.rs, a.cs, b.rs) {
+        (1, MR, NR) => body!(1, MR, NR),
+        (1, MR, brs) => body!(1, MR, brs),
+        (rs, 1, NR) => body!(rs, 1, NR),
+        (rs, 1, brs) => body!(rs, 1, brs),
+        (1, cs, NR) => body!(1, cs, NR),
+        (1, cs, brs) => body!(1, cs, brs),
+        (rs, cs, brs) => body!(rs, cs, brs),
     }
 }
 

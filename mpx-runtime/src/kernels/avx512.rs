@@ -29,26 +29,29 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
         _mm512_storeu_ps,
     };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
-    // SAFETY: the caller guarantees AVX-512 F; packed-operand offsets stay within the lengths
-    // asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C tile.
-    unsafe {
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        for p in 0..kc {
-            let b0 = _mm512_loadu_ps(bp.add(p * NR));
-            let b1 = _mm512_loadu_ps(bp.add(p * NR + 16));
-            for (i, row) in acc.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*ap.add(p * MR + i));
-                row[0] = _mm512_fmadd_ps(av, b0, row[0]);
-                row[1] = _mm512_fmadd_ps(av, b1, row[1]);
-            }
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
+        let bp: &[f32; NR] = bp.try_into().expect("chunks of NR");
+        let (lo, hi) = bp.split_at(16);
+        // SAFETY: `lo` holds 16 f32; the load is unaligned.
+        let b0 = unsafe { _mm512_loadu_ps(lo.as_ptr()) };
+        // SAFETY: `hi` holds 16 f32.
+        let b1 = unsafe { _mm512_loadu_ps(hi.as_ptr()) };
+        for (row, &x) in acc.iter_mut().zip(ap) {
+            let av = _mm512_set1_ps(x);
+            row[0] = _mm512_fmadd_ps(av, b0, row[0]);
+            row[1] = _mm512_fmadd_ps(av, b1, row[1]);
         }
-        let cp = c;
-        for (i, row) in acc.iter().enumerate() {
-            for (h, v) in row.iter().enumerate() {
-                let dst = cp.add(i * ldc + h * 16);
-                _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), *v));
-            }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (h, v) in row.iter().enumerate() {
+            let dst = c.wrapping_add(i * ldc + h * 16);
+            // SAFETY: C(i, 16h..16h + 16) of the tile the caller lends us (`i < MR`,
+            // `16h + 16 <= NR`).
+            let old = unsafe { _mm512_loadu_ps(dst) };
+            let sum = _mm512_add_ps(old, *v);
+            // SAFETY: as above; no one else accesses the tile during the call.
+            unsafe { _mm512_storeu_ps(dst, sum) };
         }
     }
 }

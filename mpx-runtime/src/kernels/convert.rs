@@ -101,25 +101,24 @@ mod x86 {
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn widen(src: &[f16], dst: &mut [f32]) {
-        let full = src.len() / LANES * LANES;
-        // SAFETY: every access is at `i..i + LANES` with `i + LANES <= full <= len` of both
-        // slices (f16 is a 16-bit value type, as the 128-bit load reads it).
-        unsafe {
-            for i in (0..full).step_by(LANES) {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
+        for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
+            // SAFETY: `s` holds 8 f16 values, the 128 bits read (unaligned).
+            let h = unsafe { _mm_loadu_si128(s.as_ptr().cast::<__m128i>()) };
+            let w = _mm256_cvtph_ps(h);
+            // SAFETY: `d` holds 8 f32 values, the 256 bits written.
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), w) };
         }
+        let full = src.len() / LANES * LANES;
         let rest = src.len() - full;
         if rest > 0 {
             let mut h = [f16::ZERO; LANES];
             let mut w = [0.0f32; LANES];
             h[..rest].copy_from_slice(&src[full..]);
-            // SAFETY: both buffers hold LANES values.
-            unsafe {
-                let v = _mm_loadu_si128(h.as_ptr().cast::<__m128i>());
-                _mm256_storeu_ps(w.as_mut_ptr(), _mm256_cvtph_ps(v));
-            }
+            // SAFETY: `h` holds LANES f16 values.
+            let v = unsafe { _mm_loadu_si128(h.as_ptr().cast::<__m128i>()) };
+            let wide = _mm256_cvtph_ps(v);
+            // SAFETY: `w` holds LANES f32 values.
+            unsafe { _mm256_storeu_ps(w.as_mut_ptr(), wide) };
             dst[full..].copy_from_slice(&w[..rest]);
         }
     }
@@ -133,27 +132,25 @@ mod x86 {
             _mm256_castsi256_ps, _mm256_cmpgt_epi32, _mm256_or_si256, _mm256_set1_epi32,
             _mm256_srli_epi32,
         };
-        let full = src.len() / LANES * LANES;
-        // SAFETY: every access is at `i..i + LANES` with `i + LANES <= full <= len` of both.
-        unsafe {
-            let one = _mm256_set1_epi32(1);
-            let half = _mm256_set1_epi32(0x7fff);
-            let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-            let abs = _mm256_set1_epi32(0x7fff_ffff);
-            let inf = _mm256_set1_epi32(0x7f80_0000);
-            let quiet = _mm256_set1_epi32(0x0040_0000);
-            for i in (0..full).step_by(LANES) {
-                let b = _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add(i)));
-                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
-                let rounded =
-                    _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), high);
-                // |b| and 0x7f80_0000 are both below 2^31: the signed compare is the unsigned one
-                let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), inf);
-                let quieted = _mm256_and_si256(_mm256_or_si256(b, quiet), high);
-                let r = _mm256_blendv_epi8(rounded, quieted, nan);
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(r));
-            }
+        let one = _mm256_set1_epi32(1);
+        let half = _mm256_set1_epi32(0x7fff);
+        let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let inf = _mm256_set1_epi32(0x7f80_0000);
+        let quiet = _mm256_set1_epi32(0x0040_0000);
+        for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
+            // SAFETY: `s` holds 8 f32 values, the 256 bits read (unaligned).
+            let b = _mm256_castps_si256(unsafe { _mm256_loadu_ps(s.as_ptr()) });
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
+            let rounded = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), high);
+            // |b| and 0x7f80_0000 are both below 2^31: the signed compare is the unsigned one
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), inf);
+            let quieted = _mm256_and_si256(_mm256_or_si256(b, quiet), high);
+            let r = _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quieted, nan));
+            // SAFETY: `d` holds 8 f32 values, the 256 bits written.
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), r) };
         }
+        let full = src.len() / LANES * LANES;
         crate::precision::round_to_bf16(&src[full..], &mut dst[full..]);
     }
 
@@ -161,26 +158,24 @@ mod x86 {
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn round(src: &[f32], dst: &mut [f16]) {
-        let full = src.len() / LANES * LANES;
-        // SAFETY: as in `widen`.
-        unsafe {
-            for i in (0..full).step_by(LANES) {
-                let v = _mm256_loadu_ps(src.as_ptr().add(i));
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), h);
-            }
+        for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
+            // SAFETY: `s` holds 8 f32 values, the 256 bits read (unaligned).
+            let v = unsafe { _mm256_loadu_ps(s.as_ptr()) };
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            // SAFETY: `d` holds 8 f16 values, the 128 bits written.
+            unsafe { _mm_storeu_si128(d.as_mut_ptr().cast::<__m128i>(), h) };
         }
+        let full = src.len() / LANES * LANES;
         let rest = src.len() - full;
         if rest > 0 {
             let mut w = [0.0f32; LANES];
             let mut h = [f16::ZERO; LANES];
             w[..rest].copy_from_slice(&src[full..]);
-            // SAFETY: both buffers hold LANES values.
-            unsafe {
-                let v = _mm256_loadu_ps(w.as_ptr());
-                let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-                _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r);
-            }
+            // SAFETY: `w` holds LANES f32 values.
+            let v = unsafe { _mm256_loadu_ps(w.as_ptr()) };
+            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            // SAFETY: `h` holds LANES f16 values.
+            unsafe { _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r) };
             dst[full..].copy_from_slice(&h[..rest]);
         }
     }
@@ -189,33 +184,30 @@ mod x86 {
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn add_into(src: &[f32], dst: &mut [f16]) {
-        let full = src.len() / LANES * LANES;
-        // SAFETY: as in `widen`.
-        unsafe {
-            for i in (0..full).step_by(LANES) {
-                let d = dst.as_mut_ptr().add(i).cast::<__m128i>();
-                let sum = _mm256_add_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128(d)),
-                    _mm256_loadu_ps(src.as_ptr().add(i)),
-                );
-                _mm_storeu_si128(d, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(sum));
-            }
+        for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
+            let dp = d.as_mut_ptr().cast::<__m128i>();
+            // SAFETY: `d` holds 8 f16 values, the 128 bits read (unaligned).
+            let old = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(dp) });
+            // SAFETY: `s` holds 8 f32 values.
+            let add = unsafe { _mm256_loadu_ps(s.as_ptr()) };
+            let sum = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(old, add));
+            // SAFETY: the 128 bits of `d` read above.
+            unsafe { _mm_storeu_si128(dp, sum) };
         }
+        let full = src.len() / LANES * LANES;
         let rest = src.len() - full;
         if rest > 0 {
             let mut w = [0.0f32; LANES];
             let mut h = [f16::ZERO; LANES];
             w[..rest].copy_from_slice(&src[full..]);
             h[..rest].copy_from_slice(&dst[full..]);
-            // SAFETY: both buffers hold LANES values.
-            unsafe {
-                let sum = _mm256_add_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast::<__m128i>())),
-                    _mm256_loadu_ps(w.as_ptr()),
-                );
-                let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(sum);
-                _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r);
-            }
+            // SAFETY: `h` holds LANES f16 values.
+            let old = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast::<__m128i>()) });
+            // SAFETY: `w` holds LANES f32 values.
+            let add = unsafe { _mm256_loadu_ps(w.as_ptr()) };
+            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(old, add));
+            // SAFETY: `h` holds LANES f16 values.
+            unsafe { _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r) };
             dst[full..].copy_from_slice(&h[..rest]);
         }
     }

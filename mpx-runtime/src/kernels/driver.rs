@@ -20,9 +20,10 @@ use half::slice::HalfFloatSliceExt;
 
 use super::mat::{MatRef, Operand};
 use super::pack::{PackElem, Src, pack_a, pack_b};
+use super::path::{forced_path, path_for};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
-use super::{KernelError, KernelPath, active_path, avx2, avx512, fp16, pool, portable};
+use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, pool, portable};
 
 /// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
 ///
@@ -43,46 +44,30 @@ pub(crate) struct Micro<T> {
     pub(crate) run: MicroFn<T>,
 }
 
-/// `C = A·B` (or `C += A·B` with `accumulate`) on the [active path](super::active_path). `C` is
+/// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
+/// [`with_path`](super::with_path), else the one chosen for these operands: f16 and bf16
+/// operands on their own instructions where the CPU has them, everything else on
+/// `detected_path`. `C` is
 /// row-major `A.rows x B.cols` f32.
 ///
 /// # Errors
 /// [`KernelError::InnerMismatch`], [`KernelError::OperandTooShort`] or
 /// [`KernelError::OutputLength`] when the shapes do not fit.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, MatRef};
-/// use mpx_runtime::precision::f16;
-/// let w = [f16::from_f32(1.0), f16::from_f32(2.0)]; // W: 1x2
-/// let x = [f16::from_f32(3.0), f16::from_f32(4.0)]; // X: 1x2
-/// let mut c = [0.0f32];
-/// // X · Wᵀ
-/// gemm(MatRef::row_major_f16(&x, 1, 2), MatRef::row_major_f16(&w, 1, 2).t(), &mut c, false).unwrap();
-/// assert_eq!(c, [11.0]);
-/// ```
 pub fn gemm(
     a: MatRef<'_>,
     b: MatRef<'_>,
     c: &mut [f32],
     accumulate: bool,
 ) -> Result<(), KernelError> {
-    gemm_on(active_path(), a, b, c, accumulate)
+    let path =
+        forced_path().unwrap_or_else(|| path_for(a.values(), b.values(), a.rows(), b.cols()));
+    gemm_on(path, a, b, c, accumulate)
 }
 
 /// [`gemm`] on an explicit path.
 ///
 /// # Errors
 /// As [`gemm`], and [`KernelError::Unsupported`] if this CPU lacks the path.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm_on, KernelPath, MatRef};
-/// let mut c = [1.0f32];
-/// let a = MatRef::row_major_f32(&[2.0], 1, 1);
-/// gemm_on(KernelPath::Portable, a, a, &mut c, true).unwrap();
-/// assert_eq!(c, [5.0]);
-/// ```
 pub fn gemm_on<'a>(
     path: KernelPath,
     a: MatRef<'a>,
@@ -105,7 +90,7 @@ pub(crate) fn gemm_threads<'a>(
 ) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
     let _count = CountTime(std::time::Instant::now());
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
     if m == 0 || n == 0 || k == 0 {
         if !accumulate {
             c.fill(0.0);
@@ -114,36 +99,55 @@ pub(crate) fn gemm_threads<'a>(
     }
     // each block zeroes its own part of C first (on its thread, just before using it)
     let zero = !accumulate;
-    if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) = (path, a.values, b.values)
+    if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) =
+        (path, a.values(), b.values())
     {
         let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
         let a = Src {
             data: bits(av),
-            rs: a.row_stride,
-            cs: a.col_stride,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
         };
         let b = Src {
             data: bits(bv),
-            rs: b.row_stride,
-            cs: b.col_stride,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
         };
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
+        return Ok(());
+    }
+    if let (KernelPath::Avx512Bf16, Operand::Bf16(av), Operand::Bf16(bv)) =
+        (path, a.values(), b.values())
+    {
+        // read in place: the values are rounded to bf16 while packing
+        let a = Src {
+            data: av,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
+        };
+        let b = Src {
+            data: bv,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
+        };
+        // SAFETY: `check` accepted the path: the CPU has AVX-512 F and AVX512-BF16.
+        unsafe { bf16::run((m, n, k), a, b, (c, zero), threads) };
         return Ok(());
     }
     with_wide(|[wa, wb]| {
         let a = Src {
             data: prepared(&a, wa),
-            rs: a.row_stride,
-            cs: a.col_stride,
+            rs: a.row_stride(),
+            cs: a.col_stride(),
         };
         let b = Src {
             data: prepared(&b, wb),
-            rs: b.row_stride,
-            cs: b.col_stride,
+            rs: b.row_stride(),
+            cs: b.col_stride(),
         };
         let dims = (m, n, k);
         match path {
-            KernelPath::Avx512Fp16 | KernelPath::Avx512 => {
+            KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16 | KernelPath::Avx512 => {
                 run(&avx512::micro(), dims, a, b, (c, zero), threads);
             }
             KernelPath::Avx2Fma => run_strided(&avx2::tiles(), dims, a, b, (c, zero), threads),
@@ -153,6 +157,9 @@ pub(crate) fn gemm_threads<'a>(
     Ok(())
 }
 
+/// Checks that the path runs here and the shapes fit: `A.cols == B.rows`, both views inside
+/// their slices, `C` holding `m x n` values. Every size is computed with checked arithmetic, so
+/// no shape wraps around into one that fits.
 fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<(), KernelError> {
     if !path.is_supported() {
         return Err(KernelError::Unsupported {
@@ -160,27 +167,21 @@ fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<
             supported: KernelPath::supported(),
         });
     }
-    if a.cols != b.rows {
+    if a.cols() != b.rows() {
         return Err(KernelError::InnerMismatch {
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows: b.rows,
-            b_cols: b.cols,
+            a_rows: a.rows(),
+            a_cols: a.cols(),
+            b_rows: b.rows(),
+            b_cols: b.cols(),
         });
     }
-    for (name, mat) in [("A", a), ("B", b)] {
-        if mat.needed() > mat.values.len() {
-            return Err(KernelError::OperandTooShort {
-                name,
-                needed: mat.needed(),
-                len: mat.values.len(),
-            });
-        }
-    }
-    if c.len() != a.rows * b.cols {
+    // the views are valid by construction; checked again, as cheaply, where the kernels rely on it
+    a.validate("A")?;
+    b.validate("B")?;
+    if a.rows().checked_mul(b.cols()) != Some(c.len()) {
         return Err(KernelError::OutputLength {
-            m: a.rows,
-            n: b.cols,
+            m: a.rows(),
+            n: b.cols(),
             len: c.len(),
         });
     }
@@ -211,8 +212,8 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
 /// conversion) and bf16 operands rounded into `buf`.
 fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
-    let n = m.needed();
-    match m.values {
+    let n = m.needed().expect("checked by `check`");
+    match m.values() {
         Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
             let buf = grown(buf, n);
@@ -243,15 +244,6 @@ impl Drop for CountTime {
 /// Total wall-clock nanoseconds spent inside [`gemm`] / [`gemm_on`] calls so far, summed over
 /// calling threads: the difference across a training step is that step's matmul time (for
 /// profiling; costs two clock reads per call).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, gemm_nanos, MatRef};
-/// let before = gemm_nanos();
-/// let mut c = [0.0f32];
-/// gemm(MatRef::row_major_f32(&[1.0], 1, 1), MatRef::row_major_f32(&[1.0], 1, 1), &mut c, false).unwrap();
-/// assert!(gemm_nanos() > before);
-/// ```
 pub fn gemm_nanos() -> u64 {
     GEMM_NANOS.load(Ordering::Relaxed)
 }
@@ -352,8 +344,8 @@ impl Out {
     /// Pointer to element `(r, col)` of a full `mr x nr` tile, checked to lie inside `C`.
     pub(crate) fn tile(&self, r: usize, col: usize, mr: usize, nr: usize) -> *mut f32 {
         assert!(r + mr <= self.rows && col + nr <= self.ld);
-        // SAFETY: `r * ld + col < rows * ld`, inside the borrowed slice (asserted above).
-        unsafe { self.ptr.add(r * self.ld + col) }
+        // `r * ld + col < rows * ld`: inside the borrowed slice (asserted above)
+        self.ptr.wrapping_add(r * self.ld + col)
     }
 
     /// Columns `col..col + len` of row `r`.
@@ -364,8 +356,9 @@ impl Out {
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn segment(&self, r: usize, col: usize, len: usize) -> &mut [f32] {
         assert!(r < self.rows && col + len <= self.ld);
+        let start = self.ptr.wrapping_add(r * self.ld + col);
         // SAFETY: in bounds (asserted above); exclusive by the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ld + col), len) }
+        unsafe { std::slice::from_raw_parts_mut(start, len) }
     }
 }
 
@@ -402,14 +395,14 @@ fn run_strided(
 /// Cuts `C` into the [`Grid`] of `threads` threads (one below [`PAR_MIN_WORK`]) and runs
 /// `task(out, rows, cols)` for each block on the calling thread and helpers of the pool.
 #[allow(clippy::type_complexity)]
-fn split(
+pub(crate) fn split(
     (m, n, kd): (usize, usize, usize),
     (mr, nr): (usize, usize),
     c: &mut [f32],
     threads: usize,
     task: &(dyn Fn(Out, (usize, usize), (usize, usize)) + Sync),
 ) {
-    let threads = if m * n * kd < PAR_MIN_WORK {
+    let threads = if m.saturating_mul(n).saturating_mul(kd) < PAR_MIN_WORK {
         1
     } else {
         threads.max(1)

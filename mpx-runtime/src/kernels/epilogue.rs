@@ -10,12 +10,6 @@ use half::slice::HalfFloatSliceExt;
 use super::KernelError;
 
 /// The activation fused after a Linear layer's GEMM.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::Activation;
-/// assert_eq!(Activation::default(), Activation::Identity);
-/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activation {
     /// `y = z`.
@@ -26,16 +20,8 @@ pub enum Activation {
 }
 
 /// A destination of a pass: f32 or f16 values.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{add_f32_into, Dst};
-/// let mut g = [1.0f32, 2.0];
-/// add_f32_into(&[1.0, 1.0], Dst::F32(&mut g)).unwrap();
-/// assert_eq!(g, [2.0, 3.0]);
-/// ```
 #[derive(Debug)]
-pub enum Dst<'a> {
+pub(crate) enum Dst<'a> {
     /// f32 values (also emulated bf16 storage).
     F32(&'a mut [f32]),
     /// f16 values (also `AMP<f16>`, viewed as f16).
@@ -67,18 +53,10 @@ fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), Ker
 /// row-major `rows x bias.len()` GEMM result and is overwritten with the f32 values.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `acc` is not a whole number of rows of `bias.len()`, or `out`'s
-/// length differs from `acc`'s.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{bias_act_into, Activation, Dst};
-/// let mut acc = [1.0f32, -3.0, 0.5, 0.5];
-/// let mut out = [0.0f32; 4];
-/// bias_act_into(&mut acc, &[1.0, 1.0], Activation::ReLU, Dst::F32(&mut out)).unwrap();
-/// assert_eq!(out, [2.0, 0.0, 1.5, 1.5]);
-/// ```
-pub fn bias_act_into(
+/// [`KernelError::EmptyRow`] if `bias` is empty, [`KernelError::NotWholeRows`] if `acc` is not a
+/// whole number of rows of `bias.len()`, [`KernelError::Length`] if `out`'s length differs from
+/// `acc`'s.
+pub(crate) fn bias_act_into(
     acc: &mut [f32],
     bias: &[f32],
     act: Activation,
@@ -86,13 +64,7 @@ pub fn bias_act_into(
 ) -> Result<(), KernelError> {
     let cols = bias.len();
     expect_len("out", out.len(), acc.len())?;
-    if cols == 0 || !acc.len().is_multiple_of(cols) {
-        return Err(KernelError::Length {
-            what: "acc (whole rows of bias.len())",
-            len: acc.len(),
-            expected: acc.len() - acc.len() % cols.max(1),
-        });
-    }
+    whole_rows("acc", acc.len(), "bias", cols)?;
     let rows = acc.chunks_exact_mut(cols);
     match (act, out) {
         (Activation::Identity, Dst::F32(o)) => {
@@ -128,42 +100,21 @@ pub fn bias_act_into(
 /// `ReLU`'s derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
-///
-/// # Examples
-/// ```
-/// let m = mpx_runtime::kernels::ReluMask::from_f32(&[0.5, -1.0]);
-/// assert!(m.get(0) && !m.get(1));
-/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReluMask {
+pub(crate) struct ReluMask {
     bits: Vec<u64>,
     len: usize,
 }
 
 impl ReluMask {
     /// The mask of `ReLU` outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::ReluMask;
-    /// use mpx_runtime::precision::f16;
-    /// let m = ReluMask::from_f16(&[f16::from_f32(1.0), f16::ZERO, f16::NAN]);
-    /// assert_eq!(m.len(), 3);
-    /// assert_eq!((m.get(0), m.get(1), m.get(2)), (true, false, false));
-    /// ```
-    pub fn from_f16(y: &[f16]) -> Self {
+    pub(crate) fn from_f16(y: &[f16]) -> Self {
         let yb: &[u16] = y.reinterpret_cast();
         Self::from_values(yb, |&b| b.wrapping_sub(1) < 0x7c00)
     }
 
     /// The mask of `ReLU` outputs `y` in f32: `y > 0`.
-    ///
-    /// # Examples
-    /// ```
-    /// let m = mpx_runtime::kernels::ReluMask::from_f32(&[-0.0, 2.0]);
-    /// assert_eq!((m.get(0), m.get(1)), (false, true));
-    /// ```
-    pub fn from_f32(y: &[f32]) -> Self {
+    pub(crate) fn from_f32(y: &[f32]) -> Self {
         Self::from_values(y, |&v| v > 0.0)
     }
 
@@ -181,32 +132,12 @@ impl ReluMask {
     }
 
     /// Number of elements.
-    ///
-    /// # Examples
-    /// ```
-    /// assert!(mpx_runtime::kernels::ReluMask::from_f32(&[]).is_empty());
-    /// ```
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the mask has no elements.
-    ///
-    /// # Examples
-    /// ```
-    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).is_empty());
-    /// ```
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether element `i` passes (false past the end).
-    ///
-    /// # Examples
-    /// ```
-    /// assert!(!mpx_runtime::kernels::ReluMask::from_f32(&[1.0]).get(5));
-    /// ```
-    pub fn get(&self, i: usize) -> bool {
+    pub(crate) fn get(&self, i: usize) -> bool {
         i < self.len && (self.bits[i / 64] >> (i % 64)) & 1 == 1
     }
 
@@ -239,21 +170,10 @@ impl ReluMask {
 /// then adds the column sums of (masked) `dy` to `bias_grad` in f32.
 ///
 /// # Errors
-/// [`KernelError::Length`] if `dy` is not whole rows of `bias_grad.len()`, or the mask's length
-/// differs from `dy`'s.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f16};
-/// use mpx_runtime::precision::f16;
-/// let h = |v: [f32; 4]| v.map(f16::from_f32);
-/// let (mut dy, y) = (h([1.0, 2.0, 3.0, 4.0]), h([0.5, 0.0, 1.0, 2.0]));
-/// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f16(&mut dy, Some(&ReluMask::from_f16(&y)), &mut db).unwrap();
-/// assert_eq!(dy, h([1.0, 0.0, 3.0, 4.0]));
-/// assert_eq!(db, [4.0, 4.0]);
-/// ```
-pub fn relu_mask_bias_grad_f16(
+/// [`KernelError::EmptyRow`] if `bias_grad` is empty, [`KernelError::NotWholeRows`] if `dy` is
+/// not whole rows of `bias_grad.len()`, [`KernelError::Length`] if the mask's length differs from
+/// `dy`'s.
+pub(crate) fn relu_mask_bias_grad_f16(
     dy: &mut [f16],
     mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
@@ -279,17 +199,7 @@ pub fn relu_mask_bias_grad_f16(
 ///
 /// # Errors
 /// As [`relu_mask_bias_grad_f16`].
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{ReluMask, relu_mask_bias_grad_f32};
-/// let (mut dy, y) = ([1.0f32, 2.0, 3.0, 4.0], [-0.0f32, 1.0, 1.0, f32::NAN]);
-/// let mut db = [0.0f32; 2];
-/// relu_mask_bias_grad_f32(&mut dy, Some(&ReluMask::from_f32(&y)), &mut db).unwrap();
-/// assert_eq!(dy, [0.0, 2.0, 3.0, 0.0]);
-/// assert_eq!(db, [3.0, 2.0]);
-/// ```
-pub fn relu_mask_bias_grad_f32(
+pub(crate) fn relu_mask_bias_grad_f32(
     dy: &mut [f32],
     mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
@@ -310,13 +220,28 @@ pub fn relu_mask_bias_grad_f32(
 
 fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelError> {
     if let Some(y) = y {
-        expect_len("y", y, dy)?;
+        expect_len("mask", y, dy)?;
     }
-    if cols == 0 || !dy.is_multiple_of(cols) {
-        return Err(KernelError::Length {
-            what: "dy (whole rows of bias_grad.len())",
-            len: dy,
-            expected: dy - dy % cols.max(1),
+    whole_rows("dy", dy, "bias_grad", cols)
+}
+
+/// Checks that `len` values (of `what`) are whole rows of `row_len` (the length of `row_what`),
+/// and that rows are not empty.
+fn whole_rows(
+    what: &'static str,
+    len: usize,
+    row_what: &'static str,
+    row_len: usize,
+) -> Result<(), KernelError> {
+    if row_len == 0 {
+        return Err(KernelError::EmptyRow { what: row_what });
+    }
+    if !len.is_multiple_of(row_len) {
+        return Err(KernelError::NotWholeRows {
+            what,
+            len,
+            row_len,
+            row_what,
         });
     }
     Ok(())
@@ -327,16 +252,7 @@ fn check_rows(dy: usize, y: Option<usize>, cols: usize) -> Result<(), KernelErro
 ///
 /// # Errors
 /// [`KernelError::Length`] if the lengths differ.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{add_f32_into, Dst};
-/// use mpx_runtime::precision::f16;
-/// let mut g = [f16::from_f32(1.0); 3];
-/// add_f32_into(&[0.5, 1.0, 2.0], Dst::F16(&mut g)).unwrap();
-/// assert_eq!(g.map(f32::from), [1.5, 2.0, 3.0]);
-/// ```
-pub fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError> {
+pub(crate) fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError> {
     expect_len("dst", dst.len(), src.len())?;
     match dst {
         Dst::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),

@@ -3,15 +3,6 @@
 use super::KernelPath;
 
 /// A kernel call with operands that do not fit together, or a path the CPU lacks.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, KernelError, MatRef};
-/// let a = [0.0f32; 6];
-/// let mut c = [0.0f32; 4];
-/// let e = gemm(MatRef::row_major_f32(&a, 2, 3), MatRef::row_major_f32(&a, 2, 3), &mut c, false);
-/// assert!(matches!(e, Err(KernelError::InnerMismatch { .. })));
-/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelError {
     /// The inner dimensions of `A` (m x k) and `B` (k x n) differ.
@@ -40,8 +31,25 @@ pub enum KernelError {
         /// Elements present.
         len: usize,
     },
-    /// The output slice does not hold m x n values.
-    #[error("GEMM output holds {len} values, expected m x n = {m}x{n}")]
+    /// An operand's shape and strides reach an element whose offset does not fit in `usize`: no
+    /// slice can hold it.
+    #[error(
+        "GEMM operand {name} is {rows}x{cols} with row stride {row_stride} and column stride {col_stride}: its last element's offset overflows usize"
+    )]
+    OperandOverflow {
+        /// "A", "B" or "operand".
+        name: &'static str,
+        /// Rows of the view.
+        rows: usize,
+        /// Columns of the view.
+        cols: usize,
+        /// Distance between rows.
+        row_stride: usize,
+        /// Distance between columns.
+        col_stride: usize,
+    },
+    /// The output slice does not hold m x n values (or m x n overflows `usize`).
+    #[error("GEMM output holds {len} values, expected m x n = {m}x{n} values")]
     OutputLength {
         /// Rows of C.
         m: usize,
@@ -59,6 +67,28 @@ pub enum KernelError {
         len: usize,
         /// The length required.
         expected: usize,
+    },
+    /// A row length of zero was given to an element-wise pass (an empty bias or bias gradient).
+    #[error(
+        "element-wise pass: {what} is empty; it sets the row length and must hold at least one value"
+    )]
+    EmptyRow {
+        /// Which slice.
+        what: &'static str,
+    },
+    /// A slice of an element-wise pass is not a whole number of rows.
+    #[error(
+        "element-wise pass: {what} has {len} values, not a whole number of rows of {row_len} (the length of {row_what})"
+    )]
+    NotWholeRows {
+        /// Which slice.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The row length.
+        row_len: usize,
+        /// The slice that sets the row length.
+        row_what: &'static str,
     },
     /// A thread count of zero was asked for.
     #[error(

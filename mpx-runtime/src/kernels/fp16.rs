@@ -36,38 +36,42 @@ unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
         _mm512_loadu_si512, _mm512_set1_epi16, _mm512_setzero_si512, _mm512_storeu_ps,
     };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
-    // SAFETY: the caller guarantees AVX-512 F/BW/FP16; packed-operand offsets stay within the
-    // lengths asserted above (p < kc, i < MR, column offsets < NR); the caller guarantees the C
-    // tile; unaligned loads and stores.
-    unsafe {
-        let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c);
-        let mut start = 0;
-        while start < kc {
-            let end = kc.min(start + FP16_FLUSH);
-            let zero = _mm512_castsi512_ph(_mm512_setzero_si512());
-            let mut acc = [[zero; 2]; MR];
-            for p in start..end {
-                let b0 = _mm512_castsi512_ph(_mm512_loadu_si512(bp.add(p * NR).cast()));
-                let b1 = _mm512_castsi512_ph(_mm512_loadu_si512(bp.add(p * NR + 32).cast()));
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let av = _mm512_castsi512_ph(_mm512_set1_epi16(*ap.add(p * MR + i) as i16));
-                    row[0] = _mm512_fmadd_ph(av, b0, row[0]);
-                    row[1] = _mm512_fmadd_ph(av, b1, row[1]);
-                }
+    let mut start = 0;
+    while start < kc {
+        let end = kc.min(start + FP16_FLUSH);
+        let zero = _mm512_castsi512_ph(_mm512_setzero_si512());
+        let mut acc = [[zero; 2]; MR];
+        for p in start..end {
+            let ap: &[u16; MR] = a[p * MR..(p + 1) * MR].try_into().expect("MR values");
+            let bp: &[u16; NR] = b[p * NR..(p + 1) * NR].try_into().expect("NR values");
+            let (lo, hi) = bp.split_at(32);
+            // SAFETY: `lo` holds 32 u16, 64 bytes; the load is unaligned.
+            let b0 = _mm512_castsi512_ph(unsafe { _mm512_loadu_si512(lo.as_ptr().cast()) });
+            // SAFETY: `hi` holds 32 u16.
+            let b1 = _mm512_castsi512_ph(unsafe { _mm512_loadu_si512(hi.as_ptr().cast()) });
+            for (row, &x) in acc.iter_mut().zip(ap) {
+                let av = _mm512_castsi512_ph(_mm512_set1_epi16(x as i16));
+                row[0] = _mm512_fmadd_ph(av, b0, row[0]);
+                row[1] = _mm512_fmadd_ph(av, b1, row[1]);
             }
-            for (i, row) in acc.iter().enumerate() {
-                for (h, v) in row.iter().enumerate() {
-                    let bits = _mm512_castph_si512(*v);
-                    let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
-                    let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(bits));
-                    let dst = cp.add(i * ldc + h * 32);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), lo));
-                    let dst = dst.add(16);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), hi));
-                }
-            }
-            start = end;
         }
+        for (i, row) in acc.iter().enumerate() {
+            for (h, v) in row.iter().enumerate() {
+                let bits = _mm512_castph_si512(*v);
+                let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+                let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(bits));
+                for (part, sum) in [(0, lo), (16, hi)] {
+                    let dst = c.wrapping_add(i * ldc + h * 32 + part);
+                    // SAFETY: C(i, 32h + part..+16) of the tile the caller lends us (`i < MR`,
+                    // `32h + part + 16 <= NR`).
+                    let old = unsafe { _mm512_loadu_ps(dst) };
+                    let new = _mm512_add_ps(old, sum);
+                    // SAFETY: as above; no one else accesses the tile during the call.
+                    unsafe { _mm512_storeu_ps(dst, new) };
+                }
+            }
+        }
+        start = end;
     }
 }
 

@@ -1,18 +1,14 @@
 //! [`MatRef`]: a strided view of a GEMM operand in f32, f16 or (emulated) bf16.
+//!
+//! A `MatRef` is valid by construction: its constructors check, with checked arithmetic, that
+//! every element its shape and strides reach lies inside its slice, and its fields are private,
+//! so no view can name an element past the slice (or an offset past `usize::MAX`).
 
 use half::f16;
 
+use super::KernelError;
+
 /// The values of an operand and how the kernel reads them.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{gemm, MatRef, Operand};
-/// // 1 + 2^-9 is not a bf16 value: as Bf16 it is read as 1.0
-/// let a = [1.0f32 + 1.0 / 512.0];
-/// let mut c = [0.0f32];
-/// gemm(MatRef::row_major(Operand::Bf16(&a), 1, 1), MatRef::row_major_f32(&[1.0], 1, 1), &mut c, false).unwrap();
-/// assert_eq!(c, [1.0]);
-/// ```
 #[derive(Debug, Clone, Copy)]
 pub enum Operand<'a> {
     /// f32 values.
@@ -34,79 +30,64 @@ impl Operand<'_> {
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{MatRef, Operand};
-/// let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-/// // every other column of a 2x6 matrix, as a 2x3 view
-/// let m = MatRef { values: Operand::F32(&v), rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
-/// assert_eq!(m.t().rows, 3);
-/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
-    /// The values.
-    pub values: Operand<'a>,
-    /// Number of rows.
-    pub rows: usize,
-    /// Number of columns.
-    pub cols: usize,
-    /// Distance between rows.
-    pub row_stride: usize,
-    /// Distance between columns.
-    pub col_stride: usize,
+    values: Operand<'a>,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
 }
 
 impl<'a> MatRef<'a> {
-    /// A row-major `rows x cols` view of any operand.
+    /// A `rows x cols` view with element `(i, j)` at `values[i * row_stride + j * col_stride]`.
     ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::{MatRef, Operand};
-    /// let v = [1.0f32; 6];
-    /// let m = MatRef::row_major(Operand::Bf16(&v), 2, 3);
-    /// assert_eq!((m.rows, m.cols, m.row_stride, m.col_stride), (2, 3, 3, 1));
-    /// ```
-    pub fn row_major(values: Operand<'a>, rows: usize, cols: usize) -> Self {
-        Self {
+    /// # Errors
+    /// [`KernelError::OperandTooShort`] if the last element the view reaches lies past the
+    /// slice, [`KernelError::OperandOverflow`] if its offset does not even fit in `usize`.
+    pub fn new(
+        values: Operand<'a>,
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Result<Self, KernelError> {
+        let m = Self {
             values,
             rows,
             cols,
-            row_stride: cols,
-            col_stride: 1,
-        }
+            row_stride,
+            col_stride,
+        };
+        m.validate("operand")?;
+        Ok(m)
+    }
+
+    /// A row-major `rows x cols` view of any operand.
+    ///
+    /// # Errors
+    /// As [`MatRef::new`]: the slice must hold `rows x cols` values.
+    pub fn row_major(values: Operand<'a>, rows: usize, cols: usize) -> Result<Self, KernelError> {
+        Self::new(values, rows, cols, cols, 1)
     }
 
     /// A row-major view of f32 values.
     ///
-    /// # Examples
-    /// ```
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f32(&[0.0; 6], 3, 2);
-    /// assert_eq!(m.t().rows, 2);
-    /// ```
-    pub fn row_major_f32(values: &'a [f32], rows: usize, cols: usize) -> Self {
+    /// # Errors
+    /// As [`MatRef::row_major`].
+    pub fn row_major_f32(values: &'a [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
         Self::row_major(Operand::F32(values), rows, cols)
     }
 
     /// A row-major view of f16 values.
     ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::precision::f16;
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f16(&[f16::ONE; 4], 2, 2);
-    /// assert_eq!(m.cols, 2);
-    /// ```
-    pub fn row_major_f16(values: &'a [f16], rows: usize, cols: usize) -> Self {
+    /// # Errors
+    /// As [`MatRef::row_major`].
+    pub fn row_major_f16(values: &'a [f16], rows: usize, cols: usize) -> Result<Self, KernelError> {
         Self::row_major(Operand::F16(values), rows, cols)
     }
 
-    /// The transpose: the same values, rows and columns swapped.
-    ///
-    /// # Examples
-    /// ```
-    /// let m = mpx_runtime::kernels::MatRef::row_major_f32(&[0.0; 6], 2, 3).t();
-    /// assert_eq!((m.rows, m.cols, m.row_stride, m.col_stride), (3, 2, 1, 3));
-    /// ```
+    /// The transpose: the same values, rows and columns swapped (valid, as `self` is).
     #[must_use]
     pub fn t(self) -> Self {
         Self {
@@ -118,12 +99,57 @@ impl<'a> MatRef<'a> {
         }
     }
 
-    /// Elements the view reaches (0 for an empty matrix).
-    pub(crate) fn needed(&self) -> usize {
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Number of columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The values.
+    pub(crate) fn values(&self) -> Operand<'a> {
+        self.values
+    }
+
+    /// Distance between rows.
+    pub(crate) fn row_stride(&self) -> usize {
+        self.row_stride
+    }
+
+    /// Distance between columns.
+    pub(crate) fn col_stride(&self) -> usize {
+        self.col_stride
+    }
+
+    /// Elements the view reaches (0 for an empty matrix): `(rows - 1)·row_stride + (cols -
+    /// 1)·col_stride + 1`, or `None` if that does not fit in `usize`.
+    pub(crate) fn needed(&self) -> Option<usize> {
         if self.rows == 0 || self.cols == 0 {
-            0
-        } else {
-            (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride + 1
+            return Some(0);
+        }
+        (self.rows - 1)
+            .checked_mul(self.row_stride)?
+            .checked_add((self.cols - 1).checked_mul(self.col_stride)?)?
+            .checked_add(1)
+    }
+
+    /// Checks that every element the view reaches lies inside its slice; `name` names the
+    /// operand in the error.
+    pub(crate) fn validate(&self, name: &'static str) -> Result<(), KernelError> {
+        let len = self.values.len();
+        match self.needed() {
+            None => Err(KernelError::OperandOverflow {
+                name,
+                rows: self.rows,
+                cols: self.cols,
+                row_stride: self.row_stride,
+                col_stride: self.col_stride,
+            }),
+            Some(needed) if needed > len => Err(KernelError::OperandTooShort { name, needed, len }),
+            Some(_) => Ok(()),
         }
     }
 }

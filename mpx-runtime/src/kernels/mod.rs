@@ -3,14 +3,22 @@
 //! limited to AVX2 with one f16 conversion per element; these pick the CPU's best instructions at
 //! run time.
 //!
+//! Internal to the crate: the layers of [`nn`](crate::nn) and the precisions of
+//! [`precision`](crate::precision) are their users. mpx's own benchmarks and tests reach a few
+//! hooks through the hidden `mpx_runtime::__bench` ([`bench`]), which is not a public API.
+//!
 //! # Paths
-//! A [`KernelPath`] names the instruction set the arithmetic runs on. [`detected_path`] picks the
-//! best one the CPU has (with `is_x86_feature_detected!`, once, cached); [`with_path`] forces one
-//! for the current thread (tests and benchmarks run every path the CPU supports this way).
+//! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, f16 and
+//! bf16 operands run on their own instructions where the CPU has them (AVX512-FP16,
+//! AVX512-BF16), and everything else on the fastest of the paths that compute the same bits,
+//! measured on first use ([`calibration`]; separately for thin products, [`detected_path`](path::detected_path) for
+//! the others). [`with_path`] forces one for the
+//! current thread (tests and benchmarks run every path the CPU supports this way).
 //!
 //! | path | f32 operands | f16 operands | bf16 operands (f32 storage) |
 //! |---|---|---|---|
 //! | [`KernelPath::Avx512Fp16`] | f32 FMA, AVX-512 | **f16 FMA** (`vfmadd231ph`), sums moved to f32 every [`FP16_FLUSH`] products | rounded to bf16 while packing, f32 FMA, AVX-512 |
+//! | [`KernelPath::Avx512Bf16`] | f32 FMA, AVX-512 | widened to f32, f32 FMA | **bf16 pair dot products** (`vdpbf16ps`), f32 sums (see `bf16.rs`) |
 //! | [`KernelPath::Avx512`] | f32 FMA, AVX-512 | widened to f32 while packing, f32 FMA | as f32, after rounding |
 //! | [`KernelPath::Avx2Fma`] | f32 FMA, AVX2 | widened, f32 FMA | as f32, after rounding |
 //! | [`KernelPath::Portable`] | plain Rust | widened, plain Rust | as f32, after rounding |
@@ -18,11 +26,18 @@
 //! # Threads
 //! A large product (at least 2^21 multiply-adds) runs on all the machine's hardware threads
 //! ([`available_threads`]): it is cut into blocks of the output that the calling thread and the
-//! helper threads of a small persistent pool (started on first use) claim one at a time. Each output element is
-//! computed by the same instructions in the same order whatever the thread count, so results are
-//! bit-identical. [`set_max_threads`] caps the count process-wide, [`with_threads`] forces it for
-//! the current thread (tests and benchmarks). (dfdx 0.13's CPU matmul also uses all cores,
-//! through rayon.)
+//! helper threads of a small persistent pool (started on first use) claim one at a time. Each
+//! output element is computed by the same instructions in the same order whatever the thread
+//! count, so results are bit-identical. [`with_threads`] forces the count for the current thread
+//! (tests and benchmarks). (dfdx 0.13's CPU matmul also uses all cores, through rayon.)
+//!
+//! The pool stays because it measured faster than `std::thread::scope`, which starts threads for
+//! each product: on the 9 products of the MLP step (f32, 2 threads, a 2-core Zen 4 EPYC shared
+//! with other work) scope took 1.42x, 1.39x and 1.20x the pool's median time in three runs (e.g.
+//! 23.2 ms against 19.4 ms per step, quartiles 19.5-27.5 against 15.4-22.1;
+//! `cargo run --release --example bench_kernels`, its helper-threads table). Scoped threads also
+//! start with empty packing buffers, so every product pays their allocation and page faults
+//! again; the pool's helpers keep theirs.
 //!
 //! # Error bounds
 //! Let `u32 = 2^-24` and `u16 = 2^-11` be the unit roundoffs of f32 and f16, `γ(n, u) =
@@ -40,17 +55,31 @@
 //!   larger. Typical errors are far below both (random-sign terms cancel their roundings). A partial sum past 65504 overflows to infinity, as any f16
 //!   sum would; the mixed step's loss scaling treats it as any other overflow.
 //!
-//! [`fp16_error_bound`] and [`f32_error_bound`] compute these bounds; the tests check every path
-//! against an f64 reference with them.
+//! - [`KernelPath::Avx512Bf16`] on bf16 operands: the products are exact as above, but subnormal
+//!   bf16 inputs are read as zero and tiny results flushed to zero, and each k block of 256 is
+//!   summed from zero and then added to `C`. Against the exact sum `c'` over the operands with
+//!   subnormals read as zero (and `S'` likewise), with `R = ceil(K / 256)`:
+//!   `|ĉ - c'| ≤ γ(K + R, u32)·S' + 2K·2^-126`. It differs from the f32 FMA paths on the same
+//!   operands only in the order inside each pair of k (the odd one is added first) and in the
+//!   flushing.
+//!
+//! [`fp16_error_bound`], [`bf16_error_bound`] and [`f32_error_bound`] compute these bounds; the
+//! tests check every path against an f64 reference with them.
 //!
 //! # Safety
-//! `unsafe` in mpx lives only in this module: the SIMD micro-kernels (each runs only after its
-//! features were detected; the AVX2 one reads tiles of A and B through pointers and strides, in
-//! place or packed, whose ranges `strided.rs` checks against the operand slices), the F16C slice
+//! Most of mpx's `unsafe` is in this module, though not all of it: `precision/` reinterprets
+//! `AMP<f16>` slices as f16 ones and float slices as their bits (`slices.rs`, `impls.rs`), and
+//! `mx/block.rs` calls its row loops compiled for AVX2 after detecting it. Here: the SIMD micro-kernels (each runs only after its features
+//! were detected; the AVX2 one reads tiles of A and B through pointers and strides, in place or
+//! packed, whose ranges `strided.rs` checks against the operand slices), the F16C slice
 //! conversions (`convert.rs`, same condition), the AVX transpose that packs f32 panels with k
-//! contiguous (`transpose.rs`), two peak-throughput loops, and the driver's shared view of the
-//! output, through which threads write disjoint blocks of it. The rest of packing and the
-//! element-wise passes are safe Rust over slices.
+//! contiguous (`transpose.rs`), the peak-throughput loops, the driver's shared view of the output
+//! through which threads write disjoint blocks of it, and the pool's hand-off of a borrowed task
+//! to its helper threads (`pool.rs`). Every `unsafe` block holds one unsafe operation and says
+//! why it is sound (`// SAFETY:`; clippy's `undocumented_unsafe_blocks` and
+//! `multiple_unsafe_ops_per_block` check it). The rest of packing and the element-wise passes are
+//! safe Rust over slices. Sizes and offsets computed from callers' shapes use checked arithmetic
+//! ([`MatRef`]'s constructors), so no shape wraps around into one that seems to fit.
 //!
 //! # Small and thin products
 //! On [`KernelPath::Avx2Fma`] a block of an operand that would be read only a few times (A in a
@@ -58,23 +87,13 @@
 //! where it is instead of being packed first, and the first k block writes `C` instead of
 //! zeroing it and adding. Neither changes a bit of the result: each output element is the same
 //! FMA chain in the same order.
-//!
-//! # Examples
-//! ```
-//! use mpx_runtime::kernels::{gemm, KernelPath, MatRef};
-//! // C (2x2) = A (2x3) · B (3x2)
-//! let a = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-//! let b = [1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0];
-//! let mut c = [0.0f32; 4];
-//! gemm(MatRef::row_major_f32(&a, 2, 3), MatRef::row_major_f32(&b, 3, 2), &mut c, false).unwrap();
-//! assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
-//! ```
 
 // The AVX-512 intrinsics are stable since Rust 1.89 and the AVX512-FP16 ones since 1.94: the
 // workspace's `rust-version` is 1.94 for this module.
 
 mod avx2;
 mod avx512;
+mod bf16;
 mod convert;
 mod driver;
 mod epilogue;
@@ -86,29 +105,50 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
+mod scratch;
 mod strided;
 mod threads;
 mod transpose;
 
 pub(crate) use convert::{round_f16, widen_f16};
-pub use driver::{gemm, gemm_nanos, gemm_on};
-pub use epilogue::{
-    Activation, Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,
-    relu_mask_bias_grad_f32,
+pub(crate) use driver::gemm;
+pub use driver::{gemm_nanos, gemm_on};
+pub use epilogue::Activation;
+pub(crate) use epilogue::{
+    Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 pub use error::KernelError;
 pub use mat::{MatRef, Operand};
-pub use path::{KernelPath, active_path, detected_path, with_path};
+pub use path::{Calibration, KernelPath, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
-pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
+pub(crate) use scratch::with_scratch;
+pub use threads::{available_threads, max_threads, with_threads};
+
+/// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path
+/// or a thread count, time a product, read the error bounds. Not a public API.
+pub mod bench {
+    pub use super::driver::gemm;
+    pub use super::{
+        Calibration, KernelError, KernelPath, MatRef, Operand, active_path, available_threads,
+        bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,
+        max_threads, peak_fma_flops, use_scoped_threads, with_path, with_threads,
+    };
+
+    /// `with_scratch` for the benchmark of allocation per call against
+    /// kept scratch.
+    pub fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        super::with_scratch(n, f)
+    }
+}
+
+/// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`): for
+/// the benchmark comparing the two (see `pool.rs`).
+pub fn use_scoped_threads(on: bool) {
+    pool::use_scoped_threads(on);
+}
 
 /// The f16 FMA path moves its partial sums into f32 after at most this many products.
-///
-/// # Examples
-/// ```
-/// assert_eq!(mpx_runtime::kernels::FP16_FLUSH, 32);
-/// ```
-pub const FP16_FLUSH: usize = 32;
+pub(crate) const FP16_FLUSH: usize = 32;
 
 /// `γ(n, u) = n·u / (1 - n·u)`, the classic bound on the relative error of an n-term sum.
 fn gamma(n: usize, u: f64) -> f64 {
@@ -121,31 +161,28 @@ fn gamma(n: usize, u: f64) -> f64 {
 }
 
 /// The error bound of the f32 FMA paths for inner dimension `k`, as a multiple of `S = Σ|a||b|`
-/// (see the [module docs](self)).
-///
-/// # Examples
-/// ```
-/// let b = mpx_runtime::kernels::f32_error_bound(1024);
-/// assert!(b > 6.1e-5 && b < 6.2e-5); // 1024 · 2^-24
-/// ```
+/// (see the kernels' module docs).
 pub fn f32_error_bound(k: usize) -> f64 {
     gamma(k, 2f64.powi(-24))
 }
 
 /// The error bound of [`KernelPath::Avx512Fp16`] on f16 operands for inner dimension `k`:
-/// `(relative, absolute)`, meaning `|ĉ - c| ≤ relative·S + absolute` (see the [module docs](self)).
-///
-/// # Examples
-/// ```
-/// let (rel, abs) = mpx_runtime::kernels::fp16_error_bound(512);
-/// assert!(rel > 0.0158 && rel < 0.0161);
-/// assert_eq!(abs, 512.0 * 2f64.powi(-25));
-/// ```
+/// `(relative, absolute)`, meaning `|ĉ - c| ≤ relative·S + absolute` (see the kernels' module docs).
 pub fn fp16_error_bound(k: usize) -> (f64, f64) {
     let runs = k.div_ceil(FP16_FLUSH);
     (
         gamma(FP16_FLUSH.min(k.max(1)), 2f64.powi(-11)) + gamma(runs + 1, 2f64.powi(-24)),
         k as f64 * 2f64.powi(-25),
+    )
+}
+
+/// The error bound of [`KernelPath::Avx512Bf16`] on bf16 operands for inner dimension `k`:
+/// `(relative, absolute)`, meaning `|ĉ - c'| ≤ relative·S' + absolute`, where `c'` and `S'` are
+/// taken over the bf16 operands with subnormal values read as zero (see the kernels' module docs).
+pub fn bf16_error_bound(k: usize) -> (f64, f64) {
+    (
+        gamma(k + k.div_ceil(bf16::KC), 2f64.powi(-24)),
+        2.0 * k as f64 * 2f64.powi(-126),
     )
 }
 

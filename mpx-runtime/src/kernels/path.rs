@@ -1,24 +1,37 @@
-//! [`KernelPath`]: which instructions the kernels use, detected once and overridable per thread.
+//! [`KernelPath`]: which instructions the kernels use, chosen once per process (by measurement
+//! where the candidates compute the same bits) and overridable per thread.
+//!
+//! # How the path is chosen
+//! The widest vectors are not always the fastest: on Zen 4 a 512-bit f32 FMA runs as two 256-bit
+//! halves, and the 6 x 16 AVX2 kernel, which reads small and thin operands in place, beats the
+//! 8 x 32 AVX-512 one (measured from outside: 1.05x on an MLP's products, 2.7x on an `n = 10`
+//! product, 1.39x on small ones), and on another Zen 4 machine the AVX-512 kernel won on all but
+//! the thin products. So on first use a short [calibration](calibration) times a few small
+//! products (one thread, well under a millisecond in all) on each candidate and keeps the
+//! fastest, cached for the process: once for thin products (`m` or `n` at most [`THIN`]) and
+//! once for the others.
+//!
+//! Only paths that compute **the same bits** compete: [`KernelPath::Avx512`] and
+//! [`KernelPath::Avx2Fma`] run the same FMA chain per output in the same order (the tests check
+//! it bit for bit), so the choice changes speed, never results. Paths with other arithmetic are
+//! chosen by operand type, not by timing: f16 operands take [`KernelPath::Avx512Fp16`] and bf16
+//! operands [`KernelPath::Avx512Bf16`] where the CPU has them; the portable loop only where
+//! neither FMA path runs.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use super::KernelError;
+use super::{KernelError, MatRef, Operand};
 
-/// The instruction set a kernel runs on. See the [module docs](super) for what each does with
+/// The instruction set a kernel runs on. See the kernels' module docs for what each does with
 /// f32, f16 and bf16 operands.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::KernelPath;
-/// for path in KernelPath::ALL {
-///     println!("{path:?}: {}", if path.is_supported() { "supported" } else { "not on this CPU" });
-/// }
-/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
     /// AVX-512 F with AVX512-FP16: f16 operands are multiplied and summed in f16.
     Avx512Fp16,
+    /// AVX-512 F, BW and VL with AVX512-BF16: bf16 operands are multiplied in pairs and summed in
+    /// f32 (`vdpbf16ps`); f32 and f16 operands as on [`KernelPath::Avx512`].
+    Avx512Bf16,
     /// AVX-512 F: f32 FMA on 16 lanes.
     Avx512,
     /// AVX2 with FMA: f32 FMA on 8 lanes.
@@ -28,21 +41,17 @@ pub enum KernelPath {
 }
 
 impl KernelPath {
-    /// Every path, fastest first.
-    pub const ALL: [KernelPath; 4] = [
+    /// Every path, the widest instructions first (which is fastest depends on the CPU: see
+    /// [`calibration`]).
+    pub const ALL: [KernelPath; 5] = [
         KernelPath::Avx512Fp16,
+        KernelPath::Avx512Bf16,
         KernelPath::Avx512,
         KernelPath::Avx2Fma,
         KernelPath::Portable,
     ];
 
     /// Whether this CPU has the instructions of the path.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::KernelPath;
-    /// assert!(KernelPath::Portable.is_supported());
-    /// ```
     pub fn is_supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
@@ -51,6 +60,12 @@ impl KernelPath {
                     is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512fp16")
+                }
+                KernelPath::Avx512Bf16 => {
+                    is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bf16")
                 }
                 KernelPath::Avx512 => is_x86_feature_detected!("avx512f"),
                 KernelPath::Avx2Fma => {
@@ -65,13 +80,7 @@ impl KernelPath {
         }
     }
 
-    /// The paths this CPU supports, fastest first.
-    ///
-    /// # Examples
-    /// ```
-    /// use mpx_runtime::kernels::KernelPath;
-    /// assert_eq!(KernelPath::supported().last(), Some(&KernelPath::Portable));
-    /// ```
+    /// The paths this CPU supports, in the order of [`KernelPath::ALL`].
     pub fn supported() -> Vec<KernelPath> {
         KernelPath::ALL
             .into_iter()
@@ -80,32 +89,161 @@ impl KernelPath {
     }
 }
 
-/// The best path this CPU supports, detected on the first call and cached.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::detected_path;
-/// assert!(detected_path().is_supported());
-/// ```
-pub fn detected_path() -> KernelPath {
-    static DETECTED: OnceLock<KernelPath> = OnceLock::new();
-    *DETECTED.get_or_init(|| KernelPath::supported()[0])
+/// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
+/// compute the same bits), the time each took on the probe products, and the one chosen, for
+/// each of two classes of products: thin ones (`m` or `n` at most 16) and the others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Calibration {
+    /// The fastest candidate on the probes of ordinary products: the path f32 operands (and f16
+    /// / bf16 operands without their own instructions) run on.
+    pub chosen: KernelPath,
+    /// Each candidate with its time on those probes (nanoseconds, the best of a few interleaved
+    /// rounds, summed over the probes); 0 when there was a single candidate and nothing was
+    /// timed.
+    pub nanos: Vec<(KernelPath, u64)>,
+    /// The fastest candidate on thin products (`m` or `n` at most 16: a layer with few
+    /// outputs, an attention head).
+    pub chosen_thin: KernelPath,
+    /// Each candidate with its time on the thin probes.
+    pub nanos_thin: Vec<(KernelPath, u64)>,
+}
+
+/// A product with `m` or `n` at most this is thin: its operands are read few times, and the
+/// path that reads them in place may win (see [`Calibration`]).
+pub(crate) const THIN: usize = 16;
+
+/// Probe products of the calibration, `(m, n, k, B stored transposed)`: a Linear layer's forward
+/// at a small batch, a small weight gradient, a mid-sized square one.
+const PROBES: [(usize, usize, usize, bool); 3] = [
+    (32, 128, 64, true),
+    (128, 64, 32, false),
+    (192, 192, 192, false),
+];
+
+/// Thin probes: a layer with 10 outputs, its weight gradient, an attention head's two products.
+const PROBES_THIN: [(usize, usize, usize, bool); 4] = [
+    (64, 10, 256, true),
+    (10, 128, 32, false),
+    (16, 16, 8, true),
+    (16, 8, 16, false),
+];
+
+/// Rounds of the calibration; each candidate's best round counts.
+const ROUNDS: usize = 5;
+
+/// The calibration of this process, run on the first call and cached (see the
+/// module docs above).
+pub fn calibration() -> &'static Calibration {
+    static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
+    CALIBRATION.get_or_init(|| {
+        let (chosen, nanos) = calibrate(&PROBES);
+        let (chosen_thin, nanos_thin) = calibrate(&PROBES_THIN);
+        Calibration {
+            chosen,
+            nanos,
+            chosen_thin,
+            nanos_thin,
+        }
+    })
+}
+
+/// Times each same-bits candidate on `probes` (one thread) and picks the fastest.
+fn calibrate(probes: &[(usize, usize, usize, bool)]) -> (KernelPath, Vec<(KernelPath, u64)>) {
+    let candidates: Vec<KernelPath> = [KernelPath::Avx2Fma, KernelPath::Avx512]
+        .into_iter()
+        .filter(|p| p.is_supported())
+        .collect();
+    if candidates.len() < 2 {
+        let chosen = candidates.first().copied().unwrap_or(KernelPath::Portable);
+        return (chosen, vec![(chosen, 0)]);
+    }
+    let size = probes
+        .iter()
+        .map(|&(m, n, k, _)| m.max(n) * k)
+        .max()
+        .unwrap_or(0);
+    let data: Vec<f32> = (0..size)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 512.0)
+        .collect();
+    let mut c = vec![0.0f32; probes.iter().map(|&(m, n, ..)| m * n).max().unwrap_or(0)];
+    let mut best = vec![u64::MAX; candidates.len()];
+    for _ in 0..ROUNDS {
+        for (slot, &path) in best.iter_mut().zip(&candidates) {
+            let start = std::time::Instant::now();
+            // thin probes are short: repeat them so that a round is not timer noise
+            for _ in 0..if probes.len() == PROBES_THIN.len() {
+                8
+            } else {
+                1
+            } {
+                for &(m, n, k, bt) in probes {
+                    let (Ok(a), Ok(b)) = (
+                        MatRef::row_major_f32(&data[..m * k], m, k),
+                        if bt {
+                            MatRef::row_major_f32(&data[..n * k], n, k).map(MatRef::t)
+                        } else {
+                            MatRef::row_major_f32(&data[..k * n], k, n)
+                        },
+                    ) else {
+                        continue;
+                    };
+                    let _ = super::driver::gemm_threads(path, a, b, &mut c[..m * n], false, 1);
+                }
+            }
+            let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            *slot = (*slot).min(ns);
+        }
+    }
+    let nanos: Vec<(KernelPath, u64)> = candidates.into_iter().zip(best).collect();
+    let chosen = nanos
+        .iter()
+        .min_by_key(|&&(_, ns)| ns)
+        .map_or(KernelPath::Portable, |&(p, _)| p);
+    (chosen, nanos)
+}
+
+/// The path f32 operands run on when none is forced: the fastest of the paths that compute the
+/// same bits, measured on first use ([`calibration`]).
+pub(crate) fn detected_path() -> KernelPath {
+    calibration().chosen
+}
+
+/// The path an `m x n` product of `a` and `b` runs on when none is forced: f16 operands on
+/// [`KernelPath::Avx512Fp16`] and bf16 operands on [`KernelPath::Avx512Bf16`] where the CPU has
+/// them, everything else on the calibration's choice for its class (thin or not).
+pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>, m: usize, n: usize) -> KernelPath {
+    static FP16: OnceLock<bool> = OnceLock::new();
+    static BF16: OnceLock<bool> = OnceLock::new();
+    match (a, b) {
+        (Operand::F16(_), Operand::F16(_))
+            if *FP16.get_or_init(|| KernelPath::Avx512Fp16.is_supported()) =>
+        {
+            KernelPath::Avx512Fp16
+        }
+        (Operand::Bf16(_), Operand::Bf16(_))
+            if *BF16.get_or_init(|| KernelPath::Avx512Bf16.is_supported()) =>
+        {
+            KernelPath::Avx512Bf16
+        }
+        _ if m.min(n) <= THIN => calibration().chosen_thin,
+        _ => detected_path(),
+    }
 }
 
 thread_local! {
     static FORCED: Cell<Option<KernelPath>> = const { Cell::new(None) };
 }
 
-/// The path kernels called on this thread use: the one forced by [`with_path`], else
-/// [`detected_path`].
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{KernelPath, active_path, with_path};
-/// with_path(KernelPath::Portable, || assert_eq!(active_path(), KernelPath::Portable)).unwrap();
-/// ```
+/// The path forced on this thread by [`with_path`], if any.
+pub(crate) fn forced_path() -> Option<KernelPath> {
+    FORCED.with(Cell::get)
+}
+
+/// The path f32 products called on this thread use: the one forced by [`with_path`], else
+/// `detected_path` (f16 and bf16 operands with their own instructions take those when none is
+/// forced, see the module docs above).
 pub fn active_path() -> KernelPath {
-    FORCED.with(Cell::get).unwrap_or_else(detected_path)
+    forced_path().unwrap_or_else(detected_path)
 }
 
 /// Runs `f` with every kernel on this thread forced to `path` (layers included), then restores
@@ -113,14 +251,6 @@ pub fn active_path() -> KernelPath {
 ///
 /// # Errors
 /// [`KernelError::Unsupported`] if this CPU lacks the path's instructions; `f` does not run.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{KernelPath, with_path};
-/// for path in KernelPath::supported() {
-///     with_path(path, || { /* run a layer or a GEMM */ }).unwrap();
-/// }
-/// ```
 pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, KernelError> {
     struct Restore(Option<KernelPath>);
     impl Drop for Restore {

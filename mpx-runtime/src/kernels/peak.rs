@@ -7,17 +7,12 @@ const CHAINS: usize = 12;
 
 /// Runs `iters` rounds of `CHAINS` independent vector FMAs on `path` and returns the floating
 /// point operations performed (2 per lane per FMA). Time it to get the peak: FLOP / seconds.
-/// For [`KernelPath::Avx512Fp16`] the FMAs are f16 (`vfmadd231ph`), for the others f32.
+/// For [`KernelPath::Avx512Fp16`] the FMAs are f16 (`vfmadd231ph`), for
+/// [`KernelPath::Avx512Bf16`] bf16 pair dot products (`vdpbf16ps`, two multiply-adds per f32
+/// lane), for the others f32.
 ///
 /// # Errors
 /// [`KernelError::Unsupported`] if this CPU lacks the path.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::kernels::{peak_fma_flops, KernelPath};
-/// let flops = peak_fma_flops(KernelPath::Portable, 10).unwrap();
-/// assert_eq!(flops, 10 * 12 * 8 * 2);
-/// ```
 pub fn peak_fma_flops(path: KernelPath, iters: usize) -> Result<u64, KernelError> {
     if !path.is_supported() {
         return Err(KernelError::Unsupported {
@@ -31,13 +26,17 @@ pub fn peak_fma_flops(path: KernelPath, iters: usize) -> Result<u64, KernelError
         KernelPath::Avx512Fp16 => unsafe { x86::fp16(iters) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the path's CPU features were checked above.
+        KernelPath::Avx512Bf16 => unsafe { x86::bf16(iters) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the path's CPU features were checked above.
         KernelPath::Avx512 => unsafe { x86::avx512(iters) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the path's CPU features were checked above.
         KernelPath::Avx2Fma => unsafe { x86::avx2(iters) },
         _ => portable(iters),
     };
-    Ok((iters * CHAINS * lanes * 2) as u64)
+    // a count, not a size: saturated rather than wrapped for absurd `iters`
+    Ok(u64::try_from(iters.saturating_mul(CHAINS * lanes * 2)).unwrap_or(u64::MAX))
 }
 
 /// Scalar multiply-adds on 8-lane arrays; returns the lane count.
@@ -94,6 +93,24 @@ mod x86 {
         }
         std::hint::black_box(acc);
         16
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F and AVX512-BF16. Returns 32: each of the 16 f32 lanes does
+    /// two multiply-adds.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn bf16(iters: usize) -> usize {
+        use std::arch::x86_64::{_mm512_dpbf16_ps, _mm512_set1_epi32};
+        // (0.999, 1e-3) as bf16 pairs: 0x3f7f, 0x3a83
+        let pair = super::super::bf16::bh(std::hint::black_box(_mm512_set1_epi32(0x3a83_3f7f)));
+        let mut acc = std::hint::black_box([_mm512_set1_ps(1.0); CHAINS]);
+        for _ in 0..iters {
+            for x in &mut acc {
+                *x = _mm512_dpbf16_ps(*x, pair, pair);
+            }
+        }
+        std::hint::black_box(acc);
+        32
     }
 
     /// # Safety

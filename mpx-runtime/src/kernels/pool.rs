@@ -51,6 +51,37 @@ fn helpers() -> &'static Mutex<Vec<Sender<Arc<Job>>>> {
     HELPERS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
+/// Whether [`for_each_block`] uses scoped threads (`std::thread::scope`) instead of the pool: a
+/// switch for the benchmark that compares them.
+static SCOPED: AtomicBool = AtomicBool::new(false);
+
+/// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`).
+pub(crate) fn use_scoped_threads(on: bool) {
+    SCOPED.store(on, Ordering::Relaxed);
+}
+
+/// Runs `task(t)` for every `t` in `0..total` on the calling thread and `extra` scoped threads
+/// started for this call, which claim blocks from one counter.
+fn for_each_block_scoped(total: usize, extra: usize, task: &(dyn Fn(usize) + Sync)) {
+    let next = AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let t = next.fetch_add(1, Ordering::Relaxed);
+            if t >= total {
+                return;
+            }
+            task(t);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 0..extra {
+            // a thread that cannot be started leaves its blocks to the others
+            let _ = std::thread::Builder::new().spawn_scoped(s, work);
+        }
+        work();
+    });
+}
+
 /// Runs `task(t)` for every `t` in `0..total`, on the calling thread and up to `extra` helper
 /// threads of the pool; returns when all have run. A panic in any block is re-raised here.
 pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) + Sync)) {
@@ -59,13 +90,23 @@ pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) +
         (0..total).for_each(task);
         return;
     }
+    if SCOPED.load(Ordering::Relaxed) {
+        for_each_block_scoped(total, extra, task);
+        return;
+    }
     let erased: *const (dyn Fn(usize) + Sync + '_) = task;
-    // SAFETY: only the lifetime bound changes; the pointer is used under `Job::task`'s rules.
     #[allow(
         clippy::transmute_ptr_to_ptr,
         reason = "an `as` cast may not extend a trait object's lifetime bound"
     )]
-    let erased: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(erased) };
+    // SAFETY: only the lifetime bound changes (same pointer, same vtable); the pointer is used
+    // under `Job::task`'s rules: only for claimed blocks, all done before this call returns.
+    let erased = unsafe {
+        std::mem::transmute::<
+            *const (dyn Fn(usize) + Sync + '_),
+            *const (dyn Fn(usize) + Sync + 'static),
+        >(erased)
+    };
     let job = Arc::new(Job {
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),

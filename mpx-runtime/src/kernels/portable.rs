@@ -34,8 +34,9 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
         }
     }
     for (i, row) in acc.iter().enumerate() {
-        // SAFETY: row `i` of the tile: `NR` values the caller guarantees are ours.
-        let dst = unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), NR) };
+        let row_ptr = c.wrapping_add(i * ldc);
+        // SAFETY: row `i` of the tile: `NR` values the caller guarantees are ours for the call.
+        let dst = unsafe { std::slice::from_raw_parts_mut(row_ptr, NR) };
         for (d, s) in dst.iter_mut().zip(row) {
             *d += *s;
         }

@@ -2,6 +2,7 @@
 
 use half::f16;
 
+use super::path::detected_path;
 use super::strided::Packing;
 use super::*;
 
@@ -24,8 +25,8 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// Element (i, j) of a view, as f64, as the kernel sees it (bf16 rounded).
 fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
-    let idx = i * m.row_stride + j * m.col_stride;
-    match m.values {
+    let idx = i * m.row_stride() + j * m.col_stride();
+    match m.values() {
         Operand::F32(v) => f64::from(v[idx]),
         Operand::F16(v) => v[idx].to_f64(),
         Operand::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
@@ -34,7 +35,7 @@ fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
 
 /// Checks `gemm_on(path, a, b)` against the f64 product, within `rel·S + abs` per element.
 fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
     let init = values(m * n, 99);
     let mut c = if accumulate {
         init.clone()
@@ -42,12 +43,14 @@ fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
         vec![f32::NAN; m * n]
     };
     gemm_on(path, a, b, &mut c, accumulate).unwrap();
-    let native = path == KernelPath::Avx512Fp16
-        && matches!((a.values, b.values), (Operand::F16(_), Operand::F16(_)));
-    let (rel, abs) = if native {
-        fp16_error_bound(k)
-    } else {
-        (f32_error_bound(k + 1), 0.0)
+    let (rel, abs) = match (path, a.values(), b.values()) {
+        (KernelPath::Avx512Fp16, Operand::F16(_), Operand::F16(_)) => fp16_error_bound(k),
+        // the data holds no subnormals: c' = c, S' = S; + 1 for the accumulated C
+        (KernelPath::Avx512Bf16, Operand::Bf16(_), Operand::Bf16(_)) => {
+            let (rel, abs) = bf16_error_bound(k);
+            (rel + f32_error_bound(1), abs)
+        }
+        _ => (f32_error_bound(k + 1), 0.0),
     };
     for i in 0..m {
         for j in 0..n {
@@ -91,9 +94,9 @@ fn linear_products(path: KernelPath, kind: &str) {
     };
     let (xo, wo, dyo) = op(kind);
     let (xm, wm, dym) = (
-        MatRef::row_major(xo, bsz, i),
-        MatRef::row_major(wo, o, i),
-        MatRef::row_major(dyo, bsz, o),
+        MatRef::row_major(xo, bsz, i).unwrap(),
+        MatRef::row_major(wo, o, i).unwrap(),
+        MatRef::row_major(dyo, bsz, o).unwrap(),
     );
     check(path, xm, wm.t(), false); // forward X·Wᵀ
     check(path, dym, wm, true); // dX += dY·W
@@ -123,8 +126,8 @@ fn fp16_bound_is_about_260_times_the_f32_bound_and_holds_at_step_shapes() {
         let (ah, bh) = (h(&a), h(&b));
         check(
             KernelPath::Avx512Fp16,
-            MatRef::row_major_f16(&ah, 64, 1024),
-            MatRef::row_major_f16(&bh, 1024, 80),
+            MatRef::row_major_f16(&ah, 64, 1024).unwrap(),
+            MatRef::row_major_f16(&bh, 1024, 80).unwrap(),
             false,
         );
     }
@@ -148,29 +151,113 @@ fn shape_errors_are_reported() {
     let a = [0.0f32; 6];
     let mut c = [0.0f32; 4];
     let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a, 2, 3),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
         &mut c,
         false,
     );
     assert!(matches!(r, Err(KernelError::InnerMismatch { .. })));
-    let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a[..5], 3, 2),
-        &mut c,
-        false,
+    assert_eq!(
+        MatRef::row_major_f32(&a[..5], 3, 2).unwrap_err(),
+        KernelError::OperandTooShort {
+            name: "operand",
+            needed: 6,
+            len: 5
+        }
     );
-    assert!(matches!(
-        r,
-        Err(KernelError::OperandTooShort { name: "B", .. })
-    ));
     let r = gemm(
-        MatRef::row_major_f32(&a, 2, 3),
-        MatRef::row_major_f32(&a, 3, 2),
+        MatRef::row_major_f32(&a, 2, 3).unwrap(),
+        MatRef::row_major_f32(&a, 3, 2).unwrap(),
         &mut c[..3],
         false,
     );
     assert!(matches!(r, Err(KernelError::OutputLength { .. })));
+}
+
+/// Issue 18, defect 1: sizes that wrap around in `usize` must be refused, on every path, before
+/// any kernel runs (before the fix, `m x n` wrapped to 0 and the GEMM wrote through a null-sized
+/// C: SIGSEGV; a wrapping stride read far outside A on `Avx2Fma`, panicked elsewhere).
+#[test]
+fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
+    let one = [1.0f32; 2];
+    // (1 << 63) x 1 with row stride 0: reaches one element; m x n = 2^64 wraps to 0 = c.len()
+    let tall = MatRef::new(Operand::F32(&one), 1 << 63, 1, 0, 1).unwrap();
+    let b = MatRef::row_major_f32(&one, 1, 2).unwrap();
+    for path in KernelPath::supported() {
+        let mut c: [f32; 0] = [];
+        assert_eq!(
+            gemm_on(path, tall, b, &mut c, false),
+            Err(KernelError::OutputLength {
+                m: 1 << 63,
+                n: 2,
+                len: 0
+            }),
+            "{path:?}"
+        );
+    }
+    // 3 rows 2^63 apart: the last row's offset 2^64 wraps to 0, inside a 1-element slice
+    let e = MatRef::new(Operand::F32(&one[..1]), 3, 1, 1 << 63, 1).unwrap_err();
+    assert_eq!(
+        e,
+        KernelError::OperandOverflow {
+            name: "operand",
+            rows: 3,
+            cols: 1,
+            row_stride: 1 << 63,
+            col_stride: 1
+        }
+    );
+    // the same through the transpose and through a column stride
+    assert!(MatRef::new(Operand::F32(&one), 1, 3, 1, 1 << 63).is_err());
+    assert!(MatRef::row_major_f32(&one, 1 << 62, 4).is_err());
+    // the reach is exact: the last reachable element is allowed, one past it is not
+    let v = [0.0f32; 8];
+    assert!(MatRef::new(Operand::F32(&v), 3, 2, 3, 1).is_ok()); // reaches 2·3 + 1·1 + 1 = 8
+    assert_eq!(
+        MatRef::new(Operand::F32(&v[..7]), 3, 2, 3, 1).unwrap_err(),
+        KernelError::OperandTooShort {
+            name: "operand",
+            needed: 8,
+            len: 7
+        }
+    );
+}
+
+/// Issue 18, defect 6: an empty bias used to be reported as "acc has 6 values, expected 6".
+#[test]
+fn element_wise_errors_say_what_was_wrong() {
+    let mut acc = [0.0f32; 6];
+    let mut out = [0.0f32; 6];
+    let e = bias_act_into(&mut acc, &[], Activation::Identity, Dst::F32(&mut out)).unwrap_err();
+    assert_eq!(e, KernelError::EmptyRow { what: "bias" });
+    assert!(e.to_string().contains("bias is empty"), "{e}");
+    let e = bias_act_into(&mut acc, &[0.0; 4], Activation::ReLU, Dst::F32(&mut out)).unwrap_err();
+    assert_eq!(
+        e,
+        KernelError::NotWholeRows {
+            what: "acc",
+            len: 6,
+            row_len: 4,
+            row_what: "bias"
+        }
+    );
+    assert!(
+        e.to_string()
+            .contains("acc has 6 values, not a whole number of rows of 4"),
+        "{e}"
+    );
+    let e = relu_mask_bias_grad_f32(&mut acc, None, &mut []).unwrap_err();
+    assert_eq!(e, KernelError::EmptyRow { what: "bias_grad" });
+    let mut dy = [f16::ZERO; 6];
+    let e = relu_mask_bias_grad_f16(&mut dy, None, &mut [0.0; 5]).unwrap_err();
+    assert!(matches!(
+        e,
+        KernelError::NotWholeRows {
+            len: 6,
+            row_len: 5,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -224,7 +311,7 @@ fn epilogues_match_scalar_references() {
 
 /// Runs `gemm_threads` on `threads` threads and returns the output's bits.
 fn bits_on(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, threads: usize) -> Vec<u32> {
-    let mut c = values(a.rows * b.cols, 21);
+    let mut c = values(a.rows() * b.cols(), 21);
     driver::gemm_threads(path, a, b, &mut c, true, threads).unwrap();
     c.iter().map(|v| v.to_bits()).collect()
 }
@@ -250,14 +337,14 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         ];
         for (ao, bo) in ops {
             let am = if at {
-                MatRef::row_major(ao, k, m).t()
+                MatRef::row_major(ao, k, m).unwrap().t()
             } else {
-                MatRef::row_major(ao, m, k)
+                MatRef::row_major(ao, m, k).unwrap()
             };
             let bm = if bt {
-                MatRef::row_major(bo, n, k).t()
+                MatRef::row_major(bo, n, k).unwrap().t()
             } else {
-                MatRef::row_major(bo, k, n)
+                MatRef::row_major(bo, k, n).unwrap()
             };
             for path in KernelPath::supported() {
                 let one = bits_on(path, am, bm, 1);
@@ -273,8 +360,8 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         // and the split result is right (gemm_on uses every available thread)
         check(
             detected_path(),
-            MatRef::row_major_f32(&a, m, k),
-            MatRef::row_major_f32(&b, k, n),
+            MatRef::row_major_f32(&a, m, k).unwrap(),
+            MatRef::row_major_f32(&b, k, n).unwrap(),
             false,
         );
     }
@@ -395,7 +482,7 @@ fn bits_packed(
     init: Option<&[f32]>,
     threads: usize,
 ) -> Vec<u32> {
-    let mut c = init.map_or_else(|| vec![f32::NAN; a.rows * b.cols], <[f32]>::to_vec);
+    let mut c = init.map_or_else(|| vec![f32::NAN; a.rows() * b.cols()], <[f32]>::to_vec);
     strided::with_packing(packing, || {
         driver::gemm_threads(KernelPath::Avx2Fma, a, b, &mut c, init.is_some(), threads)
     })
@@ -428,19 +515,13 @@ fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
         // contiguous (in place possible) or transposed (packed)
         let a_big = values(3 * m * k, 34);
         let a_views = [
-            MatRef::row_major_f32(&av, m, k),
-            MatRef::row_major_f32(&av, k, m).t(),
-            MatRef {
-                values: Operand::F32(&a_big),
-                rows: m,
-                cols: k,
-                row_stride: 3 * k,
-                col_stride: 3,
-            },
+            MatRef::row_major_f32(&av, m, k).unwrap(),
+            MatRef::row_major_f32(&av, k, m).unwrap().t(),
+            MatRef::new(Operand::F32(&a_big), m, k, 3 * k, 3).unwrap(),
         ];
         let b_views = [
-            MatRef::row_major_f32(&bv, k, n),
-            MatRef::row_major_f32(&bv, n, k).t(),
+            MatRef::row_major_f32(&bv, k, n).unwrap(),
+            MatRef::row_major_f32(&bv, n, k).unwrap().t(),
         ];
         for a in a_views {
             for b in b_views {
@@ -452,10 +533,10 @@ fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
                                 want,
                                 bits_packed(packing, (a, b), init, threads),
                                 "{packing:?} {m}x{n}x{k} strides A {}/{} B {}/{} init {} on {threads}",
-                                a.row_stride,
-                                a.col_stride,
-                                b.row_stride,
-                                b.col_stride,
+                                a.row_stride(),
+                                a.col_stride(),
+                                b.row_stride(),
+                                b.col_stride(),
                                 init.is_some()
                             );
                         }
@@ -479,8 +560,8 @@ fn overwriting_c_gives_plus_zero_as_zeroing_and_adding_does() {
         let mut c = vec![f32::NAN; m * n];
         gemm_on(
             path,
-            MatRef::row_major_f32(&a, m, k),
-            MatRef::row_major_f32(&b, k, n),
+            MatRef::row_major_f32(&a, m, k).unwrap(),
+            MatRef::row_major_f32(&b, k, n).unwrap(),
             &mut c,
             false,
         )
@@ -515,5 +596,426 @@ fn packing_a_k_contiguous_operand_matches_the_definition() {
                 assert_eq!(v.to_bits(), want.to_bits(), "kc {kc} nc {nc} at {idx}");
             }
         }
+    }
+}
+
+/// A scalar model of `vdpbf16ps` and of the AVX512-BF16 GEMM built on it, from the instruction's
+/// definition (see [`bf16`](super::bf16)): independent of the kernel's code.
+mod bf16_model {
+    /// `x` with a subnormal value read as zero of the same sign.
+    fn daz(x: f32) -> f32 {
+        if x.is_subnormal() {
+            f32::from_bits(x.to_bits() & 0x8000_0000)
+        } else {
+            x
+        }
+    }
+
+    /// `fma(a, b, c)` rounded to nearest even, a result that is tiny after rounding to 24 bits
+    /// with an unbounded exponent flushed to zero of its sign.
+    fn fma_ftz(a: f32, b: f32, c: f32) -> f32 {
+        let r = a.mul_add(b, c);
+        let zero = f32::from_bits(r.to_bits() & 0x8000_0000);
+        if r.is_subnormal() {
+            return zero;
+        }
+        if r.abs() == f32::MIN_POSITIVE {
+            // the exact sum p + c (p exact in f64: two 8-bit significands) as s + e (TwoSum); at
+            // unbounded exponent it rounds below 2^-126 iff |p + c| < 2^-126 - 2^-151
+            let (p, c) = (f64::from(a) * f64::from(b), f64::from(c));
+            let s = p + c;
+            let bb = s - p;
+            let e = (p - (s - bb)) + (c - bb);
+            let t = f64::from(f32::MIN_POSITIVE) - 2f64.powi(-151);
+            if s.abs() < t || (s.abs() == t && e * s < 0.0) {
+                return zero;
+            }
+        }
+        r
+    }
+
+    fn bf(bits: u32) -> f32 {
+        f32::from_bits(bits << 16)
+    }
+
+    /// One lane of `vdpbf16ps`: `acc` plus the products of the pairs `a` and `b` (low half in
+    /// bits 0..16).
+    pub(super) fn dp(acc: f32, a: u32, b: u32) -> f32 {
+        let (a0, a1, b0, b1) = (bf(a & 0xffff), bf(a >> 16), bf(b & 0xffff), bf(b >> 16));
+        // NaN priority: src1 low, src2 low, src1 high, src2 high, then the accumulator; quieted
+        for x in [a0, b0, a1, b1, acc] {
+            if x.is_nan() {
+                return f32::from_bits(x.to_bits() | 0x0040_0000);
+            }
+        }
+        let t = fma_ftz(daz(a1), daz(b1), daz(acc));
+        let r = fma_ftz(daz(a0), daz(b0), t);
+        if r.is_nan() {
+            f32::from_bits(0xffc0_0000)
+        } else {
+            r
+        }
+    }
+
+    /// `vaddps`'s `c + x` (MXCSR's defaults): a NaN operand is returned quieted, `c` first (Rust's
+    /// `+` leaves the payload unspecified).
+    fn add(c: f32, x: f32) -> f32 {
+        match (c.is_nan(), x.is_nan()) {
+            (true, _) => f32::from_bits(c.to_bits() | 0x0040_0000),
+            (false, true) => f32::from_bits(x.to_bits() | 0x0040_0000),
+            _ => c + x,
+        }
+    }
+
+    /// `c + Σ_q dp(pairs)` as the micro-kernel computes one output: the sum from `+0.0`, then
+    /// one f32 add.
+    pub(super) fn tile_value(c: f32, a: &[u32], b: &[u32]) -> f32 {
+        add(c, a.iter().zip(b).fold(0.0, |acc, (&x, &y)| dp(acc, x, y)))
+    }
+}
+
+/// bf16 bit patterns with every kind of value: normals, subnormals, zeros, infinities, NaNs.
+fn bf16_bits(n: usize, seed: u64) -> Vec<u32> {
+    bf16_bits_with(n, seed, 10)
+}
+
+/// [`bf16_bits`] with one value in `one_in` drawn from the special values (the others: normals
+/// across the range, subnormals, values near the smallest normal and near 1).
+fn bf16_bits_with(n: usize, seed: u64, one_in: u64) -> Vec<u32> {
+    const SPECIAL: [u32; 12] = [
+        0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc0, 0x7f81, 0x0080, 0x8080, 0x3f80,
+        0x7f7f,
+    ];
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let r = (s >> 16) as u32 & 0xffff;
+            match s % 10 {
+                0 if (s >> 50).is_multiple_of((one_in / 10).max(1)) => {
+                    SPECIAL[(s >> 40) as usize % SPECIAL.len()]
+                }
+                1 => r & 0x807f,            // subnormal or zero
+                2 => (r & 0x80ff) | 0x0080, // near the smallest normal
+                3 => (r & 0x807f) | 0x3f00, // near 1: products that cancel
+                _ => r & 0xbfff,            // finite (exponent below 128)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn vdpbf16ps_matches_its_scalar_model_bit_for_bit() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    let lanes = 16 * 40_000;
+    let a = bf16_bits(2 * lanes, 61);
+    let b = bf16_bits(2 * lanes, 62);
+    // accumulators of every kind: subnormal, zero, the negated first product (exact
+    // cancellation), near the smallest normal, any bits
+    let acc: Vec<f32> = bf16_bits(lanes, 63)
+        .iter()
+        .zip(values(lanes, 64))
+        .enumerate()
+        .map(|(l, (&h, x))| match l % 4 {
+            0 => -(f32::from_bits(a[2 * l] << 16) * f32::from_bits(b[2 * l] << 16)),
+            1 => f32::from_bits(x.to_bits() & 0x807f_ffff),
+            _ => f32::from_bits((h << 16) | (x.to_bits() & 0xffff)),
+        })
+        .collect();
+    let pair = |v: &[u32], l: usize| v[2 * l] | (v[2 * l + 1] << 16);
+    for chunk in 0..lanes / 16 {
+        let l0 = chunk * 16;
+        let acc16: [f32; 16] = acc[l0..l0 + 16].try_into().unwrap();
+        let a16: [u32; 16] = std::array::from_fn(|l| pair(&a, l0 + l));
+        let b16: [u32; 16] = std::array::from_fn(|l| pair(&b, l0 + l));
+        // SAFETY: the CPU has AVX-512 F and AVX512-BF16 (checked above).
+        let got = unsafe { super::bf16::dp_lanes(acc16, a16, b16) };
+        for l in 0..16 {
+            let want = bf16_model::dp(acc16[l], a16[l], b16[l]);
+            assert_eq!(
+                got[l].to_bits(),
+                want.to_bits(),
+                "acc {:#010x} a {:#010x} b {:#010x}: instruction {:#010x}, model {:#010x}",
+                acc16[l].to_bits(),
+                a16[l],
+                b16[l],
+                got[l].to_bits(),
+                want.to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_micro_kernel_matches_the_scalar_model_of_vdpbf16ps_bit_for_bit() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    let (mr, nr) = (super::bf16::MR, super::bf16::NR);
+    let mut lanes = 0;
+    for (round, pairs) in [1usize, 2, 3, 7, 64, 128]
+        .into_iter()
+        .cycle()
+        .take(600)
+        .enumerate()
+    {
+        let seed = round as u64 * 3 + 1;
+        let lo_hi =
+            |v: Vec<u32>| -> Vec<u32> { v.chunks_exact(2).map(|p| p[0] | (p[1] << 16)).collect() };
+        let a = lo_hi(bf16_bits(2 * pairs * mr, seed));
+        let b = lo_hi(bf16_bits(2 * pairs * nr, seed + 1));
+        // C: finite f32 values, subnormals among them, and some infinities / NaNs
+        let c0: Vec<f32> = bf16_bits(mr * nr, seed + 2)
+            .iter()
+            .zip(values(mr * nr, seed + 3))
+            .map(|(&h, x)| f32::from_bits((h << 16) | (x.to_bits() & 0xffff)))
+            .collect();
+        let mut c = c0.clone();
+        // SAFETY: the CPU has AVX-512 F and AVX512-BF16 (checked above); `c` holds MR x NR
+        // values at stride NR, owned here.
+        unsafe { super::bf16::kernel(pairs, &a, &b, c.as_mut_ptr(), nr) };
+        for i in 0..mr {
+            for j in 0..nr {
+                let ai: Vec<u32> = (0..pairs).map(|q| a[q * mr + i]).collect();
+                let bj: Vec<u32> = (0..pairs).map(|q| b[q * nr + j]).collect();
+                let want = bf16_model::tile_value(c0[i * nr + j], &ai, &bj);
+                let got = c[i * nr + j];
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "pairs {pairs} ({i},{j}): kernel {got:e} ({:#010x}), model {want:e} ({:#010x})",
+                    got.to_bits(),
+                    want.to_bits()
+                );
+                lanes += 1;
+            }
+        }
+    }
+    assert!(lanes > 100_000);
+}
+
+/// The AVX512-BF16 GEMM modelled from its definition: operands rounded to bf16 by
+/// `precision::round_to_bf16` (the reference rounding, not the kernels' own), k blocks of 256
+/// summed from `+0.0` by pairs (odd k padded with zeros) and added into `C` one block at a time.
+fn bf16_gemm_model(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumulate: bool) {
+    let round = |m: &MatRef<'_>, i: usize, j: usize| -> u32 {
+        let Operand::Bf16(v) = m.values() else {
+            unreachable!("bf16 operands")
+        };
+        let mut r = [0.0f32];
+        crate::precision::round_to_bf16(&[v[i * m.row_stride() + j * m.col_stride()]], &mut r);
+        r[0].to_bits() >> 16
+    };
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
+    let kc = super::bf16::KC;
+    for i in 0..m {
+        for j in 0..n {
+            let mut cij = if accumulate { c[i * n + j] } else { 0.0 };
+            for pc in (0..k).step_by(kc) {
+                let end = (pc + kc).min(k);
+                let pair = |m: &MatRef<'_>, at: &dyn Fn(usize) -> (usize, usize), p: usize| {
+                    let lo = round(m, at(p).0, at(p).1);
+                    let hi = if p + 1 < end {
+                        round(m, at(p + 1).0, at(p + 1).1)
+                    } else {
+                        0
+                    };
+                    lo | (hi << 16)
+                };
+                let ap: Vec<u32> = (pc..end)
+                    .step_by(2)
+                    .map(|p| pair(a, &|p| (i, p), p))
+                    .collect();
+                let bp: Vec<u32> = (pc..end)
+                    .step_by(2)
+                    .map(|p| pair(b, &|p| (p, j), p))
+                    .collect();
+                cij = bf16_model::tile_value(cij, &ap, &bp);
+            }
+            c[i * n + j] = cij;
+        }
+    }
+}
+
+#[test]
+fn bf16_gemm_matches_the_scalar_model_bit_for_bit_and_f64_within_its_bound() {
+    if !KernelPath::Avx512Bf16.is_supported() {
+        println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
+        return;
+    }
+    // f32 storage: bf16 values with random low halves, ties to even both ways among them,
+    // subnormals, infinities and NaNs
+    let f32s = |n: usize, seed: u64| -> Vec<f32> {
+        bf16_bits_with(n, seed, 2000)
+            .iter()
+            .zip(values(n, seed + 7))
+            .enumerate()
+            .map(|(idx, (&h, x))| {
+                let low = match idx % 5 {
+                    0 => 0x8000, // a tie
+                    1 => 0,      // exact
+                    _ => x.to_bits() & 0xffff,
+                };
+                f32::from_bits((h << 16) | low)
+            })
+            .collect()
+    };
+    let (mut finite_seen, mut tiny_seen) = (0, 0);
+    // (m, n, k): odd k, k past one block, edge tiles, a product split over threads
+    for (m, n, k, threads) in [
+        (8, 32, 2, 1),
+        (9, 33, 5, 1),
+        (37, 70, 300, 1),
+        (16, 40, 513, 3),
+        (150, 300, 100, 2),
+    ] {
+        let (av, bv) = (f32s(m * k, 51), f32s(k * n, 52));
+        let init = values(m * n, 53);
+        let a = MatRef::row_major(Operand::Bf16(&av), m, k).unwrap();
+        let b_store = f32s(k * n, 54);
+        let bt = MatRef::row_major(Operand::Bf16(&b_store), n, k)
+            .unwrap()
+            .t();
+        for b in [MatRef::row_major(Operand::Bf16(&bv), k, n).unwrap(), bt] {
+            for accumulate in [false, true] {
+                let mut want = init.clone();
+                bf16_gemm_model(&a, &b, &mut want, accumulate);
+                let mut got = if accumulate {
+                    init.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                driver::gemm_threads(KernelPath::Avx512Bf16, a, b, &mut got, accumulate, threads)
+                    .unwrap();
+                // every bit, except a NaN's payload: edge tiles add into C with Rust's `+`,
+                // which leaves it unspecified (the micro-kernel test above checks payloads)
+                let bits = |v: &[f32]| {
+                    v.iter()
+                        .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&got), bits(&want), "{m}x{n}x{k} acc {accumulate}");
+                let nan = got.iter().filter(|x| x.is_nan()).count();
+                let tiny = want.iter().filter(|x| x.abs() < 1e-30).count();
+                finite_seen += m * n - nan;
+                tiny_seen += tiny;
+            }
+        }
+    }
+    // the data exercised the finite path, near-underflow results among them
+    assert!(
+        finite_seen > 20_000 && tiny_seen > 0,
+        "{finite_seen} {tiny_seen}"
+    );
+    // on finite data without subnormals, within the stated bound of the f64 product
+    linear_products(KernelPath::Avx512Bf16, "bf16");
+}
+
+#[test]
+fn bf16_bound_is_the_f32_bound_with_a_rounding_per_block() {
+    let (rel, abs) = bf16_error_bound(300);
+    assert_eq!(rel, gamma(302, 2f64.powi(-24)));
+    assert_eq!(abs, 600.0 * 2f64.powi(-126));
+    assert!(rel > f32_error_bound(300));
+}
+
+/// The calibration may pick either FMA path: they must give the same bits on every operand type,
+/// layout, accumulation and thread count, or the choice would change results.
+#[test]
+fn the_calibrated_candidates_compute_the_same_bits() {
+    let candidates: Vec<KernelPath> = [KernelPath::Avx2Fma, KernelPath::Avx512]
+        .into_iter()
+        .filter(|p| p.is_supported())
+        .collect();
+    if candidates.len() < 2 {
+        println!("skipped: a single FMA path on this CPU ({candidates:?}), nothing to choose");
+        return;
+    }
+    for (m, n, k) in [
+        (37, 70, 300),
+        (32, 10, 128),
+        (6, 16, 1),
+        (130, 33, 600),
+        (150, 300, 100),
+    ] {
+        let (a, b) = (values(m * k, 71), values(k * n, 72));
+        let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let (ah, bh) = (h(&a), h(&b));
+        for (ao, bo) in [
+            (Operand::F32(&a), Operand::F32(&b)),
+            (Operand::F16(&ah), Operand::F16(&bh)),
+            (Operand::Bf16(&a), Operand::Bf16(&b)),
+        ] {
+            let am = MatRef::row_major(ao, m, k).unwrap();
+            for bm in [
+                MatRef::row_major(bo, k, n).unwrap(),
+                MatRef::row_major(bo, n, k).unwrap().t(),
+            ] {
+                for threads in [1, 3] {
+                    let bits: Vec<Vec<u32>> = candidates
+                        .iter()
+                        .map(|&p| bits_on(p, am, bm, threads))
+                        .collect();
+                    assert_eq!(bits[0], bits[1], "{m}x{n}x{k} on {threads}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
+    let c = calibration();
+    assert!(c.chosen.is_supported());
+    assert_eq!(detected_path(), c.chosen);
+    for (chosen, nanos) in [(c.chosen, &c.nanos), (c.chosen_thin, &c.nanos_thin)] {
+        let best = nanos.iter().min_by_key(|&&(_, ns)| ns).unwrap();
+        assert_eq!(best.0, chosen, "{c:?}");
+        assert!(nanos.iter().all(|&(p, _)| matches!(
+            p,
+            KernelPath::Avx2Fma | KernelPath::Avx512 | KernelPath::Portable
+        )));
+    }
+    // gemm with no forced path: f32 on the chosen path (the thin one for n <= THIN), bf16 on
+    // its own where the CPU has it
+    let (m, n, k) = (20, 10, 50);
+    let (a, b) = (values(m * k, 83), values(k * n, 84));
+    let (am, bm) = (
+        MatRef::row_major_f32(&a, m, k).unwrap(),
+        MatRef::row_major_f32(&b, k, n).unwrap(),
+    );
+    let (mut got, mut expect) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+    gemm(am, bm, &mut got, false).unwrap();
+    gemm_on(c.chosen_thin, am, bm, &mut expect, false).unwrap();
+    assert_eq!(got, expect);
+    let (m, n, k) = (20, 40, 50);
+    let (a, b) = (values(m * k, 81), values(k * n, 82));
+    for (ao, bo, want) in [
+        (Operand::F32(&a), Operand::F32(&b), c.chosen),
+        (
+            Operand::Bf16(&a),
+            Operand::Bf16(&b),
+            if KernelPath::Avx512Bf16.is_supported() {
+                KernelPath::Avx512Bf16
+            } else {
+                c.chosen
+            },
+        ),
+    ] {
+        let (am, bm) = (
+            MatRef::row_major(ao, m, k).unwrap(),
+            MatRef::row_major(bo, k, n).unwrap(),
+        );
+        let mut got = vec![0.0f32; m * n];
+        gemm(am, bm, &mut got, false).unwrap();
+        let mut expect = vec![0.0f32; m * n];
+        gemm_on(want, am, bm, &mut expect, false).unwrap();
+        assert_eq!(got, expect, "{want:?}");
     }
 }

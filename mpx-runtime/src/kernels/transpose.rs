@@ -46,23 +46,29 @@ mod x86 {
     ) {
         let (src, dst) = (data.as_ptr(), panel.as_mut_ptr());
         let full = kc - kc % 8;
-        // SAFETY: the caller's contract; `q + 8 <= full <= kc` for the vector part.
-        unsafe {
-            for q in (0..full).step_by(8) {
-                for half in 0..2 {
-                    let r: [__m256; 8] = std::array::from_fn(|i| {
-                        _mm256_loadu_ps(src.add((l0 + half * 8 + i) * ls + pc + q))
-                    });
-                    let t = transpose8(r);
-                    for (p, v) in t.iter().enumerate() {
-                        _mm256_storeu_ps(dst.add((q + p) * 16 + half * 8), *v);
-                    }
+        for q in (0..full).step_by(8) {
+            for half in 0..2 {
+                let r: [__m256; 8] = std::array::from_fn(|i| {
+                    let at = src.wrapping_add((l0 + half * 8 + i) * ls + pc + q);
+                    // SAFETY: values `p = q..q + 8 <= full <= kc` of line `half * 8 + i < 16`:
+                    // inside `data` by the caller's contract.
+                    unsafe { _mm256_loadu_ps(at) }
+                });
+                let t = transpose8(r);
+                for (p, v) in t.iter().enumerate() {
+                    let at = dst.wrapping_add((q + p) * 16 + half * 8);
+                    // SAFETY: `(q + p) * 16 + half * 8 + 8 <= 16 * kc`: inside `panel`.
+                    unsafe { _mm256_storeu_ps(at, *v) };
                 }
             }
-            for p in full..kc {
-                for l in 0..16 {
-                    *dst.add(p * 16 + l) = *src.add((l0 + l) * ls + pc + p);
-                }
+        }
+        for p in full..kc {
+            for l in 0..16 {
+                let from = src.wrapping_add((l0 + l) * ls + pc + p);
+                // SAFETY: value `p < kc` of line `l < 16`: inside `data` by the contract.
+                let x = unsafe { *from };
+                // SAFETY: `p * 16 + l < 16 * kc`: inside `panel`.
+                unsafe { *dst.wrapping_add(p * 16 + l) = x };
             }
         }
     }

@@ -60,8 +60,8 @@ where
     for (bh, pb) in p.chunks_exact_mut(block).enumerate() {
         let (bi, h) = (bh / heads, bh % heads);
         gemm(
-            view(&q32, bi * n1 * K + h * dk, n1, dk, K),
-            view(&k32, bi * n2 * K + h * dk, n2, dk, K).t(),
+            view(&q32, bi * n1 * K + h * dk, n1, dk, K)?,
+            view(&k32, bi * n2 * K + h * dk, n2, dk, K)?.t(),
             pb,
             false,
         )
@@ -84,8 +84,8 @@ where
     for bh in 0..nb * heads {
         let (bi, h) = (bh / heads, bh % heads);
         gemm(
-            view(&pr, bh * block, n1, n2, n2),
-            view(&v32, bi * n2 * V + h * dv, n2, dv, V),
+            view(&pr, bh * block, n1, n2, n2)?,
+            view(&v32, bi * n2 * V + h * dv, n2, dv, V)?,
             &mut tmp,
             false,
         )
@@ -123,16 +123,16 @@ where
                 );
                 // dP = dY·vᵀ
                 gemm(
-                    view(&dy, yo, n1, dv, V),
-                    view(&v32, vo, n2, dv, V).t(),
+                    view(&dy, yo, n1, dv, V)?,
+                    view(&v32, vo, n2, dv, V)?.t(),
                     &mut ds,
                     false,
                 )
                 .map_err(shape_err)?;
                 // dv += pᵀ·dY (the rounded weights the forward multiplied by)
                 gemm(
-                    view(&pr, bh * block, n1, n2, n2).t(),
-                    view(&dy, yo, n1, dv, V),
+                    view(&pr, bh * block, n1, n2, n2)?.t(),
+                    view(&dy, yo, n1, dv, V)?,
                     &mut tv,
                     false,
                 )
@@ -145,16 +145,16 @@ where
                 }
                 // dq += dS·k, dk += dSᵀ·q
                 gemm(
-                    view(&ds, 0, n1, n2, n2),
-                    view(&k32, ko, n2, dk, K),
+                    view(&ds, 0, n1, n2, n2)?,
+                    view(&k32, ko, n2, dk, K)?,
                     &mut tq,
                     false,
                 )
                 .map_err(shape_err)?;
                 scatter(&tq, &mut dq, qo, dk, K, true);
                 gemm(
-                    view(&ds, 0, n1, n2, n2).t(),
-                    view(&q32, qo, n1, dk, K),
+                    view(&ds, 0, n1, n2, n2)?.t(),
+                    view(&q32, qo, n1, dk, K)?,
                     &mut tk,
                     false,
                 )

@@ -75,21 +75,22 @@ pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) -> Resu
 }
 
 /// A `rows x cols` f32 view starting at `offset`, rows `row_stride` apart (one head of a
-/// `(.., S, heads * cols)` tensor).
+/// `(.., S, heads * cols)` tensor); a shape error if it does not fit in `values`.
 pub(crate) fn view(
     values: &[f32],
     offset: usize,
     rows: usize,
     cols: usize,
     row_stride: usize,
-) -> MatRef<'_> {
-    MatRef {
-        values: Operand::F32(&values[offset.min(values.len())..]),
+) -> Result<MatRef<'_>, CpuError> {
+    MatRef::new(
+        Operand::F32(&values[offset.min(values.len())..]),
         rows,
         cols,
         row_stride,
-        col_stride: 1,
-    }
+        1,
+    )
+    .map_err(shape_err)
 }
 
 /// Kernel errors cannot happen in the fused ops (the shapes are fixed by the layers' types);

@@ -15,10 +15,11 @@
 //! either way, and [`IntoLayers`] converts the `Linear` layers of a whole model.
 //!
 //! Element types: `f32`, `f16` and `AMP<f16>` (f16 storage; sums in f32 on every path but
-//! [`KernelPath::Avx512Fp16`](crate::kernels::KernelPath), which sums up to 32 products in f16:
-//! see the kernels' error bounds). Emulated bf16 stores f32, so it runs the f32 kernels on the
-//! values the mixed step rounded; run in it with [`forward_in::<bf16, _>`](super::ForwardIn)
-//! ([`MixedModule`]), the layer also rounds its output and gradients to bf16.
+//! the AVX512-FP16 kernel path, which sums up to 32 products in f16: see the kernels' error
+//! bounds). Emulated bf16 stores f32: its products run on bf16 pair dot products (AVX512-BF16)
+//! where the CPU has them, else on the f32 kernels, on the values the mixed step rounded; run in
+//! it with [`forward_in::<bf16, _>`](super::ForwardIn) ([`MixedModule`]), the layer also rounds
+//! its output and gradients to bf16.
 //!
 //! The op's buffers (the input's and the weight's values it keeps for the backward, the f32
 //! sums) come from a pool that keeps them across steps, so a step allocates none of them after
@@ -44,9 +45,10 @@ use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
 use super::mixed::MixedModule;
 use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
+pub use crate::kernels::{Activation, KernelError};
 use crate::kernels::{
-    Activation, KernelError, MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm,
-    relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
+    MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
+    relu_mask_bias_grad_f32,
 };
 use crate::precision::{AMP, FloatBits, Precision, f16};
 
@@ -54,7 +56,7 @@ use crate::precision::{AMP, FloatBits, Precision, f16};
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::kernels::Activation;
+/// use mpx_runtime::nn::Activation;
 /// use mpx_runtime::nn::{act, FusedActivation};
 /// assert_eq!(<act::ReLU as FusedActivation>::ACT, Activation::ReLU);
 /// ```
@@ -72,7 +74,7 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::Identity::ACT, mpx_runtime::kernels::Activation::Identity);
+    /// assert_eq!(act::Identity::ACT, mpx_runtime::nn::Activation::Identity);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct Identity;
@@ -85,7 +87,7 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::ReLU::ACT, mpx_runtime::kernels::Activation::ReLU);
+    /// assert_eq!(act::ReLU::ACT, mpx_runtime::nn::Activation::ReLU);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct ReLU;
@@ -456,10 +458,19 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
 ) -> Result<R, KernelError> {
     let o = dz.len().checked_div(rows).unwrap_or(0);
     let i = x.len().checked_div(rows).unwrap_or(0);
+    for (what, len, expected) in [("dz", dz.len(), rows * o), ("x", x.len(), rows * i)] {
+        if len != expected {
+            return Err(KernelError::Length {
+                what,
+                len,
+                expected,
+            });
+        }
+    }
     let mut dw = scratch::take::<f32>(o * i);
     gemm(
-        MatRef::row_major(E::operand(dz), rows, o).t(),
-        MatRef::row_major(E::operand(x), rows, i),
+        MatRef::row_major(E::operand(dz), rows, o)?.t(),
+        MatRef::row_major(E::operand(x), rows, i)?,
         &mut dw,
         false,
     )?;
@@ -511,8 +522,10 @@ where
         let r = xc.len() / I;
         let acc = &mut acc[..r * O];
         gemm(
-            MatRef::row_major(E::operand(xc), r, I),
-            MatRef::row_major(E::operand(&wv), O, I).t(),
+            MatRef::row_major(E::operand(xc), r, I).map_err(shape_err)?,
+            MatRef::row_major(E::operand(&wv), O, I)
+                .map_err(shape_err)?
+                .t(),
             acc,
             false,
         )
@@ -623,8 +636,8 @@ fn input_grad<
         let r = dzc.len() / O;
         let dx = &mut dx[..r * I];
         gemm(
-            MatRef::row_major(E::operand(dzc), r, O),
-            MatRef::row_major(E::operand(wv), O, I),
+            MatRef::row_major(E::operand(dzc), r, O).map_err(shape_err)?,
+            MatRef::row_major(E::operand(wv), O, I).map_err(shape_err)?,
             dx,
             false,
         )

@@ -13,7 +13,7 @@
 //! | [`vit::ClassToken`] | - | - | the concatenation |
 //! | [`vit::ClassificationHead`] | - | its layer norm | mean over tokens, `Linear` |
 //! | [`vit::Vit`] | - | as its layers | as its layers |
-//! | [`Linear`], [`LinearReLU`] | `Linear` (+ `ReLU`) | - | one fused op each way on mpx's own [kernels](crate::kernels): GEMM, then bias, activation and cast in one pass |
+//! | [`Linear`], [`LinearReLU`] | `Linear` (+ `ReLU`) | - | one fused op each way on mpx's own kernels: GEMM, then bias, activation and cast in one pass |
 //!
 //! Every layer has dfdx's field names and parameter layout, implements dfdx's
 //! `TensorCollection` (so `alloc_grads`, optimizers, `build_module` and mpx's casts and mixed

@@ -1,0 +1,272 @@
+//! The AVX512-BF16 path for bf16 operands: `vdpbf16ps` (`_mm512_dpbf16_ps`) multiplies pairs of
+//! bf16 values and adds both products into f32 accumulators, at twice the rate of an f32 FMA on
+//! Zen 4.
+//!
+//! # Layout
+//! The operands are rounded to bf16 (nearest, ties to even, NaN quieted: the bits of
+//! [`round_to_bf16`](crate::precision::round_to_bf16)) and packed as pairs along k: a panel of A
+//! holds, for each pair `q` of a k block, the `MR` values `(A[i][2q], A[i][2q + 1])` as one
+//! 32-bit word each; a panel of B the `NR` words `(B[2q][j], B[2q + 1][j])`. An odd k block
+//! ends with a pair whose second value is `+0.0` in both operands.
+//!
+//! # What one instruction computes
+//! For each f32 lane, with `(a0, a1)` and `(b0, b1)` the pairs (low half first):
+//! `acc = fma(a0, b0, fma(a1, b1, acc))`: the odd element's product first, each step a fused
+//! multiply-add rounded to nearest even, with subnormal inputs (the accumulator included) read
+//! as zero and a result that is tiny after rounding to 24 bits with an unbounded exponent
+//! flushed to zero of the same sign. MXCSR is neither read nor written. A NaN input is returned
+//! quieted, the first in the order `a0, b0, a1, b1, acc`; an invalid operation gives the default
+//! NaN `0xffc0_0000`. The kernels' unit tests hold a scalar model of exactly this and check the
+//! instruction and the whole GEMM against it bit for bit (on random data with subnormals, ties,
+//! infinities and NaNs); Intel's pseudocode states the same order and flushing.
+//!
+//! # Error bound
+//! Against the exact sum `c'` of products of the bf16 operands with their subnormal values read
+//! as zero, and `S' = Σ|a||b|` over the same: `|ĉ - c'| ≤ γ(K + R, 2^-24)·S' + 2K·2^-126`, with
+//! `R = ceil(K / 256)` k blocks (one f32 add of each block's sum into `C`); the last term covers
+//! the flush of tiny results (at most `2^-126` per fused step, two steps per pair). Each product
+//! of two bf16 values is exact in f32, so this is the bound of the f32 FMA paths on the same
+//! operands with one more rounding per k block; only the order inside a pair (odd first) and the
+//! flushing differ from them. [`bf16_error_bound`](super::bf16_error_bound) computes it.
+
+use super::driver::{Out, split};
+use super::pack::{Src, pack_a, pack_b};
+
+/// Rows of a micro-tile.
+pub(crate) const MR: usize = 8;
+/// Columns of a micro-tile (two zmm of 16 f32).
+pub(crate) const NR: usize = 32;
+/// Values of k per block (even: blocks start on a pair).
+pub(crate) const KC: usize = 256;
+const MC: usize = 64;
+const NC: usize = 512;
+
+/// `C = A·B` (`C += A·B` unless `zero`) with `A` and `B` in f32 storage, rounded to bf16 while
+/// packing.
+///
+/// # Safety (for callers)
+/// The CPU must support AVX-512 F and AVX512-BF16 ([`KernelPath::Avx512Bf16`](super::KernelPath)
+/// is supported).
+pub(crate) unsafe fn run(
+    (m, n, kd): (usize, usize, usize),
+    a: Src<'_, f32>,
+    b: Src<'_, f32>,
+    (c, zero): (&mut [f32], bool),
+    threads: usize,
+) {
+    split((m, n, kd), (MR, NR), c, threads, &|out, rows, cols| {
+        BUFFERS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut buf) => block(kd, a, b, (out, zero), rows, cols, &mut buf),
+            Err(_) => block(kd, a, b, (out, zero), rows, cols, &mut Buffers::default()),
+        });
+    });
+}
+
+/// Packing buffers of one thread: f32 panels, then the same as bf16 pairs.
+#[derive(Default)]
+struct Buffers {
+    a32: Vec<f32>,
+    b32: Vec<f32>,
+    a: Vec<u32>,
+    b: Vec<u32>,
+}
+
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+}
+
+/// `x` rounded to bf16 (nearest, ties to even; a NaN quieted): the bits of
+/// [`round_to_bf16`](crate::precision::round_to_bf16), as the 16-bit pattern.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        (b | 0x0040_0000) >> 16
+    } else {
+        // no overflow: the largest non-NaN pattern, 0xff80_0000, plus 0x8000 fits
+        (b + 0x7fff + ((b >> 16) & 1)) >> 16
+    }
+}
+
+/// A k-major f32 panel of `width` lines (`panel[p * width + l]`, `kc` values of k) rounded to
+/// bf16 pairs (`pairs[q * width + l]`, low half `p = 2q`), the last pair zero-padded when `kc` is
+/// odd. The rounding happens here, on the packed panel, so the operand itself is read in place
+/// (no rounded copy of it).
+fn to_pairs(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
+    let q_count = kc.div_ceil(2);
+    let hi = bf16_bits;
+    for q in 0..q_count {
+        let even = &panel[2 * q * width..(2 * q + 1) * width];
+        let dst = &mut pairs[q * width..(q + 1) * width];
+        if 2 * q + 1 < kc {
+            let odd = &panel[(2 * q + 1) * width..(2 * q + 2) * width];
+            for ((d, e), o) in dst.iter_mut().zip(even).zip(odd) {
+                *d = hi(*e) | (hi(*o) << 16);
+            }
+        } else {
+            for (d, e) in dst.iter_mut().zip(even) {
+                *d = hi(*e);
+            }
+        }
+    }
+}
+
+/// One block of `C` (rows `r0..r1`, columns `c0..c1`, starting on micro-tile boundaries) over the
+/// whole inner dimension, in the BLIS loop order (see the driver's `block`).
+#[allow(clippy::too_many_arguments)]
+fn block(
+    kd: usize,
+    a: Src<'_, f32>,
+    b: Src<'_, f32>,
+    (out, zero): (Out, bool),
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+    buf: &mut Buffers,
+) {
+    if zero {
+        for r in r0..r1 {
+            // SAFETY: row `r`, columns `c0..c1` lie in this thread's block; no other reference
+            // to them is alive.
+            let row = unsafe { out.segment(r, c0, c1 - c0) };
+            row.fill(0.0);
+        }
+    }
+    let pairs = KC / 2;
+    buf.a32.resize(MC.div_ceil(MR) * MR * KC, 0.0);
+    buf.b32.resize(NC.div_ceil(NR) * NR * KC, 0.0);
+    buf.a.resize(MC.div_ceil(MR) * MR * pairs, 0);
+    buf.b.resize(NC.div_ceil(NR) * NR * pairs, 0);
+    // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds
+    let mut tmp = [-0.0f32; MR * NR];
+    for pc in (0..kd).step_by(KC) {
+        let kc = KC.min(kd - pc);
+        let kq = kc.div_ceil(2);
+        for jc in (c0..c1).step_by(NC) {
+            let nc = NC.min(c1 - jc);
+            pack_b(&mut buf.b32, b, (pc, kc), (jc, nc), NR);
+            for jp in 0..nc.div_ceil(NR) {
+                to_pairs(
+                    &buf.b32[jp * NR * kc..(jp + 1) * NR * kc],
+                    kc,
+                    NR,
+                    &mut buf.b[jp * NR * kq..(jp + 1) * NR * kq],
+                );
+            }
+            for ic in (r0..r1).step_by(MC) {
+                let mc = MC.min(r1 - ic);
+                pack_a(&mut buf.a32, a, (ic, mc), (pc, kc), MR);
+                for ip in 0..mc.div_ceil(MR) {
+                    to_pairs(
+                        &buf.a32[ip * MR * kc..(ip + 1) * MR * kc],
+                        kc,
+                        MR,
+                        &mut buf.a[ip * MR * kq..(ip + 1) * MR * kq],
+                    );
+                }
+                for jp in 0..nc.div_ceil(NR) {
+                    let (col, cols) = (jc + jp * NR, NR.min(nc - jp * NR));
+                    let bp = &buf.b[jp * NR * kq..(jp + 1) * NR * kq];
+                    for ip in 0..mc.div_ceil(MR) {
+                        let (row, rows) = (ic + ip * MR, MR.min(mc - ip * MR));
+                        let ap = &buf.a[ip * MR * kq..(ip + 1) * MR * kq];
+                        if rows == MR && cols == NR {
+                            let ct = out.tile(row, col, MR, NR);
+                            // SAFETY: the caller of `run` guarantees the CPU features; the tile
+                            // lies inside C (`Out::tile` asserts it) and inside this thread's
+                            // block, which no other thread touches.
+                            unsafe { kernel(kq, ap, bp, ct, out.ld) };
+                        } else {
+                            tmp.fill(-0.0);
+                            // SAFETY: as above; `tmp` holds MR x NR values with row stride NR.
+                            unsafe { kernel(kq, ap, bp, tmp.as_mut_ptr(), NR) };
+                            for (r, t) in tmp.chunks_exact(NR).take(rows).enumerate() {
+                                // SAFETY: row `row + r`, columns `col..col + cols` lie in this
+                                // thread's block; no other reference to them is alive.
+                                let dst = unsafe { out.segment(row + r, col, cols) };
+                                dst.iter_mut().zip(t).for_each(|(d, s)| *d += *s);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `C[8 x 32] += Σ_q Apairs[q]ᵀ · Bpairs[q]` over `pairs` pairs of k, one `vdpbf16ps` per row
+/// and half-tile per pair, the sums started at `+0.0` and added to `C` at the end.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and AVX512-BF16. `c` must be valid for reads and writes of `MR`
+/// rows of `NR` values at stride `ldc`, untouched by anyone else during the call. The packed
+/// lengths are asserted.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::{
+        _mm512_add_ps, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32,
+        _mm512_setzero_ps, _mm512_storeu_ps,
+    };
+    assert!(a.len() >= pairs * MR && b.len() >= pairs * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(pairs) {
+        let bp: &[u32; NR] = bp.try_into().expect("chunks of NR");
+        let (lo, hi) = bp.split_at(16);
+        // SAFETY: `lo` holds 16 u32, 64 bytes; the load is unaligned.
+        let b0 = bh(unsafe { _mm512_loadu_si512(lo.as_ptr().cast()) });
+        // SAFETY: as above, for `hi`.
+        let b1 = bh(unsafe { _mm512_loadu_si512(hi.as_ptr().cast()) });
+        for (row, &pair) in acc.iter_mut().zip(ap) {
+            // the pair broadcast to every 32-bit lane
+            let av = bh(_mm512_set1_epi32(pair as i32));
+            row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+            row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (h, v) in row.iter().enumerate() {
+            // `i < MR`, `h * 16 + 16 <= NR`: inside the tile the caller lends us
+            let dst = c.wrapping_add(i * ldc + h * 16);
+            // SAFETY: 16 values of the tile at `dst`, ours for the call.
+            let old = unsafe { _mm512_loadu_ps(dst) };
+            let sum = _mm512_add_ps(old, *v);
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(dst, sum) };
+        }
+    }
+}
+
+/// The 512 bits of `v` as 32 bf16 values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn bh(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
+    // SAFETY: both are 512 bits of plain vector data, valid for every bit pattern.
+    unsafe { std::mem::transmute::<std::arch::x86_64::__m512i, std::arch::x86_64::__m512bh>(v) }
+}
+
+/// Never called: [`KernelPath::Avx512Bf16`](super::KernelPath) is unsupported off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize) {
+    let _ = (pairs, a, b, c, ldc);
+    unreachable!("AVX512-BF16 kernel on a non-x86 target")
+}
+
+/// One `vdpbf16ps` on 16 lanes: `acc[l]` plus the products of the pairs `a[l]` and `b[l]`
+/// (tests check the instruction itself against their model, accumulators of every kind included).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and AVX512-BF16.
+#[cfg(all(test, target_arch = "x86_64"))]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn dp_lanes(acc: [f32; 16], a: [u32; 16], b: [u32; 16]) -> [f32; 16] {
+    use std::arch::x86_64::{__m512, __m512bh, _mm512_dpbf16_ps};
+    // SAFETY: 16 f32 values are the 512 bits of an `__m512`.
+    let acc = unsafe { std::mem::transmute::<[f32; 16], __m512>(acc) };
+    // SAFETY: 16 pairs of bf16 values are the 512 bits of an `__m512bh`.
+    let a = unsafe { std::mem::transmute::<[u32; 16], __m512bh>(a) };
+    // SAFETY: as above.
+    let b = unsafe { std::mem::transmute::<[u32; 16], __m512bh>(b) };
+    let r = _mm512_dpbf16_ps(acc, a, b);
+    // SAFETY: back: an `__m512` is 16 f32 values.
+    unsafe { std::mem::transmute::<__m512, [f32; 16]>(r) }
+}
