@@ -66,7 +66,6 @@
 //! | [`region`] | full-precision regions inside a half-precision graph (what `#[full_precision]` and `#[autocast]` generate) |
 //! | [`boundary`] | compile-time precision boundaries: a half model where the f32 master belongs is an error that says what to do |
 //! | [`nn`] | mixed-ready layers: a fused `Linear`, layer norm, attention, a transformer encoder, a ViT |
-//! | [`kernels`] | mpx's own CPU GEMM (f32, f16, bf16) and fused element-wise passes, under the layers |
 //! | [`mx`] | OCP Microscaling (MX) block formats: quantization, fake quantization, `MxLinear` |
 //!
 //! The attribute macros ([`macro@mixed_step`], [`macro@full_precision`], [`macro@autocast`],
@@ -76,7 +75,7 @@
 
 pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
 pub use mpx_runtime::{
-    boundary, cast, finite, kernels, mx, nn, policy, precision, region, scaling, step,
+    boundary, cast, finite, mx, nn, policy, precision, region, scaling, step,
 };
 
 pub mod prelude {
