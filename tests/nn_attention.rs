@@ -368,3 +368,52 @@ fn fused_ops_give_the_same_bits_when_their_buffers_are_reused() {
         .backward();
     assert_eq!(run(), first);
 }
+
+/// Inside a `GradScaler<f16>` forward pass, the encoder block's dense layers (the attention's
+/// four projections, the two feed-forward layers) run on the fused `nn::Linear` op and write their
+/// weight and bias gradients in f32 straight into the master's: times the scale, such a gradient
+/// is not an f16 value in general. The layer norms' parameters take the half-gradient path (f16
+/// gradients at the scale, moved to the master afterwards): times the scale, theirs are f16
+/// values. Both agree with the same f16 graph's gradients outside a scaler (f16 parameters,
+/// input and output seed) within the encoder block's bound, `32·u`.
+#[test]
+fn encoder_block_dense_layers_take_the_direct_path_in_a_grad_scaler() {
+    use mpx::scaling::StaticLossScale;
+    use mpx::step::GradScaler;
+    const SCALE: f32 = 1024.0;
+    let dev = Cpu::seed_from_u64(14);
+    let master = dev.build_module::<nn::TransformerEncoderBlock<M, 4, 32>, f32>();
+    let master = master.to_dtype::<f16>().to_dtype::<f32>();
+    let x: Seq<f32> = f16_values(dev.sample_normal());
+    let w: Seq<f32> = f16_values(dev.sample_normal());
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).expect("a valid scale"));
+    let out = scaler.forward(&master, x.clone().traced(master.alloc_grads()), |m, x| {
+        m.forward(x)
+    });
+    let g = scaler.backward((out * w.clone()).sum());
+    let got = param_grads(&master, &g);
+    // the reference: the f16 graph without a scaler
+    let m16 = master.clone().to_dtype::<f16>();
+    let y16 = m16.forward(x.to_dtype::<f16>().leaky_trace());
+    let want = param_grads(&m16, &(y16 * w.to_dtype::<f16>()).sum().backward());
+    // visit order: w_q, w_k, w_v, w_o (weight, bias each), norm1 (gamma, beta),
+    // ff.0.0 (weight, bias), ff.0.2 (weight, bias), norm2 (gamma, beta)
+    let direct: Vec<usize> = (0..8).chain(10..14).collect();
+    let is_f16_at_scale = |v: &[f32]| {
+        v.iter()
+            .all(|g| f16::from_f32(g * SCALE).to_f32() == g * SCALE)
+    };
+    assert_eq!(got.len(), 16);
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        if i == 3 {
+            continue; // the key bias: exactly zero, rounding noise only (see above)
+        }
+        let e = rel(a, b);
+        assert!(e < 32.0 * U16, "#{i}: relative error {e}");
+        if direct.contains(&i) {
+            assert!(!is_f16_at_scale(a), "#{i}: went through f16");
+        } else {
+            assert!(is_f16_at_scale(a), "#{i}: expected the half path");
+        }
+    }
+}
