@@ -218,47 +218,6 @@ where
     ))
 }
 
-/// [`filter_value_and_grad`] without the loss value: mpx's `filter_grad`.
-///
-/// # Errors
-/// As [`filter_value_and_grad`].
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::{precision::bf16, step::{GradScaler, filter_grad}};
-/// let dev: Cpu = Default::default();
-/// let master = dev.build_module::<Linear<2, 2>, f32>();
-/// let mut scaler = GradScaler::<bf16>::default();
-/// let x = dev.tensor([[1.0f32, -1.0]]);
-/// let g = filter_grad(&master, &mut scaler, |m, t| m.forward(x.clone().put_tape(t)), |o| o.sum())?;
-/// assert!(g.grads_finite);
-/// # Ok::<(), mpx_runtime::step::StepError>(())
-/// ```
-pub fn filter_grad<H, L, M, S, Fwd, LossFn>(
-    master: &M,
-    scaler: &mut GradScaler<H, L>,
-    forward: Fwd,
-    loss: LossFn,
-) -> Result<MixedGrads, StepError>
-where
-    H: Precision,
-    L: LossScale,
-    M: MasterModel + Send + Sync + 'static,
-    S: Shape,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
-    Fwd: FnOnce(
-        &mut WorkingCopy<H, M>,
-        OwnedTape<H::Elem, Cpu>,
-    ) -> Tensor<S, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-    LossFn: FnOnce(
-        Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
-    ) -> Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
-{
-    filter_value_and_grad(master, scaler, forward, loss)
-}
-
 /// Updates the f32 master with any dfdx optimizer when its gradients were finite, else leaves
 /// master and optimizer state untouched: mpx's `optimizer_update`, here
 /// [`GradScaler::update`] (which also adjusts the loss scale).

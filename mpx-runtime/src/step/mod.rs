@@ -6,7 +6,7 @@
 //! | PyTorch `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` | [`GradScaler::forward`], [`GradScaler::backward`], [`GradScaler::update`] (or `#[mixed_step]`, which writes them) |
 //! | PyTorch `scaler.state_dict()` / `load_state_dict` | [`GradScaler::state_dict`] / [`GradScaler::load_state_dict`], or serde on the scaler itself |
 //! | `mpx.filter_value_and_grad(func, scaling)(model, batch)` | [`filter_value_and_grad`]`(&master, &mut scaler, forward, loss)` |
-//! | `mpx.filter_grad` | [`filter_grad`] |
+//! | `mpx.filter_grad` | [`filter_grad`] (the same function) |
 //! | `has_aux=True` | [`filter_value_and_grad_with_aux`] |
 //! | `mpx.optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)` | [`optimizer_update`]`(&mut master, &mut opt, &mut scaler, &grads)` |
 //! | `optax.apply_if_finite(.., max_consecutive_errors)` | [`GradScaler::with_max_consecutive_skips`] (an error, never a bad update) |
@@ -62,9 +62,24 @@ pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::StepError;
 pub use function::{
-    MixedGrads, filter_grad, filter_value_and_grad, filter_value_and_grad_with_aux,
-    optimizer_update,
+    MixedGrads, filter_value_and_grad, filter_value_and_grad_with_aux, optimizer_update,
 };
+/// mpx's `filter_grad`: [`filter_value_and_grad`] under mpx's other name (the loss value comes
+/// with the gradients either way).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::{precision::bf16, step::{GradScaler, filter_grad}};
+/// let dev: Cpu = Default::default();
+/// let master = dev.build_module::<Linear<2, 2>, f32>();
+/// let mut scaler = GradScaler::<bf16>::default();
+/// let x = dev.tensor([[1.0f32, -1.0]]);
+/// let g = filter_grad(&master, &mut scaler, |m, t| m.forward(x.clone().put_tape(t)), |o| o.sum())?;
+/// assert!(g.grads_finite);
+/// # Ok::<(), mpx_runtime::step::StepError>(())
+/// ```
+pub use function::filter_value_and_grad as filter_grad;
 #[doc(hidden)]
 pub use half_region::Region;
 pub use half_region::{HalfInput, HalfOutput};
