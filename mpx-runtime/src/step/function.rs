@@ -252,10 +252,8 @@ pub fn optimizer_update<H, L, M, O>(
 where
     H: Precision,
     L: LossScale,
-    M: MasterModel + Send + Sync + 'static,
+    M: MasterModel,
     O: Optimizer<M, Cpu, f32>,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
 {
     scaler.update(master, optimizer, grads.grads())
 }

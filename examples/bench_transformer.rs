@@ -1,0 +1,161 @@
+//! A dfdx transformer classifier (embedding, dfdx's `TransformerEncoder`, mean pool, head), written
+//! as dfdx users write it, trained in f32 and converted with `#[mixed_step]`: the step time of the
+//! mixed f16 / bf16 steps against the f32 step, measured interleaved (issue 17's "converting never
+//! slows training" figure for a model built from dfdx's own layers).
+//!
+//! Run: `cargo run --release --example bench_transformer [-- --rounds 21]`
+
+#[path = "common/measure.rs"]
+mod measure;
+
+use clap::Parser;
+use dfdx::optim::{Adam, AdamConfig};
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::precision::{bf16, f16};
+use mpx::step::GradScaler;
+
+const BATCH: usize = 16;
+const SEQ: usize = 32;
+const VOCAB: usize = 64;
+const CLASSES: usize = 4;
+const DIM: usize = 64;
+
+type Classifier = (
+    Embedding<VOCAB, DIM>,
+    TransformerEncoder<DIM, 4, 128, 2>,
+    Linear<DIM, CLASSES>,
+);
+type Model = <Classifier as BuildOnDevice<Cpu, f32>>::Built;
+type Tokens = Tensor<Rank2<BATCH, SEQ>, usize, Cpu>;
+type Labels = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
+
+/// One step, as a dfdx user writes it: embed, encode, mean over the sequence, classify.
+fn f32_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: Tokens, y: Labels) -> f32 {
+    let grads = model.alloc_grads();
+    let h = model.0.forward(x.traced(grads));
+    let h = model.1.forward(h);
+    let pooled = h.mean::<_, Axis<1>>();
+    let logits = model.2.forward(pooled);
+    let loss = cross_entropy_with_logits_loss(logits, y);
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+/// The same step converted: the attribute and the scaler parameter.
+#[mixed_step(scaling = scaler)]
+fn f16_step(
+    model: &mut Model,
+    opt: &mut Adam<Model, f32, Cpu>,
+    x: Tokens,
+    y: Labels,
+    scaler: &mut GradScaler<f16>,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let h = model.0.forward(x.traced(grads));
+    let h = model.1.forward(h);
+    let pooled = h.mean::<_, Axis<1>>();
+    let logits = model.2.forward(pooled);
+    let loss = cross_entropy_with_logits_loss(logits, y);
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+/// The same step in emulated bf16.
+#[mixed_step(scaling = scaler)]
+fn bf16_step(
+    model: &mut Model,
+    opt: &mut Adam<Model, f32, Cpu>,
+    x: Tokens,
+    y: Labels,
+    scaler: &mut GradScaler<bf16>,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let h = model.0.forward(x.traced(grads));
+    let h = model.1.forward(h);
+    let pooled = h.mean::<_, Axis<1>>();
+    let logits = model.2.forward(pooled);
+    let loss = cross_entropy_with_logits_loss(logits, y);
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[derive(Parser)]
+struct Args {
+    /// Interleaved rounds (the median is reported).
+    #[arg(long, default_value_t = 21)]
+    rounds: usize,
+}
+
+fn main() {
+    let args = Args::parse();
+    let dev = Cpu::seed_from_u64(0);
+    let init = dev.build_module::<Classifier, f32>();
+    let tokens: Tokens = dev.tensor_from_vec(
+        measure::uniform(BATCH * SEQ)
+            .map(|u| ((u + 0.5) * VOCAB as f32) as usize % VOCAB)
+            .collect(),
+        (Const, Const),
+    );
+    let mut onehot = vec![0.0f32; BATCH * CLASSES];
+    for i in 0..BATCH {
+        onehot[i * CLASSES + i % CLASSES] = 1.0;
+    }
+    let labels: Labels = dev.tensor_from_vec(onehot, (Const, Const));
+    let adam = |m: &Model| {
+        Adam::new(
+            m,
+            AdamConfig {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+    };
+    let (mut m32, mut m16, mut mbf) = (init.clone(), init.clone(), init.clone());
+    let (mut o32, mut o16, mut obf) = (adam(&m32), adam(&m16), adam(&mbf));
+    let mut s16 = GradScaler::<f16>::default();
+    let mut sbf = GradScaler::<bf16>::default();
+    let (mut l32, mut l16, mut lbf) = (0.0, 0.0, 0.0);
+    let times = measure::measure(
+        args.rounds,
+        &mut [
+            &mut || l32 = f32_step(&mut m32, &mut o32, tokens.clone(), labels.clone()),
+            &mut || l16 = f16_step(&mut m16, &mut o16, tokens.clone(), labels.clone(), &mut s16),
+            &mut || lbf = bf16_step(&mut mbf, &mut obf, tokens.clone(), labels.clone(), &mut sbf),
+        ],
+    );
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    println!(
+        "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {cpu}",
+        args.rounds
+    );
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    println!("f32  step {:8.3} ms  loss {l32:.4}", ms(times[0]));
+    println!(
+        "f16  step {:8.3} ms  loss {l16:.4}  x{:.2} of f32  ({} of its steps ran in {})",
+        ms(times[1]),
+        ms(times[1]) / ms(times[0]),
+        s16.applied_steps() + s16.skipped_steps(),
+        s16.last_step().map_or("?", |r| r.precision)
+    );
+    println!(
+        "bf16 step {:8.3} ms  loss {lbf:.4}  x{:.2} of f32  ({} ran in {})",
+        ms(times[2]),
+        ms(times[2]) / ms(times[0]),
+        sbf.applied_steps() + sbf.skipped_steps(),
+        sbf.last_step().map_or("?", |r| r.precision)
+    );
+}
