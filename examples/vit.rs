@@ -376,7 +376,8 @@ where
 {
     let mut master = init.clone();
     let mut opt = adam(&master, lr);
-    let mut scaler = GradScaler::<H, _>::new(DynamicLossScale::builder().initial(2f32.powi(15)).build()?);
+    let mut scaler =
+        GradScaler::<H, _>::new(DynamicLossScale::builder().initial(2f32.powi(15)).build()?);
     let mut i = 0;
     Ok(move || {
         let (x, y, _) = &batches[i % batches.len()];

@@ -149,8 +149,8 @@ mod vit_step {
     use mpx::cast::{Cast, cast_tree};
     use mpx::nn::vit::Vit;
     use mpx::nn::{ForwardIn, MixedModule};
-    use mpx::scaling::{DynamicLossScale, StaticLossScale};
     use mpx::precision::f16;
+    use mpx::scaling::{DynamicLossScale, StaticLossScale};
     use mpx::step::{GradScaler, WorkingCopy, filter_value_and_grad, optimizer_update};
 
     pub const BATCH: usize = 32;
