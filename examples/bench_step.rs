@@ -1,9 +1,9 @@
 //! Benchmark of the mixed-precision step (issue 3's table, and issue 10's rows f-i): MLP
 //! 512-1024-1024-10, Adam, batch 256 for time, batch 4096 for memory. Every ratio is measured in
 //! this one run. Rows f-i build the same MLP (same initial weights) from mpx's fused layers
-//! (`mpx::nn::LinearReLU`, `mpx::nn::Linear`) instead of dfdx's `Linear` + `ReLU`; rows f, f2, g
-//! and i train it with a `GradScaler` (what `#[mixed_step]` expands to), rows a-e use the
-//! function API (`filter_value_and_grad`).
+//! (`mpx::nn::LinearReLU`, `mpx::nn::Linear`) instead of dfdx's `Linear` + `ReLU`. Every mixed
+//! row runs on the one engine, a `GradScaler` driven by its methods (what `#[mixed_step]` expands
+//! to), with the gradients allocated once and reused across steps as a plain dfdx loop does.
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -23,9 +23,7 @@ use mpx::kernels::{active_path, gemm_nanos, max_threads, with_threads};
 use mpx::nn;
 use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
-use mpx::step::{
-    GradScaler, MixedWorkspace, StepTimings, WorkingCopy, filter_value_and_grad, optimizer_update,
-};
+use mpx::step::{GradScaler, WorkingCopy};
 
 #[path = "../tests/common/heap.rs"]
 mod heap;
@@ -131,94 +129,35 @@ where
             y,
         }
     }
-    /// One step; returns (forward+backward, optimizer incl. zeroing) times.
-    fn step(&mut self) -> (Duration, Duration) {
+    /// One step; returns (forward, loss + backward, optimizer incl. zeroing) times.
+    fn step(&mut self) -> (Duration, Duration, Duration) {
         let t0 = Instant::now();
         let grads = self.grads.take().expect("gradients present");
-        let out = self.model.forward(self.x.clone().traced(grads));
-        let mut grads = cross_entropy_with_logits_loss(out, self.y.clone()).backward();
+        let out = self.model.forward(self.x.trace(grads));
         let t1 = Instant::now();
+        let mut grads = cross_entropy_with_logits_loss(out, self.y.clone()).backward();
+        let t2 = Instant::now();
         self.opt.update(&mut self.model, &grads).expect("update");
         self.model.zero_grads(&mut grads);
         self.grads = Some(grads);
-        (t1 - t0, t1.elapsed())
+        (t1 - t0, t2 - t1, t2.elapsed())
     }
 }
 
-/// The mixed loop with working-copy precision `H`.
-struct Mixed<H: Precision, L: LossScale, const B: usize, M: MasterModel = Master>
-where
-    Cpu: Device<H::Elem>,
-{
-    master: M,
-    opt: Adam<M, f32, Cpu>,
-    ws: MixedWorkspace<H, M>,
-    scaling: L,
-    x: Tensor<Rank2<B, 512>, f32, Cpu>,
-    y: Tensor<Rank2<B, 10>, f32, Cpu>,
-}
-
-impl<H, L, const B: usize, M> Mixed<H, L, B, M>
-where
-    H: Precision,
-    L: LossScale,
-    M: MasterModel + Clone,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
-        + Module<
-            Tensor<Rank2<B, 512>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-        >,
-    Tensor<Rank2<B, 512>, f32, Cpu>:
-        mpx::cast::Cast<H, Output = Tensor<Rank2<B, 512>, H::Elem, Cpu>>,
-{
-    fn new(dev: &Cpu, init: &M, scaling: L) -> Self {
-        let master = init.clone();
-        let (x, y) = data::<B>(dev);
-        Self {
-            opt: adam(&master),
-            ws: MixedWorkspace::new(&master).expect("workspace"),
-            master,
-            scaling,
-            x,
-            y,
-        }
-    }
-    /// One step, the batch cast included; returns the phase timings and the optimizer time.
-    fn step(&mut self) -> (StepTimings, Duration, Duration) {
-        let t0 = Instant::now();
-        let xh: Tensor<Rank2<B, 512>, H::Elem, Cpu> = mpx::cast::cast_tree::<H, _>(&self.x);
-        let t_input = t0.elapsed();
-        let y = self.y.clone();
-        let g = filter_value_and_grad(
-            &self.master,
-            &mut self.scaling,
-            &mut self.ws,
-            |m, t| m.forward(xh.put_tape(t)),
-            |o| cross_entropy_with_logits_loss(o, y),
-        )
-        .expect("step");
-        let t1 = Instant::now();
-        let finite = g.grads_finite;
-        optimizer_update(&mut self.master, &mut self.opt, &g, finite).expect("update");
-        let opt_time = t1.elapsed();
-        (self.ws.last_timings(), t_input, opt_time)
-    }
-}
-
-/// The mixed loop as a user writes it with mpx's fused layers: `#[mixed_step]`'s expansion, i.e.
-/// a [`GradScaler`] around the plain dfdx step (the layers then write their weight gradients
-/// straight into the master's).
-struct Scaled<H: Precision, const B: usize, M = MpxMaster> {
+/// The mixed loop with working-copy precision `H`, as a user writes it: `#[mixed_step]`'s
+/// expansion, i.e. a [`GradScaler`] around the plain dfdx step (mpx's fused layers then write
+/// their weight gradients straight into the master's). The gradients are allocated once and
+/// reused; the batch is rounded to `H` inside the scaler's forward pass.
+struct Scaled<H: Precision, L: LossScale, const B: usize, M = MpxMaster> {
     model: M,
     opt: Adam<M, f32, Cpu>,
-    scaler: GradScaler<H, DynamicLossScale>,
+    scaler: GradScaler<H, L>,
     grads: Option<Gradients<f32, Cpu>>,
     x: Tensor<Rank2<B, 512>, f32, Cpu>,
     y: Tensor<Rank2<B, 10>, f32, Cpu>,
 }
 
-impl<H: Precision, const B: usize, M> Scaled<H, B, M>
+impl<H: Precision, L: LossScale, const B: usize, M> Scaled<H, L, B, M>
 where
     M: MasterModel + Clone + Send + Sync + 'static,
     Cpu: Device<H::Elem>,
@@ -231,7 +170,7 @@ where
             Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
         >,
 {
-    fn new(dev: &Cpu, init: &M, scaling: DynamicLossScale) -> Self {
+    fn new(dev: &Cpu, init: &M, scaling: L) -> Self {
         let model = init.clone();
         let (x, y) = data::<B>(dev);
         Self {
@@ -243,15 +182,15 @@ where
             y,
         }
     }
-    /// One step; returns (forward, loss + backward, optimizer incl. zeroing) times.
+    /// One step; returns (forward, loss + backward, optimizer incl. zeroing) times, each timed
+    /// from outside the scaler's call: the forward includes the master and batch casts, the
+    /// backward the unscaling, the finiteness check and the gradients' move into the master's.
     fn step(&mut self) -> (Duration, Duration, Duration) {
         let t0 = Instant::now();
         let grads = self.grads.take().expect("gradients present");
         let out = self
             .scaler
-            .forward(&self.model, self.x.clone().traced(grads), |m, x| {
-                m.forward(x)
-            });
+            .forward(&self.model, self.x.trace(grads), |m, x| m.forward(x));
         let t1 = Instant::now();
         let mut grads = self
             .scaler
@@ -260,7 +199,7 @@ where
         self.scaler
             .update(&mut self.model, &mut self.opt, &grads)
             .expect("update");
-        self.model.zero_grads(&mut grads);
+        self.scaler.zero_grads(&self.model, &mut grads);
         self.grads = Some(grads);
         (t1 - t0, t2 - t1, t2.elapsed())
     }
@@ -274,34 +213,20 @@ fn median(v: &mut [f64]) -> f64 {
 #[derive(Default)]
 struct Acc {
     total: Vec<f64>,
-    input: Vec<f64>,
-    cast: Vec<f64>,
+    fwd: Vec<f64>,
+    bwd: Vec<f64>,
     fwd_bwd: Vec<f64>,
-    transfer: Vec<f64>,
     opt: Vec<f64>,
 }
 
 impl Acc {
-    fn mixed(&mut self, (t, input, opt): (StepTimings, Duration, Duration)) {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        self.total.push(ms(t.total() + input + opt));
-        self.input.push(ms(input));
-        self.cast.push(ms(t.cast));
-        self.fwd_bwd.push(ms(t.forward + t.loss + t.backward));
-        self.transfer.push(ms(t.transfer));
-        self.opt.push(ms(opt));
-    }
-    /// A [`Scaled`] step: the cast is inside the forward and the transfer inside the backward.
-    fn scaled(&mut self, (fwd, bwd, opt): (Duration, Duration, Duration)) {
+    /// A step's (forward, loss + backward, optimizer) times.
+    fn step(&mut self, (fwd, bwd, opt): (Duration, Duration, Duration)) {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         self.total.push(ms(fwd + bwd + opt));
+        self.fwd.push(ms(fwd));
+        self.bwd.push(ms(bwd));
         self.fwd_bwd.push(ms(fwd + bwd));
-        self.opt.push(ms(opt));
-    }
-    fn plain(&mut self, (fb, opt): (Duration, Duration)) {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        self.total.push(ms(fb + opt));
-        self.fwd_bwd.push(ms(fb));
         self.opt.push(ms(opt));
     }
     fn med(v: &mut [f64]) -> f64 {
@@ -329,7 +254,7 @@ fn main() {
         })
     };
     let mem_f16 = {
-        let mut m = Mixed::<f16, _, BIG>::new(&dev, &init, dynamic());
+        let mut m = Scaled::<f16, _, BIG, Master>::new(&dev, &init, dynamic());
         m.step();
         measure_peak(|| {
             m.step();
@@ -337,7 +262,7 @@ fn main() {
     };
     let init_mpx = to_mpx(&init);
     let mem_f16_mpx = {
-        let mut m = Scaled::<f16, BIG>::new(&dev, &init_mpx, dynamic());
+        let mut m = Scaled::<f16, _, BIG>::new(&dev, &init_mpx, dynamic());
         m.step();
         measure_peak(|| {
             m.step();
@@ -378,15 +303,16 @@ fn main() {
     // ---- time, batch 256 ----
     const B: usize = 256;
     let mut plain = Plain::<B>::new(&dev, &init);
-    let mut machinery = Mixed::<f32, _, B>::new(&dev, &init, StaticLossScale::new(1.0).unwrap());
-    let mut half = Mixed::<f16, _, B>::new(&dev, &init, dynamic());
-    let mut amp = Mixed::<AMP<f16>, _, B>::new(&dev, &init, dynamic());
-    let mut bf = Mixed::<bf16, _, B>::new(&dev, &init, dynamic());
-    let mut mpx_half = Scaled::<f16, B>::new(&dev, &init_mpx, dynamic());
-    let mut mpx_bf = Scaled::<bf16, B>::new(&dev, &init_mpx, dynamic());
+    let mut machinery =
+        Scaled::<f32, _, B, Master>::new(&dev, &init, StaticLossScale::new(1.0).unwrap());
+    let mut half = Scaled::<f16, _, B, Master>::new(&dev, &init, dynamic());
+    let mut amp = Scaled::<AMP<f16>, _, B, Master>::new(&dev, &init, dynamic());
+    let mut bf = Scaled::<bf16, _, B, Master>::new(&dev, &init, dynamic());
+    let mut mpx_half = Scaled::<f16, _, B>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_bf = Scaled::<bf16, _, B>::new(&dev, &init_mpx, dynamic());
     let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
     let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
-    let mut mpx_half1 = Scaled::<f16, B>::new(&dev, &init_mpx, dynamic());
+    let mut mpx_half1 = Scaled::<f16, _, B>::new(&dev, &init_mpx, dynamic());
     let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain, mut a_mpx_half1): (Acc, Acc, Acc, Acc) =
         Default::default();
     let mut t_gemm_f16 = vec![];
@@ -396,58 +322,58 @@ fn main() {
         for _ in 0..per_round {
             let r = plain.step();
             if keep {
-                Acc::plain(&mut a_plain, r);
+                Acc::step(&mut a_plain, r);
             }
         }
         for _ in 0..per_round {
             let r = machinery.step();
             if keep {
-                Acc::mixed(&mut a_mach, r);
+                Acc::step(&mut a_mach, r);
             }
         }
         for _ in 0..per_round {
             let r = half.step();
             if keep {
-                Acc::mixed(&mut a_half, r);
+                Acc::step(&mut a_half, r);
             }
         }
         for _ in 0..per_round {
             let r = amp.step();
             if keep {
-                Acc::mixed(&mut a_amp, r);
+                Acc::step(&mut a_amp, r);
             }
         }
         for _ in 0..per_round {
             let r = bf.step();
             if keep {
-                Acc::mixed(&mut a_bf, r);
+                Acc::step(&mut a_bf, r);
             }
         }
         for _ in 0..per_round {
             let before = gemm_nanos();
             let r = mpx_half.step();
             if keep {
-                Acc::scaled(&mut a_mpx_half, r);
+                Acc::step(&mut a_mpx_half, r);
                 t_gemm_f16.push((gemm_nanos() - before) as f64 / 1e6);
             }
         }
         for _ in 0..per_round {
             let r = mpx_bf.step();
             if keep {
-                Acc::scaled(&mut a_mpx_bf, r);
+                Acc::step(&mut a_mpx_bf, r);
             }
         }
         for _ in 0..per_round {
             let r = mpx_plain.step();
             if keep {
-                Acc::plain(&mut a_mpx_plain, r);
+                Acc::step(&mut a_mpx_plain, r);
             }
         }
         with_threads(1, || {
             for _ in 0..per_round {
                 let r = mpx_half1.step();
                 if keep {
-                    Acc::scaled(&mut a_mpx_half1, r);
+                    Acc::step(&mut a_mpx_half1, r);
                 }
             }
         })
@@ -540,13 +466,11 @@ fn main() {
         max_threads()
     );
 
-    println!("\nBreakdown (median ms per step):\n");
-    println!(
-        "| step | batch cast | master cast | forward+backward | transfer | optimizer | total |"
-    );
-    println!("|---|---|---|---|---|---|---|");
-    // "-": not measured apart (a `GradScaler` step casts inside its forward and moves the
-    // gradients of dfdx's layers inside its backward)
+    println!("\nBreakdown (median ms per step, each phase timed around its call):\n");
+    println!("| step | forward | loss+backward | optimizer | total |");
+    println!("|---|---|---|---|---|");
+    // a mixed step casts the master and the batch inside its forward, and unscales, checks and
+    // moves the working copy's gradients into the master's inside its backward
     let cell = |v: &mut Vec<f64>| {
         if v.is_empty() {
             "-".to_string()
@@ -556,11 +480,9 @@ fn main() {
     };
     let row = |name: &str, a: &mut Acc, total: f64| {
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {:.2} |",
-            cell(&mut a.input),
-            cell(&mut a.cast),
-            cell(&mut a.fwd_bwd),
-            cell(&mut a.transfer),
+            "| {name} | {} | {} | {} | {:.2} |",
+            cell(&mut a.fwd),
+            cell(&mut a.bwd),
             cell(&mut a.opt),
             total
         );
@@ -585,11 +507,11 @@ fn main() {
     );
     println!(
         "\nloss scale after the run: f16 {}, AMP<f16> {}, bf16 {}; skipped steps: f16 {}, AMP<f16> {}, bf16 {}",
-        half.scaling.loss_scale(),
-        amp.scaling.loss_scale(),
-        bf.scaling.loss_scale(),
-        half.ws.skipped_steps(),
-        amp.ws.skipped_steps(),
-        bf.ws.skipped_steps()
+        half.scaler.loss_scale(),
+        amp.scaler.loss_scale(),
+        bf.scaler.loss_scale(),
+        half.scaler.skipped_steps(),
+        amp.scaler.skipped_steps(),
+        bf.scaler.skipped_steps()
     );
 }

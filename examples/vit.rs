@@ -48,7 +48,7 @@ use mpx::nn::{ForwardIn, MixedModule};
 use mpx::precision::{HalfPrecision, Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
 use mpx::step::{
-    MixedWorkspace, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
+    GradScaler, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
 };
 
 use digits::{CLASSES, Digits, DigitsVit, FEATURES};
@@ -232,23 +232,25 @@ where
     let mut master = init.clone();
     let mut opt = adam(&master, plan.lr);
     // Starts at jmp's suggested 2^15 and grows after 200 finite steps in a row.
-    let mut scaling = DynamicLossScale::builder()
-        .initial(2f32.powi(15))
-        .period(200)
-        .build()?;
+    let mut scaler = GradScaler::<H, _>::new(
+        DynamicLossScale::builder()
+            .initial(2f32.powi(15))
+            .period(200)
+            .build()?,
+    )
+    .with_max_consecutive_skips(50);
     let total = epochs * (d.train_len() / BATCH);
     let pb = bar(name, total);
     // The fused ops' buffers, kept across steps, count toward this run's peak: none are left
     // from an earlier run.
     mpx::nn::release_buffers();
     let baseline = heap::reset_peak();
-    let mut ws = MixedWorkspace::<H, _>::new(&master)?.with_max_consecutive_skips(50);
     let (mut busy, mut steps) = (Duration::ZERO, 0u32);
     let mut epoch_loss = Vec::with_capacity(epochs);
     for epoch in 0..epochs {
         let (mut loss_sum, mut hits, mut finite_steps) = (0.0f32, 0usize, 0usize);
         let (mut grew, mut backed_off, mut skipped) = (0, 0, 0);
-        let scale_at_start = scaling.loss_scale();
+        let scale_at_start = scaler.loss_scale();
         let batches = vit_batches(dev, d, epoch);
         for (x, y, labels) in &batches {
             opt.cfg.lr = plan.lr_at(steps as usize, total);
@@ -256,17 +258,16 @@ where
             let xh = cast_to_half_precision::<H, _>(x);
             let (g, logits) = filter_value_and_grad_with_aux(
                 &master,
-                &mut scaling,
-                &mut ws,
+                &mut scaler,
                 |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
                 |out| {
                     let logits = out.retaped::<NoneTape>().array();
                     (cross_entropy_with_logits_loss(out, y.clone()), logits)
                 },
             )?;
-            let (loss, applied, new, finite) =
-                (g.loss, g.applied_scale, g.new_scale, g.grads_finite);
-            let outcome = optimizer_update(&mut master, &mut opt, &g, finite)?;
+            let (loss, applied) = (g.loss, g.applied_scale);
+            let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g)?;
+            let new = scaler.loss_scale();
             busy += t.elapsed();
             steps += 1;
             match outcome {
@@ -282,7 +283,7 @@ where
             } else if new < applied {
                 backed_off += 1;
             }
-            pb.set_message(format!("scale {}", scaling.loss_scale()));
+            pb.set_message(format!("scale {}", scaler.loss_scale()));
             pb.inc(1);
         }
         let mean_loss = if finite_steps > 0 {
@@ -298,7 +299,7 @@ where
                 epoch + 1,
                 100.0 * hits as f64 / (finite_steps.max(1) * BATCH) as f64,
                 scale_at_start,
-                scaling.loss_scale(),
+                scaler.loss_scale(),
                 grew,
                 backed_off,
                 skipped,
@@ -317,7 +318,7 @@ where
         test_acc,
         step_time: busy / steps.max(1),
         peak_bytes,
-        skipped: ws.skipped_steps(),
+        skipped: scaler.skipped_steps(),
         epoch_loss,
     })
 }
@@ -377,8 +378,8 @@ where
 {
     let mut master = init.clone();
     let mut opt = adam(&master, lr);
-    let mut ws = MixedWorkspace::<H, _>::new(&master)?;
-    let mut scaling = DynamicLossScale::builder().initial(2f32.powi(15)).build()?;
+    let mut scaler =
+        GradScaler::<H, _>::new(DynamicLossScale::builder().initial(2f32.powi(15)).build()?);
     let mut i = 0;
     Ok(move || {
         let (x, y, _) = &batches[i % batches.len()];
@@ -386,15 +387,13 @@ where
         let xh = cast_to_half_precision::<H, _>(x);
         let g = filter_value_and_grad_with_aux(
             &master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
             |out| (cross_entropy_with_logits_loss(out, y.clone()), ()),
         )
-        .expect("the workspace belongs to this master")
+        .expect("the loss scale is valid")
         .0;
-        let finite = g.grads_finite;
-        optimizer_update(&mut master, &mut opt, &g, finite)
+        optimizer_update(&mut master, &mut opt, &mut scaler, &g)
             .expect("the optimizer belongs to this master");
     })
 }
@@ -528,7 +527,7 @@ where
     let dev = Cpu::seed_from_u64(1);
     let (master, master_bytes) = retained(|| build_vit(&dev));
     let (working, weights) = retained(|| cast_module::<H, f32, _>(&master));
-    // The workspace holds both: the working copy's gradients and the f32 master-shaped ones.
+    // The scaler holds both: the working copy's gradients and the f32 master-shaped ones.
     let (half_grads, half_grad_bytes) = retained(|| working.alloc_grads());
     let (_master_grads, master_grad_bytes) = retained(|| master.alloc_grads());
     let xh = cast_to_half_precision::<H, _>(x);

@@ -143,8 +143,9 @@ mod vit_step {
     use mpx::cast::{Cast, cast_tree};
     use mpx::nn::vit::Vit;
     use mpx::nn::{ForwardIn, MixedModule};
+    use mpx::precision::f16;
     use mpx::scaling::{DynamicLossScale, StaticLossScale};
-    use mpx::step::{MixedWorkspace, WorkingCopy, filter_value_and_grad, optimizer_update};
+    use mpx::step::{GradScaler, WorkingCopy, filter_value_and_grad, optimizer_update};
 
     pub const BATCH: usize = 32;
     /// 8x8 digits in 4x4 patches: 4 tokens of 16 pixels, width 16, 2 heads, 2 blocks.
@@ -188,16 +189,16 @@ mod vit_step {
                 H,
                 Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
                 Output = Tensor<Rank2<BATCH, CLASSES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            >,
+            > + Send
+            + Sync
+            + 'static,
         X: Cast<H, Output = X<H::Elem>>,
     {
-        let mut ws = MixedWorkspace::<H, Model>::new(master).expect("workspace");
+        let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).expect("scale"));
         let xh: X<H::Elem> = cast_tree::<H, _>(x);
-        let mut scaling = StaticLossScale::new(1024.0).expect("scale");
         let g = filter_value_and_grad(
             master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, tape| m.forward_in::<H, _>(xh.clone().put_tape(tape)),
             |logits| cross_entropy_with_logits_loss(logits, y.clone()),
         )
@@ -224,25 +225,27 @@ mod vit_step {
         )
     }
 
-    pub fn scaler(initial: f32) -> DynamicLossScale {
-        DynamicLossScale::builder()
-            .initial(initial)
-            .period(10)
-            .build()
-            .expect("scale")
+    pub fn scaler(initial: f32) -> GradScaler<f16, DynamicLossScale> {
+        GradScaler::new(
+            DynamicLossScale::builder()
+                .initial(initial)
+                .period(10)
+                .build()
+                .expect("scale"),
+        )
     }
 
-    pub fn scale_of(s: &DynamicLossScale) -> f32 {
+    pub fn scale_of(s: &GradScaler<f16, DynamicLossScale>) -> f32 {
         s.loss_scale()
     }
 
     pub fn update(
         master: &mut Model,
         opt: &mut Adam<Model, f32, Cpu>,
-        g: &mpx::step::MixedGrads<'_, mpx::precision::f16, Model>,
-        finite: bool,
+        scaler: &mut GradScaler<f16, DynamicLossScale>,
+        g: &mpx::step::MixedGrads,
     ) -> mpx::step::UpdateOutcome {
-        optimizer_update(master, opt, g, finite).expect("update")
+        optimizer_update(master, opt, scaler, g).expect("update")
     }
 }
 
@@ -303,16 +306,15 @@ fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
 #[test]
 fn small_vit_trains_in_f16_with_skipped_steps_counted() {
     use mpx::precision::f16;
-    use mpx::step::{MixedWorkspace, filter_value_and_grad};
+    use mpx::step::filter_value_and_grad;
     use vit_step::{BATCH, Model, adam, scale_of, scaler, update, values};
     let dev = Cpu::seed_from_u64(5);
     let (digits, _, _) = vit_step::data(&dev);
     let mut master = dev.build_module::<Model, f32>();
     let mut opt = adam(&master);
-    let mut ws = MixedWorkspace::<f16, Model>::new(&master).expect("workspace");
     // 2^24 is far too large for f16 gradients: the first steps overflow and are skipped, the
     // scale halves each time until the gradients fit.
-    let mut scaling = scaler(16_777_216.0);
+    let mut scaler = scaler(16_777_216.0);
     let order = digits.epoch_order(0);
     let steps = 60;
     let mut losses = Vec::new();
@@ -321,24 +323,23 @@ fn small_vit_trains_in_f16_with_skipped_steps_counted() {
         let idx = &order[(s * BATCH) % (order.len() - BATCH)..][..BATCH];
         let (x, y) = digits.train_batch::<BATCH>(&dev, idx);
         let xh = x.to_dtype::<f16>();
-        let before = scale_of(&scaling);
+        let before = scale_of(&scaler);
         let g = filter_value_and_grad(
             &master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, tape| m.forward(xh.put_tape(tape)),
             |logits| cross_entropy_with_logits_loss(logits, y),
         )
         .expect("grads");
         let finite = g.is_finite();
         let loss = g.loss;
-        let outcome = update(&mut master, &mut opt, &g, finite);
+        let outcome = update(&mut master, &mut opt, &mut scaler, &g);
         assert_eq!(outcome.is_applied(), finite);
         if finite {
             losses.push(loss);
         } else {
             skipped_seen += 1;
-            assert_eq!(scale_of(&scaling), before / 2.0, "a skip halves the scale");
+            assert_eq!(scale_of(&scaler), before / 2.0, "a skip halves the scale");
         }
         assert!(values(&master).iter().all(|v| v.is_finite()), "step {s}");
     }
@@ -346,8 +347,11 @@ fn small_vit_trains_in_f16_with_skipped_steps_counted() {
         skipped_seen >= 1,
         "the initial scale must overflow at least once"
     );
-    assert_eq!(ws.skipped_steps(), skipped_seen);
-    assert_eq!(ws.applied_steps() + ws.skipped_steps(), steps as u64);
+    assert_eq!(scaler.skipped_steps(), skipped_seen);
+    assert_eq!(
+        scaler.applied_steps() + scaler.skipped_steps(),
+        steps as u64
+    );
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
     assert!(last < 0.8 * first, "loss {first} -> {last}");

@@ -13,7 +13,7 @@ use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
 use mpx::nn::{self, IntoLayers, Mpx};
 use mpx::precision::{AMP, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
-use mpx::step::{GradScaler, MixedWorkspace, filter_value_and_grad, optimizer_update};
+use mpx::step::{GradScaler, filter_value_and_grad, optimizer_update};
 
 const B: usize = 13;
 
@@ -301,7 +301,9 @@ where
             + Module<
                 Tensor<Rank2<64, 16>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
                 Output = Tensor<Rank2<64, 4>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            >,
+            > + Send
+            + Sync
+            + 'static,
     Tensor<Rank2<64, 16>, f32, Cpu>:
         mpx::cast::Cast<H, Output = Tensor<Rank2<64, 16>, H::Elem, Cpu>>,
 {
@@ -314,8 +316,8 @@ where
             ..Default::default()
         },
     );
-    let mut ws = MixedWorkspace::<H, _>::new(&master).unwrap();
-    let mut scaling = DynamicLossScale::builder().initial(1024.0).build().unwrap();
+    let mut scaler =
+        GradScaler::<H, _>::new(DynamicLossScale::builder().initial(1024.0).build().unwrap());
     // a fixed batch whose labels come from a fixed random linear map: learnable
     let x: Tensor<Rank2<64, 16>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
     let proj: Tensor<Rank2<16, 4>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
@@ -326,16 +328,14 @@ where
     for _ in 0..steps {
         let g = filter_value_and_grad(
             &master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, t| m.forward(xh.clone().put_tape(t)),
             |o| cross_entropy_with_logits_loss(o, y.clone()),
         )
         .unwrap();
         first.get_or_insert(g.loss);
         last = g.loss;
-        let finite = g.grads_finite;
-        optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+        optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
     }
     (first.unwrap(), last)
 }

@@ -5,7 +5,7 @@ use dfdx::{optim::*, prelude::*};
 use mpx::precision::{AMP, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale};
 use mpx::step::{
-    MixedWorkspace, SkipReason, StepError, UpdateOutcome, filter_grad, filter_value_and_grad,
+    GradScaler, SkipReason, StepError, UpdateOutcome, filter_grad, filter_value_and_grad,
     filter_value_and_grad_with_aux, optimizer_update,
 };
 use proptest::prelude::*;
@@ -59,7 +59,7 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
     };
     let mut opt = Adam::new(&master, cfg);
     let mut opt_plain = Adam::new(&plain, cfg);
-    let mut ws = MixedWorkspace::<f32, _>::new(&master).unwrap();
+    let mut scaler = GradScaler::<f32, _>::new(StaticLossScale::new(1.0).unwrap());
     let mut plain_grads = plain.alloc_grads();
     for step in 0..3 {
         let (x, y) = batch(&dev);
@@ -69,8 +69,7 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
 
         let g = filter_value_and_grad(
             &master,
-            &mut StaticLossScale::new(1.0).unwrap(),
-            &mut ws,
+            &mut scaler,
             |m, tape| m.forward(x.clone().put_tape(tape)),
             |out| cross_entropy_with_logits_loss(out, y.clone()),
         )
@@ -86,8 +85,7 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
             grad_bits(&plain, &plain_grads),
             "gradients, step {step}"
         );
-        let finite = g.grads_finite;
-        let outcome = optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+        let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
         assert_eq!(outcome, UpdateOutcome::Applied);
         opt_plain.update(&mut plain, &plain_grads).unwrap();
         plain.zero_grads(&mut plain_grads);
@@ -112,11 +110,10 @@ fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
     let b_ref = reference.get(&master.bias).as_vec();
     assert!(w_ref.iter().all(|v| v.abs() > 2e-9 && v.abs() < 3e-8));
 
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
+    let mut unscaled_scaler = GradScaler::<f16, _>::new(NoOpLossScale);
     let unscaled = filter_grad(
         &master,
-        &mut NoOpLossScale,
-        &mut ws,
+        &mut unscaled_scaler,
         |m, t| m.forward(x16.clone().put_tape(t)),
         tiny,
     )
@@ -126,10 +123,10 @@ fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
     let b0 = unscaled.grads().get(&master.bias).as_vec();
     assert!(w0.iter().chain(&b0).all(|&v| v == 0.0), "{w0:?} {b0:?}");
 
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(65536.0).unwrap());
     let scaled = filter_grad(
         &master,
-        &mut StaticLossScale::new(65536.0).unwrap(),
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(x16.clone().put_tape(t)),
         tiny,
     )
@@ -161,12 +158,13 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
             weight_decay: None,
         },
     );
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
-    let mut scaling = DynamicLossScale::builder()
-        .initial(2f32.powi(30))
-        .period(1000)
-        .build()
-        .unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(
+        DynamicLossScale::builder()
+            .initial(2f32.powi(30))
+            .period(1000)
+            .build()
+            .unwrap(),
+    );
     let (x, y) = batch(&dev);
     let xh = x.clone().to_dtype::<f16>();
     let mut skipped = 0u64;
@@ -174,14 +172,23 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
     for step in 0..60 {
         let g = filter_value_and_grad(
             &master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, t| m.forward(xh.clone().put_tape(t)),
             |o| cross_entropy_with_logits_loss(o, y.clone()),
         )
         .unwrap();
-        let (applied, new, finite, loss) = (g.applied_scale, g.new_scale, g.grads_finite, g.loss);
-        let outcome = optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+        let (applied, finite, loss) = (g.applied_scale, g.grads_finite, g.loss);
+        assert_eq!(applied, scaler.loss_scale(), "step {step}");
+        let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+        // the scale is adjusted by the update: the report holds the one applied and the next
+        let report = scaler.last_step().unwrap();
+        assert_eq!(
+            (report.scale, report.grads_finite, report.outcome),
+            (applied, finite, outcome),
+            "step {step}"
+        );
+        let new = report.new_scale;
+        assert_eq!(new, scaler.loss_scale(), "step {step}");
         if step == skipped as usize && !finite {
             skipped += 1;
             assert_eq!(new, applied / 2.0, "step {step}: the scale halves");
@@ -203,7 +210,11 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
     }
     // 2^30 times an O(0.1) output gradient is far above 65504: several skips, then the scale fits.
     assert!(skipped >= 10, "only {skipped} skips");
-    assert_eq!(scaling.loss_scale(), 2f32.powi(30 - skipped as i32));
+    assert_eq!(scaler.loss_scale(), 2f32.powi(30 - skipped as i32));
+    assert_eq!(
+        (scaler.skipped_steps(), scaler.applied_steps()),
+        (skipped, 60 - skipped)
+    );
     assert_ne!(bits(&master), initial);
     // Soft targets: the loss is bounded below by their entropy, so "proceeds" means it falls.
     assert!(
@@ -220,10 +231,9 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
     let dev = Cpu::seed_from_u64(4);
     let mut master = dev.build_module::<Mlp, f32>();
     let mut opt = Adam::new(&master, AdamConfig::default());
-    let mut ws = MixedWorkspace::<f16, _>::new(&master)
-        .unwrap()
-        .with_max_consecutive_skips(2);
-    let mut scaling = DynamicLossScale::builder().initial(1024.0).build().unwrap();
+    let mut scaler =
+        GradScaler::<f16, _>::new(DynamicLossScale::builder().initial(1024.0).build().unwrap())
+            .with_max_consecutive_skips(2);
     let (x, y) = batch(&dev);
     let mut bad = x.as_vec();
     bad[7] = f32::NAN;
@@ -238,14 +248,13 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
      -> (Result<UpdateOutcome, StepError>, f32) {
         let g = filter_value_and_grad(
             &*master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, t| m.forward(input.clone().put_tape(t)),
             |o| cross_entropy_with_logits_loss(o, y.clone()),
         )
         .unwrap();
-        let (finite, loss) = (g.grads_finite, g.loss);
-        (optimizer_update(master, &mut opt, &g, finite), loss)
+        let loss = g.loss;
+        (optimizer_update(master, &mut opt, &mut scaler, &g), loss)
     };
 
     for k in 1..=2u64 {
@@ -276,7 +285,14 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
     assert_eq!(ok.unwrap(), UpdateOutcome::Applied);
     assert!(loss.is_finite());
     assert_ne!(bits(&master), initial);
-    assert_eq!((ws.skipped_steps(), ws.consecutive_skips()), (3, 0));
+    assert_eq!(
+        (
+            scaler.skipped_steps(),
+            scaler.consecutive_skips(),
+            scaler.applied_steps()
+        ),
+        (3, 0, 1)
+    );
 }
 
 /// An infinite loss with finite gradients (the loss closure returns inf) is skipped too.
@@ -286,19 +302,18 @@ fn infinite_loss_is_skipped() {
     let mut master = dev.build_module::<Linear<2, 1>, f32>();
     let before = master.weight.as_vec();
     let mut opt = Sgd::new(&master, Default::default());
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
     let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
     let g = filter_value_and_grad(
         &master,
-        &mut NoOpLossScale,
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(x.clone().put_tape(t)),
         // d/dout of (out * 0 + inf) is 0: finite gradients, infinite loss.
         |o| (o * 0.0).sum() + f32::INFINITY,
     )
     .unwrap();
     assert!(g.grads_finite && !g.loss_finite());
-    let outcome = optimizer_update(&mut master, &mut opt, &g, true).unwrap();
+    let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
     assert!(matches!(
         outcome,
         UpdateOutcome::Skipped {
@@ -321,13 +336,12 @@ fn invalid_scale_is_an_error() {
     }
     let dev = Cpu::default();
     let master = dev.build_module::<Linear<2, 1>, f32>();
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
     let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let mut scaler = GradScaler::<f16, _>::new(Broken(bad));
         let r = filter_value_and_grad(
             &master,
-            &mut Broken(bad),
-            &mut ws,
+            &mut scaler,
             |m, t| m.forward(x.clone().put_tape(t)),
             |o| o.sum(),
         );
@@ -341,30 +355,46 @@ fn invalid_scale_is_an_error() {
     }
 }
 
-/// Gradients computed for one master and applied to another (a workspace used with the wrong
-/// model) are an error naming the cause, not a panic.
+/// An update of a master whose forward pass never ran through the scaler is an error naming
+/// the cause, not a panic; so are gradients computed for one master and applied to another that
+/// did run (the optimizer finds none of its own tensors in them).
 #[test]
 fn gradients_of_another_master_are_an_error() {
     let dev = Cpu::default();
     let a = dev.build_module::<Linear<2, 1>, f32>();
     let mut b = dev.build_module::<Linear<2, 1>, f32>();
+    let b_before = b.weight.as_vec();
     let mut opt = Sgd::new(&b, Default::default());
-    let mut ws = MixedWorkspace::<f16, _>::new(&a).unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
     let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
     let g = filter_value_and_grad(
         &a,
-        &mut NoOpLossScale,
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(x.clone().put_tape(t)),
         |o| o.sum(),
     )
     .unwrap();
-    match optimizer_update(&mut b, &mut opt, &g, true) {
+    match optimizer_update(&mut b, &mut opt, &mut scaler, &g) {
+        Err(e @ StepError::UnknownMaster { .. }) => {
+            assert!(e.to_string().contains("no forward pass"), "{e}");
+        }
+        other => panic!("expected an unknown-master error, got {other:?}"),
+    }
+    // `b` runs its own step, but is handed `a`'s gradients.
+    let _ = filter_value_and_grad(
+        &b,
+        &mut scaler,
+        |m, t| m.forward(x.clone().put_tape(t)),
+        |o| o.sum(),
+    )
+    .unwrap();
+    match optimizer_update(&mut b, &mut opt, &mut scaler, &g) {
         Err(e @ StepError::Optimizer(_)) => {
-            assert!(e.to_string().contains("unused"), "{e}")
+            assert!(e.to_string().contains("unused"), "{e}");
         }
         other => panic!("expected an optimizer error, got {other:?}"),
     }
+    assert_eq!(b.weight.as_vec(), b_before);
 }
 
 /// Batch-norm running statistics that the half forward pass updates reach the master after a
@@ -376,20 +406,18 @@ fn batch_norm_running_statistics_reach_the_master() {
     let mut master = dev.build_module::<Bn, f32>();
     let mut reference = master.clone();
     let mut opt = Sgd::new(&master, Default::default());
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
     let x: Tensor<Rank2<8, 4>, f32, Cpu> = dev.sample_normal::<Rank2<8, 4>>() * 2.0 + 1.0;
     let xh = x.clone().to_dtype::<f16>();
     let g = filter_value_and_grad(
         &master,
-        &mut StaticLossScale::new(256.0).unwrap(),
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward_mut(xh.clone().put_tape(t)),
         |o| o.square().mean(),
     )
     .unwrap();
     assert!(g.grads_finite);
-    let finite = g.grads_finite;
-    optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+    optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
     let _ = reference.forward_mut(x.leaky_trace());
     let (mean, var) = (
         master.1.running_mean.as_vec(),
@@ -415,15 +443,13 @@ fn batch_norm_running_statistics_reach_the_master() {
         .to_dtype::<f16>();
     let g = filter_value_and_grad(
         &master,
-        &mut StaticLossScale::new(256.0).unwrap(),
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward_mut(bad.clone().put_tape(t)),
         |o| o.square().mean(),
     )
     .unwrap();
-    let finite = g.grads_finite;
     assert!(
-        !optimizer_update(&mut master, &mut opt, &g, finite)
+        !optimizer_update(&mut master, &mut opt, &mut scaler, &g)
             .unwrap()
             .is_applied()
     );
@@ -452,14 +478,13 @@ fn amp_and_emulated_bf16_working_copies_train() {
         H::round(&x.as_vec(), &mut xh);
         let xh = dev.tensor_from_vec(xh, (Const::<5>, Const::<8>));
         let mut opt = Sgd::new(&master, Default::default());
-        let mut ws = MixedWorkspace::<H, _>::new(&master).unwrap();
-        let mut scaling = DynamicLossScale::builder().initial(4096.0).build().unwrap();
+        let mut scaler =
+            GradScaler::<H, _>::new(DynamicLossScale::builder().initial(4096.0).build().unwrap());
         let mut losses = vec![];
         for step in 0..20 {
             let g = filter_value_and_grad(
                 &master,
-                &mut scaling,
-                &mut ws,
+                &mut scaler,
                 |m, t| m.forward(xh.clone().put_tape(t)),
                 |o| cross_entropy_with_logits_loss(o, y.clone()),
             )
@@ -474,8 +499,7 @@ fn amp_and_emulated_bf16_working_copies_train() {
                 }
             }
             losses.push(g.loss);
-            let finite = g.grads_finite;
-            optimizer_update(&mut master, &mut opt, &g, finite).unwrap();
+            optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
         }
         assert!(losses[19] < losses[0], "{} {losses:?}", H::DTYPE);
     }
@@ -490,13 +514,12 @@ fn amp_and_emulated_bf16_working_copies_train() {
 fn aux_value_comes_back() {
     let dev = Cpu::seed_from_u64(8);
     let master = dev.build_module::<Mlp, f32>();
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
     let (x, y) = batch(&dev);
     let xh = x.clone().to_dtype::<f16>();
     let (g, logits) = filter_value_and_grad_with_aux(
         &master,
-        &mut NoOpLossScale,
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(xh.clone().put_tape(t)),
         |o| {
             let logits = o.retaped::<NoneTape>().array();
@@ -548,8 +571,7 @@ fn check_injection<O: Optimizer<MlpF32, Cpu, f32> + Clone>(
 ) -> Result<(), TestCaseError> {
     let dev = Cpu::seed_from_u64(seed);
     let mut master = dev.build_module::<Mlp, f32>();
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
-    let mut scaling = StaticLossScale::new(scale).unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(scale).unwrap());
     let (x, y) = batch(&dev);
     let xh = x.clone().to_dtype::<f16>();
     let mut step = |master: &mut MlpF32, opt: &mut O, inject: Option<(usize, f32)>| {
@@ -560,14 +582,12 @@ fn check_injection<O: Optimizer<MlpF32, Cpu, f32> + Clone>(
         let w = dev.tensor_from_vec(w, (Const::<5>, Const::<4>));
         let g = filter_value_and_grad(
             &*master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, t| m.forward(xh.clone().put_tape(t)),
             |o| cross_entropy_with_logits_loss(o * w, y.clone()),
         )
         .unwrap();
-        let finite = g.grads_finite;
-        let outcome = optimizer_update(master, opt, &g, finite).unwrap();
+        let outcome = optimizer_update(master, opt, &mut scaler, &g).unwrap();
         // The finite step's gradients, for the twin.
         (outcome, g.grads().clone())
     };

@@ -21,7 +21,7 @@
 use dfdx::{optim::*, prelude::*};
 use mpx::precision::{bf16, round_to_bf16};
 use mpx::scaling::StaticLossScale;
-use mpx::step::{MixedWorkspace, filter_value_and_grad_with_aux, optimizer_update};
+use mpx::step::{GradScaler, filter_value_and_grad_with_aux, optimizer_update};
 use serde_json::Value;
 
 const TOL_ULPS: f32 = 1.0 / 128.0; // 2^-7
@@ -101,12 +101,10 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
             weight_decay: None,
         },
     );
-    let mut ws = MixedWorkspace::<bf16, _>::new(&master).unwrap();
-    let mut scaling = StaticLossScale::new(scale).unwrap();
+    let mut scaler = GradScaler::<bf16, _>::new(StaticLossScale::new(scale).unwrap());
     let (g, pred) = filter_value_and_grad_with_aux(
         &master,
-        &mut scaling,
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(x.clone().put_tape(t)),
         |out| {
             let pred = out.retaped::<NoneTape>().as_vec();
@@ -168,9 +166,8 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
     );
 
     // The SGD update of the f32 master.
-    let finite = g.grads_finite;
     assert!(
-        optimizer_update(&mut master, &mut opt, &g, finite)
+        optimizer_update(&mut master, &mut opt, &mut scaler, &g)
             .unwrap()
             .is_applied()
     );
@@ -200,8 +197,7 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
     // Final loss: the bf16 forward at the new parameters.
     let (g, ()) = filter_value_and_grad_with_aux(
         &master,
-        &mut scaling,
-        &mut ws,
+        &mut scaler,
         |m, t| m.forward(x.clone().put_tape(t)),
         |out| (mse_loss(out, y.clone()), ()),
     )

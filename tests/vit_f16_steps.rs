@@ -13,7 +13,7 @@ use mpx::cast::cast_to_half_precision;
 use mpx::nn::ForwardIn;
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
-use mpx::step::{MixedWorkspace, UpdateOutcome, filter_value_and_grad, optimizer_update};
+use mpx::step::{GradScaler, UpdateOutcome, filter_value_and_grad, optimizer_update};
 
 const BATCH: usize = 16;
 const STEPS: usize = 16;
@@ -53,13 +53,14 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     // Mixed f16 run.
     let mut master = init.clone();
     let mut opt = Adam::new(&master, cfg);
-    let mut ws = MixedWorkspace::<f16, _>::new(&master).unwrap();
     let initial_scale = 2f32.powi(24);
-    let mut scaling = DynamicLossScale::builder()
-        .initial(initial_scale)
-        .period(1000)
-        .build()
-        .unwrap();
+    let mut scaler = GradScaler::<f16, _>::new(
+        DynamicLossScale::builder()
+            .initial(initial_scale)
+            .period(1000)
+            .build()
+            .unwrap(),
+    );
     let mut applied = Vec::new(); // (step, loss) of each applied step
     let mut skipped = 0u64;
     for (step, (x, y)) in batches(&dev, &d).iter().enumerate() {
@@ -67,15 +68,14 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
         let xh = cast_to_half_precision::<f16, _>(x);
         let g = filter_value_and_grad(
             &master,
-            &mut scaling,
-            &mut ws,
+            &mut scaler,
             |m, tape| m.forward_in::<f16, _>(xh.put_tape(tape)),
             |out| cross_entropy_with_logits_loss(out, y.clone()),
         )
         .unwrap();
-        let (loss, finite) = (g.loss, g.grads_finite);
+        let loss = g.loss;
         assert!(loss.is_finite(), "step {step}: the f32 loss is {loss}");
-        match optimizer_update(&mut master, &mut opt, &g, finite).unwrap() {
+        match optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap() {
             UpdateOutcome::Applied => applied.push((step, loss)),
             UpdateOutcome::Skipped { .. } => {
                 skipped += 1;
@@ -89,9 +89,9 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     }
     assert!(skipped >= 1, "a scale of 2^24 overflows f16 at first");
     assert!(applied.len() >= 5, "only {} steps applied", applied.len());
-    assert_eq!(ws.skipped_steps(), skipped);
-    assert_eq!(ws.applied_steps(), applied.len() as u64);
-    assert!(scaling.loss_scale() < initial_scale, "the scale backed off");
+    assert_eq!(scaler.skipped_steps(), skipped);
+    assert_eq!(scaler.applied_steps(), applied.len() as u64);
+    assert!(scaler.loss_scale() < initial_scale, "the scale backed off");
     assert!(
         values(&master).iter().all(|v| v.is_finite()),
         "master finite"
@@ -124,7 +124,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     eprintln!(
         "{skipped} skipped, {} applied, scale now {}, largest |f16 loss - f32 loss| {max_gap:.2e}, loss {} -> {}",
         applied.len(),
-        scaling.loss_scale(),
+        scaler.loss_scale(),
         applied[0].1,
         applied[applied.len() - 1].1
     );

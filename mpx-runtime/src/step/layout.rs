@@ -20,7 +20,7 @@ use crate::precision::Precision;
 /// use dfdx::prelude::*;
 /// use mpx_runtime::precision::f16;
 /// use mpx_runtime::step::WorkingCopy;
-/// type Master = Linear<2, 3, f32, Cpu>;
+/// type Master = dfdx::nn::modules::Linear<2, 3, f32, Cpu>;
 /// let dev = Cpu::default();
 /// let half: WorkingCopy<f16, Master> = dev.build_module::<Linear<2, 3>, f16>();
 /// assert_eq!(half.weight.shape(), &(Const::<3>, Const::<2>));
