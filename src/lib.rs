@@ -116,10 +116,10 @@ pub mod prelude {
     pub use mpx_runtime::step::GradScaler;
 }
 
-/// The benchmark hooks ([`mpx_runtime::__bench`]) under their former path, for the examples and
-/// tests that still import `mpx::kernels` (`examples/bench_step.rs`). Not a public API.
+/// The kernels' benchmark and test hooks (`mpx_runtime::__bench`): the examples and tests that
+/// time or force a GEMM path use them. Not a public API.
 #[doc(hidden)]
-pub use mpx_runtime::__bench as kernels;
+pub use mpx_runtime::__bench;
 
 /// Paths used by macro-generated code. Not a public API.
 #[doc(hidden)]

@@ -9,7 +9,7 @@
 
 use dfdx::shapes::Shape;
 use dfdx::{optim::*, prelude::*};
-use mpx::kernels::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
+use mpx::__bench::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
 use mpx::nn::{self, IntoLayers, Mpx};
 use mpx::precision::{AMP, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};

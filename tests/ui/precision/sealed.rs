@@ -1,5 +1,5 @@
 // `Precision` is sealed: a user type cannot become an mpx precision, even with every item written.
-use mpx::kernels::Operand;
+use mpx::__bench::Operand;
 use mpx::precision::DType;
 use mpx::precision::f16;
 use mpx::precision::{FloatBits, FloatSliceMut, Precision};
