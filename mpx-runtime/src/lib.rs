@@ -18,6 +18,8 @@
 
 pub mod boundary;
 pub mod cast;
+#[cfg(feature = "mpi")]
+pub mod distributed;
 pub mod finite;
 pub mod kernels;
 pub mod mx;

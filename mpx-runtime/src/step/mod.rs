@@ -66,6 +66,8 @@ pub use half_region::{HalfInput, HalfOutput, Region};
 pub use report::StepReport;
 pub use scaler::{GradScaler, MixedScaler, scaler_of};
 pub use update::{SkipReason, UpdateOutcome, optimizer_update};
+#[cfg(feature = "mpi")]
+pub(crate) use workspace::MasterSlot;
 pub use workspace::{MixedWorkspace, StepTimings, WorkingCopy};
 
 /// Support for code `#[mixed_step]` generates. Not a public API.

@@ -87,6 +87,9 @@ pub struct GradScaler<H: Precision = f16, L: LossScale = DynamicLossScale> {
     pending: Pending,
     last: Option<StepReport>,
     marker: PhantomData<fn() -> H>,
+    /// The data-parallel all-reduce (`with_reducer`, in `crate::distributed`).
+    #[cfg(feature = "mpi")]
+    pub(crate) reducer: Option<crate::distributed::Reducer>,
 }
 
 /// What the backward passes since the last update saw.
@@ -146,6 +149,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             pending: Pending::NONE,
             last: None,
             marker: PhantomData,
+            #[cfg(feature = "mpi")]
+            reducer: None,
         }
     }
 
@@ -462,6 +467,16 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             Some(w) => w.transfer(&mut grads)?,
             None => true,
         };
+        #[cfg(feature = "mpi")]
+        let grads_finite = crate::distributed::after_backward(
+            self.reducer.as_mut(),
+            self.working.as_deref().map(ErasedWorking::master_slots),
+            &mut grads,
+            grads_finite,
+            loss_value.is_finite(),
+            self.scaling.loss_scale(),
+        )?
+        .unwrap_or(grads_finite);
         let p = &mut self.pending;
         p.backwards += 1;
         p.grads_finite &= grads_finite;
@@ -562,6 +577,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         Cpu: Device<H::Elem>,
         WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     {
+        #[cfg(feature = "mpi")]
+        crate::distributed::before_update(self.reducer.as_mut())?;
         let p = std::mem::replace(&mut self.pending, Pending::NONE);
         let reason = if !p.grads_finite {
             Some(SkipReason::GradsNotFinite)

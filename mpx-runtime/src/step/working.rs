@@ -32,6 +32,10 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError>;
     /// The scaler, as `Any`, to get the typed workspace back.
     fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// The master's gradient slots, one per trainable tensor in visit order (what the
+    /// data-parallel all-reduce packs).
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot];
 }
 
 /// A forward pass's working copy and gradient buffers.
@@ -219,6 +223,11 @@ where
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot] {
+        &self.master
     }
 }
 

@@ -47,14 +47,14 @@ impl StepTimings {
 /// Hands out one master gradient buffer; built once per trainable master tensor (it holds a
 /// data-free "ghost" of the tensor, keyed by the tensor's id; dfdx does not let the ghost's type
 /// be named). `Send + Sync`, so the state that holds it can be.
-pub(super) type GradSlot = Box<
+pub(crate) type GradSlot = Box<
     dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError> + Send + Sync,
 >;
 
 /// A gradient buffer of the f32 master, with its element count.
-pub(super) struct MasterSlot {
-    pub(super) len: usize,
-    pub(super) get: GradSlot,
+pub(crate) struct MasterSlot {
+    pub(crate) len: usize,
+    pub(crate) get: GradSlot,
 }
 
 /// Constrains a closure to the higher-ranked signature of [`GradSlot`].
