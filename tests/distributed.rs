@@ -195,10 +195,13 @@ struct Rank {
 }
 
 type Outcome = Result<String, String>;
+/// A named scenario.
+type Scenario<'a> = (&'static str, Box<dyn Fn(&Rank) -> Outcome + 'a>);
 
 macro_rules! check {
     ($cond:expr, $($msg:tt)+) => {
-        if !$cond {
+        let holds: bool = $cond;
+        if !holds {
             return Err(format!($($msg)+));
         }
     };
@@ -707,7 +710,7 @@ fn rank_main(what: &str, dir: &std::path::Path) -> ExitCode {
         world,
         data: Digits::load(0.2, 7),
     };
-    let scenarios: Vec<(&str, Box<dyn Fn(&Rank) -> Outcome>)> = if what == "die" {
+    let scenarios: Vec<Scenario<'_>> = if what == "die" {
         vec![("die", Box::new(Rank::die))]
     } else {
         vec![

@@ -23,7 +23,7 @@
 //! 3. **The update** then runs, or is skipped, on every rank alike: masters, optimizer states and
 //!    loss scales stay identical.
 //!
-//! Gradient accumulation over `K` micro-batches: [`Reducer::with_accumulation`]`(K)` (DeepSpeed's
+//! Gradient accumulation over `K` micro-batches: [`Reducer::with_accumulation`] with `K` (DeepSpeed's
 //! `gradient_accumulation_steps`); the first `K - 1` backward passes only accumulate locally, the
 //! `K`-th all-reduces once, and the update checks that exactly `K` ran. Clipping by global norm
 //! ([`clip_grad_norm`](crate::step::clip_grad_norm)) between backward and update sees the averaged
