@@ -15,6 +15,8 @@
 //! - `agreement` (f32, f16 and bf16 on the wire): N ranks on shards of a global batch of 24
 //!   against one process on the whole batch: masters within the stated tolerance, bit-identical
 //!   across ranks, the same loss-scale trajectory and skips;
+//! - `exact` (2 ranks): bit for bit the same as one process that runs the two shards as two
+//!   micro-batches and halves their sum (a sum of two is the same in any order);
 //! - `skip`: a NaN in one rank's shard makes every rank skip; masters unchanged everywhere;
 //! - `reduction_overflow`: an f16 all-reduce whose sum overflows (each rank's payload finite) is a
 //!   skip on every rank, the scale backs off, the next step applies; in f32 the same step applies;
@@ -177,6 +179,37 @@ fn set_params<M: TensorCollection<f32, Cpu>>(m: &mut M, v: &[f32]) {
     .expect("writable");
 }
 
+struct ScaleGrads<'a>(&'a mut Gradients<f32, Cpu>, f32);
+
+impl TensorVisitor<f32, Cpu> for ScaleGrads<'_> {
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        if opts.do_gradient_update {
+            self.0
+                .get_or_alloc_mut(t)?
+                .iter_mut()
+                .for_each(|v| *v *= self.1);
+        }
+        Ok(None)
+    }
+}
+
+/// Multiplies `m`'s gradients in `g` by `factor`.
+fn scale_grads<M: TensorCollection<f32, Cpu>>(m: &M, g: &mut Gradients<f32, Cpu>, factor: f32) {
+    M::iter_tensors(&mut RecursiveWalker {
+        m,
+        f: &mut ScaleGrads(g, factor),
+    })
+    .expect("writable");
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -290,6 +323,52 @@ impl Rank {
             "{}: {STEPS} steps, max |ddp - single process| = {diff:.2e} (tolerance {tol:.0e}), masters bit-identical across ranks, loss scale {} on every rank",
             dtype.name(),
             scaler.loss_scale()
+        ))
+    }
+
+    /// With 2 ranks the f32 sum across the ranks is one addition, whose order does not matter:
+    /// the data-parallel run equals, bit for bit, one process that runs the two shards as two
+    /// micro-batches and halves their sum.
+    fn exact<const B: usize>(&self) -> Outcome {
+        if self.size != 2 {
+            return Ok(format!(
+                "bit-exactness against one process is claimed for 2 ranks (the order of MPI's {}-way sum is its own)",
+                self.size
+            ));
+        }
+        let init = self.common_init()?;
+        let mut scaler =
+            GradScaler::<f16>::new(scaling(1024.0, 4)).with_reducer(Reducer::new(&self.world));
+        let mut m = init.clone();
+        let mut opt = sgd(&m);
+        let mut g = m.alloc_grads();
+        for k in 0..STEPS {
+            let (x, y) = rows::<B>(&self.data, k, self.rank * B);
+            g = step(&mut m, &mut opt, g, &x, &y, &mut scaler);
+        }
+        let mut rm = init.clone();
+        let mut ropt = sgd(&rm);
+        let mut rscaler = GradScaler::<f16>::new(scaling(1024.0, 4));
+        let mut rg = rm.alloc_grads();
+        for k in 0..STEPS {
+            for shard in 0..2 {
+                let (x, y) = rows::<B>(&self.data, k, shard * B);
+                let out = rscaler.forward(&rm, x.traced(rg), |m, x| m.forward(x));
+                rg = rscaler
+                    .try_backward(cross_entropy_with_logits_loss(out, y))
+                    .map_err(err)?;
+            }
+            scale_grads(&rm, &mut rg, 0.5);
+            rscaler.update(&mut rm, &mut ropt, &rg).map_err(err)?;
+            rm.zero_grads(&mut rg);
+        }
+        let diff = max_abs_diff(&params(&m), &params(&rm));
+        check!(
+            params(&m) == params(&rm),
+            "2 ranks differ from one process with the shards as micro-batches by {diff:e}"
+        );
+        Ok(format!(
+            "{STEPS} steps on 2 ranks bit-identical to one process running the 2 shards as micro-batches"
         ))
     }
 
@@ -733,6 +812,10 @@ fn rank_main(what: &str, dir: &std::path::Path) -> ExitCode {
                 ),
             ),
             (
+                "exact",
+                Box::new(|r: &Rank| per_size!(r.size, B => r.exact::<B>())),
+            ),
+            (
                 "skip",
                 Box::new(|r: &Rank| per_size!(r.size, B => r.skip::<B>())),
             ),
@@ -873,7 +956,7 @@ fn launcher() -> ExitCode {
         print!("{out}");
         let ok = status == Some(0)
             && (0..np).all(|r| out.contains(&format!("rank {r} finished")))
-            && out.matches(": ok: ").count() == 10;
+            && out.matches(": ok: ").count() == 11;
         println!(
             "test distributed -np {np} ... {} ({:.1} s)",
             if ok { "ok" } else { "FAILED" },
