@@ -30,6 +30,8 @@
 
 #[path = "common/digits.rs"]
 mod digits;
+#[path = "common/grads.rs"]
+mod grads;
 
 use std::io::Read;
 use std::process::{Command, ExitCode, Stdio};
@@ -108,48 +110,33 @@ fn step<const B: usize>(
 
 // ---- flat views of models and gradients ---------------------------------------------------------
 
-struct Flatten<'a> {
-    out: Vec<f32>,
-    grads: Option<&'a Gradients<f32, Cpu>>,
-}
+struct Flatten(Vec<f32>);
 
-impl TensorVisitor<f32, Cpu> for Flatten<'_> {
+impl TensorVisitor<f32, Cpu> for Flatten {
     type Viewer = ViewTensorRef;
     type Err = CpuError;
     type E2 = f32;
     type D2 = Cpu;
     fn visit<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
+        _: TensorOptions<S, f32, Cpu>,
         t: &Tensor<S, f32, Cpu>,
     ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        match self.grads {
-            None => self.out.extend(t.as_vec()),
-            Some(g) if opts.do_gradient_update => self.out.extend(g.get(t).as_vec()),
-            Some(_) => {}
-        }
+        self.0.extend(t.as_vec());
         Ok(None)
     }
 }
 
 /// Every tensor of `m`, flat.
 fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<f32> {
-    let mut f = Flatten {
-        out: vec![],
-        grads: None,
-    };
+    let mut f = Flatten(vec![]);
     M::iter_tensors(&mut RecursiveWalker { m, f: &mut f }).expect("readable");
-    f.out
+    f.0
 }
 
 /// The gradients of `m`'s trainable tensors in `g`, flat.
 fn grad_vec<M: TensorCollection<f32, Cpu>>(m: &M, g: &Gradients<f32, Cpu>) -> Vec<f32> {
-    let mut f = Flatten {
-        out: vec![],
-        grads: Some(g),
-    };
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut f }).expect("readable");
-    f.out
+    grads::param_grads::<f32, M>(m, g).concat()
 }
 
 struct Assign<'a>(&'a [f32], usize);
