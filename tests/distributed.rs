@@ -26,7 +26,8 @@
 //!   the f32 one;
 //! - `checkpoint`: rank 0's checkpoint (masters and loss-scale state) restored on every rank via
 //!   broadcast continues bit-identically to the uninterrupted run;
-//! - `layout_mismatch`: one rank with a different model: an error on every rank at the first step.
+//! - `layout_mismatch`: one rank with a different model, then one with another wire type: an
+//!   error on every rank at the first step, and the update after it refused.
 
 #[path = "common/digits.rs"]
 mod digits;
@@ -690,11 +691,47 @@ impl Rank {
     }
 
     fn layout_mismatch(&self) -> Outcome {
-        if self.rank == self.size - 1 {
+        let layout = if self.rank == self.size - 1 {
             self.mismatch_with::<3>()
         } else {
             self.mismatch_with::<2>()
+        }?;
+        // the same model, but the last rank reduces in f16: an error everywhere, nothing moved
+        let dev = Cpu::seed_from_u64(5);
+        let mut m = dev.build_module::<Linear<4, 2>, f32>();
+        let before = params(&m);
+        let dtype = if self.rank == self.size - 1 {
+            AllReduceDtype::F16
+        } else {
+            AllReduceDtype::F32
+        };
+        let mut scaler =
+            GradScaler::<f16>::default().with_reducer(Reducer::new(&self.world).with_dtype(dtype));
+        let x: Tensor<Rank2<1, 4>, f32, _> = dev.ones();
+        let y = scaler.forward(&m, x.trace(m.alloc_grads()), |m, x| m.forward(x));
+        match scaler.try_backward(y.sum()) {
+            Err(StepError::Distributed(DistributedError::ConfigMismatch { .. })) => {}
+            other => {
+                return Err(format!(
+                    "ranks with different wire types did not fail the step: {:?}",
+                    other.map(|_| ())
+                ));
+            }
         }
+        let mut opt = Sgd::new(&m, SgdConfig::default());
+        let g = m.alloc_grads();
+        // the update after the failed backward is refused too, not applied
+        let refused = matches!(
+            scaler.update(&mut m, &mut opt, &g),
+            Err(StepError::Distributed(DistributedError::ReductionFailed))
+        );
+        check!(
+            refused && params(&m) == before,
+            "the update after a failed all-reduce was not refused"
+        );
+        Ok(format!(
+            "{layout}; different wire types: ConfigMismatch on every rank"
+        ))
     }
 
     fn mismatch_with<const O: usize>(&self) -> Outcome {

@@ -58,6 +58,14 @@ pub enum DistributedError {
         scale: f32,
     },
 
+    /// The update came after a backward pass whose all-reduce failed (its error was returned
+    /// there): the gradients were not averaged, so no rank applies them.
+    #[error(
+        "the last backward pass's all-reduce failed (see its error), so its gradients are this \
+         rank's alone; the update is refused on every rank. Fix the cause and start the step again"
+    )]
+    ReductionFailed,
+
     /// An accumulation count of zero.
     #[error("the accumulation count must be at least 1, got 0")]
     ZeroAccumulation,

@@ -190,6 +190,8 @@ pub struct Reducer {
     seen: u32,
     /// Whether every one of them was finite on this rank.
     local_finite: bool,
+    /// The last reduction failed: the next update is refused.
+    failed: bool,
     reductions: u64,
     skipped: u64,
     last: ReductionStats,
@@ -243,6 +245,7 @@ impl Reducer {
             accumulation: 1,
             seen: 0,
             local_finite: true,
+            failed: false,
             reductions: 0,
             skipped: 0,
             last: ReductionStats::default(),
@@ -507,6 +510,18 @@ pub(crate) fn after_backward(
             found: r.seen,
         });
     }
+    let reduced = reduce(r, slots, grads, scale);
+    r.failed = reduced.is_err();
+    reduced.map(Some)
+}
+
+/// The header and the gradients' mean, for the last micro-batch; returns the agreed finiteness.
+fn reduce(
+    r: &mut Reducer,
+    slots: Option<&[MasterSlot]>,
+    grads: &mut Gradients<f32, Cpu>,
+    scale: f32,
+) -> Result<bool, DistributedError> {
     let Some(slots) = slots else {
         return Err(DistributedError::NoForward);
     };
@@ -532,7 +547,7 @@ pub(crate) fn after_backward(
     }
     if !all_finite {
         r.skipped += 1;
-        return Ok(Some(false));
+        return Ok(false);
     }
     let mut flat = std::mem::take(&mut r.flat);
     flat.clear();
@@ -553,18 +568,21 @@ pub(crate) fn after_backward(
     };
     r.flat = flat;
     r.reductions += 1;
-    Ok(Some(finite?))
+    finite
 }
 
 /// The scaler's hook before each update (`GradScaler::update_with`): checks that the last
-/// micro-batch's backward pass (the one that all-reduced) has run, and starts the next count.
+/// micro-batch's backward pass (the one that all-reduced) has run and succeeded, and starts the
+/// next count.
 pub(crate) fn before_update(reducer: Option<&mut Reducer>) -> Result<(), DistributedError> {
     let Some(r) = reducer else {
         return Ok(());
     };
     let seen = std::mem::take(&mut r.seen);
     r.local_finite = true;
-    if seen == r.accumulation {
+    if std::mem::take(&mut r.failed) {
+        Err(DistributedError::ReductionFailed)
+    } else if seen == r.accumulation {
         Ok(())
     } else {
         Err(DistributedError::AccumulationMismatch {
