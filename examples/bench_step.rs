@@ -18,8 +18,8 @@
 use std::time::{Duration, Instant};
 
 use dfdx::{optim::*, prelude::*};
-use mpx::boundary::MasterModel;
 use mpx::__bench::{active_path, gemm_nanos, max_threads, with_threads};
+use mpx::boundary::MasterModel;
 use mpx::nn;
 use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};

@@ -17,6 +17,8 @@
 
 pub mod boundary;
 pub mod cast;
+#[cfg(feature = "mpi")]
+pub mod distributed;
 pub mod finite;
 pub(crate) mod kernels;
 pub mod mx;

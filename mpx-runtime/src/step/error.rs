@@ -99,6 +99,13 @@ pub enum StepError {
         /// The loss scale after the last adjust.
         scale: f32,
     },
+
+    /// The data-parallel all-reduce failed or the ranks disagree (model layout, settings,
+    /// accumulation count); the [`DistributedError`](crate::distributed::DistributedError) says
+    /// which.
+    #[cfg(feature = "mpi")]
+    #[error("data-parallel step: {0}")]
+    Distributed(#[from] crate::distributed::DistributedError),
 }
 
 /// dfdx reports a module's and a backward pass's errors as `CpuError`, so a step that returns
@@ -140,6 +147,12 @@ impl From<StepError> for CpuError {
             | StepError::UnknownMaster { .. }
             | StepError::NoBackward { .. }
             | StepError::Checkpoint(_)) => {
+                panic!(
+                    "{e} (dfdx's CpuError cannot carry this cause: return StepError or Box<dyn Error> from the step to handle it)"
+                )
+            }
+            #[cfg(feature = "mpi")]
+            e @ StepError::Distributed(_) => {
                 panic!(
                     "{e} (dfdx's CpuError cannot carry this cause: return StepError or Box<dyn Error> from the step to handle it)"
                 )

@@ -61,6 +61,11 @@ impl ErasedWorking for FullWorking {
         true
     }
 
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot] {
+        &self.master
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }

@@ -61,9 +61,6 @@ mod working;
 pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::StepError;
-pub use function::{
-    MixedGrads, filter_value_and_grad, filter_value_and_grad_with_aux, optimizer_update,
-};
 /// mpx's `filter_grad`: [`filter_value_and_grad`] under mpx's other name (the loss value comes
 /// with the gradients either way).
 ///
@@ -80,9 +77,14 @@ pub use function::{
 /// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
 pub use function::filter_value_and_grad as filter_grad;
+pub use function::{
+    MixedGrads, filter_value_and_grad, filter_value_and_grad_with_aux, optimizer_update,
+};
 #[doc(hidden)]
 pub use half_region::Region;
 pub use half_region::{HalfInput, HalfOutput};
+#[cfg(feature = "mpi")]
+pub(crate) use layout::MasterSlot;
 pub use layout::WorkingCopy;
 pub use outcome::{SkipReason, UpdateOutcome};
 pub use report::StepReport;

@@ -87,6 +87,9 @@ pub struct GradScaler<H: Precision = f16, L: LossScale = DynamicLossScale> {
     pub(super) consecutive: u64,
     last: Option<StepReport>,
     marker: PhantomData<fn() -> H>,
+    /// The data-parallel all-reduce (`with_reducer`, in `crate::distributed`).
+    #[cfg(feature = "mpi")]
+    pub(crate) reducer: Option<crate::distributed::Reducer>,
 }
 
 impl<H: Precision, L: LossScale> std::fmt::Debug for GradScaler<H, L> {
@@ -125,6 +128,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             consecutive: 0,
             last: None,
             marker: PhantomData,
+            #[cfg(feature = "mpi")]
+            reducer: None,
         }
     }
 
@@ -454,6 +459,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             }
             grads.drop_non_leafs();
         }
+        #[cfg(feature = "mpi")]
+        self.reduce(&mut grads, loss_value.is_finite())?;
         Ok(grads)
     }
 
@@ -582,6 +589,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
     pub fn begin_update<M: MasterModel>(&mut self, master: &mut M) -> Result<Verdict, StepError> {
+        #[cfg(feature = "mpi")]
+        crate::distributed::before_update(self.reducer.as_mut())?;
         let Some(index) = self.masters.find(master)? else {
             return Err(StepError::UnknownMaster {
                 model: std::any::type_name::<M>(),
@@ -744,6 +753,41 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
 }
 
 impl<H: Precision, L: LossScale> GradScaler<H, L> {
+    /// Data-parallel: after a backward pass, the ranks agree on one verdict and average the
+    /// gradients of the master it reached (see [`crate::distributed`]). One master per backward
+    /// pass: a graph through several masters is an error under a reducer.
+    #[cfg(feature = "mpi")]
+    fn reduce(
+        &mut self,
+        grads: &mut Gradients<f32, Cpu>,
+        loss_finite: bool,
+    ) -> Result<(), StepError> {
+        if self.reducer.is_none() {
+            return Ok(());
+        }
+        let mut touched = self.masters.iter_mut().filter(|e| e.touched);
+        let (Some(entry), None) = (touched.next(), touched.next()) else {
+            return Err(StepError::WorkspaceMismatch {
+                expected: "one master model per backward pass under a data-parallel reducer".into(),
+                found: "none or several".into(),
+            });
+        };
+        let agreed = crate::distributed::after_backward(
+            self.reducer.as_mut(),
+            Some(entry.working.master_slots()),
+            grads,
+            entry.pending.grads_finite,
+            loss_finite,
+            self.scaling.loss_scale(),
+        )?;
+        if let Some(agreed) = agreed {
+            // every rank takes the same decision: the loss's finiteness is part of it
+            entry.pending.grads_finite = agreed;
+            entry.pending.loss_finite = agreed;
+        }
+        Ok(())
+    }
+
     /// Registers a forward pass of `master` run in f32 on the master itself (see
     /// [`super::full`]), so that the backward pass and the update judge its gradients.
     pub(crate) fn forward_full<M: MasterModel>(&mut self, master: &M) -> Result<(), StepError> {

@@ -45,6 +45,10 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     }
     /// The workspace, as `Any`, to get the typed workspace back.
     fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// The master's gradient slots, one per trainable tensor in visit order (what the
+    /// data-parallel all-reduce packs).
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot];
 }
 
 /// A forward pass's working copy and gradient buffers.
@@ -233,6 +237,11 @@ where
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot] {
+        &self.master
     }
 }
 

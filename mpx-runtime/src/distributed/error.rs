@@ -1,0 +1,93 @@
+//! Errors of data-parallel training.
+
+use dfdx::tensor::CpuError;
+
+/// What can go wrong when ranks train together. Each variant is raised on **every** rank at the
+/// same point (the ranks agree on it through a collective), so no rank is left waiting.
+#[derive(Debug, thiserror::Error)]
+pub enum DistributedError {
+    /// The ranks' master models differ in layout (number of trainable tensors or their sizes).
+    #[error(
+        "the ranks' master models differ: this rank (rank {rank}) has {tensors} trainable tensors \
+         with {elements} elements in all, and at least one other rank has a different layout; \
+         every rank must build the same model"
+    )]
+    LayoutMismatch {
+        /// This rank.
+        rank: usize,
+        /// Trainable tensors on this rank.
+        tensors: usize,
+        /// Their elements.
+        elements: usize,
+    },
+
+    /// The ranks disagree on the settings of the reduction or on the loss scale.
+    #[error(
+        "the ranks disagree on the data-parallel settings: this rank (rank {rank}) reduces in \
+         {dtype} with {accumulation} backward pass(es) per update at loss scale {scale}, and at \
+         least one other rank does not; build every rank's `Reducer` and `GradScaler` the same way"
+    )]
+    ConfigMismatch {
+        /// This rank.
+        rank: usize,
+        /// This rank's wire type.
+        dtype: &'static str,
+        /// This rank's accumulation count.
+        accumulation: u32,
+        /// This rank's loss scale.
+        scale: f32,
+    },
+
+    /// The update came before the last micro-batch's backward pass (or after too many).
+    #[error(
+        "the reducer expects {expected} backward pass(es) per update (`Reducer::with_accumulation`), \
+         but {found} ran since the last update; the gradients are all-reduced in the backward pass \
+         of the last micro-batch, so every update must follow exactly {expected}"
+    )]
+    AccumulationMismatch {
+        /// The accumulation count set on the reducer.
+        expected: u32,
+        /// Backward passes seen since the last update.
+        found: u32,
+    },
+
+    /// A loss scale for the half wire that is not finite and positive.
+    #[error("the loss scale for the all-reduce must be finite and greater than 0, got {scale}")]
+    InvalidScale {
+        /// The offending scale.
+        scale: f32,
+    },
+
+    /// The update came after a backward pass whose all-reduce failed (its error was returned
+    /// there): the gradients were not averaged, so no rank applies them.
+    #[error(
+        "the last backward pass's all-reduce failed (see its error), so its gradients are this \
+         rank's alone; the update is refused on every rank. Fix the cause and start the step again"
+    )]
+    ReductionFailed,
+
+    /// An accumulation count of zero.
+    #[error("the accumulation count must be at least 1, got 0")]
+    ZeroAccumulation,
+
+    /// The backward pass did not go through the scaler's forward pass, so the gradients to
+    /// reduce are not known.
+    #[error(
+        "the gradients to all-reduce are unknown: run the forward pass through the `GradScaler` \
+         (`scaler.forward` or `#[mixed_step]`) before its backward pass"
+    )]
+    NoForward,
+
+    /// A root rank that is not in the communicator.
+    #[error("rank {root} is not in the communicator (size {size})")]
+    NoSuchRank {
+        /// The rank asked for.
+        root: usize,
+        /// The communicator's size.
+        size: usize,
+    },
+
+    /// The device failed (allocating a gradient entry).
+    #[error("the device failed during the data-parallel reduction")]
+    Device(#[from] CpuError),
+}
