@@ -6,6 +6,10 @@
 //!
 //! Run: `cargo run --example mixed_step-expanded` (prints the same as `mixed_step`)
 
+// `(&mut forward(..)).__mpx_forward(..)` borrows on purpose: the `&mut` puts the f32 fallback
+// (`ViaFull`, on `&mut Forward`) one autoref behind the half path (`ViaHalf`, on `Forward`).
+#![allow(clippy::needless_borrow)]
+
 #[path = "../tests/common/digits.rs"]
 mod digits;
 
