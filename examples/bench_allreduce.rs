@@ -109,9 +109,9 @@ fn buffers(
 const GLOBAL: usize = 48;
 const HIDDEN: usize = 128;
 type Mlp = (
-    mpx::nn::builder::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builder::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builder::Linear<HIDDEN, CLASSES>,
+    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
+    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
+    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
 );
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 
@@ -214,7 +214,7 @@ fn steps<const B: usize>(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let universe = mpi::initialize().ok_or("MPI was initialised already")?;
-    mpx::kernels::set_max_threads(1);
+    mpx::nn::set_gemm_threads(1);
     let world = universe.world();
     let rank = world.rank() as usize;
     buffers(&world, rank)?;

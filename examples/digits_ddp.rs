@@ -37,9 +37,9 @@ const GLOBAL: usize = 48;
 const HIDDEN: usize = 128;
 /// mpx's fused MLP of `examples/digits.rs`.
 type Mlp = (
-    mpx::nn::builder::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builder::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builder::Linear<HIDDEN, CLASSES>,
+    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
+    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
+    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
 );
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type X<const B: usize> = Tensor<Rank2<B, FEATURES>, f32, Cpu>;
@@ -312,7 +312,7 @@ fn run<const B: usize>(
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let universe = mpi::initialize().ok_or("MPI was initialised already")?;
-    mpx::kernels::set_max_threads(1);
+    mpx::nn::set_gemm_threads(1);
     let world = universe.world();
     let agree = match world.size() {
         1 => run::<GLOBAL>(&world, &args)?,

@@ -75,6 +75,9 @@
 
 pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
 pub use mpx_runtime::{boundary, cast, finite, mx, nn, policy, precision, region, scaling, step};
+/// Data-parallel training over MPI (feature `mpi`): see [`mpx_runtime::distributed`].
+#[cfg(feature = "mpi")]
+pub use mpx_runtime::distributed;
 
 pub mod prelude {
     //! The names most mixed-precision code uses, for a glob import beside dfdx's prelude.

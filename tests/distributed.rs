@@ -53,8 +53,8 @@ use mpx::step::{GradScaler, StepError, clip_grad_norm};
 // ---- the model, the data and the step -----------------------------------------------------------
 
 type Arch = (
-    mpx::nn::builder::LinearReLU<FEATURES, 32>,
-    mpx::nn::builder::Linear<32, CLASSES>,
+    mpx::nn::builders::LinearReLU<FEATURES, 32>,
+    mpx::nn::builders::Linear<32, CLASSES>,
 );
 type Model = <Arch as BuildOnDevice<Cpu, f32>>::Built;
 type Tiny = <Linear<1, 1> as BuildOnDevice<Cpu, f32>>::Built;
@@ -805,7 +805,7 @@ fn rank_main(what: &str, dir: &std::path::Path) -> ExitCode {
         eprintln!("MPI was initialised already");
         return ExitCode::FAILURE;
     };
-    mpx::kernels::set_max_threads(1);
+    mpx::nn::set_gemm_threads(1);
     let world = universe.world();
     let me = Rank {
         rank: world.rank() as usize,

@@ -122,7 +122,7 @@ pub use mat::{MatRef, Operand};
 pub use path::{Calibration, KernelPath, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
 pub(crate) use scratch::with_scratch;
-pub use threads::{available_threads, max_threads, with_threads};
+pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path
 /// or a thread count, time a product, read the error bounds. Not a public API.
@@ -131,7 +131,7 @@ pub mod bench {
     pub use super::{
         Calibration, KernelError, KernelPath, MatRef, Operand, active_path, available_threads,
         bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,
-        max_threads, peak_fma_flops, use_scoped_threads, with_path, with_threads,
+        max_threads, peak_fma_flops, set_max_threads, use_scoped_threads, with_path, with_threads,
     };
 
     /// `with_scratch` for the benchmark of allocation per call against

@@ -56,3 +56,16 @@ pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
 pub use scratch::release_buffers;
+
+/// Caps the threads each of the layers' GEMMs may use, process-wide (`0`: all available, the
+/// default). A data-parallel run with one rank per core sets 1, so ranks do not contend for
+/// cores. Results are bit-identical for any count.
+///
+/// # Examples
+/// ```
+/// mpx_runtime::nn::set_gemm_threads(1);
+/// mpx_runtime::nn::set_gemm_threads(0); // back to all cores
+/// ```
+pub fn set_gemm_threads(n: usize) {
+    crate::kernels::set_max_threads(n);
+}
