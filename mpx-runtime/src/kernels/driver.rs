@@ -217,12 +217,12 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         Operand::F32(v) => &v[..n],
         Operand::F16(v) => {
             let buf = grown(buf, n);
-            super::convert::widen_f16(&v[..n], buf);
+            crate::precision::convert::widen_f16(&v[..n], buf);
             buf
         }
         Operand::Bf16(v) => {
             let buf = grown(buf, n);
-            super::convert::round_bf16(&v[..n], buf);
+            crate::precision::convert::round_bf16(&v[..n], buf);
             buf
         }
     }

@@ -90,7 +90,7 @@ pub(crate) fn bias_act_into(
                 } else {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += *b);
                 }
-                super::convert::round_f16(row, orow);
+                crate::precision::convert::round_f16(row, orow);
             }
         }
     }
@@ -188,7 +188,7 @@ pub(crate) fn relu_mask_bias_grad_f16(
         }
         for (dc, gc) in drow.chunks(256).zip(bias_grad.chunks_mut(256)) {
             let b = &mut buf[..dc.len()];
-            super::convert::widen_f16(dc, b);
+            crate::precision::convert::widen_f16(dc, b);
             gc.iter_mut().zip(b.iter()).for_each(|(g, v)| *g += *v);
         }
     }
@@ -256,7 +256,7 @@ pub(crate) fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError>
     expect_len("dst", dst.len(), src.len())?;
     match dst {
         Dst::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-        Dst::F16(d) => super::convert::add_f32_into_f16(src, d),
+        Dst::F16(d) => crate::precision::convert::add_f32_into_f16(src, d),
     }
     Ok(())
 }

@@ -4,29 +4,10 @@
 //! every element its shape and strides reach lies inside its slice, and its fields are private,
 //! so no view can name an element past the slice (or an offset past `usize::MAX`).
 
-use half::f16;
-
 use super::KernelError;
 
-/// The values of an operand and how the kernel reads them.
-#[derive(Debug, Clone, Copy)]
-pub enum Operand<'a> {
-    /// f32 values.
-    F32(&'a [f32]),
-    /// f16 values.
-    F16(&'a [f16]),
-    /// f32 storage whose values are rounded to bf16 while packing (emulated bf16).
-    Bf16(&'a [f32]),
-}
-
-impl Operand<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Operand::F32(v) | Operand::Bf16(v) => v.len(),
-            Operand::F16(v) => v.len(),
-        }
-    }
-}
+pub use crate::precision::Operand;
+use half::f16;
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).

@@ -94,7 +94,6 @@
 mod avx2;
 mod avx512;
 mod bf16;
-mod convert;
 mod driver;
 mod epilogue;
 mod error;
@@ -110,7 +109,6 @@ mod strided;
 mod threads;
 mod transpose;
 
-pub(crate) use convert::{round_f16, widen_f16};
 pub(crate) use driver::gemm;
 pub use driver::{gemm_nanos, gemm_on};
 pub use epilogue::Activation;

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 
 use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16, sized};
 use super::{DType, FloatBits, FloatSliceMut, HalfPrecision, Precision, sealed};
-use crate::kernels::Operand;
+use super::Operand;
 
 impl sealed::Sealed for f32 {}
 impl sealed::Sealed for f16 {}
@@ -43,10 +43,10 @@ impl Precision for f16 {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [f16]) {
-        crate::kernels::round_f16(src, dst);
+        super::convert::round_f16(src, dst);
     }
     fn widen(src: &[f16], dst: &mut [f32]) {
-        crate::kernels::widen_f16(src, dst);
+        super::convert::widen_f16(src, dst);
     }
     fn bits(src: &[f16]) -> FloatBits<'_> {
         FloatBits::F16(src.reinterpret_cast())
@@ -71,10 +71,10 @@ impl Precision for AMP<f16> {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [AMP<f16>]) {
-        crate::kernels::round_f16(src, amp_as_f16_mut(dst));
+        super::convert::round_f16(src, amp_as_f16_mut(dst));
     }
     fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
-        crate::kernels::widen_f16(amp_as_f16(src), dst);
+        super::convert::widen_f16(amp_as_f16(src), dst);
     }
     fn bits(src: &[AMP<f16>]) -> FloatBits<'_> {
         FloatBits::F16(amp_as_f16(src).reinterpret_cast())

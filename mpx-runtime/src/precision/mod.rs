@@ -46,10 +46,13 @@ mod slices;
 pub use dfdx::dtypes::AMP;
 pub use dtype::DType;
 pub use half::{bf16, f16};
+pub(crate) mod convert;
+mod operand;
+
+pub use operand::Operand;
 pub use slices::round_to_bf16;
 pub(crate) use slices::sized;
 
-use crate::kernels::Operand;
 
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
