@@ -74,10 +74,10 @@
 #![warn(missing_docs, unreachable_pub, clippy::pedantic)]
 
 pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
-pub use mpx_runtime::{boundary, cast, finite, mx, nn, policy, precision, region, scaling, step};
 /// Data-parallel training over MPI (feature `mpi`): see [`mpx_runtime::distributed`].
 #[cfg(feature = "mpi")]
 pub use mpx_runtime::distributed;
+pub use mpx_runtime::{boundary, cast, finite, mx, nn, policy, precision, region, scaling, step};
 
 pub mod prelude {
     //! The names most mixed-precision code uses, for a glob import beside dfdx's prelude.

@@ -1,6 +1,6 @@
 //! The AVX-512 f32 micro-kernel: 8 x 32 tile, 16 zmm accumulators.
 
-use super::driver::Micro;
+use super::tile::Micro;
 
 const MR: usize = 8;
 const NR: usize = 32;

@@ -29,8 +29,8 @@
 //! operands with one more rounding per k block; only the order inside a pair (odd first) and the
 //! flushing differ from them. [`bf16_error_bound`](super::bf16_error_bound) computes it.
 
-use super::driver::{Out, split};
 use super::pack::{Src, pack_a, pack_b};
+use super::tile::{Out, split};
 
 /// Rows of a micro-tile.
 pub(crate) const MR: usize = 8;

@@ -5,7 +5,7 @@
 //! vectors, so the unstable `f16` primitive is never needed.
 
 use super::FP16_FLUSH;
-use super::driver::Micro;
+use super::tile::Micro;
 
 const MR: usize = 8;
 const NR: usize = 64;

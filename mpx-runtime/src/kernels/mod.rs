@@ -98,6 +98,7 @@ mod driver;
 mod epilogue;
 mod error;
 mod fp16;
+mod isa;
 mod mat;
 mod pack;
 mod path;
@@ -107,17 +108,19 @@ mod portable;
 mod scratch;
 mod strided;
 mod threads;
+mod tile;
 mod transpose;
 
-pub(crate) use driver::gemm;
 pub use driver::{gemm_nanos, gemm_on};
 pub use epilogue::Activation;
 pub(crate) use epilogue::{
     Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 pub use error::KernelError;
+pub use isa::KernelPath;
 pub use mat::{MatRef, Operand};
-pub use path::{Calibration, KernelPath, active_path, calibration, with_path};
+pub(crate) use path::gemm;
+pub use path::{Calibration, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
 pub(crate) use scratch::with_scratch;
 pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
@@ -125,7 +128,7 @@ pub use threads::{available_threads, max_threads, set_max_threads, with_threads}
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path
 /// or a thread count, time a product, read the error bounds. Not a public API.
 pub mod bench {
-    pub use super::driver::gemm;
+    pub use super::path::gemm;
     pub use super::{
         Calibration, KernelError, KernelPath, MatRef, Operand, active_path, available_threads,
         bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,

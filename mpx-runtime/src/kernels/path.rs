@@ -21,73 +21,8 @@
 use std::cell::Cell;
 use std::sync::OnceLock;
 
-use super::{KernelError, MatRef, Operand};
-
-/// The instruction set a kernel runs on. See the kernels' module docs for what each does with
-/// f32, f16 and bf16 operands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KernelPath {
-    /// AVX-512 F with AVX512-FP16: f16 operands are multiplied and summed in f16.
-    Avx512Fp16,
-    /// AVX-512 F, BW and VL with AVX512-BF16: bf16 operands are multiplied in pairs and summed in
-    /// f32 (`vdpbf16ps`); f32 and f16 operands as on [`KernelPath::Avx512`].
-    Avx512Bf16,
-    /// AVX-512 F: f32 FMA on 16 lanes.
-    Avx512,
-    /// AVX2 with FMA: f32 FMA on 8 lanes.
-    Avx2Fma,
-    /// Plain Rust, any CPU.
-    Portable,
-}
-
-impl KernelPath {
-    /// Every path, the widest instructions first (which is fastest depends on the CPU: see
-    /// [`calibration`]).
-    pub const ALL: [KernelPath; 5] = [
-        KernelPath::Avx512Fp16,
-        KernelPath::Avx512Bf16,
-        KernelPath::Avx512,
-        KernelPath::Avx2Fma,
-        KernelPath::Portable,
-    ];
-
-    /// Whether this CPU has the instructions of the path.
-    pub fn is_supported(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            match self {
-                KernelPath::Avx512Fp16 => {
-                    is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512fp16")
-                }
-                KernelPath::Avx512Bf16 => {
-                    is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512vl")
-                        && is_x86_feature_detected!("avx512bf16")
-                }
-                KernelPath::Avx512 => is_x86_feature_detected!("avx512f"),
-                KernelPath::Avx2Fma => {
-                    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-                }
-                KernelPath::Portable => true,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            self == KernelPath::Portable
-        }
-    }
-
-    /// The paths this CPU supports, in the order of [`KernelPath::ALL`].
-    pub fn supported() -> Vec<KernelPath> {
-        KernelPath::ALL
-            .into_iter()
-            .filter(|p| p.is_supported())
-            .collect()
-    }
-}
+use super::driver::{gemm_on, gemm_threads};
+use super::{KernelError, KernelPath, MatRef, Operand};
 
 /// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
 /// compute the same bits), the time each took on the probe products, and the one chosen, for
@@ -187,7 +122,7 @@ fn calibrate(probes: &[(usize, usize, usize, bool)]) -> (KernelPath, Vec<(Kernel
                     ) else {
                         continue;
                     };
-                    let _ = super::driver::gemm_threads(path, a, b, &mut c[..m * n], false, 1);
+                    let _ = gemm_threads(path, a, b, &mut c[..m * n], false, 1);
                 }
             }
             let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -266,4 +201,24 @@ pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, Kernel
     }
     let _restore = Restore(FORCED.with(|c| c.replace(Some(path))));
     Ok(f())
+}
+
+/// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
+/// [`with_path`], else the one chosen for these operands: f16 and bf16
+/// operands on their own instructions where the CPU has them, everything else on
+/// `detected_path`. `C` is
+/// row-major `A.rows x B.cols` f32.
+///
+/// # Errors
+/// [`KernelError::InnerMismatch`], [`KernelError::OperandTooShort`] or
+/// [`KernelError::OutputLength`] when the shapes do not fit.
+pub fn gemm(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: &mut [f32],
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    let path =
+        forced_path().unwrap_or_else(|| path_for(a.values(), b.values(), a.rows(), b.cols()));
+    gemm_on(path, a, b, c, accumulate)
 }

@@ -1,6 +1,6 @@
 //! The portable micro-kernel: plain Rust that compilers vectorise for the baseline target.
 
-use super::driver::Micro;
+use super::tile::Micro;
 
 const MR: usize = 4;
 const NR: usize = 16;

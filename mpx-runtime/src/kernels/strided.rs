@@ -15,8 +15,8 @@
 
 use std::cell::Cell;
 
-use super::driver::{Buffers, Out};
 use super::pack::{Src, pack_a, pack_b};
+use super::tile::{Buffers, Out};
 
 /// Where a micro-kernel reads A's `mr x kc` tile: `A(i, p) = ptr[i * rs + p * cs]`.
 #[derive(Clone, Copy)]

@@ -326,7 +326,7 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         (260, 10, 900, false, false),
     ];
     for (m, n, k, at, bt) in shapes {
-        assert!(m * n * k >= driver::PAR_MIN_WORK);
+        assert!(m * n * k >= tile::PAR_MIN_WORK);
         let (a, b) = (values(m * k, 13), values(k * n, 14));
         let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let (ah, bh) = (h(&a), h(&b));
@@ -379,7 +379,7 @@ fn the_grid_covers_every_element_once_and_splits_large_products() {
     ] {
         for (mr, nr) in [(6, 16), (8, 32), (8, 64), (4, 16)] {
             for threads in 1..=5 {
-                let g = driver::Grid::new(m, n, mr, nr, threads);
+                let g = tile::Grid::new(m, n, mr, nr, threads);
                 let mut seen = vec![0u8; m * n];
                 for t in 0..g.blocks() {
                     let ((r0, r1), (c0, c1)) = g.block(t);

@@ -4,9 +4,9 @@ use dfdx::dtypes::AMP;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use super::Operand;
 use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16, sized};
 use super::{DType, FloatBits, FloatSliceMut, HalfPrecision, Precision, sealed};
-use super::Operand;
 
 impl sealed::Sealed for f32 {}
 impl sealed::Sealed for f16 {}

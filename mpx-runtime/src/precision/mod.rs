@@ -53,7 +53,6 @@ pub use operand::Operand;
 pub use slices::round_to_bf16;
 pub(crate) use slices::sized;
 
-
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
     /// `AMP<f16>` and `bf16`.
