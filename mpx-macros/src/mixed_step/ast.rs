@@ -2,7 +2,7 @@
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, crate_path, parse_keyed, set_once};
+use crate::ctxt::{Ctxt, parse_keyed, set_crate, set_once, set_parsed};
 
 /// The valid arguments, as error messages list them.
 pub(crate) const VALID_ARGS: &str = "`scaling`, `half`, `crate`";
@@ -40,11 +40,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
     let mut out = Args::default();
     parse_keyed(args, cx, VALID_ARGS, |key, meta, cx| {
         Ok(match key {
-            "scaling" => {
-                let v: syn::Expr = meta.value()?.parse()?;
-                set_once(cx, &meta.path, &mut out.scaling, v, "scaling");
-                true
-            }
+            "scaling" => set_parsed(meta, cx, &mut out.scaling, "scaling")?,
             "half" => {
                 let ty: syn::Type = meta.value()?.parse()?;
                 let half = half_of(&ty);
@@ -59,11 +55,7 @@ pub(crate) fn parse_args(args: TokenStream, cx: &mut Ctxt) -> Args {
                 }
                 true
             }
-            "crate" => {
-                let v = crate_path(meta)?;
-                set_once(cx, &meta.path, &mut out.krate, v, "crate");
-                true
-            }
+            "crate" => set_crate(meta, cx, &mut out.krate)?,
             _ => false,
         })
     });

@@ -9,7 +9,7 @@ mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, item_fn, with_errors};
+use crate::ctxt::{Ctxt, finish, item_fn};
 
 /// Entry point: the rewritten step, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -24,17 +24,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let plan = f
         .as_ref()
         .and_then(|f| valid::check(&parsed_args, f, &mut cx));
-    match (cx.check(), f, plan) {
-        (Ok(()), Some(f), Some(plan)) => expand::expand(&parsed_args, plan, f),
-        (Err(err), _, _) => with_errors(item, err),
-        _ => with_errors(
-            item,
-            syn::Error::new(
-                proc_macro2::Span::call_site(),
-                "`#[mixed_step]` could not rewrite this item",
-            ),
-        ),
-    }
+    finish(cx, item, "mixed_step", || {
+        Some(expand::expand(&parsed_args, plan?, f?))
+    })
 }
 
 #[cfg(test)]

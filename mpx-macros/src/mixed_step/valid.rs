@@ -8,7 +8,7 @@ use super::ast::{Args, Half};
 use quote::ToTokens;
 
 use super::roles::{Found, Traced, as_update, forward_path, key, place};
-use crate::ctxt::Ctxt;
+use crate::ctxt::{Ctxt, plain_fn_only};
 
 /// Everything `expand` needs.
 pub(crate) struct Plan {
@@ -24,28 +24,13 @@ pub(crate) struct Plan {
 
 /// Checks the function kind, the arguments and the body; records every problem in `cx`.
 pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan> {
-    let sig = &f.sig;
-    if let Some(t) = &sig.constness {
-        cx.error_spanned(
-            t,
-            "`#[mixed_step]` cannot rewrite a `const fn`: a training step is not const",
-        );
-    }
-    if let Some(t) = &sig.asyncness {
-        cx.error_spanned(
-            t,
-            "`#[mixed_step]` cannot rewrite an `async fn`; make the step a plain `fn`",
-        );
-    }
-    if let Some(abi) = &sig.abi {
-        cx.error_spanned(
-            abi,
-            "`#[mixed_step]` cannot rewrite an `extern` function; remove the ABI",
-        );
-    }
-    if let Some(v) = &sig.variadic {
-        cx.error_spanned(v, "`#[mixed_step]` cannot rewrite a variadic function");
-    }
+    plain_fn_only(
+        &f.sig,
+        "mixed_step",
+        "a training step is not const",
+        "make the step a plain `fn`",
+        cx,
+    );
     if args.scaling.is_none() {
         cx.push(syn::Error::new(
             Span::call_site(),
