@@ -49,7 +49,9 @@ use crate::scaling::{DynamicLossScale, LossScale};
 ///   master and the optimizer state untouched.
 ///
 /// `H` is the half precision (`f16`, `AMP<f16>`, emulated `bf16`, or `f32` to check the
-/// machinery), `L` the loss scale. One scaler serves one master model.
+/// machinery), `L` the loss scale. One scaler serves any number of master models (a working copy
+/// each, each update skipped on its own master's gradients, the scale adjusted once per
+/// iteration: see `docs/dsl.md`).
 ///
 /// # Examples
 /// ```
