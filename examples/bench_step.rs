@@ -9,6 +9,12 @@
 //! cargo run --release --example bench_step
 //! ```
 //!
+//! With `--serve` it is a step server for `shared/peer/lockstep.py` (the protocol of the JAX mpx
+//! and PyTorch step servers): it reads lines `<config> <n>`, runs n steps of that configuration at
+//! batch 256 and answers the n step times in ms on one line. Configurations: `f32` (dfdx's f32
+//! step), `f16` (row f: mpx's fused layers, `GradScaler<f16>`), `bf16` (row g, emulated bf16),
+//! `dfdx-f16` (row a: dfdx's layers, `GradScaler<f16>`).
+//!
 //! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
 //! rounds alternate), so a noisy neighbour slows all configurations alike. Peak heap comes from a
 //! counting global allocator: "step" is the peak during one step above the heap in use just
@@ -234,6 +240,50 @@ impl Acc {
     }
 }
 
+/// The `--serve` mode: a step server speaking `shared/peer`'s protocol.
+fn serve(dev: &Cpu, init: &Master, dynamic: impl Fn() -> DynamicLossScale) {
+    use std::io::{BufRead, Write};
+    const B: usize = 256;
+    let init_mpx = to_mpx(init);
+    let mut f32_step = Plain::<B>::new(dev, init);
+    let mut f16_step = Scaled::<f16, _, B>::new(dev, &init_mpx, dynamic());
+    let mut bf16_step = Scaled::<bf16, _, B>::new(dev, &init_mpx, dynamic());
+    let mut dfdx_f16_step = Scaled::<f16, _, B, Master>::new(dev, init, dynamic());
+    println!(
+        "ready mpx-rs bench_step: MLP 512-1024-1024-10, Adam, batch {B}; f32 f16 bf16 dfdx-f16; kernel path {:?}",
+        active_path()
+    );
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { break };
+        let mut words = line.split_whitespace();
+        let (Some(cfg), Some(n)) = (
+            words.next(),
+            words.next().and_then(|n| n.parse::<usize>().ok()),
+        ) else {
+            eprintln!("expected `<config> <n>`, got {line:?}");
+            break;
+        };
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            match cfg {
+                "f32" => drop(f32_step.step()),
+                "f16" => drop(f16_step.step()),
+                "bf16" => drop(bf16_step.step()),
+                "dfdx-f16" => drop(dfdx_f16_step.step()),
+                other => {
+                    eprintln!("unknown configuration {other:?}; expected f32, f16, bf16, dfdx-f16");
+                    return;
+                }
+            }
+            times.push(format!("{:.3}", t.elapsed().as_secs_f64() * 1e3));
+        }
+        println!("{}", times.join(" "));
+        let _ = std::io::stdout().flush();
+    }
+}
+
 fn main() {
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Mlp, f32>();
@@ -243,6 +293,10 @@ fn main() {
             .build()
             .expect("valid")
     };
+    if std::env::args().any(|a| a == "--serve") {
+        serve(&dev, &init, dynamic);
+        return;
+    }
 
     // ---- memory, batch 4096 (first, so nothing else is resident) ----
     const BIG: usize = 4096;
