@@ -44,47 +44,33 @@ fn f32_step(model: &mut Model, opt: &mut Adam<Model, f32, Cpu>, x: Tokens, y: La
     value
 }
 
-/// The same step converted: the attribute and the scaler parameter.
-#[mixed_step(scaling = scaler)]
-fn f16_step(
-    model: &mut Model,
-    opt: &mut Adam<Model, f32, Cpu>,
-    x: Tokens,
-    y: Labels,
-    scaler: &mut GradScaler<f16>,
-) -> f32 {
-    let grads = model.alloc_grads();
-    let h = model.0.forward(x.traced(grads));
-    let h = model.1.forward(h);
-    let pooled = h.mean::<_, Axis<1>>();
-    let logits = model.2.forward(pooled);
-    let loss = cross_entropy_with_logits_loss(logits, y);
-    let value = loss.array();
-    let grads = loss.backward();
-    opt.update(model, &grads).unwrap();
-    value
+/// The same step converted: the attribute and the scaler parameter (stamped out for f16 and
+/// emulated bf16; the body is `f32_step`'s).
+macro_rules! mixed {
+    ($name:ident, $half:ty) => {
+        #[mixed_step(scaling = scaler)]
+        fn $name(
+            model: &mut Model,
+            opt: &mut Adam<Model, f32, Cpu>,
+            x: Tokens,
+            y: Labels,
+            scaler: &mut GradScaler<$half>,
+        ) -> f32 {
+            let grads = model.alloc_grads();
+            let h = model.0.forward(x.traced(grads));
+            let h = model.1.forward(h);
+            let pooled = h.mean::<_, Axis<1>>();
+            let logits = model.2.forward(pooled);
+            let loss = cross_entropy_with_logits_loss(logits, y);
+            let value = loss.array();
+            let grads = loss.backward();
+            opt.update(model, &grads).unwrap();
+            value
+        }
+    };
 }
-
-/// The same step in emulated bf16.
-#[mixed_step(scaling = scaler)]
-fn bf16_step(
-    model: &mut Model,
-    opt: &mut Adam<Model, f32, Cpu>,
-    x: Tokens,
-    y: Labels,
-    scaler: &mut GradScaler<bf16>,
-) -> f32 {
-    let grads = model.alloc_grads();
-    let h = model.0.forward(x.traced(grads));
-    let h = model.1.forward(h);
-    let pooled = h.mean::<_, Axis<1>>();
-    let logits = model.2.forward(pooled);
-    let loss = cross_entropy_with_logits_loss(logits, y);
-    let value = loss.array();
-    let grads = loss.backward();
-    opt.update(model, &grads).unwrap();
-    value
-}
+mixed!(f16_step, f16);
+mixed!(bf16_step, bf16);
 
 #[derive(Parser)]
 struct Args {
