@@ -10,7 +10,7 @@
 // working copy of mpx's layers (`ViaMapped`, on `&mut Forward`) first, the master's own layers
 // in half (`ViaHalf`, on `&mut &mut Forward`) next, and the f32 fallback (`ViaFull`, on
 // `Forward`) last.
-#![allow(clippy::needless_borrow)]
+#![allow(clippy::needless_borrow, clippy::mut_mut)]
 
 #[path = "../tests/common/digits.rs"]
 mod digits;

@@ -263,8 +263,8 @@ mod tests {
 
     #[test]
     fn the_mapped_copy_holds_the_masters_values_rounded() {
-        let dev = Cpu::default();
         type Mlp = (Linear<3, 4>, ReLU, Linear<4, 2>, Tanh);
+        let dev = Cpu::default();
         let master = dev.build_module::<Mlp, f32>();
         let mut scratch = MapScratch::default();
         let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();

@@ -232,6 +232,8 @@ pub mod __macro_support {
         }
     }
 
+    // the second `&mut` is the ladder's middle rung (see `Forward`)
+    #[allow(clippy::mut_mut)]
     impl<H, L, R> ViaHalf<H> for &mut &mut Forward<'_, H, L, R>
     where
         H: Precision,
