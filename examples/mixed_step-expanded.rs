@@ -6,9 +6,11 @@
 //!
 //! Run: `cargo run --example mixed_step-expanded` (prints the same as `mixed_step`)
 
-// `(&mut forward(..)).__mpx_forward(..)` borrows on purpose: the `&mut` puts the f32 fallback
-// (`ViaFull`, on `&mut Forward`) one autoref behind the half path (`ViaHalf`, on `Forward`).
-#![allow(clippy::needless_borrow)]
+// `(&mut &mut forward(..)).__mpx_forward(..)` borrows on purpose: method probing finds the
+// working copy of mpx's layers (`ViaMapped`, on `&mut Forward`) first, the master's own layers
+// in half (`ViaHalf`, on `&mut &mut Forward`) next, and the f32 fallback (`ViaFull`, on
+// `Forward`) last.
+#![allow(clippy::needless_borrow, clippy::mut_mut)]
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
@@ -38,7 +40,7 @@ fn train_epoch(
     // calls do), imported once at the top of the body.
     #[allow(unused_imports)]
     use ::mpx::__private::mpx_runtime::step::__macro_support::{
-        ByMut as _, Master as _, ViaFull as _, ViaHalf as _,
+        ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _,
     };
     let mut grads = model.alloc_grads();
     let mut total_epoch_loss = 0.0;
@@ -48,7 +50,7 @@ fn train_epoch(
         let logits = {
             let __mpx_input = img.trace(grads);
             let _ = ::mpx::__private::mpx_runtime::boundary::require_master((model).__mpx_master());
-            (&mut ::mpx::__private::mpx_runtime::step::__macro_support::forward(
+            (&mut &mut ::mpx::__private::mpx_runtime::step::__macro_support::forward(
                 ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut()),
                 (model).__mpx_master_mut()
             ))

@@ -260,7 +260,8 @@ mod step {
         loss_value
     }
 
-    /// The runtime calls the attribute stands for, written out.
+    /// The runtime calls the attribute stands for, written out (for this model of dfdx's
+    /// `Linear` and `ReLU`, the working copy of mpx's layers: `forward_mapped`).
     pub fn by_hand(
         model: &mut Model,
         opt: &mut Adam<Model, f32, Cpu>,
@@ -269,7 +270,7 @@ mod step {
         scaler: &mut GradScaler,
     ) -> f32 {
         let grads = model.alloc_grads();
-        let logits = scaler.forward(model, x.traced(grads), |m, x| m.forward_mut(x));
+        let logits = scaler.forward_mapped(model, x.traced(grads), |m, x| m.forward_mut(x));
         let loss = cross_entropy_with_logits_loss(logits, y);
         let loss_value = loss.array();
         let grads = scaler.backward(loss);

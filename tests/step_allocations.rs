@@ -112,4 +112,6 @@ fn a_converted_step_allocates_no_new_working_copy_per_call() {
         );
     }
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 6);
+    // the step ran on the working copy of mpx's layers (`HalfLayers`), whose cast is measured
+    assert!(scaler.last_step().unwrap().mpx_layers);
 }

@@ -54,7 +54,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         syn::parse_quote!(
             #[allow(unused_imports)]
             use #root::step::__macro_support::{
-                ByMut as _, Master as _, ViaFull as _, ViaHalf as _,
+                ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _,
             };
         ),
     );
@@ -246,7 +246,7 @@ impl Rewriter {
                 quote!({
                     let __mpx_input = #arg;
                     #check_master
-                    (&mut #root::step::__macro_support::forward(#scaler, #master_for_call)).__mpx_forward(
+                    (&mut &mut #root::step::__macro_support::forward(#scaler, #master_for_call)).__mpx_forward(
                         #input,
                         |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),
                     )

@@ -52,6 +52,7 @@ mod full;
 mod function;
 mod half_region;
 mod layout;
+mod mapped;
 mod masters;
 mod outcome;
 mod report;
@@ -86,6 +87,7 @@ pub use half_region::{HalfInput, HalfOutput};
 #[cfg(feature = "mpi")]
 pub(crate) use layout::MasterSlot;
 pub use layout::WorkingCopy;
+pub use mapped::HalfLayers;
 pub use outcome::{SkipReason, UpdateOutcome};
 pub use report::StepReport;
 pub use scaler::{GradScaler, MixedScaler, Verdict, scaler_of};
@@ -97,7 +99,7 @@ pub mod __macro_support {
     use dfdx::tensor::Cpu;
     use dfdx::tensor_ops::Device;
 
-    use super::{GradScaler, HalfInput, HalfOutput, WorkingCopy};
+    use super::{GradScaler, HalfInput, HalfLayers, HalfOutput, WorkingCopy};
     use crate::boundary::MasterModel;
     use crate::precision::Precision;
     use crate::scaling::LossScale;
@@ -133,12 +135,14 @@ pub mod __macro_support {
     {
     }
 
-    /// A forward pass of a master, with the scaler it runs through: `ViaHalf` runs it on the
-    /// half working copy; where that cannot be type-checked (the working copy's bounds do not
-    /// hold, as for a model whose type is a generic parameter of the `impl`), method resolution
-    /// falls back to `ViaFull`, which runs it in f32 on the master itself (autoref
-    /// specialisation: `(&mut fwd).__mpx_forward(..)` finds `ViaHalf` on `Forward` first,
-    /// `ViaFull` on `&mut Forward` next).
+    /// A forward pass of a master, with the scaler it runs through, on the best working copy
+    /// whose bounds hold (autoref specialisation): `ViaMapped` runs it on the working copy made
+    /// of mpx's layers (a model that implements [`HalfLayers`]); else `ViaHalf` runs it on the
+    /// master's own layers in half precision; where that cannot be type-checked either (a model
+    /// whose type is a generic parameter of the `impl`), `ViaFull` runs it in f32 on the master
+    /// itself. Method probing tries the receiver by value, then borrowed, then dereferenced:
+    /// `(&mut &mut fwd).__mpx_forward(..)` finds `ViaMapped` (on `&mut Forward`) first,
+    /// `ViaHalf` (on `&mut &mut Forward`) next, `ViaFull` (on `Forward`) last.
     pub struct Forward<'a, H: Precision, L: LossScale, R> {
         scaler: &'a mut GradScaler<H, L>,
         master: Option<R>,
@@ -190,7 +194,47 @@ pub mod __macro_support {
             F: FnOnce(&mut WorkingCopy<H, Self::Model>, X::Half) -> Y;
     }
 
-    impl<H, L, R> ViaHalf<H> for Forward<'_, H, L, R>
+    /// The forward pass on the working copy made of mpx's layers.
+    pub trait ViaMapped<H: Precision>
+    where
+        Cpu: Device<H::Elem>,
+    {
+        /// The master model.
+        type Model: HalfLayers<H>;
+        /// Runs `f` on the mapped working copy and `x` rounded to `H`; the output comes back in
+        /// f32.
+        fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
+        where
+            X: HalfInput<H>,
+            Y: HalfOutput<H>,
+            F: FnOnce(&mut <Self::Model as HalfLayers<H>>::Working, X::Half) -> Y;
+    }
+
+    impl<H, L, R> ViaMapped<H> for &mut Forward<'_, H, L, R>
+    where
+        H: Precision,
+        L: LossScale,
+        R: Borrowed,
+        R::Model: HalfLayers<H> + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+    {
+        type Model = R::Model;
+        fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
+        where
+            X: HalfInput<H>,
+            Y: HalfOutput<H>,
+            F: FnOnce(&mut <Self::Model as HalfLayers<H>>::Working, X::Half) -> Y,
+        {
+            match self.master.as_ref() {
+                Some(m) => self.scaler.forward_mapped(m.shared(), x, f),
+                None => panic!("a mixed forward pass ran twice"),
+            }
+        }
+    }
+
+    // the second `&mut` is the ladder's middle rung (see `Forward`)
+    #[allow(clippy::mut_mut)]
+    impl<H, L, R> ViaHalf<H> for &mut &mut Forward<'_, H, L, R>
     where
         H: Precision,
         L: LossScale,
@@ -219,7 +263,7 @@ pub mod __macro_support {
         fn __mpx_forward<X, Y, F: FnOnce(R, X) -> Y>(&mut self, x: X, f: F) -> Y;
     }
 
-    impl<H, L, R> ViaFull<R> for &mut Forward<'_, H, L, R>
+    impl<H, L, R> ViaFull<R> for Forward<'_, H, L, R>
     where
         H: Precision,
         L: LossScale,

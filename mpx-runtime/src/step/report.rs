@@ -19,6 +19,7 @@ use super::UpdateOutcome;
 ///     scale: 1024.0,
 ///     new_scale: 1024.0,
 ///     precision: "float16",
+///     mpx_layers: false,
 ///     outcome: UpdateOutcome::Applied,
 /// };
 /// assert!(r.is_applied());
@@ -38,6 +39,11 @@ pub struct StepReport {
     /// that when the half working copy's forward pass cannot be type-checked (a model whose
     /// type is a generic parameter of the `impl`; see `docs/dsl.md`).
     pub precision: &'static str,
+    /// Whether the master's forward passes ran on a working copy made of mpx's layers (each
+    /// dfdx `Linear` as mpx's fused one: [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped),
+    /// which `#[mixed_step]` picks for a model that implements [`HalfLayers`](super::HalfLayers));
+    /// `false` for the master's own layers in half precision or in f32.
+    pub mpx_layers: bool,
     /// Whether the optimizer ran or the step was skipped, and why.
     pub outcome: UpdateOutcome,
 }

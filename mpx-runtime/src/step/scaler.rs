@@ -12,10 +12,11 @@ use dfdx::tensor_ops::Device;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
 use super::layout::{WorkingCopy, WriteState};
+use super::mapped::HalfLayers;
 use super::masters::Masters;
 use super::outcome::{SkipReason, UpdateOutcome};
 use super::report::StepReport;
-use super::working::{ErasedWorking, Working};
+use super::working::{ErasedWorking, Kind, Mapped, Same, Working};
 use crate::boundary::MasterModel;
 use crate::precision::{Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
@@ -306,8 +307,98 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         Y: HalfOutput<H>,
         F: FnOnce(&mut WorkingCopy<H, M>, X::Half) -> Y,
     {
+        self.run::<M, Same, X, Y, F>(master, input, f)
+    }
+
+    /// Runs a model's forward pass in half precision on its working copy made of mpx's layers
+    /// ([`HalfLayers`]): the same as [`forward`](Self::forward), but each dfdx `Linear` of
+    /// `master` runs as mpx's fused [`nn::Linear`](crate::nn::Linear) (mpx's GEMM with f32
+    /// sums, weight and bias gradients written in f32 straight into the master's). The model's
+    /// type does not change; `#[mixed_step]` picks this wherever the model implements
+    /// [`HalfLayers`]. A master runs through one of the two working copies: running it through
+    /// both with one scaler is an error ([`StepError::WorkspaceMismatch`]).
+    ///
+    /// # Panics
+    /// When the device cannot allocate, as dfdx's infallible operations do; see
+    /// [`try_forward_mapped`](Self::try_forward_mapped).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::{optim::*, prelude::*};
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let mut model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+    /// let mut opt = Sgd::new(&model, Default::default());
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
+    /// let y = scaler.forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
+    /// let grads = scaler.backward(y.square().mean());
+    /// assert!(scaler.update(&mut model, &mut opt, &grads)?.is_applied());
+    /// assert!(scaler.last_step().unwrap().mpx_layers);
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn forward_mapped<M, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Y::Full
+    where
+        M: HalfLayers<H> + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        X: HalfInput<H>,
+        Y: HalfOutput<H>,
+        F: FnOnce(&mut M::Working, X::Half) -> Y,
+    {
+        match self.try_forward_mapped(master, input, f) {
+            Ok(y) => y,
+            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
+        }
+    }
+
+    /// Fallible form of [`forward_mapped`](Self::forward_mapped).
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward); [`StepError::WorkspaceMismatch`] when this scaler
+    /// already ran `master` through its plain working copy.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::GradScaler};
+    /// let dev: Cpu = Default::default();
+    /// let model = dev.build_module::<(Linear<2, 3>, Tanh), f32>();
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x = dev.tensor([[1.0f32, 2.0]]);
+    /// let y = scaler.try_forward_mapped(&model, x.leaky_trace(), |m, x| m.forward(x))?;
+    /// assert_eq!(y.array()[0].len(), 3);
+    /// // the same master through the plain working copy: an error, not stale data
+    /// assert!(scaler.try_forward(&model, x.leaky_trace(), |m, x| m.forward(x)).is_err());
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn try_forward_mapped<M, X, Y, F>(
+        &mut self,
+        master: &M,
+        input: X,
+        f: F,
+    ) -> Result<Y::Full, StepError>
+    where
+        M: HalfLayers<H> + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        X: HalfInput<H>,
+        Y: HalfOutput<H>,
+        F: FnOnce(&mut M::Working, X::Half) -> Y,
+    {
+        self.run::<M, Mapped, X, Y, F>(master, input, f)
+    }
+
+    /// A forward pass on the working copy of kind `K`.
+    fn run<M, K, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Result<Y::Full, StepError>
+    where
+        M: MasterModel + Send + Sync + 'static,
+        Cpu: Device<H::Elem>,
+        K: Kind<H, M>,
+        X: HalfInput<H>,
+        Y: HalfOutput<H>,
+        F: FnOnce(&mut K::Copy, X::Half) -> Y,
+    {
         let (scale, inv) = self.checked_scale()?;
-        let working = self.working_for(master)?;
+        let working = self.working_for::<M, K>(master)?;
         working.direct.set_inv(inv);
         let stash = Arc::clone(&working.stash);
         let direct = Arc::clone(&working.direct);
@@ -339,14 +430,14 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
 
     /// The typed workspace of `master`, built the first time this master (by its tensors'
     /// identity, not its type alone) runs a forward pass.
-    fn working_for<M>(&mut self, master: &M) -> Result<&mut Working<H, M>, StepError>
+    fn working_for<M, K>(&mut self, master: &M) -> Result<&mut Working<H, M, K>, StepError>
     where
         M: MasterModel + Send + Sync + 'static,
         Cpu: Device<H::Elem>,
-        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+        K: Kind<H, M>,
     {
         let i = self.masters.find_or_insert(master, |m| {
-            Ok(Box::new(Working::<H, M>::new(m)?) as Box<dyn ErasedWorking>)
+            Ok(Box::new(Working::<H, M, K>::new(m)?) as Box<dyn ErasedWorking>)
         })?;
         typed(&mut *self.masters.get_mut(i).working)
     }
@@ -625,6 +716,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             } else {
                 H::DTYPE.name()
             },
+            mpx_layers: entry.working.mapped(),
         })
     }
 
@@ -676,6 +768,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             scale: verdict.scale,
             new_scale: self.scaling.loss_scale(),
             precision: verdict.precision,
+            mpx_layers: verdict.mpx_layers,
             outcome,
         });
         if let (UpdateOutcome::Skipped { consecutive, .. }, Some(limit)) =
@@ -839,18 +932,39 @@ fn write_state<M: MasterModel>(master: &mut M, state: &[Vec<f32>]) -> Result<(),
     write.mismatch.map_or(Ok(()), Err)
 }
 
-/// A master's typed workspace, from its type-erased entry.
-fn typed<H, M>(working: &mut dyn ErasedWorking) -> Result<&mut Working<H, M>, StepError>
+/// A master's typed workspace, from its type-erased entry: an error when the master ran
+/// through another kind of working copy (or in f32) with this scaler.
+fn typed<H, M, K>(working: &mut dyn ErasedWorking) -> Result<&mut Working<H, M, K>, StepError>
 where
     H: Precision,
     M: MasterModel + Send + Sync + 'static,
     Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    K: Kind<H, M>,
 {
+    let (mapped, f32_run) = (working.mapped(), working.in_f32());
     working
         .as_any_mut()
-        .downcast_mut::<Working<H, M>>()
-        .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
+        .downcast_mut::<Working<H, M, K>>()
+        .ok_or_else(|| StepError::WorkspaceMismatch {
+            expected: format!(
+                "`{}` run through one kind of working copy with this scaler",
+                std::any::type_name::<M>()
+            ),
+            found: format!(
+                "a forward pass through {}, after one through {}",
+                kind_name(K::MAPPED, false),
+                kind_name(mapped, f32_run)
+            ),
+        })
+}
+
+/// The name of a kind of working copy, for errors.
+fn kind_name(mapped: bool, f32_run: bool) -> &'static str {
+    match (mapped, f32_run) {
+        (_, true) => "the master itself in f32",
+        (true, false) => "mpx's layers (`forward_mapped`)",
+        (false, false) => "the master's own layers (`forward`)",
+    }
 }
 
 /// What [`GradScaler::begin_update`] decided for one master: apply, or skip and why.
@@ -865,6 +979,7 @@ pub struct Verdict {
     loss: f32,
     scale: f32,
     precision: &'static str,
+    mpx_layers: bool,
 }
 
 impl Verdict {

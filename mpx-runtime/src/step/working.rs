@@ -2,6 +2,7 @@
 //! copy, its reusable gradient buffers, and the pass that moves its gradients to the master.
 
 use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::{Arc, PoisonError};
 
 use dfdx::nn::ZeroGrads;
@@ -16,6 +17,7 @@ use super::direct::{Direct, all_zero};
 use super::error::StepError;
 use super::half_region::Stash;
 use super::layout::{MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share};
+use super::mapped::{HalfLayers, MapScratch};
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
 use crate::finite::{add_scaled_checked, all_finite_f32};
@@ -43,6 +45,10 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     fn in_f32(&self) -> bool {
         false
     }
+    /// Whether the working copy is made of mpx's layers ([`super::HalfLayers`]).
+    fn mapped(&self) -> bool {
+        false
+    }
     /// The workspace, as `Any`, to get the typed workspace back.
     fn as_any_mut(&mut self) -> &mut dyn Any;
     /// The master's gradient slots, one per trainable tensor in visit order (what the
@@ -51,20 +57,95 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     fn master_slots(&self) -> &[MasterSlot];
 }
 
+/// How a master's working copy is made: [`Same`] (the master's own layers in `H`) or
+/// [`Mapped`] (mpx's layers, [`HalfLayers`]).
+pub(crate) trait Kind<H: Precision, M: MasterModel>: 'static
+where
+    Cpu: Device<H::Elem>,
+{
+    /// The working copy.
+    type Copy: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static;
+    /// Whether the working copy is made of mpx's layers.
+    const MAPPED: bool;
+    /// The working copy with `master`'s values: `half` cast in place, or built when `None`.
+    fn refresh(
+        master: &M,
+        half: Option<Self::Copy>,
+        scratch: &mut Scratch<H::Elem>,
+    ) -> Result<Self::Copy, StepError>;
+}
+
+/// The working copy is the master's own module in `H` ([`WorkingCopy`]).
+pub(crate) struct Same;
+
+/// The working copy is made of mpx's layers ([`HalfLayers::Working`]).
+pub(crate) struct Mapped;
+
+/// The reused buffers of both casts.
+pub(crate) struct Scratch<E> {
+    cast: CastScratch,
+    mapped: MapScratch<E>,
+}
+
+impl<H: Precision, M: MasterModel> Kind<H, M> for Same
+where
+    Cpu: Device<H::Elem>,
+    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+{
+    type Copy = WorkingCopy<H, M>;
+    const MAPPED: bool = false;
+    fn refresh(
+        master: &M,
+        half: Option<Self::Copy>,
+        scratch: &mut Scratch<H::Elem>,
+    ) -> Result<Self::Copy, StepError> {
+        Ok(match half {
+            Some(mut half) if !H::IDENTITY => {
+                cast_module_into::<H, f32, M>(master, &mut half, &mut scratch.cast)?;
+                half
+            }
+            _ if H::IDENTITY => share::<H, M>(master)?,
+            _ => {
+                // Built once; the in-place cast sizes its scratch now, so that every later
+                // step allocates nothing of the model's size.
+                let mut half = try_cast_module::<H, f32, M>(master)?;
+                cast_module_into::<H, f32, M>(master, &mut half, &mut scratch.cast)?;
+                half
+            }
+        })
+    }
+}
+
+impl<H: Precision, M: HalfLayers<H>> Kind<H, M> for Mapped
+where
+    Cpu: Device<H::Elem>,
+{
+    type Copy = M::Working;
+    const MAPPED: bool = true;
+    fn refresh(
+        master: &M,
+        half: Option<Self::Copy>,
+        scratch: &mut Scratch<H::Elem>,
+    ) -> Result<Self::Copy, StepError> {
+        super::mapped::refresh::<H, M>(master, half, &mut scratch.mapped)
+    }
+}
+
 /// A forward pass's working copy and gradient buffers.
-type Prepared<'a, H, M> = (
-    &'a mut WorkingCopy<H, M>,
+type Prepared<'a, H, C> = (
+    &'a mut C,
     Gradients<<H as crate::precision::Precision>::Elem, Cpu>,
 );
 
-/// The typed workspace for master model `M` in precision `H`.
-pub(crate) struct Working<H: Precision, M: MasterModel>
+/// The typed workspace for master model `M` in precision `H`, with the working copy of kind
+/// `K`.
+pub(crate) struct Working<H: Precision, M: MasterModel, K: Kind<H, M>>
 where
     Cpu: Device<H::Elem>,
 {
     /// The working copy; `None` for an identity precision between steps (it shares the
     /// master's buffers, which the optimizer must own alone).
-    half: Option<WorkingCopy<H, M>>,
+    half: Option<K::Copy>,
     /// Whether `half` was cast from the master since the last backward or update.
     fresh: bool,
     /// Zeroed half gradient buffers keyed by the working copy, ready for the next forward.
@@ -75,16 +156,16 @@ where
     pub(crate) direct: Arc<Direct>,
     /// The positions the linked layers wrote in the last backward (reused buffer).
     written: Vec<bool>,
-    scratch: CastScratch,
+    scratch: Scratch<H::Elem>,
     /// Non-parameter tensors (batch-norm statistics) of the working copy, widened; every one is
     /// written back on an applied step.
     state: Vec<Vec<f32>>,
+    marker: PhantomData<fn() -> (M, K)>,
 }
 
-impl<H: Precision, M: MasterModel + Send + Sync + 'static> Working<H, M>
+impl<H: Precision, M: MasterModel + Send + Sync + 'static, K: Kind<H, M>> Working<H, M, K>
 where
     Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
 {
     /// Records the master's layout; the working copy is cast on the first forward.
     pub(crate) fn new(master: &M) -> Result<Self, StepError> {
@@ -98,29 +179,20 @@ where
             direct: Arc::new(Direct::new(Arc::clone(&slots))),
             written: Vec::new(),
             master: slots,
-            scratch: CastScratch::default(),
+            scratch: Scratch {
+                cast: CastScratch::default(),
+                mapped: MapScratch::default(),
+            },
             state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
+            marker: PhantomData,
         })
     }
 
     /// The working copy, cast from `master` if it is not fresh, and a gradient buffer for its
     /// forward pass.
-    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, M>, StepError> {
+    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, K::Copy>, StepError> {
         if !self.fresh || self.half.is_none() {
-            let half = match self.half.take() {
-                Some(mut half) if !H::IDENTITY => {
-                    cast_module_into::<H, f32, M>(master, &mut half, &mut self.scratch)?;
-                    half
-                }
-                _ if H::IDENTITY => share::<H, M>(master)?,
-                _ => {
-                    // Built once; the in-place cast sizes its scratch now, so that every later
-                    // step allocates nothing of the model's size.
-                    let mut half = try_cast_module::<H, f32, M>(master)?;
-                    cast_module_into::<H, f32, M>(master, &mut half, &mut self.scratch)?;
-                    half
-                }
-            };
+            let half = K::refresh(master, self.half.take(), &mut self.scratch)?;
             self.half = Some(half);
             self.fresh = true;
         }
@@ -148,12 +220,10 @@ where
                 mismatch: None,
                 marker: std::marker::PhantomData,
             };
-            <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
-                &mut RecursiveWalker {
-                    m: half,
-                    f: &mut read,
-                },
-            )?;
+            <K::Copy as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
+                m: half,
+                f: &mut read,
+            })?;
             if let Some(e) = read.mismatch {
                 return Err(e);
             }
@@ -166,10 +236,10 @@ where
     }
 }
 
-impl<H: Precision, M: MasterModel + Send + Sync + 'static> ErasedWorking for Working<H, M>
+impl<H: Precision, M: MasterModel + Send + Sync + 'static, K: Kind<H, M>> ErasedWorking
+    for Working<H, M, K>
 where
     Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
 {
     fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError> {
         let mut half_grads: Vec<Gradients<H::Elem, Cpu>> = self
@@ -196,12 +266,10 @@ where
                     index: 0,
                     mismatch: None,
                 };
-                <WorkingCopy<H, M> as TensorCollection<H::Elem, Cpu>>::iter_tensors(
-                    &mut RecursiveWalker {
-                        m: half,
-                        f: &mut mover,
-                    },
-                )?;
+                <K::Copy as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
+                    m: half,
+                    f: &mut mover,
+                })?;
                 let (seen, mismatch) = (mover.index, mover.mismatch.take());
                 finite &= mover.finite;
                 if let Some(e) = mismatch {
@@ -225,6 +293,10 @@ where
 
     fn state(&self) -> &[Vec<f32>] {
         &self.state
+    }
+
+    fn mapped(&self) -> bool {
+        K::MAPPED
     }
 
     fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
