@@ -16,7 +16,8 @@
 //! and PyTorch step servers): it reads lines `<config> <n>`, runs n steps of that configuration at
 //! batch 256 and answers the n step times in ms on one line. Configurations: `f32` (dfdx's f32
 //! step), `f16` (row f: mpx's fused layers, `GradScaler<f16>`), `bf16` (row g, emulated bf16),
-//! `dfdx-f16` (row a: dfdx's layers, `GradScaler<f16>`).
+//! `dfdx-f16` (row a: dfdx's layers as `#[mixed_step]` runs them, on mpx's layers in the working
+//! copy).
 //!
 //! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
 //! rounds alternate), so a noisy neighbour slows all configurations alike. Peak heap comes from a
@@ -297,7 +298,7 @@ fn serve(dev: &Cpu, init: &Master, dynamic: impl Fn() -> DynamicLossScale) {
                 "f32" => drop(f32_step.step()),
                 "f16" => drop(f16_step.step()),
                 "bf16" => drop(bf16_step.step()),
-                "dfdx-f16" => drop(dfdx_f16_step.step()),
+                "dfdx-f16" => drop(dfdx_f16_step.step_mapped()),
                 other => {
                     eprintln!("unknown configuration {other:?}; expected f32, f16, bf16, dfdx-f16");
                     return;
