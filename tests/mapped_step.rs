@@ -20,6 +20,8 @@ type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type Normed = (Linear<12, 24>, LayerNorm1D<24>, Linear<24, 5>, Tanh);
 type NormedModel = <Normed as BuildOnDevice<Cpu, f32>>::Built;
+type Unbiased = (UnbiasedLinear<12, 24>, ReLU, Linear<24, 5>, Tanh);
+type UnbiasedModel = <Unbiased as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<7, 12>, f32, Cpu>;
 type Y = Tensor<Rank2<7, 5>, f32, Cpu>;
 
@@ -196,6 +198,21 @@ fn train_normed(
     opt.update(model, &grads).unwrap();
 }
 
+#[mixed_step(scaling = scaler)]
+fn train_unbiased(
+    model: &mut UnbiasedModel,
+    opt: &mut Adam<UnbiasedModel, f32, Cpu>,
+    x: &X,
+    y: &Y,
+    scaler: &mut GradScaler,
+) {
+    let grads = model.alloc_grads();
+    let out = model.forward(x.trace(grads));
+    let loss = mse_loss(out, y.clone());
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+}
+
 struct Agent<M: BuildOnDevice<Cpu, f32>> {
     model: M::Built,
     opt: Adam<M::Built, f32, Cpu>,
@@ -233,11 +250,20 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float16");
 
-    // a LayerNorm1D does not map: the master's own layers in f16
+    // a LayerNorm1D maps to mpx's
     let mut normed = dev.build_module::<Normed, f32>();
     let mut opt = Adam::new(&normed, AdamConfig::default());
     let mut scaler = GradScaler::default();
     train_normed(&mut normed, &mut opt, &x, &y, &mut scaler);
+    let r = scaler.last_step().unwrap();
+    assert!(r.is_applied() && r.mpx_layers, "{r:?}");
+    assert_eq!(r.precision, "float16");
+
+    // an UnbiasedLinear does not map: the master's own layers in f16
+    let mut unbiased = dev.build_module::<Unbiased, f32>();
+    let mut opt = Adam::new(&unbiased, AdamConfig::default());
+    let mut scaler = GradScaler::default();
+    train_unbiased(&mut unbiased, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && !r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float16");
@@ -251,4 +277,198 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && !r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float32");
+}
+
+// ---- a dfdx transformer classifier on mpx's layers ----------------------------------------------
+//
+// Embedding, one dfdx encoder block and a `Linear` head, as the bench (`bench_transformer`) and
+// dfdx users write it. The mapped working copy runs the block on mpx's mixed-ready layers (layer
+// norms and softmax in f32, matmuls with f32 sums on mpx's GEMM, outputs rounded to f16).
+//
+// Gradient bound, as `tests/nn_attention.rs` counts it (normwise relative error below `n·u`,
+// `u = 2^-11`, with the parameters f16 values to start with): the encoder block's `n = 32`, the
+// head `Linear` (output, input and weight gradients: 3), the mean over the sequence (its f16 sum
+// of `TS` terms: 6), the embedding's gather and its scatter-added gradient (a few repeats of a
+// token per batch: 3), and the output rounding and the loss gradient's rounding to f16 (2),
+// rounded up: `n = 48`.
+//
+// Loss after a few Adam steps: Adam moves every parameter by about `lr` per step whatever the
+// gradient's size, so where a gradient is rounding noise (the key bias's is exactly zero) the f16
+// run takes steps the f32 run does not; those do not change the loss (softmax ignores a constant
+// per query). The rest differs by the gradients' `48·u` relative error times `lr` per step; after
+// `STEPS` steps each loss is within 1% of the f32 run's.
+
+const TB: usize = 4;
+const TS: usize = 6;
+const TV: usize = 16;
+const TM: usize = 16;
+const TC: usize = 3;
+const STEPS: usize = 5;
+type Tiny = (
+    Embedding<TV, TM>,
+    TransformerEncoder<TM, 4, 32, 1>,
+    Linear<TM, TC>,
+);
+type TinyModel = <Tiny as BuildOnDevice<Cpu, f32>>::Built;
+type Tokens = Tensor<Rank2<TB, TS>, usize, Cpu>;
+type Labels = Tensor<Rank2<TB, TC>, f32, Cpu>;
+
+fn tiny_f32_step(
+    model: &mut TinyModel,
+    opt: &mut Adam<TinyModel, f32, Cpu>,
+    x: Tokens,
+    y: Labels,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let h = model.0.forward(x.traced(grads));
+    let h = model.1.forward(h);
+    let logits = model.2.forward(h.mean::<_, Axis<1>>());
+    let loss = cross_entropy_with_logits_loss(logits, y);
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+#[mixed_step(scaling = scaler)]
+fn tiny_f16_step(
+    model: &mut TinyModel,
+    opt: &mut Adam<TinyModel, f32, Cpu>,
+    x: Tokens,
+    y: Labels,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let grads = model.alloc_grads();
+    let h = model.0.forward(x.traced(grads));
+    let h = model.1.forward(h);
+    let logits = model.2.forward(h.mean::<_, Axis<1>>());
+    let loss = cross_entropy_with_logits_loss(logits, y);
+    let value = loss.array();
+    let grads = loss.backward();
+    opt.update(model, &grads).unwrap();
+    value
+}
+
+/// A master with f16 values, tokens and one-hot labels.
+fn tiny_setup() -> (TinyModel, Tokens, Labels) {
+    let dev = Cpu::seed_from_u64(21);
+    let model = dev.build_module::<Tiny, f32>();
+    let model = model.to_dtype::<f16>().to_dtype::<f32>();
+    let ids: Vec<usize> = (0..TB * TS).map(|i| (i * 7 + 3) % TV).collect();
+    let x: Tokens = dev.tensor_from_vec(ids, (Const, Const));
+    let mut onehot = vec![0.0f32; TB * TC];
+    for i in 0..TB {
+        onehot[i * TC + i % TC] = 1.0;
+    }
+    let y: Labels = dev.tensor_from_vec(onehot, (Const, Const));
+    (model, x, y)
+}
+
+/// Normwise relative error `|a - b| / |b|`.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (d / n).sqrt()
+}
+
+#[test]
+fn a_dfdx_transformer_classifier_trains_on_mpx_layers_as_in_f32() {
+    let (init, x, y) = tiny_setup();
+    let adam = |m: &TinyModel| {
+        Adam::new(
+            m,
+            AdamConfig {
+                lr: 1e-2,
+                ..Default::default()
+            },
+        )
+    };
+    let (mut m32, mut m16) = (init.clone(), init);
+    let (mut o32, mut o16) = (adam(&m32), adam(&m16));
+    let mut scaler = GradScaler::default();
+    let mut worst = 0.0f32;
+    for step in 0..STEPS {
+        let l32 = tiny_f32_step(&mut m32, &mut o32, x.clone(), y.clone());
+        let l16 = tiny_f16_step(&mut m16, &mut o16, x.clone(), y.clone(), &mut scaler);
+        let r = scaler.last_step().unwrap();
+        assert!(r.is_applied() && r.mpx_layers, "step {step}: {r:?}");
+        assert_eq!(r.precision, "float16");
+        assert!(
+            (l16 - l32).abs() <= 0.01 * l32.abs(),
+            "step {step}: loss {l16} in f16 vs {l32} in f32"
+        );
+        worst = worst.max((l16 - l32).abs() / l32.abs());
+    }
+    eprintln!("worst relative loss difference {worst} (tolerance 0.01)");
+}
+
+#[test]
+fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
+    const U16: f64 = 1.0 / 2048.0;
+    let (model, x, y) = tiny_setup();
+    let logits32 = {
+        let h = model.0.forward(x.clone().traced(model.alloc_grads()));
+        let h = model.1.forward(h);
+        model.2.forward(h.mean::<_, Axis<1>>())
+    };
+    let g32 = cross_entropy_with_logits_loss(logits32, y.clone()).backward();
+
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let logits16 = scaler
+        .try_forward_mapped(&model, x.traced(model.alloc_grads()), |m, x| {
+            let h = m.0.forward(x);
+            let h = m.1.forward(h);
+            m.2.forward(h.mean::<_, Axis<1>>())
+        })
+        .unwrap();
+    let g16 = scaler.backward(cross_entropy_with_logits_loss(logits16, y));
+    assert!(scaler.last_step().is_none());
+
+    // visit order: embedding, then the block (w_q, w_k, w_v, w_o: weight and bias each; norm1;
+    // ff's two Linears; norm2), then the head; each tensor's gradient compared on its own
+    let sizes = [
+        TV * TM,
+        TM * TM,
+        TM,
+        TM * TM,
+        TM,
+        TM * TM,
+        TM,
+        TM * TM,
+        TM,
+        TM,
+        TM,
+        32 * TM,
+        32,
+        TM * 32,
+        TM,
+        TM,
+        TM,
+        TC * TM,
+        TC,
+    ];
+    let (want, got) = (grads_of(&model, &g32), grads_of(&model, &g16));
+    assert_eq!(sizes.iter().sum::<usize>(), want.len());
+    let mut at = 0;
+    let mut worst = 0.0f64;
+    for (k, n) in sizes.into_iter().enumerate() {
+        let (a, b) = (&got[at..at + n], &want[at..at + n]);
+        at += n;
+        assert!(a.iter().all(|v| v.is_finite()), "gradient {k}: not finite");
+        if k == 4 {
+            continue; // the key bias: exactly zero in exact arithmetic, rounding noise only
+        }
+        let e = rel(a, b);
+        assert!(e < 48.0 * U16, "gradient {k}: relative error {e}");
+        worst = worst.max(e);
+    }
+    eprintln!(
+        "worst relative gradient error {worst} (bound {})",
+        48.0 * U16
+    );
 }

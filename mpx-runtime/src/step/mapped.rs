@@ -3,19 +3,27 @@
 //!
 //! A model's plain working copy is `<M as TensorCollection<f32, Cpu>>::To<f16, Cpu>`: dfdx's own
 //! layers in f16, which run on dfdx's scalar f16 kernels. For a model made of dfdx's `Linear`,
-//! its parameter-free activations and tuples of them, the working copy can instead be made of
-//! mpx's fused [`nn::Linear`](crate::nn::Linear) (f16 storage, f32 sums on mpx's GEMM, and
-//! direct f32 gradients into the master's inside a [`GradScaler`](super::GradScaler)), with no
-//! change to the model's type: [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped)
+//! its parameter-free activations, `Embedding`, `LayerNorm1D`, `MultiHeadAttention`, transformer
+//! encoder blocks, and tuples, `Residual`s and `Repeated` stacks of them, the working copy can
+//! instead be made of mpx's layers: the fused [`nn::Linear`](crate::nn::Linear) (f16 storage,
+//! f32 sums on mpx's GEMM, and direct f32 gradients into the master's inside a
+//! [`GradScaler`](super::GradScaler)) and the mixed-ready transformer layers of
+//! [`mpx::nn`](crate::nn), with no change to the model's type: [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped)
 //! runs on it, and `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
 //!
-//! mpx's `Linear` visits `weight (O, I)` then `bias (O,)` as dfdx's does, so the mapped working
-//! copy's tensors line up with the master's by position: the cast walks the master into one f32
-//! buffer, rounds it, and walks the working copy filling its tensors in the same order. Every
-//! count and length is checked ([`StepError::WorkspaceMismatch`](super::StepError) otherwise).
+//! mpx's `Linear` visits `weight (O, I)` then `bias (O,)` as dfdx's does, and each transformer
+//! layer visits dfdx's fields in dfdx's order, so the mapped working copy's tensors line up with
+//! the master's by position: the cast walks the master into one f32 buffer, rounds it, and walks
+//! the working copy filling its tensors in the same order; the layer norms' `epsilon` (a scalar,
+//! not a tensor) is copied by [`HalfLayers::copy_scalars`]. Every count and length is checked
+//! ([`StepError::WorkspaceMismatch`](super::StepError) otherwise).
 
 use dfdx::nn::BuildModule;
-use dfdx::nn::modules::Linear as DfdxLinear;
+use dfdx::nn::modules::{
+    Embedding as DfdxEmbedding, LayerNorm1D as DfdxLayerNorm1D, Linear as DfdxLinear,
+    MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
+    TransformerEncoderBlock as DfdxEncoderBlock,
+};
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
 };
@@ -29,9 +37,18 @@ use crate::boundary::MasterModel;
 use crate::precision::{AMP, Precision, f16};
 
 /// A master model whose working copy in precision `H` can be built from mpx's fused layers:
-/// dfdx's `Linear<I, O>` becomes [`nn::Linear<I, O, H::Elem>`](crate::nn::Linear), dfdx's
-/// parameter-free activations (`ReLU`, `Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`)
-/// stay themselves, and tuples of up to 6 such layers map element by element.
+/// - dfdx's `Linear<I, O>` becomes [`nn::Linear<I, O, H::Elem>`](crate::nn::Linear);
+/// - `LayerNorm1D`, `MultiHeadAttention` and `TransformerEncoderBlock` become their mixed-ready
+///   [`mpx::nn`](crate::nn) counterparts (layer-norm statistics and softmax in f32, matmuls on
+///   mpx's GEMM), so a `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
+/// - `Embedding<V, M>` becomes dfdx's own `Embedding<V, M, H::Elem>` (a gather);
+/// - the parameter-free activations (`ReLU`, `Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`)
+///   stay themselves;
+/// - `Residual`, `Repeated` and tuples of up to 6 such layers map their layers.
+///
+/// Each counterpart visits dfdx's tensors in dfdx's order, with the same shapes and trainable
+/// flags (the cast goes by position), and takes the same inputs (`(S, M)` and `(B, S, M)`
+/// sequences, attention's `(q, k, v)` tuples).
 ///
 /// Implemented for `H` = [`f16`](struct@f16) and [`AMP<f16>`] only (emulated bf16 and f32 run on
 /// dfdx's fast f32 kernels already). A model with any other layer does not implement it and
@@ -54,6 +71,24 @@ where
 {
     /// The working copy, made of mpx's layers, with the master's tensors in the same order.
     type Working: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem> + Send + Sync + 'static;
+
+    /// Copies the master's non-tensor parameters (a layer norm's `epsilon`), which the cast by
+    /// visit order does not carry, into `working`. Layers without any do nothing.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
+    /// let dev = Cpu::default();
+    /// let mut master = dev.build_module::<LayerNorm1D<4>, f32>();
+    /// master.epsilon = 1e-3;
+    /// let mut w = dev.build_module::<nn::LayerNorm1D<4>, f16>();
+    /// HalfLayers::<f16>::copy_scalars(&master, &mut w);
+    /// assert_eq!(w.epsilon, 1e-3);
+    /// ```
+    fn copy_scalars(&self, working: &mut Self::Working) {
+        let _ = working;
+    }
 }
 
 /// dfdx's `Linear` to mpx's fused one, and the activations to themselves, for one precision.
@@ -76,9 +111,71 @@ macro_rules! activations {
 
 layers!(f16, AMP<f16>);
 
+/// dfdx's layers with an `mpx::nn` counterpart that visits the same tensors in the same order
+/// (same shapes, same trainable flags, the same scalars): `LayerNorm1D`, `MultiHeadAttention`
+/// and `TransformerEncoderBlock` map to mpx's, `Embedding` to dfdx's own in `H` (a gather).
+/// The unit tests below check each by visiting both.
+macro_rules! transformer_layers {
+    ($($h:ty),*) => {$(
+        impl<const M: usize> HalfLayers<$h> for DfdxLayerNorm1D<M, f32, Cpu> {
+            type Working = crate::nn::LayerNorm1D<M, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                working.epsilon = self.epsilon;
+            }
+        }
+        impl<const M: usize, const NH: usize, const K: usize, const V: usize> HalfLayers<$h>
+            for DfdxMultiHeadAttention<M, NH, K, V, f32, Cpu>
+        {
+            type Working = crate::nn::MultiHeadAttention<M, NH, K, V, <$h as Precision>::Elem, Cpu>;
+        }
+        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
+            for DfdxEncoderBlock<M, NH, F, f32, Cpu>
+        {
+            type Working = crate::nn::TransformerEncoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                working.norm1.epsilon = self.norm1.epsilon;
+                working.norm2.epsilon = self.norm2.epsilon;
+            }
+        }
+        impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
+            type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
+        }
+    )*};
+}
+
+transformer_layers!(f16, AMP<f16>);
+
+/// A stack maps layer by layer (dfdx's `TransformerEncoder` is a `Repeated` of blocks).
+impl<H: Precision, T: HalfLayers<H>, const N: usize> HalfLayers<H> for Repeated<T, N>
+where
+    Cpu: Device<H::Elem>,
+    Repeated<T, N>: MasterModel,
+    Repeated<T::Working, N>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+{
+    type Working = Repeated<T::Working, N>;
+    fn copy_scalars(&self, working: &mut Self::Working) {
+        for (m, w) in self.modules.iter().zip(&mut working.modules) {
+            m.copy_scalars(w);
+        }
+    }
+}
+
+/// A residual maps its inner model (the add stays dfdx's, in `H`).
+impl<H: Precision, F: HalfLayers<H>> HalfLayers<H> for Residual<F>
+where
+    Cpu: Device<H::Elem>,
+    Residual<F>: MasterModel,
+    Residual<F::Working>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+{
+    type Working = Residual<F::Working>;
+    fn copy_scalars(&self, working: &mut Self::Working) {
+        self.0.copy_scalars(&mut working.0);
+    }
+}
+
 /// Tuples map element by element.
 macro_rules! tuple {
-    ($($m:ident),+) => {
+    ($($m:ident . $i:tt),+) => {
         impl<H: Precision, $($m: HalfLayers<H>),+> HalfLayers<H> for ($($m,)+)
         where
             Cpu: Device<H::Elem>,
@@ -86,15 +183,18 @@ macro_rules! tuple {
             ($($m::Working,)+): TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
         {
             type Working = ($($m::Working,)+);
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                $(self.$i.copy_scalars(&mut working.$i);)+
+            }
         }
     };
 }
-tuple!(A);
-tuple!(A, B);
-tuple!(A, B, C);
-tuple!(A, B, C, D);
-tuple!(A, B, C, D, G);
-tuple!(A, B, C, D, G, J);
+tuple!(A.0);
+tuple!(A.0, B.1);
+tuple!(A.0, B.1, C.2);
+tuple!(A.0, B.1, C.2, D.3);
+tuple!(A.0, B.1, C.2, D.3, G.4);
+tuple!(A.0, B.1, C.2, D.3, G.4, J.5);
 
 /// The reused buffers of the cast: the master's values in visit order, rounded, and the
 /// `(length, trainable)` of each master tensor.
@@ -148,6 +248,7 @@ where
     if fill.index != scratch.layout.len() {
         return Err(count_mismatch(scratch.layout.len(), fill.index));
     }
+    master.copy_scalars(&mut half);
     Ok(half)
 }
 
@@ -259,11 +360,16 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dfdx::prelude::*;
+    use dfdx::nn::builders;
+    use dfdx::nn::modules::{
+        Embedding, LayerNorm1D, Linear, MultiHeadAttention, ReLU, Tanh, TransformerEncoder,
+        TransformerEncoderBlock,
+    };
+    use dfdx::prelude::{DeviceBuildExt, Dtype, TensorFrom};
 
     #[test]
     fn the_mapped_copy_holds_the_masters_values_rounded() {
-        type Mlp = (Linear<3, 4>, ReLU, Linear<4, 2>, Tanh);
+        type Mlp = (builders::Linear<3, 4>, ReLU, builders::Linear<4, 2>, Tanh);
         let dev = Cpu::default();
         let master = dev.build_module::<Mlp, f32>();
         let mut scratch = MapScratch::default();
@@ -278,5 +384,151 @@ mod tests {
         master2.2.bias = dev.tensor([0.5, -0.25]);
         let w = refresh::<f16, _>(&master2, Some(w), &mut scratch).unwrap();
         assert_eq!(w.2.bias.as_vec(), round(vec![0.5, -0.25]));
+    }
+
+    /// Every tensor of a model as `(element count, trainable)`, and its values widened to f32,
+    /// in visit order.
+    fn walk<E: Dtype, M: TensorCollection<E, Cpu>>(m: &M) -> (Vec<(usize, bool)>, Vec<f32>)
+    where
+        Cpu: Device<E>,
+    {
+        struct Walk(Vec<(usize, bool)>, Vec<f32>);
+        impl<E: Dtype> TensorVisitor<E, Cpu> for Walk
+        where
+            Cpu: Device<E>,
+        {
+            type Viewer = ViewTensorRef;
+            type Err = CpuError;
+            type E2 = E;
+            type D2 = Cpu;
+            fn visit<S: Shape>(
+                &mut self,
+                opts: TensorOptions<S, E, Cpu>,
+                t: &Tensor<S, E, Cpu>,
+            ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
+                self.0
+                    .push((t.shape().num_elements(), opts.do_gradient_update));
+                let v = t.as_vec();
+                self.1
+                    .extend(v.iter().map(|x| x.to_f32().unwrap_or(f32::NAN)));
+                Ok(None)
+            }
+        }
+        let mut w = Walk(Vec::new(), Vec::new());
+        M::iter_tensors(&mut RecursiveWalker { m, f: &mut w }).unwrap();
+        (w.0, w.1)
+    }
+
+    /// Fills every tensor of `m` with distinct values (so that a layer norm's ones and zeros
+    /// cannot hide a swap).
+    fn scramble<M: TensorCollection<f32, Cpu>>(m: &mut M) {
+        struct Scramble(usize);
+        impl TensorVisitor<f32, Cpu> for Scramble {
+            type Viewer = dfdx::nn::tensor_collection::ViewTensorMut;
+            type Err = CpuError;
+            type E2 = f32;
+            type D2 = Cpu;
+            fn visit<S: Shape>(
+                &mut self,
+                _: TensorOptions<S, f32, Cpu>,
+                t: &mut Tensor<S, f32, Cpu>,
+            ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+                let n = t.shape().num_elements();
+                #[allow(clippy::cast_precision_loss)]
+                let v: Vec<f32> = (self.0..self.0 + n)
+                    .map(|i| ((i as f32) * 0.618_034).sin() * 1.7)
+                    .collect();
+                self.0 += n;
+                t.copy_from(&v);
+                Ok(None)
+            }
+        }
+        M::iter_tensors(&mut RecursiveWalker {
+            m,
+            f: &mut Scramble(1),
+        })
+        .unwrap();
+    }
+
+    /// `M`'s mapped working copy in `H` visits the master's tensors in order, with the same
+    /// counts and trainable flags, holding the master's values rounded to `H`.
+    fn check_mapped<H, M>(what: &str) -> (M, M::Working)
+    where
+        H: Precision,
+        M: HalfLayers<H> + BuildModule<Cpu, f32>,
+        Cpu: Device<H::Elem>,
+    {
+        let dev = Cpu::seed_from_u64(7);
+        let mut master = M::build(&dev);
+        scramble(&mut master);
+        let w = refresh::<H, M>(&master, None, &mut MapScratch::default()).unwrap();
+        let (layout, values) = walk::<f32, M>(&master);
+        let (w_layout, w_values) = walk::<H::Elem, M::Working>(&w);
+        assert!(!layout.is_empty(), "{what}: no tensors");
+        assert_eq!(
+            w_layout, layout,
+            "{what}: (count, trainable) in visit order"
+        );
+        let mut rounded = vec![H::Elem::default(); values.len()];
+        H::round(&values, &mut rounded);
+        let mut want = vec![0.0f32; values.len()];
+        H::widen(&rounded, &mut want);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&w_values), bits(&want), "{what}: values");
+        (master, w)
+    }
+
+    fn check_all<H: Precision>()
+    where
+        Cpu: Device<H::Elem>,
+        LayerNorm1D<6, f32, Cpu>: HalfLayers<H>,
+        MultiHeadAttention<8, 2, 8, 8, f32, Cpu>: HalfLayers<H>,
+        MultiHeadAttention<8, 2, 4, 6, f32, Cpu>: HalfLayers<H>,
+        TransformerEncoderBlock<8, 2, 16, f32, Cpu>: HalfLayers<H>,
+        TransformerEncoder<8, 2, 16, 2, f32, Cpu>: HalfLayers<H>,
+        Embedding<10, 8, f32, Cpu>: HalfLayers<H>,
+        Residual<(Linear<8, 16, f32, Cpu>, ReLU, Linear<16, 8, f32, Cpu>)>: HalfLayers<H>,
+        Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>: HalfLayers<H>,
+        Classifier: HalfLayers<H>,
+    {
+        check_mapped::<H, LayerNorm1D<6, f32, Cpu>>("LayerNorm1D");
+        check_mapped::<H, MultiHeadAttention<8, 2, 8, 8, f32, Cpu>>("MultiHeadAttention");
+        check_mapped::<H, MultiHeadAttention<8, 2, 4, 6, f32, Cpu>>("MultiHeadAttention K, V");
+        check_mapped::<H, TransformerEncoderBlock<8, 2, 16, f32, Cpu>>("TransformerEncoderBlock");
+        check_mapped::<H, TransformerEncoder<8, 2, 16, 2, f32, Cpu>>("TransformerEncoder");
+        check_mapped::<H, Embedding<10, 8, f32, Cpu>>("Embedding");
+        check_mapped::<H, Residual<(Linear<8, 16, f32, Cpu>, ReLU, Linear<16, 8, f32, Cpu>)>>(
+            "Residual",
+        );
+        check_mapped::<H, Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>>("Repeated");
+        check_mapped::<H, Classifier>("classifier");
+    }
+
+    type Classifier = (
+        Embedding<10, 8, f32, Cpu>,
+        TransformerEncoder<8, 2, 16, 2, f32, Cpu>,
+        LayerNorm1D<8, f32, Cpu>,
+        Linear<8, 3, f32, Cpu>,
+    );
+
+    #[test]
+    fn each_mapped_layer_visits_dfdxs_tensors_in_order() {
+        check_all::<f16>();
+        check_all::<AMP<f16>>();
+    }
+
+    #[test]
+    fn the_layer_norms_epsilon_is_carried() {
+        let dev = Cpu::default();
+        let mut master = dev.build_module::<builders::TransformerEncoder<8, 2, 16, 2>, f32>();
+        master.modules[1].norm2.epsilon = 1e-3;
+        let mut scratch = MapScratch::default();
+        let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
+        assert_eq!(w.modules[1].norm2.epsilon, 1e-3);
+        assert_eq!(w.modules[0].norm2.epsilon, 1e-5);
+        // and again in place
+        master.modules[0].norm1.epsilon = 1e-4;
+        let w = refresh::<f16, _>(&master, Some(w), &mut scratch).unwrap();
+        assert_eq!(w.modules[0].norm1.epsilon, 1e-4);
     }
 }
