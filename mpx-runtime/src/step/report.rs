@@ -40,8 +40,9 @@ pub struct StepReport {
     /// type is a generic parameter of the `impl`; see `docs/dsl.md`).
     pub precision: &'static str,
     /// Whether the master's forward passes ran on a working copy made of mpx's layers (each
-    /// dfdx `Linear` as mpx's fused one: [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped),
-    /// which `#[mixed_step]` picks for a model that implements [`HalfLayers`](super::HalfLayers));
+    /// dfdx `Linear` as mpx's fused one, transformer layers as `mpx::nn`'s:
+    /// [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped), which `#[mixed_step]`
+    /// picks for a model that implements [`HalfLayers`](super::HalfLayers));
     /// `false` for the master's own layers in half precision or in f32.
     pub mpx_layers: bool,
     /// Whether the optimizer ran or the step was skipped, and why.

@@ -313,7 +313,8 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// Runs a model's forward pass in half precision on its working copy made of mpx's layers
     /// ([`HalfLayers`]): the same as [`forward`](Self::forward), but each dfdx `Linear` of
     /// `master` runs as mpx's fused [`nn::Linear`](crate::nn::Linear) (mpx's GEMM with f32
-    /// sums, weight and bias gradients written in f32 straight into the master's). The model's
+    /// sums, weight and bias gradients written in f32 straight into the master's), and its
+    /// layer norms, attention and transformer encoder blocks as [`mpx::nn`](crate::nn)'s. The model's
     /// type does not change; `#[mixed_step]` picks this wherever the model implements
     /// [`HalfLayers`]. A master runs through one of the two working copies: running it through
     /// both with one scaler is an error ([`StepError::WorkspaceMismatch`]).
