@@ -11,16 +11,15 @@
 //! candidate of the calibration and the bf16 path). dfdx 0.13's CPU matmul uses all cores
 //! through rayon. Peaks are per thread. Times are medians of 11 runs of all 9 products; rounds of
 //! the configurations are interleaved. Then: small products (one thread) on the default choice
-//! and each candidate; the persistent helper pool against `std::thread::scope`; and the
-//! weight-gradient outputs allocated per call against the kernels' kept scratch (time and page
-//! faults). The kernels are reached through `mpx::__bench`, hooks that are not a public API.
+//! and each candidate; and the persistent helper pool against `std::thread::scope` (the layers'
+//! kept buffers and their page faults are `examples/bench_faults`'s). The kernels are reached through `mpx::__bench`, hooks that are not a public API.
 
 use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::__bench::{
     KernelPath, MatRef, Operand, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
-    use_scoped_threads, with_scratch, with_threads,
+    use_scoped_threads, with_threads,
 };
 use mpx::precision::f16;
 
@@ -326,7 +325,6 @@ fn main() {
     );
     small_products();
     pool_against_scope(&mut cases);
-    scratch_against_allocation(&mut cases);
     println!(
         "\n% of path peak: against the path's per-thread FMA peak above times the threads used (f16 operands on Avx512Fp16: the f16 FMA peak; dfdx: the best f32 SIMD peak). The portable loop is no true peak (it is not vectorised), so the portable rows show none."
     );
@@ -481,71 +479,4 @@ fn pool_against_scope(cases: &mut [Case]) {
         );
     }
     println!("| scope / pool | {:.3} | |", scope.1 / pool.1);
-}
-
-/// Minor page faults of this process so far (Linux: field 10 of `/proc/self/stat`; 0 elsewhere).
-fn minor_faults() -> u64 {
-    std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 2..];
-            rest.split(' ').nth(7)?.parse().ok()
-        })
-        .unwrap_or(0)
-}
-
-/// The step's three weight-gradient products (`dYᵀ·X`, f32 outputs of up to 1024 x 1024) written
-/// into a buffer allocated per call, as a layer whose scratch is not kept does, or into the
-/// kernels' kept scratch: time and page faults per step.
-fn scratch_against_allocation(cases: &mut [Case]) {
-    let all = available_threads();
-    let (rounds, reps) = (21, 3);
-    let dw: Vec<usize> = (0..cases.len()).filter(|i| i % 3 == 2).collect();
-    let mut times = [vec![], vec![]];
-    let mut faults = [0u64, 0u64];
-    for round in 0..=rounds {
-        for (ki, kept) in [false, true].into_iter().enumerate() {
-            let f0 = minor_faults();
-            let t = Instant::now();
-            for _ in 0..reps {
-                for &i in &dw {
-                    let case = &cases[i];
-                    let n = case.m * case.n;
-                    let run = |out: &mut [f32]| {
-                        with_threads(all, || case.run_into(None, "f32", out))
-                            .expect("threads >= 1");
-                    };
-                    if kept {
-                        with_scratch(n, run);
-                    } else {
-                        run(&mut vec![0.0f32; n]);
-                    }
-                }
-            }
-            if round > 0 {
-                times[ki].push(t.elapsed().as_secs_f64() / reps as f64);
-                faults[ki] += minor_faults() - f0;
-            }
-        }
-    }
-    println!(
-        "\nThe step's 3 weight-gradient products (dYᵀ·X, f32, default path, {all} threads), output allocated per call or the kernels' kept scratch; median (quartiles) of {rounds} interleaved rounds:\n"
-    );
-    println!("| output buffer | ms per step | quartiles ms | minor page faults per step |");
-    println!("|---|---|---|---|");
-    for (ki, name) in ["allocated per call", "kept scratch (grown only)"]
-        .into_iter()
-        .enumerate()
-    {
-        let mut v = times[ki].clone();
-        v.sort_by(f64::total_cmp);
-        let (q1, q2, q3) = (v[v.len() / 4], v[v.len() / 2], v[3 * v.len() / 4]);
-        println!(
-            "| {name} | {:.2} | {:.2}-{:.2} | {:.0} |",
-            q2 * 1e3,
-            q1 * 1e3,
-            q3 * 1e3,
-            faults[ki] as f64 / (rounds * reps) as f64
-        );
-    }
 }

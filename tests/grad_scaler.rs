@@ -2,9 +2,7 @@
 //! accumulation, clipping, a penalty on the parameters, several heads, integer inputs,
 //! `try_forward`, overflow and skipping.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -12,25 +10,11 @@ use mpx::precision::f16;
 use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
 use mpx::step::{GradScaler, SkipReason, StepError, UpdateOutcome, clip_grad_norm, grad_norm};
 
+mod common;
+
+/// A model's values as bits, for bit-for-bit comparisons.
 fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
-    struct Collect(Vec<u32>);
-    impl TensorVisitor<f32, Cpu> for Collect {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            self.0.extend(t.as_vec().iter().map(|v| v.to_bits()));
-            Ok(None)
-        }
-    }
-    let mut c = Collect(Vec::new());
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
-    c.0
+    common::bits::bits(&common::params::values(m))
 }
 
 type Mlp = (Linear<4, 16>, ReLU, Linear<16, 3>);

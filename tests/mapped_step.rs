@@ -16,6 +16,10 @@ use mpx::precision::f16;
 use mpx::scaling::StaticLossScale;
 use mpx::step::{GradScaler, StepError};
 
+mod common;
+use common::bits::bits;
+use common::params::values as params;
+
 type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type Normed = (Linear<12, 24>, LayerNorm1D<24>, Linear<24, 5>, Tanh);
@@ -24,32 +28,6 @@ type Unbiased = (UnbiasedLinear<12, 24>, ReLU, Linear<24, 5>, Tanh);
 type UnbiasedModel = <Unbiased as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<7, 12>, f32, Cpu>;
 type Y = Tensor<Rank2<7, 5>, f32, Cpu>;
-
-/// Every float of a model, in visit order.
-fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl TensorVisitor<f32, Cpu> for Collect {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            self.0.extend(t.as_vec());
-            Ok(None)
-        }
-    }
-    let mut c = Collect(Vec::new());
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
-    c.0
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 /// `got` within `2^-7` of the largest magnitude of `want`, entry by entry.
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {

@@ -3,9 +3,6 @@
 //! applied again; a batch whose gradients the step threw away still skipped the next one), and
 //! a checkpointed scaler resumes bit for bit.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
-};
 use dfdx::optim::{Sgd, SgdConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -13,62 +10,18 @@ use mpx::precision::{bf16, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
 use mpx::step::{GradScaler, ScalerState, SkipReason, StepError, UpdateOutcome};
 
+mod common;
+use common::params::{load, values};
+
+/// A model's values as bits, for bit-for-bit comparisons.
+fn bits<M: dfdx::nn::tensor_collection::TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
+    common::bits::bits(&values(m))
+}
+
 type Mlp = (Linear<4, 16>, ReLU, Linear<16, 3>);
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<8, 4>, f32, Cpu>;
 type Y = Tensor<Rank2<8, 3>, f32, Cpu>;
-
-fn bits<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
-    struct Collect(Vec<u32>);
-    impl TensorVisitor<f32, Cpu> for Collect {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            self.0.extend(t.as_vec().iter().map(|v| v.to_bits()));
-            Ok(None)
-        }
-    }
-    let mut c = Collect(Vec::new());
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
-    c.0
-}
-
-/// Copies `from`'s values into `to` (a model built anew, as a restart loads a checkpoint into
-/// new tensors).
-fn load<M: TensorCollection<f32, Cpu>>(to: &mut M, from: &[u32]) {
-    struct Write<'a>(&'a [u32], usize);
-    impl TensorVisitor<f32, Cpu> for Write<'_> {
-        type Viewer = ViewTensorMut;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &mut Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            let n = t.shape().num_elements();
-            let v: Vec<f32> = self.0[self.1..self.1 + n]
-                .iter()
-                .map(|b| f32::from_bits(*b))
-                .collect();
-            t.copy_from(&v);
-            self.1 += n;
-            Ok(None)
-        }
-    }
-    M::iter_tensors(&mut RecursiveWalker {
-        m: to,
-        f: &mut Write(from, 0),
-    })
-    .unwrap();
-}
 
 fn batch(dev: &Cpu, k: usize) -> (X, Y) {
     let x: X = dev.tensor(std::array::from_fn(|i| {
@@ -354,7 +307,7 @@ fn a_run_restored_from_a_checkpoint_continues_bit_for_bit() {
     let mut s = GradScaler::new(scaling());
     let mut scales = steps(&mut first, &mut opt, &data[..6], &mut s);
     let saved_scaler = serde_json::to_string(&s).unwrap();
-    let saved_model = bits(&first);
+    let saved_model = values(&first);
     drop((first, s));
 
     // a new process: new tensors, a new optimizer (plain SGD keeps no state), the scaler read back

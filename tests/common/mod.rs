@@ -6,3 +6,4 @@ pub mod bits;
 pub mod digits;
 pub mod grads;
 pub mod heap;
+pub mod params;

@@ -34,8 +34,10 @@
 //! The pool stays because it measured faster than `std::thread::scope`, which starts threads for
 //! each product: on the 9 products of the MLP step (f32, 2 threads, a 2-core Zen 4 EPYC shared
 //! with other work) scope took 1.42x, 1.39x and 1.20x the pool's median time in three runs (e.g.
-//! 23.2 ms against 19.4 ms per step, quartiles 19.5-27.5 against 15.4-22.1;
-//! `cargo run --release --example bench_kernels`, its helper-threads table). Scoped threads also
+//! 23.2 ms against 19.4 ms per step, quartiles 19.5-27.5 against 15.4-22.1), and 1.06x on a
+//! quieter machine at the commit that made the calibration and the kernels' import graph final
+//! (8.68 against 8.17 ms; `cargo run --release --example bench_kernels`, its helper-threads
+//! table). Scoped threads also
 //! start with empty packing buffers, so every product pays their allocation and page faults
 //! again; the pool's helpers keep theirs.
 //!
@@ -105,7 +107,6 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
-mod scratch;
 mod strided;
 mod threads;
 mod tile;
@@ -122,7 +123,6 @@ pub use mat::{MatRef, Operand};
 pub(crate) use path::gemm;
 pub use path::{Calibration, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
-pub(crate) use scratch::with_scratch;
 pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path
@@ -134,12 +134,6 @@ pub mod bench {
         bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,
         max_threads, peak_fma_flops, set_max_threads, use_scoped_threads, with_path, with_threads,
     };
-
-    /// `with_scratch` for the benchmark of allocation per call against
-    /// kept scratch.
-    pub fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-        super::with_scratch(n, f)
-    }
 }
 
 /// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`): for
