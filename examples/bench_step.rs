@@ -5,8 +5,8 @@
 //! row runs on the one engine, a `GradScaler` driven by its methods (what `#[mixed_step]` expands
 //! to), with the gradients allocated once and reused across steps as a plain dfdx loop does.
 //! Row a runs the dfdx MLP as `#[mixed_step]` does, on the working copy made of mpx's fused
-//! layers (`GradScaler::forward_mapped`); row a0 on dfdx's own layers in f16
-//! (`GradScaler::forward`, the working copy before the mapping; rows c and c' still measure it).
+//! layers (`GradScaler::forward_mapped`), as do rows c, c' (memory) and d (`AMP<f16>`); row a0
+//! on dfdx's own layers in f16 (`GradScaler::forward`, the working copy before the mapping).
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -215,28 +215,34 @@ where
     }
 }
 
-impl<const B: usize> Scaled<f16, DynamicLossScale, B, Master> {
-    /// [`step`](Self::step) as `#[mixed_step]` runs it for this model of dfdx's `Linear` and
-    /// `ReLU`: on the working copy made of mpx's fused layers (`GradScaler::forward_mapped`).
-    fn step_mapped(&mut self) -> (Duration, Duration, Duration) {
-        let t0 = Instant::now();
-        let grads = self.grads.take().expect("gradients present");
-        let out = self
-            .scaler
-            .forward_mapped(&self.model, self.x.trace(grads), |m, x| m.forward(x));
-        let t1 = Instant::now();
-        let mut grads = self
-            .scaler
-            .backward(cross_entropy_with_logits_loss(out, self.y.clone()));
-        let t2 = Instant::now();
-        self.scaler
-            .update(&mut self.model, &mut self.opt, &grads)
-            .expect("update");
-        self.scaler.zero_grads(&self.model, &mut grads);
-        self.grads = Some(grads);
-        (t1 - t0, t2 - t1, t2.elapsed())
-    }
+/// `step_mapped` for each precision the mapped working copy serves.
+macro_rules! step_mapped {
+    ($($h:ty),*) => {$(
+        impl<const B: usize> Scaled<$h, DynamicLossScale, B, Master> {
+            /// [`step`](Self::step) as `#[mixed_step]` runs it for this model of dfdx's `Linear` and
+            /// `ReLU`: on the working copy made of mpx's fused layers (`GradScaler::forward_mapped`).
+            fn step_mapped(&mut self) -> (Duration, Duration, Duration) {
+                let t0 = Instant::now();
+                let grads = self.grads.take().expect("gradients present");
+                let out = self
+                    .scaler
+                    .forward_mapped(&self.model, self.x.trace(grads), |m, x| m.forward(x));
+                let t1 = Instant::now();
+                let mut grads = self
+                    .scaler
+                    .backward(cross_entropy_with_logits_loss(out, self.y.clone()));
+                let t2 = Instant::now();
+                self.scaler
+                    .update(&mut self.model, &mut self.opt, &grads)
+                    .expect("update");
+                self.scaler.zero_grads(&self.model, &mut grads);
+                self.grads = Some(grads);
+                (t1 - t0, t2 - t1, t2.elapsed())
+            }
+        }
+    )*};
 }
+step_mapped!(f16, AMP<f16>);
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -336,9 +342,9 @@ fn main() {
     };
     let mem_f16 = {
         let mut m = Scaled::<f16, _, BIG, Master>::new(&dev, &init, dynamic());
-        m.step();
+        m.step_mapped();
         measure_peak(|| {
-            m.step();
+            m.step_mapped();
         })
     };
     let init_mpx = to_mpx(&init);
@@ -427,7 +433,7 @@ fn main() {
             }
         }
         for _ in 0..per_round {
-            let r = amp.step();
+            let r = amp.step_mapped();
             if keep {
                 Acc::step(&mut a_amp, r);
             }
@@ -501,7 +507,7 @@ fn main() {
         t_mach / t_plain
     );
     println!(
-        "| c | peak heap of a mixed f16 step at batch {BIG} / f32 (above the heap before the step) | <= 0.55 | {:.2} ({:.1} MiB / {:.1} MiB) |",
+        "| c | peak heap of a mixed f16 step at batch {BIG} (row a's) / f32 (above the heap before the step) | <= 0.55 | {:.2} ({:.1} MiB / {:.1} MiB) |",
         mem_f16.step as f64 / mem_f32.step as f64,
         mib(mem_f16.step),
         mib(mem_f32.step)
@@ -519,7 +525,7 @@ fn main() {
         mib(mem_dfdx_f32.step)
     );
     println!(
-        "| d | AMP<f16> step time / f32 step time | - | {:.2} ({t_amp:.1} ms) |",
+        "| d | AMP<f16> step time (as row a) / f32 step time | - | {:.2} ({t_amp:.1} ms) |",
         t_amp / t_plain
     );
     println!(
@@ -589,7 +595,7 @@ fn main() {
         t_mapped,
     );
     row("a0: mixed f16, dfdx layers", &mut a_half, t_half);
-    row("mixed AMP<f16>", &mut a_amp, t_amp);
+    row("d: mixed AMP<f16>, mapped to mpx layers", &mut a_amp, t_amp);
     row("mixed emulated bf16", &mut a_bf, t_bf);
     row("f: mixed f16, mpx layers", &mut a_mpx_half, t_mpx_half);
     row(

@@ -99,6 +99,99 @@ fn the_mapped_forward_and_gradients_match_the_f32_step() {
     assert_eq!(at, want.len());
 }
 
+/// `M`'s mapped forward pass (`forward_mut`: batch norm and dropout in training mode) and its
+/// gradients within `2^-7` of the largest f32 value, and its batch-norm statistics (written back
+/// on the applied update) too.
+fn mapped_matches_f32<M>(what: &str, set: impl Fn(&mut M::Built))
+where
+    M: BuildOnDevice<Cpu, f32>,
+    M::Built: mpx::step::HalfLayers<f16>
+        + ModuleMut<
+            Tensor<Rank2<7, 12>, f32, Cpu, OwnedTape<f32, Cpu>>,
+            Output = Tensor<Rank2<7, 5>, f32, Cpu, OwnedTape<f32, Cpu>>,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    <M::Built as mpx::step::HalfLayers<f16>>::Working: ModuleMut<
+            Tensor<Rank2<7, 12>, f16, Cpu, OwnedTape<f16, Cpu>>,
+            Output = Tensor<Rank2<7, 5>, f16, Cpu, OwnedTape<f16, Cpu>>,
+        >,
+{
+    let dev = Cpu::seed_from_u64(11);
+    let mut model = dev.build_module::<M, f32>();
+    set(&mut model);
+    let x: X = dev.sample_normal();
+    let y: Y = dev.sample_normal();
+
+    let mut model32 = model.clone();
+    let out32 = model32.forward_mut(x.trace(model32.alloc_grads()));
+    let want_out = out32.as_vec();
+    let g32 = mse_loss(out32, y.clone()).backward();
+
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let out16 = scaler
+        .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| {
+            m.forward_mut(x)
+        })
+        .unwrap();
+    assert_close(&format!("{what}: output"), &out16.as_vec(), &want_out);
+    let g16 = scaler.backward(mse_loss(out16, y));
+    assert_close(
+        &format!("{what}: gradients"),
+        &grads_of(&model, &g16),
+        &grads_of(&model, &g32),
+    );
+    // one SGD step each: every tensor (batch-norm statistics included, which the mapped
+    // forward pass updated in its working copy) as the f32 step left it
+    let mut opt = dfdx::optim::Sgd::new(&model, dfdx::optim::SgdConfig::default());
+    assert!(
+        scaler
+            .update(&mut model, &mut opt, &g16)
+            .unwrap()
+            .is_applied()
+    );
+    assert!(scaler.last_step().unwrap().mpx_layers, "{what}");
+    let mut opt32 = dfdx::optim::Sgd::new(&model32, dfdx::optim::SgdConfig::default());
+    opt32.update(&mut model32, &g32).unwrap();
+    assert_close(
+        &format!("{what}: after the update"),
+        &params(&model),
+        &params(&model32),
+    );
+}
+
+/// Each of dfdx's layers without an mpx counterpart, and each container, in a mapped working
+/// copy: the same forward pass and gradients as the f32 step, to f16 accuracy.
+#[test]
+fn each_mapped_module_matches_the_f32_step() {
+    mapped_matches_f32::<(Linear<12, 24>, BatchNorm1D<24>, ReLU, Linear<24, 5>)>(
+        "batch norm",
+        |_| {},
+    );
+    mapped_matches_f32::<(Linear<12, 24>, ReLU, Dropout, Linear<24, 5>)>("dropout", |m| {
+        m.2.p = 0.0
+    });
+    mapped_matches_f32::<(
+        Linear<12, 24>,
+        Sigmoid,
+        DropoutOneIn<1000000>,
+        Linear<24, 5>,
+    )>("dropout one in", |_| {});
+    mapped_matches_f32::<GeneralizedResidual<(Linear<12, 5>, Tanh), Linear<12, 5>>>(
+        "generalized residual",
+        |_| {},
+    );
+    mapped_matches_f32::<(
+        SplitInto<(Linear<12, 5>, Linear<12, 5>)>,
+        AddInto<(Tanh, Sigmoid)>,
+    )>("split into, add into", |_| {});
+    mapped_matches_f32::<(Linear<12, 24>, ReLU, Linear<24, 24>, ReLU, Linear<24, 5>)>(
+        "linear and relu fused",
+        |_| {},
+    );
+}
+
 #[test]
 fn a_skipped_mapped_step_leaves_master_and_adam_untouched() {
     let dev = Cpu::seed_from_u64(5);

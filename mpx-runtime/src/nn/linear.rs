@@ -30,7 +30,6 @@
 //! fused op, so they get the same direct gradients inside a `GradScaler`.
 
 use std::fmt::Debug;
-use std::marker::PhantomData;
 
 use dfdx::nn::modules::Linear as DfdxLinear;
 use dfdx::nn::modules::ReLU as DfdxReLU;
@@ -52,17 +51,25 @@ use crate::kernels::{
 };
 use crate::precision::{AMP, FloatBits, Precision, f16};
 
-/// The activation a [`FusedLinear`] applies, as a type (dfdx builds modules from types).
+/// The activation a [`FusedLinear`] applies: a marker type ([`act::Identity`], [`act::ReLU`];
+/// dfdx builds modules from types), or an [`Activation`] value chosen at run time (the mixed
+/// step's working copy of dfdx's `(Linear, ReLU)`, see [`LinkedReLU`](super::LinkedReLU)).
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::nn::Activation;
-/// use mpx_runtime::nn::{act, FusedActivation};
-/// assert_eq!(<act::ReLU as FusedActivation>::ACT, Activation::ReLU);
+/// use mpx_runtime::nn::{act, Activation, FusedActivation};
+/// assert_eq!(act::ReLU.activation(), Activation::ReLU);
+/// assert_eq!(Activation::Identity.activation(), Activation::Identity);
 /// ```
 pub trait FusedActivation: 'static + Debug + Clone + Copy + Default + Send + Sync {
     /// The activation the kernels apply.
-    const ACT: Activation;
+    fn activation(&self) -> Activation;
+}
+
+impl FusedActivation for Activation {
+    fn activation(&self) -> Activation {
+        *self
+    }
 }
 
 /// Activation markers for [`FusedLinear`].
@@ -74,12 +81,14 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::Identity::ACT, mpx_runtime::nn::Activation::Identity);
+    /// assert_eq!(act::Identity.activation(), mpx_runtime::nn::Activation::Identity);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct Identity;
     impl FusedActivation for Identity {
-        const ACT: Activation = Activation::Identity;
+        fn activation(&self) -> Activation {
+            Activation::Identity
+        }
     }
 
     /// `max(z, 0)` after the linear map.
@@ -87,12 +96,14 @@ pub mod act {
     /// # Examples
     /// ```
     /// use mpx_runtime::nn::{act, FusedActivation};
-    /// assert_eq!(act::ReLU::ACT, mpx_runtime::nn::Activation::ReLU);
+    /// assert_eq!(act::ReLU.activation(), mpx_runtime::nn::Activation::ReLU);
     /// ```
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
     pub struct ReLU;
     impl FusedActivation for ReLU {
-        const ACT: Activation = Activation::ReLU;
+        fn activation(&self) -> Activation {
+            Activation::ReLU
+        }
     }
 }
 
@@ -114,7 +125,7 @@ pub struct FusedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E>, 
     pub weight: Tensor<Rank2<O, I>, E, D>,
     /// The bias, shape `(O,)`.
     pub bias: Tensor<Rank1<O>, E, D>,
-    act: PhantomData<A>,
+    act: A,
 }
 
 /// A fused linear layer without activation: a drop-in for dfdx's `Linear<I, O, E, D>`.
@@ -146,7 +157,9 @@ pub type Linear<const I: usize, const O: usize, E, D = Cpu> =
 pub type LinearReLU<const I: usize, const O: usize, E, D = Cpu> =
     FusedLinear<I, O, E, D, act::ReLU>;
 
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> FusedLinear<I, O, E, D, A> {
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A: Default>
+    FusedLinear<I, O, E, D, A>
+{
     /// A layer with these parameters.
     ///
     /// # Examples
@@ -160,8 +173,45 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> FusedLinear<I, 
         Self {
             weight,
             bias,
-            act: PhantomData,
+            act: A::default(),
         }
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A: FusedActivation>
+    FusedLinear<I, O, E, D, A>
+{
+    /// The activation this layer applies after its linear map.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::{self, Activation};
+    /// let l = Cpu::default().build_module::<nn::builders::LinearReLU<2, 1>, f32>();
+    /// assert_eq!(l.activation(), Activation::ReLU);
+    /// ```
+    pub fn activation(&self) -> Activation {
+        self.act.activation()
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> FusedLinear<I, O, E, D, Activation> {
+    /// Sets the activation this layer applies after its linear map (the form whose activation
+    /// is chosen at run time; it starts as [`Activation::Identity`]).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::{Activation, FusedLinear};
+    /// let dev = Cpu::default();
+    /// let mut l = FusedLinear::<2, 1, f32, Cpu, Activation>::new(dev.tensor([[1.0, 1.0]]), dev.tensor([0.0]));
+    /// let x = dev.tensor([[-1.0f32, -2.0]]);
+    /// assert_eq!(l.forward(x.clone()).array(), [[-3.0]]);
+    /// l.set_activation(Activation::ReLU);
+    /// assert_eq!(l.forward(x).array(), [[0.0]]);
+    /// ```
+    pub fn set_activation(&mut self, act: Activation) {
+        self.act = act;
     }
 }
 
@@ -380,10 +430,14 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
 
 macro_rules! cast_for {
     ($($e:ty),*) => {$(
-        impl<const I: usize, const O: usize, A, P: Precision> Cast<P> for FusedLinear<I, O, $e, Cpu, A> {
+        impl<const I: usize, const O: usize, A: Copy, P: Precision> Cast<P> for FusedLinear<I, O, $e, Cpu, A> {
             type Output = FusedLinear<I, O, P::Elem, Cpu, A>;
             fn cast(&self) -> Self::Output {
-                FusedLinear::new(Cast::<P>::cast(&self.weight), Cast::<P>::cast(&self.bias))
+                FusedLinear {
+                    weight: Cast::<P>::cast(&self.weight),
+                    bias: Cast::<P>::cast(&self.bias),
+                    act: self.act,
+                }
             }
         }
         impl<const I: usize, const O: usize, A> FloatLeaves for FusedLinear<I, O, $e, Cpu, A> {
@@ -597,7 +651,7 @@ macro_rules! mixed_forward {
             ) -> Result<Self::Output, CpuError> {
                 #[allow(non_snake_case)]
                 let ($($d,)* _,) = *x.shape();
-                fused_linear::<P, E, I, O, _, _, T>(&self.weight, &self.bias, A::ACT, x, ($($d,)* Const::<O>,))
+                fused_linear::<P, E, I, O, _, _, T>(&self.weight, &self.bias, self.act.activation(), x, ($($d,)* Const::<O>,))
             }
         }
     };

@@ -2,27 +2,31 @@
 //! and the cast from the master into it by visit order.
 //!
 //! A model's plain working copy is `<M as TensorCollection<f32, Cpu>>::To<f16, Cpu>`: dfdx's own
-//! layers in f16, which run on dfdx's scalar f16 kernels. For a model made of dfdx's `Linear`,
-//! its parameter-free activations, `Embedding`, `LayerNorm1D`, `MultiHeadAttention`, transformer
-//! encoder blocks, and tuples, `Residual`s and `Repeated` stacks of them, the working copy can
-//! instead be made of mpx's layers: the fused [`nn::Linear`](crate::nn::Linear) (f16 storage,
-//! f32 sums on mpx's GEMM, and direct f32 gradients into the master's inside a
-//! [`GradScaler`](super::GradScaler)) and the mixed-ready transformer layers of
-//! [`mpx::nn`](crate::nn), with no change to the model's type: [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped)
-//! runs on it, and `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
+//! layers in f16, which run on dfdx's scalar f16 kernels. For a model made of dfdx's stable
+//! layers (`Linear`, the activations, `Embedding`, `LayerNorm1D`, `BatchNorm1D`, dropout,
+//! `MultiHeadAttention`, transformer encoder blocks) and its containers (tuples, `Residual`,
+//! `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto`), the working copy can instead be
+//! made of mpx's layers where mpx has one: the fused [`nn::Linear`](crate::nn::Linear) (f16
+//! storage, f32 sums on mpx's GEMM, and direct f32 gradients into the master's inside a
+//! [`GradScaler`](super::GradScaler)), with a `ReLU` right after it in a tuple run in its op, and
+//! the mixed-ready transformer layers of [`mpx::nn`](crate::nn); the other layers stay dfdx's,
+//! in the half type. The model's type does not change:
+//! [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped) runs on it, and
+//! `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
 //!
 //! mpx's `Linear` visits `weight (O, I)` then `bias (O,)` as dfdx's does, and each transformer
 //! layer visits dfdx's fields in dfdx's order, so the mapped working copy's tensors line up with
 //! the master's by position: the cast walks the master into one f32 buffer, rounds it, and walks
-//! the working copy filling its tensors in the same order; the layer norms' `epsilon` (a scalar,
-//! not a tensor) is copied by [`HalfLayers::copy_scalars`]. Every count and length is checked
+//! the working copy filling its tensors in the same order; the non-tensor settings (a norm's
+//! `epsilon` and `momentum`, dropout's `p`) are copied by [`HalfLayers::copy_scalars`] on every
+//! cast, and the `(Linear, ReLU)` pairs linked. Every count and length is checked
 //! ([`StepError::WorkspaceMismatch`](super::StepError) otherwise).
 
 use dfdx::nn::BuildModule;
 use dfdx::nn::modules::{
-    Embedding as DfdxEmbedding, LayerNorm1D as DfdxLayerNorm1D, Linear as DfdxLinear,
-    MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
-    TransformerEncoderBlock as DfdxEncoderBlock,
+    AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, LayerNorm1D as DfdxLayerNorm1D,
+    Linear as DfdxLinear, MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
+    SplitInto, TransformerEncoderBlock as DfdxEncoderBlock,
 };
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
@@ -37,14 +41,25 @@ use crate::boundary::MasterModel;
 use crate::precision::{AMP, Precision, f16};
 
 /// A master model whose working copy in precision `H` can be built from mpx's fused layers:
-/// - dfdx's `Linear<I, O>` becomes [`nn::Linear<I, O, H::Elem>`](crate::nn::Linear);
+/// - dfdx's `Linear<I, O>` becomes mpx's fused [`FusedLinear`](crate::nn::FusedLinear) in
+///   `H::Elem`; a `ReLU` right after it in a tuple runs in its op (the `ReLU` becomes a
+///   [`LinkedReLU`](crate::nn::LinkedReLU) that passes its input through), any other `ReLU` is a
+///   `LinkedReLU` that applies it;
 /// - `LayerNorm1D`, `MultiHeadAttention` and `TransformerEncoderBlock` become their mixed-ready
 ///   [`mpx::nn`](crate::nn) counterparts (layer-norm statistics and softmax in f32, matmuls on
 ///   mpx's GEMM), so a `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `Embedding<V, M>` becomes dfdx's own `Embedding<V, M, H::Elem>` (a gather);
-/// - the parameter-free activations (`ReLU`, `Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`)
-///   stay themselves;
-/// - `Residual`, `Repeated` and tuples of up to 6 such layers map their layers.
+/// - `Embedding<V, M>` and `BatchNorm1D<C>` become dfdx's own in `H::Elem` (a gather; the
+///   batch norm's running statistics are written back to the master on an applied update);
+/// - the parameter-free layers (`Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`,
+///   `Sqrt`, `Sin`, `Cos`, `Exp`, `Ln`, `Softmax`, `LogSoftmax`, `Dropout`, `DropoutOneIn`) stay
+///   themselves;
+/// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
+///   such layers map their layers.
+///
+/// A model with a layer outside this list (a module of the user's own, dfdx's decoder) does not
+/// implement it, and runs whole on its plain working copy. The choice is per model, not per
+/// module: a per-module fallback would need a blanket impl for "any other module" beside these,
+/// which stable Rust's coherence rules (no specialisation) do not allow.
 ///
 /// Each counterpart visits dfdx's tensors in dfdx's order, with the same shapes and trainable
 /// flags (the cast goes by position), and takes the same inputs (`(S, M)` and `(B, S, M)`
@@ -60,10 +75,12 @@ use crate::precision::{AMP, Precision, f16};
 /// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
 /// type Master = (Linear<4, 8>, ReLU, Linear<8, 2>);
 /// type Built = <Master as BuildOnDevice<Cpu, f32>>::Built;
+/// type Working = <Built as HalfLayers<f16>>::Working;
 /// let dev = Cpu::default();
-/// let w: <Built as HalfLayers<f16>>::Working =
-///     (dev.build_module::<nn::builders::Linear<4, 8>, f16>(), ReLU, dev.build_module::<nn::builders::Linear<8, 2>, f16>());
+/// // mpx's fused Linear, the ReLU it applies, mpx's fused Linear; built as any dfdx model
+/// let w = Working::build(&dev);
 /// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
+/// let _: (nn::FusedLinear<4, 8, f16, Cpu, nn::Activation>, nn::LinkedReLU, _) = w;
 /// ```
 pub trait HalfLayers<H: Precision>: MasterModel
 where
@@ -89,15 +106,86 @@ where
     fn copy_scalars(&self, working: &mut Self::Working) {
         let _ = working;
     }
+
+    /// Whether this layer is dfdx's `ReLU` (a `Linear` right before it in a tuple applies it).
+    const RELU: bool = false;
+
+    /// Makes `working` (this layer's working copy) apply the `ReLU` that follows it in a tuple;
+    /// returns whether it can (a `Linear` can: its fused op applies it).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
+    /// let dev = Cpu::default();
+    /// let mut w = nn::FusedLinear::<2, 1, f16, Cpu, nn::Activation>::new(
+    ///     dev.tensor([[1.0f32, 1.0]]).to_dtype::<f16>(),
+    ///     dev.zeros(),
+    /// );
+    /// assert!(<modules::Linear<2, 1, f32, Cpu> as HalfLayers<f16>>::fuse_relu(&mut w));
+    /// assert!(<ReLU as HalfLayers<f16>>::RELU);
+    /// let y = w.forward(dev.tensor([[-1.0f32, -2.0]]).to_dtype::<f16>());
+    /// assert_eq!(y.array(), [[f16::from_f32(0.0)]]);
+    /// ```
+    fn fuse_relu(working: &mut Self::Working) -> bool {
+        let _ = working;
+        false
+    }
+
+    /// Makes `working` (a `ReLU`'s working copy) pass its input through, the layer before it
+    /// having applied it ([`LinkedReLU`](crate::nn::LinkedReLU)).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{nn::LinkedReLU, precision::f16, step::HalfLayers};
+    /// let mut w = LinkedReLU::default();
+    /// <ReLU as HalfLayers<f16>>::applied_before(&mut w);
+    /// assert!(w.is_applied_before());
+    /// ```
+    fn applied_before(working: &mut Self::Working) {
+        let _ = working;
+    }
 }
 
-/// dfdx's `Linear` to mpx's fused one, and the activations to themselves, for one precision.
+/// dfdx's `Linear` to mpx's fused one (its activation chosen when the working copy is linked:
+/// a `ReLU` after it runs in its op), `ReLU` to [`LinkedReLU`](crate::nn::LinkedReLU), the other
+/// parameter-free layers to themselves, for one precision.
 macro_rules! layers {
     ($($h:ty),*) => {$(
         impl<const I: usize, const O: usize> HalfLayers<$h> for DfdxLinear<I, O, f32, Cpu> {
-            type Working = crate::nn::Linear<I, O, <$h as Precision>::Elem, Cpu>;
+            type Working =
+                crate::nn::FusedLinear<I, O, <$h as Precision>::Elem, Cpu, crate::nn::Activation>;
+            fn fuse_relu(working: &mut Self::Working) -> bool {
+                working.set_activation(crate::nn::Activation::ReLU);
+                true
+            }
         }
-        activations!($h: ReLU, Tanh, Sigmoid, FastGeLU, AccurateGeLU);
+        impl HalfLayers<$h> for dfdx::nn::modules::ReLU {
+            type Working = crate::nn::LinkedReLU;
+            const RELU: bool = true;
+            fn applied_before(working: &mut Self::Working) {
+                *working = crate::nn::LinkedReLU::applied_before();
+            }
+        }
+        activations!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Exp, Ln,
+            Softmax, LogSoftmax);
+        impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
+            type Working = Self;
+        }
+        impl HalfLayers<$h> for dfdx::nn::modules::Dropout {
+            type Working = Self;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                working.p = self.p;
+            }
+        }
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
+            type Working = dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                working.epsilon = self.epsilon;
+                working.momentum = self.momentum;
+            }
+        }
     )*};
 }
 
@@ -173,9 +261,43 @@ where
     }
 }
 
-/// Tuples map element by element.
+/// A generalized residual maps both of its branches.
+impl<H: Precision, F: HalfLayers<H>, R: HalfLayers<H>> HalfLayers<H> for GeneralizedResidual<F, R>
+where
+    Cpu: Device<H::Elem>,
+    GeneralizedResidual<F, R>: MasterModel,
+    GeneralizedResidual<F::Working, R::Working>:
+        TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+{
+    type Working = GeneralizedResidual<F::Working, R::Working>;
+    fn copy_scalars(&self, working: &mut Self::Working) {
+        self.f.copy_scalars(&mut working.f);
+        self.r.copy_scalars(&mut working.r);
+    }
+}
+
+/// `AddInto` and `SplitInto` map their tuple of branches.
+macro_rules! branches {
+    ($($c:ident),*) => {$(
+        impl<H: Precision, T: HalfLayers<H>> HalfLayers<H> for $c<T>
+        where
+            Cpu: Device<H::Elem>,
+            $c<T>: MasterModel,
+            $c<T::Working>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+        {
+            type Working = $c<T::Working>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                self.0.copy_scalars(&mut working.0);
+            }
+        }
+    )*};
+}
+branches!(AddInto, SplitInto);
+
+/// Tuples map element by element; a `ReLU` right after a `Linear` runs in the `Linear`'s fused
+/// op (`$a . $i -> $b . $j` lists the neighbours).
 macro_rules! tuple {
-    ($($m:ident . $i:tt),+) => {
+    ($($m:ident . $i:tt),+ ; $($a:ident . $x:tt -> $b:ident . $y:tt),*) => {
         impl<H: Precision, $($m: HalfLayers<H>),+> HalfLayers<H> for ($($m,)+)
         where
             Cpu: Device<H::Elem>,
@@ -185,16 +307,19 @@ macro_rules! tuple {
             type Working = ($($m::Working,)+);
             fn copy_scalars(&self, working: &mut Self::Working) {
                 $(self.$i.copy_scalars(&mut working.$i);)+
+                $(if $b::RELU && $a::fuse_relu(&mut working.$x) {
+                    $b::applied_before(&mut working.$y);
+                })*
             }
         }
     };
 }
-tuple!(A.0);
-tuple!(A.0, B.1);
-tuple!(A.0, B.1, C.2);
-tuple!(A.0, B.1, C.2, D.3);
-tuple!(A.0, B.1, C.2, D.3, G.4);
-tuple!(A.0, B.1, C.2, D.3, G.4, J.5);
+tuple!(A.0;);
+tuple!(A.0, B.1; A.0 -> B.1);
+tuple!(A.0, B.1, C.2; A.0 -> B.1, B.1 -> C.2);
+tuple!(A.0, B.1, C.2, D.3; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3);
+tuple!(A.0, B.1, C.2, D.3, G.4; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4);
+tuple!(A.0, B.1, C.2, D.3, G.4, J.5; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4, G.4 -> J.5);
 
 /// The reused buffers of the cast: the master's values in visit order, rounded, and the
 /// `(length, trainable)` of each master tensor.
@@ -362,8 +487,8 @@ mod tests {
     use super::*;
     use dfdx::nn::builders;
     use dfdx::nn::modules::{
-        Embedding, LayerNorm1D, Linear, MultiHeadAttention, ReLU, Tanh, TransformerEncoder,
-        TransformerEncoderBlock,
+        BatchNorm1D, Dropout, DropoutOneIn, Embedding, LayerNorm1D, Linear, MultiHeadAttention,
+        ReLU, Sigmoid, Tanh, TransformerEncoder, TransformerEncoderBlock,
     };
     use dfdx::prelude::{DeviceBuildExt, Dtype, TensorFrom};
 
@@ -490,6 +615,7 @@ mod tests {
         Residual<(Linear<8, 16, f32, Cpu>, ReLU, Linear<16, 8, f32, Cpu>)>: HalfLayers<H>,
         Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>: HalfLayers<H>,
         Classifier: HalfLayers<H>,
+        Branches: HalfLayers<H>,
     {
         check_mapped::<H, LayerNorm1D<6, f32, Cpu>>("LayerNorm1D");
         check_mapped::<H, MultiHeadAttention<8, 2, 8, 8, f32, Cpu>>("MultiHeadAttention");
@@ -502,7 +628,22 @@ mod tests {
         );
         check_mapped::<H, Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>>("Repeated");
         check_mapped::<H, Classifier>("classifier");
+        check_mapped::<H, Branches>("branches");
     }
+
+    /// The containers and layers without an mpx counterpart: batch norm (its running statistics
+    /// untrained), dropout, `GeneralizedResidual`, `AddInto`, `SplitInto`.
+    type Branches = (
+        Linear<8, 8, f32, Cpu>,
+        BatchNorm1D<8, f32, Cpu>,
+        Dropout,
+        GeneralizedResidual<Linear<8, 4, f32, Cpu>, (Linear<8, 4, f32, Cpu>, Sigmoid)>,
+        SplitInto<(
+            Linear<4, 4, f32, Cpu>,
+            (DropoutOneIn<3>, Linear<4, 4, f32, Cpu>),
+        )>,
+        AddInto<(Linear<4, 2, f32, Cpu>, Linear<4, 2, f32, Cpu>)>,
+    );
 
     type Classifier = (
         Embedding<10, 8, f32, Cpu>,
@@ -530,5 +671,56 @@ mod tests {
         master.modules[0].norm1.epsilon = 1e-4;
         let w = refresh::<f16, _>(&master, Some(w), &mut scratch).unwrap();
         assert_eq!(w.modules[0].norm1.epsilon, 1e-4);
+    }
+
+    #[test]
+    fn a_relu_after_a_linear_runs_in_its_op() {
+        use crate::nn::{Activation, LinkedReLU};
+        use dfdx::prelude::{Module, Rank2, SampleTensor};
+        type Mlp = (
+            builders::Linear<4, 8>,
+            ReLU,
+            builders::Linear<8, 8>,
+            Tanh,
+            ReLU,
+            builders::Linear<8, 2>,
+        );
+        let dev = Cpu::seed_from_u64(3);
+        let mut master = dev.build_module::<Mlp, f32>();
+        master.5.bias = dev.tensor([-0.5, 0.25]);
+        let w = refresh::<f16, _>(&master, None, &mut MapScratch::default()).unwrap();
+        // linked: the first pair only (the second ReLU follows a Tanh)
+        assert_eq!(w.0.activation(), Activation::ReLU);
+        assert_eq!(w.2.activation(), Activation::Identity);
+        assert_eq!(w.5.activation(), Activation::Identity);
+        assert_eq!(w.1, LinkedReLU::applied_before());
+        assert_eq!(w.4, LinkedReLU::default());
+        // the linked working copy computes what dfdx's layers compute, up to f16 rounding
+        let x: dfdx::tensor::Tensor<Rank2<16, 4>, f32, Cpu> = dev.sample_normal();
+        let want = master.forward(x.clone()).as_vec();
+        let got = w.forward(x.to_dtype::<f16>()).as_vec();
+        for (g, v) in got.iter().zip(&want) {
+            assert!(
+                (g.to_f32() - v).abs() <= 4e-3 * (1.0 + v.abs()),
+                "{g} vs {v}"
+            );
+        }
+    }
+
+    #[test]
+    fn dropouts_p_and_the_batch_norms_settings_are_carried() {
+        type Net = (builders::Linear<3, 4>, Dropout, builders::BatchNorm1D<4>);
+        let dev = Cpu::default();
+        let mut master = dev.build_module::<Net, f32>();
+        master.1.p = 0.25;
+        master.2.momentum = 0.5;
+        let mut scratch = MapScratch::default();
+        let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
+        assert_eq!((w.1.p, w.2.momentum, w.2.epsilon), (0.25, 0.5, 1e-5));
+        // a schedule that changes them between steps reaches the working copy
+        master.1.p = 0.0;
+        master.2.epsilon = 1e-3;
+        let w = refresh::<f16, _>(&master, Some(w), &mut scratch).unwrap();
+        assert_eq!((w.1.p, w.2.epsilon), (0.0, 1e-3));
     }
 }
