@@ -192,6 +192,43 @@ fn each_mapped_module_matches_the_f32_step() {
     );
 }
 
+/// dfdx's encoder-decoder `Transformer` (so its decoder blocks) on mpx's layers: the output and
+/// every gradient within `2^-7` of the largest f32 value.
+#[test]
+fn a_dfdx_transformer_with_its_decoder_maps_and_matches_the_f32_step() {
+    type Seq2Seq = dfdx::nn::modules::Transformer<8, 2, 1, 2, 16, f32, Cpu>;
+    let dev = Cpu::seed_from_u64(21);
+    let mut model: Seq2Seq = dev.build_module::<builders::Transformer<8, 2, 1, 2, 16>, f32>();
+    // distinct values everywhere, so that a swapped norm or projection cannot hide
+    let n = params(&model).len();
+    #[allow(clippy::cast_precision_loss)]
+    let scrambled: Vec<f32> = (0..n)
+        .map(|i| ((i as f32) * 0.618_034).sin() * 0.5)
+        .collect();
+    common::params::load(&mut model, &scrambled);
+    let src: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal();
+    let tgt: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+    let y: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+
+    let out32 = model.forward((src.trace(model.alloc_grads()), tgt.clone()));
+    let want_out = out32.as_vec();
+    let g32 = mse_loss(out32, y.clone()).backward();
+
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let out16 = scaler
+        .try_forward_mapped(&model, (src.trace(model.alloc_grads()), tgt), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    assert_close("transformer output", &out16.as_vec(), &want_out);
+    let g16 = scaler.backward(mse_loss(out16, y));
+    assert_close(
+        "transformer gradients",
+        &grads_of(&model, &g16),
+        &grads_of(&model, &g32),
+    );
+}
+
 #[test]
 fn a_skipped_mapped_step_leaves_master_and_adam_untouched() {
     let dev = Cpu::seed_from_u64(5);

@@ -39,6 +39,7 @@
 mod attention_core;
 mod cast;
 mod convert;
+mod decoder;
 mod encoder;
 mod half_ops;
 mod layer_norm;
@@ -48,9 +49,11 @@ mod linked_relu;
 mod mha;
 mod mixed;
 mod scratch;
+mod sublayer;
 pub mod vit;
 
 pub use convert::*;
+pub use decoder::*;
 pub use encoder::*;
 pub use layer_norm::*;
 pub use linear::*;

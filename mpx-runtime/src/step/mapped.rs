@@ -26,7 +26,8 @@ use dfdx::nn::BuildModule;
 use dfdx::nn::modules::{
     AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, LayerNorm1D as DfdxLayerNorm1D,
     Linear as DfdxLinear, MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
-    SplitInto, TransformerEncoderBlock as DfdxEncoderBlock,
+    SplitInto, Transformer as DfdxTransformer, TransformerDecoder as DfdxDecoder,
+    TransformerDecoderBlock as DfdxDecoderBlock, TransformerEncoderBlock as DfdxEncoderBlock,
 };
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
@@ -223,6 +224,33 @@ macro_rules! transformer_layers {
             fn copy_scalars(&self, working: &mut Self::Working) {
                 working.norm1.epsilon = self.norm1.epsilon;
                 working.norm2.epsilon = self.norm2.epsilon;
+            }
+        }
+        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
+            for DfdxDecoderBlock<M, NH, F, f32, Cpu>
+        {
+            type Working = crate::nn::TransformerDecoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                working.norm1.epsilon = self.norm1.epsilon;
+                working.norm2.epsilon = self.norm2.epsilon;
+                working.norm3.epsilon = self.norm3.epsilon;
+            }
+        }
+        impl<const M: usize, const NH: usize, const F: usize, const L: usize> HalfLayers<$h>
+            for DfdxDecoder<M, NH, F, L, f32, Cpu>
+        {
+            type Working = crate::nn::TransformerDecoder<M, NH, F, L, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                HalfLayers::<$h>::copy_scalars(&self.0, &mut working.0);
+            }
+        }
+        impl<const M: usize, const NH: usize, const A: usize, const B: usize, const F: usize>
+            HalfLayers<$h> for DfdxTransformer<M, NH, A, B, F, f32, Cpu>
+        {
+            type Working = crate::nn::Transformer<M, NH, A, B, F, <$h as Precision>::Elem, Cpu>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                HalfLayers::<$h>::copy_scalars(&self.encoder, &mut working.encoder);
+                HalfLayers::<$h>::copy_scalars(&self.decoder, &mut working.decoder);
             }
         }
         impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
@@ -616,6 +644,7 @@ mod tests {
         Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>: HalfLayers<H>,
         Classifier: HalfLayers<H>,
         Branches: HalfLayers<H>,
+        dfdx::nn::modules::Transformer<8, 2, 2, 2, 16, f32, Cpu>: HalfLayers<H>,
     {
         check_mapped::<H, LayerNorm1D<6, f32, Cpu>>("LayerNorm1D");
         check_mapped::<H, MultiHeadAttention<8, 2, 8, 8, f32, Cpu>>("MultiHeadAttention");
@@ -629,6 +658,7 @@ mod tests {
         check_mapped::<H, Repeated<(Linear<8, 8, f32, Cpu>, Tanh), 3>>("Repeated");
         check_mapped::<H, Classifier>("classifier");
         check_mapped::<H, Branches>("branches");
+        check_mapped::<H, dfdx::nn::modules::Transformer<8, 2, 2, 2, 16, f32, Cpu>>("Transformer");
     }
 
     /// The containers and layers without an mpx counterpart: batch norm (its running statistics
