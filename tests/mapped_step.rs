@@ -24,8 +24,36 @@ type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
 type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 type Normed = (Linear<12, 24>, LayerNorm1D<24>, Linear<24, 5>, Tanh);
 type NormedModel = <Normed as BuildOnDevice<Cpu, f32>>::Built;
-type Unbiased = (UnbiasedLinear<12, 24>, ReLU, Linear<24, 5>, Tanh);
-type UnbiasedModel = <Unbiased as BuildOnDevice<Cpu, f32>>::Built;
+/// A module of the user's own (mpx cannot know its forward pass, so the model does not map).
+#[derive(Clone, Debug)]
+struct Gate<E: Dtype, D: Device<E>> {
+    w: Tensor<Rank1<12>, E, D>,
+}
+
+impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Gate<E, D> {
+    type To<E2: Dtype, D2: Device<E2>> = Gate<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            Self::tensor("w", |s| &s.w, |s| &mut s.w, TensorOptions::reset_to_ones()),
+            |w| Gate { w },
+        )
+    }
+}
+
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<7, 12>, E, D, T>> for Gate<E, D> {
+    type Output = Tensor<Rank2<7, 12>, E, D, T>;
+    type Error = D::Err;
+    fn try_forward(&self, x: Tensor<Rank2<7, 12>, E, D, T>) -> Result<Self::Output, D::Err> {
+        x.try_mul(self.w.clone().try_broadcast()?)
+    }
+}
+
+type Gated = (
+    Gate<f32, Cpu>,
+    <(Linear<12, 24>, ReLU, Linear<24, 5>, Tanh) as BuildOnDevice<Cpu, f32>>::Built,
+);
 type X = Tensor<Rank2<7, 12>, f32, Cpu>;
 type Y = Tensor<Rank2<7, 5>, f32, Cpu>;
 
@@ -190,6 +218,10 @@ fn each_mapped_module_matches_the_f32_step() {
         "linear and relu fused",
         |_| {},
     );
+    mapped_matches_f32::<(UnbiasedLinear<12, 24>, LeakyReLU<f32>, Linear<24, 5>)>(
+        "unbiased linear, leaky relu",
+        |m| m.1 = LeakyReLU(0.2),
+    );
 }
 
 /// dfdx's encoder-decoder `Transformer` (so its decoder blocks) on mpx's layers: the output and
@@ -307,9 +339,9 @@ fn train_normed(
 }
 
 #[mixed_step(scaling = scaler)]
-fn train_unbiased(
-    model: &mut UnbiasedModel,
-    opt: &mut Adam<UnbiasedModel, f32, Cpu>,
+fn train_gated(
+    model: &mut Gated,
+    opt: &mut Adam<Gated, f32, Cpu>,
     x: &X,
     y: &Y,
     scaler: &mut GradScaler,
@@ -367,11 +399,11 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float16");
 
-    // an UnbiasedLinear does not map: the master's own layers in f16
-    let mut unbiased = dev.build_module::<Unbiased, f32>();
-    let mut opt = Adam::new(&unbiased, AdamConfig::default());
+    // a module of the user's own does not map: the master's own layers in f16
+    let mut gated: Gated = (Gate { w: dev.ones() }, dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&gated, AdamConfig::default());
     let mut scaler = GradScaler::default();
-    train_unbiased(&mut unbiased, &mut opt, &x, &y, &mut scaler);
+    train_gated(&mut gated, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && !r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float16");

@@ -49,8 +49,9 @@ use crate::precision::{AMP, Precision, f16};
 /// - `LayerNorm1D`, `MultiHeadAttention` and `TransformerEncoderBlock` become their mixed-ready
 ///   [`mpx::nn`](crate::nn) counterparts (layer-norm statistics and softmax in f32, matmuls on
 ///   mpx's GEMM), so a `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `Embedding<V, M>` and `BatchNorm1D<C>` become dfdx's own in `H::Elem` (a gather; the
-///   batch norm's running statistics are written back to the master on an applied update);
+/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
+///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
+///   master on an applied update; the leaky slope is rounded to `H`);
 /// - the parameter-free layers (`Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`,
 ///   `Sqrt`, `Sin`, `Cos`, `Exp`, `Ln`, `Softmax`, `LogSoftmax`, `Dropout`, `DropoutOneIn`) stay
 ///   themselves;
@@ -178,6 +179,19 @@ macro_rules! layers {
             type Working = Self;
             fn copy_scalars(&self, working: &mut Self::Working) {
                 working.p = self.p;
+            }
+        }
+        impl<const I: usize, const O: usize> HalfLayers<$h>
+            for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
+        {
+            type Working = dfdx::nn::modules::UnbiasedLinear<I, O, <$h as Precision>::Elem, Cpu>;
+        }
+        impl HalfLayers<$h> for dfdx::nn::modules::LeakyReLU<f32> {
+            type Working = dfdx::nn::modules::LeakyReLU<<$h as Precision>::Elem>;
+            fn copy_scalars(&self, working: &mut Self::Working) {
+                let mut slope = [<$h as Precision>::Elem::default()];
+                <$h as Precision>::round(&[self.0], &mut slope);
+                working.0 = slope[0];
             }
         }
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
