@@ -41,16 +41,16 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, Ten
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::convert::{Dfdx, IntoLayers, Mpx};
-use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
+use super::half_ops::{grad_slice, round_in_place, shape_err};
 use super::mixed::MixedModule;
 use super::scratch::{self, Buf};
-use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
+use crate::cast::{Cast, FloatLeaves};
 pub use crate::kernels::{Activation, KernelError};
 use crate::kernels::{
-    MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
+    MatRef, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
     relu_mask_bias_grad_f32,
 };
-use crate::precision::{AMP, FloatBits, Precision, f16};
+use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
 
 /// The activation a [`FusedLinear`] applies, as a type (dfdx builds modules from types).
 ///
@@ -387,7 +387,7 @@ macro_rules! cast_for {
             }
         }
         impl<const I: usize, const O: usize, A> FloatLeaves for FusedLinear<I, O, $e, Cpu, A> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 self.weight.visit_float_bits(visit) && self.bias.visit_float_bits(visit)
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -403,9 +403,9 @@ cast_for!(f32, f16, AMP<f16>);
 
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
-    match E::operand(y) {
-        Operand::F16(v) => ReluMask::from_f16(v),
-        Operand::F32(v) | Operand::Bf16(v) => ReluMask::from_f32(v),
+    match E::floats(y) {
+        FloatSlice::F16(v) => ReluMask::from_f16(v),
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => ReluMask::from_f32(v),
     }
 }
 
@@ -441,7 +441,7 @@ fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
     dst: &mut [E],
 ) -> Result<(), KernelError> {
     with_weight_grad(dz, x, rows, |dw| {
-        add_f32_into(dw, as_dst(dst))?;
+        add_f32_into(dw, E::floats_mut(dst))?;
         round_in_place::<P>(dst);
         Ok(())
     })
@@ -469,8 +469,8 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
     }
     let mut dw = scratch::take::<f32>(o * i);
     gemm(
-        MatRef::row_major(E::operand(dz), rows, o)?.t(),
-        MatRef::row_major(E::operand(x), rows, i)?,
+        MatRef::row_major(E::floats(dz), rows, o)?.t(),
+        MatRef::row_major(E::floats(x), rows, i)?,
         &mut dw,
         false,
     )?;
@@ -522,15 +522,15 @@ where
         let r = xc.len() / I;
         let acc = &mut acc[..r * O];
         gemm(
-            MatRef::row_major(E::operand(xc), r, I).map_err(shape_err)?,
-            MatRef::row_major(E::operand(&wv), O, I)
+            MatRef::row_major(E::floats(xc), r, I).map_err(shape_err)?,
+            MatRef::row_major(E::floats(&wv), O, I)
                 .map_err(shape_err)?
                 .t(),
             acc,
             false,
         )
         .map_err(shape_err)?;
-        bias_act_into(acc, &b32, act, as_dst(yc)).map_err(shape_err)?;
+        bias_act_into(acc, &b32, act, E::floats_mut(yc)).map_err(shape_err)?;
     }
     drop((acc, b32, xv, wv));
     round_in_place::<P>(&mut y);
@@ -562,7 +562,7 @@ where
                     .map_err(shape_err)??;
             } else {
                 let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
-                add_f32_into(&db, as_dst(gb)).map_err(shape_err)?;
+                add_f32_into(&db, E::floats_mut(gb)).map_err(shape_err)?;
                 round_in_place::<P>(gb);
                 let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
                 write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
@@ -636,13 +636,13 @@ fn input_grad<
         let r = dzc.len() / O;
         let dx = &mut dx[..r * I];
         gemm(
-            MatRef::row_major(E::operand(dzc), r, O).map_err(shape_err)?,
-            MatRef::row_major(E::operand(wv), O, I).map_err(shape_err)?,
+            MatRef::row_major(E::floats(dzc), r, O).map_err(shape_err)?,
+            MatRef::row_major(E::floats(wv), O, I).map_err(shape_err)?,
             dx,
             false,
         )
         .map_err(shape_err)?;
-        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
+        add_f32_into(dx, E::floats_mut(gxc)).map_err(shape_err)?;
         round_in_place::<P>(gxc);
     }
     Ok(())
