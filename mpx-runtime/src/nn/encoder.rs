@@ -3,20 +3,20 @@
 
 use dfdx::nn::Module;
 use dfdx::nn::modules::{self, Linear, ReLU, Repeated, Residual};
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::convert::dfdx_layer;
 use super::half_ops::is_f32;
+use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
 use super::linear::fused_linear;
 use super::mha::MultiHeadAttention;
-use super::mixed::{MixedModule, build_on_device, native_module};
+use super::mixed::MixedModule;
 use crate::kernels::Activation;
-use crate::precision::{AMP, Precision, f16};
+use crate::precision::Precision;
 
 /// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
 /// type (dfdx's own modules), as in dfdx's encoder block.
@@ -99,36 +99,7 @@ pub type TransformerEncoder<
 build_on_device!(TransformerEncoderBlock[const M, const H, const F]);
 native_module!(TransformerEncoderBlock[const M, const H, const F]);
 
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<const M: usize, const H: usize, const F: usize, D: Device<$e>>
-            TensorCollection<$e, D> for TransformerEncoderBlock<M, H, F, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = TransformerEncoderBlock<M, H, F, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("self_attn", |s| &s.self_attn, |s| &mut s.self_attn),
-                        Self::module("norm1", |s| &s.norm1, |s| &mut s.norm1),
-                        Self::module("ff", |s| &s.ff, |s| &mut s.ff),
-                        Self::module("norm2", |s| &s.norm2, |s| &mut s.norm2),
-                    ),
-                    |(self_attn, norm1, ff, norm2)| TransformerEncoderBlock {
-                        self_attn,
-                        norm1,
-                        ff,
-                        norm2,
-                    },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+module_collection!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm1, ff, norm2 });
 
 impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
     From<modules::TransformerEncoderBlock<M, H, F, E, D>>

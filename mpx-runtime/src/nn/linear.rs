@@ -41,7 +41,7 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, Ten
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::convert::{Dfdx, IntoLayers, Mpx};
-use super::half_ops::{grad_slice, round_in_place, shape_err};
+use super::half_ops::{grad_slice, is_f32, round_in_place, shape_err};
 use super::mixed::MixedModule;
 use super::scratch::{self, Buf};
 use crate::cast::{Cast, FloatLeaves};
@@ -475,6 +475,30 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
         false,
     )?;
     use_dw(&mut dw)
+}
+
+/// dfdx's `Linear` `l` on `x` (output shaped `out`) in precision `P`: dfdx's own operations in
+/// f32 (bit-identical to dfdx's layer), the fused op ([`fused_linear`], no activation) in a half
+/// precision. For the layers that hold a dfdx `Linear` alone (the ViT's patch embedding and head).
+pub(crate) fn linear_in<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    l: &DfdxLinear<I, O, E, Cpu>,
+    x: Tensor<Sx, E, Cpu, T>,
+    out: Sy,
+) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
+where
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+    Sx: Shape,
+    Sy: Shape,
+    T: Tape<E, Cpu>,
+    DfdxLinear<I, O, E, Cpu>:
+        Module<Tensor<Sx, E, Cpu, T>, Output = Tensor<Sy, E, Cpu, T>, Error = CpuError>,
+{
+    if is_f32::<P>() {
+        return l.try_forward(x);
+    }
+    fused_linear::<P, E, I, O, _, _, _>(&l.weight, &l.bias, Activation::Identity, x, out)
 }
 
 /// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:

@@ -41,6 +41,7 @@ mod cast;
 mod convert;
 mod encoder;
 mod half_ops;
+mod layer_impls;
 mod layer_norm;
 mod layer_norm_kernel;
 pub(crate) mod linear;
