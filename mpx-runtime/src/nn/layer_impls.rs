@@ -29,18 +29,20 @@ pub(crate) use native_module;
 /// Implements dfdx's `BuildOnDevice` for an `mpx::nn` layer type, whatever element and device it
 /// names: `dev.build_module::<mpx::nn::LayerNorm1D<8>, f16>()` builds a `LayerNorm1D<8, f16, Cpu>`.
 ///
-/// `build_on_device!(Name[const A, ..], checked)` first evaluates the layer's `TYPE_CHECK`
-/// constant, so a layer whose const parameters do not fit together fails to compile when it is
-/// built.
+/// `build_on_device!(Name[const A, ..], checks: T, ..)` first evaluates the `TYPE_CHECK`
+/// constant of each `T` (`Self`, or a part of the layer), so a layer whose const parameters do
+/// not fit together fails to compile when it is built.
 macro_rules! build_on_device {
     ($name:ident [$(const $c:ident),*]) => {
         $crate::nn::layer_impls::build_on_device!(@impl $name [$(const $c),*] {});
     };
-    ($name:ident [$(const $c:ident),*], checked) => {
+    ($name:ident [$(const $c:ident),*], checks: $($check:ty),+) => {
         $crate::nn::layer_impls::build_on_device!(@impl $name [$(const $c),*] {
             fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
-                #[allow(clippy::let_unit_value)]
-                let () = Self::TYPE_CHECK;
+                $(
+                    #[allow(clippy::let_unit_value)]
+                    let () = <$check>::TYPE_CHECK;
+                )+
                 <Self::Built as dfdx::nn::BuildModule<D, E>>::try_build(device)
             }
         });

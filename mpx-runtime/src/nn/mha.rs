@@ -76,7 +76,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
     );
 }
 
-build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checked);
+build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
 module_collection!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 
 impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>

@@ -33,6 +33,13 @@ use crate::precision::Precision;
 /// let logits = vit.forward_in::<bf16, _>(images);
 /// assert_eq!(logits.shape(), &(Const::<5>, Const::<3>));
 /// ```
+///
+/// Parts that do not fit together fail to compile when the model is built, here 3 heads for a
+/// width of 16:
+/// ```compile_fail
+/// use dfdx::prelude::*;
+/// let vit = Cpu::default().build_module::<mpx_runtime::nn::vit::Vit<64, 16, 4, 16, 3, 32, 1, 3>, f32>();
+/// ```
 #[derive(Debug, Clone)]
 pub struct Vit<
     const PIXELS: usize,
@@ -56,31 +63,9 @@ pub struct Vit<
     pub head: ClassificationHead<MODEL, CLASSES, E, D>,
 }
 
-impl<
-    const PIXELS: usize,
-    const PATCH_DIM: usize,
-    const PATCHES: usize,
-    const MODEL: usize,
-    const HEADS: usize,
-    const FF: usize,
-    const LAYERS: usize,
-    const CLASSES: usize,
-    E: Dtype,
-    D: Storage<E>,
-> Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E, D>
-{
-    /// The geometry and head checks of the parts: fails to compile when they do not fit.
-    pub(crate) const TYPE_CHECK: () = {
-        #[allow(clippy::let_unit_value)]
-        let () = PatchEmbedding::<PIXELS, PATCH_DIM, PATCHES, MODEL, E, D>::TYPE_CHECK;
-        #[allow(clippy::let_unit_value)]
-        let () = crate::nn::MultiHeadAttention::<MODEL, HEADS, MODEL, MODEL, E, D>::TYPE_CHECK;
-    };
-}
-
 build_on_device!(
     Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES],
-    checked
+    checks: PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, MODEL>, crate::nn::MultiHeadAttention<MODEL, HEADS>
 );
 module_collection!(Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES] { patch_embed, pos_embed, encoder, head });
 

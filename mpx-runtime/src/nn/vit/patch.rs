@@ -131,7 +131,7 @@ where
     }
 }
 
-build_on_device!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], checked);
+build_on_device!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], checks: Self);
 module_collection!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M] { linear });
 
 native_module!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M]);
