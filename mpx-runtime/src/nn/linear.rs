@@ -239,20 +239,34 @@ where
     fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
         visitor: &mut V,
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            (
-                Self::tensor(
-                    "weight",
-                    |s| &s.weight,
-                    |s| &mut s.weight,
-                    linear_weight_options(),
-                ),
-                Self::tensor("bias", |s| &s.bias, |s| &mut s.bias, linear_bias_options()),
-            ),
-            |(weight, bias)| FusedLinear::new(weight, bias),
-        )
+        visitor.visit_fields(linear_params!(), |(weight, bias)| {
+            FusedLinear::new(weight, bias)
+        })
     }
 }
+
+/// The fields `weight` and `bias` of a layer with dfdx-`Linear`'s parameters, as its
+/// `TensorCollection::iter_tensors` visits them (names, order and initialisation of dfdx's
+/// `Linear`): the fused [`Linear`]'s and [`MxLinear`](crate::mx::MxLinear)'s.
+macro_rules! linear_params {
+    () => {
+        (
+            Self::tensor(
+                "weight",
+                |s| &s.weight,
+                |s| &mut s.weight,
+                $crate::nn::linear::linear_weight_options(),
+            ),
+            Self::tensor(
+                "bias",
+                |s| &s.bias,
+                |s| &mut s.bias,
+                $crate::nn::linear::linear_bias_options(),
+            ),
+        )
+    };
+}
+pub(crate) use linear_params;
 
 /// The options of a layer's dfdx-`Linear` weight: trained, and reset as dfdx's `Linear` is
 /// (uniform in ±1/sqrt(I)), by building one. Shared by every layer with `Linear`'s parameters.
