@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::__bench::{
-    KernelPath, MatRef, Operand, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
+    FloatSlice, KernelPath, MatRef, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
     use_scoped_threads, with_threads,
 };
 use mpx::precision::f16;
@@ -98,9 +98,9 @@ impl Case {
     /// [`Case::run`] into `c` (`m x n` values).
     fn run_into(&self, path: Option<KernelPath>, dtype: &str, c: &mut [f32]) {
         let (av, bv) = match dtype {
-            "f32" => (Operand::F32(&self.a32), Operand::F32(&self.b32)),
-            "bf16" => (Operand::Bf16(&self.a32), Operand::Bf16(&self.b32)),
-            _ => (Operand::F16(&self.a16), Operand::F16(&self.b16)),
+            "f32" => (FloatSlice::F32(&self.a32), FloatSlice::F32(&self.b32)),
+            "bf16" => (FloatSlice::Bf16(&self.a32), FloatSlice::Bf16(&self.b32)),
+            _ => (FloatSlice::F16(&self.a16), FloatSlice::F16(&self.b16)),
         };
         let a = if self.at {
             MatRef::row_major(av, self.k, self.m)

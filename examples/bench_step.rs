@@ -268,6 +268,20 @@ impl Acc {
         self.fwd_bwd.push(ms(fwd + bwd));
         self.opt.push(ms(opt));
     }
+    /// Runs `step` `n` times, recording its times when `keep` (the rounds after the warm-up).
+    fn run(
+        &mut self,
+        n: usize,
+        keep: bool,
+        mut step: impl FnMut() -> (Duration, Duration, Duration),
+    ) {
+        for _ in 0..n {
+            let r = step();
+            if keep {
+                self.step(r);
+            }
+        }
+    }
     fn med(v: &mut [f64]) -> f64 {
         if v.is_empty() { 0.0 } else { median(v) }
     }
@@ -399,8 +413,14 @@ fn main() {
     let mut mpx_half = Scaled::<f16, _, B>::new(&dev, &init_mpx, dynamic());
     let mut mpx_bf = Scaled::<bf16, _, B>::new(&dev, &init_mpx, dynamic());
     let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
-    let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf) = Default::default();
-    let mut a_mapped = Acc::default();
+    let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf, mut a_mapped): (
+        Acc,
+        Acc,
+        Acc,
+        Acc,
+        Acc,
+        Acc,
+    ) = Default::default();
     let mut mpx_half1 = Scaled::<f16, _, B>::new(&dev, &init_mpx, dynamic());
     let (mut a_mpx_half, mut a_mpx_bf, mut a_mpx_plain, mut a_mpx_half1): (Acc, Acc, Acc, Acc) =
         Default::default();
@@ -408,69 +428,24 @@ fn main() {
     let (warmup, rounds, per_round) = (2, 7, 3);
     for round in 0..warmup + rounds {
         let keep = round >= warmup;
-        for _ in 0..per_round {
-            let r = plain.step();
-            if keep {
-                Acc::step(&mut a_plain, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = machinery.step();
-            if keep {
-                Acc::step(&mut a_mach, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = half.step();
-            if keep {
-                Acc::step(&mut a_half, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = mapped.step_mapped();
-            if keep {
-                Acc::step(&mut a_mapped, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = amp.step_mapped();
-            if keep {
-                Acc::step(&mut a_amp, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = bf.step();
-            if keep {
-                Acc::step(&mut a_bf, r);
-            }
-        }
-        for _ in 0..per_round {
+        a_plain.run(per_round, keep, || plain.step());
+        a_mach.run(per_round, keep, || machinery.step());
+        a_half.run(per_round, keep, || half.step());
+        a_mapped.run(per_round, keep, || mapped.step_mapped());
+        a_amp.run(per_round, keep, || amp.step_mapped());
+        a_bf.run(per_round, keep, || bf.step());
+        a_mpx_half.run(per_round, keep, || {
             let before = gemm_nanos();
             let r = mpx_half.step();
             if keep {
-                Acc::step(&mut a_mpx_half, r);
                 t_gemm_f16.push((gemm_nanos() - before) as f64 / 1e6);
             }
-        }
-        for _ in 0..per_round {
-            let r = mpx_bf.step();
-            if keep {
-                Acc::step(&mut a_mpx_bf, r);
-            }
-        }
-        for _ in 0..per_round {
-            let r = mpx_plain.step();
-            if keep {
-                Acc::step(&mut a_mpx_plain, r);
-            }
-        }
+            r
+        });
+        a_mpx_bf.run(per_round, keep, || mpx_bf.step());
+        a_mpx_plain.run(per_round, keep, || mpx_plain.step());
         with_threads(1, || {
-            for _ in 0..per_round {
-                let r = mpx_half1.step();
-                if keep {
-                    Acc::step(&mut a_mpx_half1, r);
-                }
-            }
+            a_mpx_half1.run(per_round, keep, || mpx_half1.step());
         })
         .expect("1 thread is valid");
     }

@@ -6,7 +6,7 @@ use mpx::cast::{
     Cast, CastScratch, FloatLeaves, FloatSliceMut, cast_module, cast_module_into, cast_to_bf16,
     cast_to_f16, cast_to_f32, cast_to_full_precision, cast_to_half_precision,
 };
-use mpx::precision::{AMP, FloatBits, f16};
+use mpx::precision::{AMP, FloatSlice, f16};
 
 type Mlp = (Linear<5, 7>, ReLU, Linear<7, 3>);
 
@@ -141,8 +141,8 @@ fn float_leaves_visit_tensors_in_order_and_write_back() {
     let mut lens = Vec::new();
     assert!(tree.visit_float_bits(&mut |bits| {
         lens.push(match bits {
-            FloatBits::F32(v) => (32, v.len()),
-            FloatBits::F16(v) => (16, v.len()),
+            FloatSlice::F32(v) | FloatSlice::Bf16(v) => (32, v.len()),
+            FloatSlice::F16(v) => (16, v.len()),
         });
         true
     }));
@@ -245,8 +245,8 @@ fn derived_batch_casts_float_fields_and_leaves_the_rest() {
     let mut seen = Vec::new();
     h.visit_float_bits(&mut |bits| {
         seen.push(match bits {
-            FloatBits::F16(v) => v.len(),
-            FloatBits::F32(v) => v.len() + 1000,
+            FloatSlice::F16(v) => v.len(),
+            FloatSlice::F32(v) | FloatSlice::Bf16(v) => v.len() + 1000,
         });
         true
     });

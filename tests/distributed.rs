@@ -29,20 +29,19 @@
 //! - `layout_mismatch`: one rank with a different model, then one with another wire type: an
 //!   error on every rank at the first step, and the update after it refused.
 
-#[path = "common/digits.rs"]
-mod digits;
-#[path = "common/grads.rs"]
-mod grads;
+mod common;
 
 use std::io::Read;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use common::digits::{CLASSES, Digits, FEATURES};
+use common::grads;
+use common::params::{load, values};
 use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
 };
 use dfdx::{optim::*, prelude::*};
-use digits::{CLASSES, Digits, FEATURES};
 use mpx::distributed::mpi::topology::SimpleCommunicator;
 use mpx::distributed::mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use mpx::distributed::{AllReduceDtype, DistributedError, Reducer, mpi};
@@ -111,60 +110,9 @@ fn step<const B: usize>(
 
 // ---- flat views of models and gradients ---------------------------------------------------------
 
-struct Flatten(Vec<f32>);
-
-impl TensorVisitor<f32, Cpu> for Flatten {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        self.0.extend(t.as_vec());
-        Ok(None)
-    }
-}
-
-/// Every tensor of `m`, flat.
-fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<f32> {
-    let mut f = Flatten(vec![]);
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut f }).expect("readable");
-    f.0
-}
-
 /// The gradients of `m`'s trainable tensors in `g`, flat.
 fn grad_vec<M: TensorCollection<f32, Cpu>>(m: &M, g: &Gradients<f32, Cpu>) -> Vec<f32> {
     grads::param_grads::<f32, M>(m, g).concat()
-}
-
-struct Assign<'a>(&'a [f32], usize);
-
-impl TensorVisitor<f32, Cpu> for Assign<'_> {
-    type Viewer = ViewTensorMut;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, f32, Cpu>,
-        t: &mut Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let n = t.shape().num_elements();
-        t.copy_from(&self.0[self.1..self.1 + n]);
-        self.1 += n;
-        Ok(None)
-    }
-}
-
-fn set_params<M: TensorCollection<f32, Cpu>>(m: &mut M, v: &[f32]) {
-    M::iter_tensors(&mut RecursiveWalker {
-        m,
-        f: &mut Assign(v, 0),
-    })
-    .expect("writable");
 }
 
 struct ScaleGrads<'a>(&'a mut Gradients<f32, Cpu>, f32);
@@ -293,7 +241,7 @@ impl Rank {
             "{dtype:?}: {} all-reduces for {STEPS} updates",
             r.reductions()
         );
-        let diff = max_abs_diff(&params(&m), &params(&rm));
+        let diff = max_abs_diff(&values(&m), &values(&rm));
         check!(
             diff <= tol,
             "{dtype:?}: max |ddp - single process| = {diff:e} > {tol:e}"
@@ -350,9 +298,9 @@ impl Rank {
             rscaler.update(&mut rm, &mut ropt, &rg).map_err(err)?;
             rm.zero_grads(&mut rg);
         }
-        let diff = max_abs_diff(&params(&m), &params(&rm));
+        let diff = max_abs_diff(&values(&m), &values(&rm));
         check!(
-            params(&m) == params(&rm),
+            values(&m) == values(&rm),
             "2 ranks differ from one process with the shards as micro-batches by {diff:e}"
         );
         Ok(format!(
@@ -375,7 +323,7 @@ impl Rank {
                 v[5] = f32::NAN;
                 x.copy_from(&v);
             }
-            let before = params(&m);
+            let before = values(&m);
             let scale = scaler.loss_scale();
             g = step(&mut m, &mut opt, g, &x, &y, &mut scaler);
             let applied = scaler.last_step().is_some_and(|s| s.is_applied());
@@ -385,7 +333,7 @@ impl Rank {
                     "step 2 applied although rank {} had a NaN",
                     self.size - 1
                 );
-                check!(params(&m) == before, "the skipped step changed the master");
+                check!(values(&m) == before, "the skipped step changed the master");
                 check!(
                     scaler.loss_scale() == scale / 2.0,
                     "the scale did not back off: {scale} -> {}",
@@ -441,15 +389,15 @@ impl Rank {
                 .map_err(err)?;
             let mut scaler = GradScaler::<f16>::new(scaling(32768.0, 100)).with_reducer(reducer);
             let mut m = init.clone();
-            let before = params(&m);
+            let before = values(&m);
             let applied = self.overflow_step(&mut m, &mut scaler)?;
             if dtype == AllReduceDtype::F32 {
                 check!(applied, "f32 wire: the step was skipped");
-                check!(params(&m) != before, "f32 wire: the master did not move");
+                check!(values(&m) != before, "f32 wire: the master did not move");
             } else {
                 check!(!applied, "f16 wire: an overflowing sum was applied");
                 check!(
-                    params(&m) == before,
+                    values(&m) == before,
                     "f16 wire: the skip changed the master"
                 );
                 check!(
@@ -518,7 +466,7 @@ impl Rank {
             rscaler.update(&mut rm, &mut ropt, &rg).map_err(err)?;
             rm.zero_grads(&mut rg);
         }
-        let diff = max_abs_diff(&params(&m), &params(&rm));
+        let diff = max_abs_diff(&values(&m), &values(&rm));
         check!(diff <= 1e-4, "max |ddp - single process| = {diff:e} > 1e-4");
         check!(clipped > 0, "the clipping never acted");
         let r = scaler.reducer_mut().ok_or("no reducer")?;
@@ -532,7 +480,7 @@ impl Rank {
             "masters differ across ranks"
         );
         // an update after one micro-batch of two
-        let before = params(&m);
+        let before = values(&m);
         let (x, y) = rows::<M>(&self.data, 0, self.rank * 2 * M);
         let out = scaler.forward(&m, x.traced(g), |m, x| m.forward(x));
         let g = scaler
@@ -550,7 +498,7 @@ impl Rank {
             }
         }
         check!(
-            params(&m) == before,
+            values(&m) == before,
             "the refused update changed the master"
         );
         Ok(format!(
@@ -641,7 +589,7 @@ impl Rank {
         run(&mut b, &mut sb, 0..K);
         if self.rank == 0 {
             let json = serde_json::to_string(sb.scaling()).map_err(err)?;
-            let mut bytes: Vec<u8> = params(&b).iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut bytes: Vec<u8> = values(&b).iter().flat_map(|v| v.to_le_bytes()).collect();
             bytes.extend_from_slice(json.as_bytes());
             std::fs::write(&path, bytes).map_err(err)?;
         }
@@ -653,12 +601,12 @@ impl Rank {
         let mut json = Vec::new();
         if self.rank == 0 {
             let bytes = std::fs::read(&path).map_err(err)?;
-            let n = params(&c).len() * 4;
+            let n = values(&c).len() * 4;
             let v: Vec<f32> = bytes[..n]
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
-            set_params(&mut c, &v);
+            load(&mut c, &v);
             json = bytes[n..].to_vec();
         }
         let mut len = json.len() as u64;
@@ -673,9 +621,9 @@ impl Rank {
             .map_err(err)?;
         run(&mut c, &mut sc, K..2 * K);
         check!(
-            params(&c) == params(&a),
+            values(&c) == values(&a),
             "the restored run differs from the uninterrupted one by {:e}",
-            max_abs_diff(&params(&c), &params(&a))
+            max_abs_diff(&values(&c), &values(&a))
         );
         check!(
             sc.loss_scale() == sa.loss_scale(),
@@ -699,7 +647,7 @@ impl Rank {
         // the same model, but the last rank reduces in f16: an error everywhere, nothing moved
         let dev = Cpu::seed_from_u64(5);
         let mut m = dev.build_module::<Linear<4, 2>, f32>();
-        let before = params(&m);
+        let before = values(&m);
         let dtype = if self.rank == self.size - 1 {
             AllReduceDtype::F16
         } else {
@@ -726,7 +674,7 @@ impl Rank {
             Err(StepError::Distributed(DistributedError::ReductionFailed))
         );
         check!(
-            refused && params(&m) == before,
+            refused && values(&m) == before,
             "the update after a failed all-reduce was not refused"
         );
         Ok(format!(

@@ -6,7 +6,7 @@
 //!   gradients match the f32 computation within a bound derived from f16's precision.
 //! * A small ViT trains a few steps in f16 through the runtime's mixed step.
 
-use dfdx::nn::tensor_collection::{TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::prelude::*;
 use mpx::nn::{self, IntoLayers, Mpx};
 
@@ -136,8 +136,6 @@ fn f32_encoder_block_and_encoder_are_bit_identical_to_dfdx() {
 
 mod vit_step {
     use super::common::digits::{CLASSES, Digits, FEATURES};
-    use super::{TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef};
-    use dfdx::nn::tensor_collection::RecursiveWalker;
     use dfdx::optim::{Adam, AdamConfig};
     use dfdx::prelude::*;
     use mpx::cast::{Cast, cast_tree};
@@ -152,28 +150,6 @@ mod vit_step {
     pub type Model = Vit<FEATURES, 16, 4, 16, 2, 32, 2, CLASSES>;
     pub type X<E = f32> = Tensor<Rank2<BATCH, FEATURES>, E, Cpu>;
     pub type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
-
-    /// Every value of every tensor of a module (parameters and buffers).
-    struct Values(Vec<f32>);
-    impl TensorVisitor<f32, Cpu> for Values {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            self.0.extend(t.as_vec());
-            Ok(None)
-        }
-    }
-    pub fn values<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<f32> {
-        let mut v = Values(Vec::new());
-        M::iter_tensors(&mut RecursiveWalker { m, f: &mut v }).expect("walk");
-        v.0
-    }
 
     /// One mixed gradient computation in precision `H` from `master`: the loss and the f32
     /// master gradients in visit order (all of them finite, or `None`).
@@ -305,9 +281,10 @@ fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
 
 #[test]
 fn small_vit_trains_in_f16_with_skipped_steps_counted() {
+    use common::params::values;
     use mpx::precision::f16;
     use mpx::step::filter_value_and_grad;
-    use vit_step::{BATCH, Model, adam, scale_of, scaler, update, values};
+    use vit_step::{BATCH, Model, adam, scale_of, scaler, update};
     let dev = Cpu::seed_from_u64(5);
     let (digits, _, _) = vit_step::data(&dev);
     let mut master = dev.build_module::<Model, f32>();

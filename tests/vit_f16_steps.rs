@@ -32,8 +32,8 @@ fn batches(dev: &Cpu, d: &Digits) -> Vec<(Images, Labels)> {
 fn values(m: &DigitsVit<f32, Cpu>) -> Vec<f32> {
     let mut out = Vec::new();
     mpx::cast::module_visit_float_bits::<f32, _>(m, &mut |bits| {
-        if let mpx::precision::FloatBits::F32(b) = bits {
-            out.extend(b.iter().map(|&u| f32::from_bits(u)));
+        if let mpx::precision::FloatSlice::F32(v) = bits {
+            out.extend_from_slice(v);
         }
         true
     });

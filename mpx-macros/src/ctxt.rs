@@ -213,6 +213,25 @@ pub(crate) fn crate_path(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<s
     lit.parse()
 }
 
+/// The pipeline of every function attribute here (`attr`: its name, and what it applies to for
+/// the error on any other item): parse the arguments, read the item as a function, `check` it
+/// (recording every error found in the context), and `expand` the plan only when no error was
+/// recorded; otherwise the errors followed by the user's item unchanged.
+pub(crate) fn expand_fn<A, P>(
+    attr: (&str, &str),
+    (args, item): (TokenStream, TokenStream),
+    parse_args: impl FnOnce(TokenStream, &mut Ctxt) -> A,
+    check: impl FnOnce(&A, Option<syn::ItemFn>, &mut Ctxt) -> Option<P>,
+    expand: impl FnOnce(&A, P) -> TokenStream,
+) -> TokenStream {
+    let (name, applies_to) = attr;
+    let mut cx = Ctxt::default();
+    let parsed = parse_args(args, &mut cx);
+    let f = item_fn(&item, &mut cx, name, applies_to);
+    let plan = check(&parsed, f, &mut cx);
+    finish(cx, item, name, || Some(expand(&parsed, plan?)))
+}
+
 /// The annotated item as a function, or an error (`what` says what the attribute applies to)
 /// recorded at the item's head.
 pub(crate) fn item_fn(

@@ -13,7 +13,7 @@
 //! |---|---|
 //! | [`all_finite`] | every float leaf of a tree ([`FloatLeaves`]); integer leaves count as finite |
 //! | [`all_finite_f32`], [`all_finite_f16`], [`all_finite_slice`] | one slice |
-//! | [`bits_finite`] | one leaf, given as [`FloatBits`] |
+//! | [`floats_finite`] | one leaf, given as a [`FloatSlice`] |
 //! | [`unscale_into_checked`] | fused: unscale half/f32 gradients into f32 and check them in one pass |
 //! | [`unscale_in_place_checked`] | fused: unscale f32 values in place and check them in one pass |
 //!
@@ -28,7 +28,7 @@
 //! ```
 
 use crate::cast::FloatLeaves;
-use crate::precision::{FloatBits, FloatSliceMut, Precision};
+use crate::precision::{FloatSlice, FloatSliceMut, Precision};
 use half::f16;
 
 /// Elements per chunk: the checks look for a non-finite value (and may stop) once per chunk.
@@ -50,54 +50,56 @@ pub enum FiniteError {
     },
 }
 
-/// `true` when `bad` finds nothing in any chunk of `bits`: it looks once per chunk of [`CHUNK`]
+/// `true` when `bad` finds nothing in any chunk of `values`: it looks once per chunk of [`CHUNK`]
 /// values (whole chunks first, so their loop has a fixed length), and stops at the first bad one.
 #[inline]
-fn no_bad_chunk<T>(bits: &[T], bad: impl Fn(&[T]) -> bool) -> bool {
-    let mut chunks = bits.chunks_exact(CHUNK);
+fn no_bad_chunk<T>(values: &[T], bad: impl Fn(&[T]) -> bool) -> bool {
+    let mut chunks = values.chunks_exact(CHUNK);
     !chunks.any(&bad) && !bad(chunks.remainder())
 }
 
-/// `true` when no element of `bits` (binary32 patterns) is NaN or infinite.
+/// `true` when no element of `values` is NaN or infinite.
 #[inline]
-fn finite_u32(bits: &[u32]) -> bool {
-    no_bad_chunk(bits, |c| fold_u32(c) & 0x8000_0000 != 0)
+fn finite_f32(values: &[f32]) -> bool {
+    no_bad_chunk(values, |c| fold_f32(c) & 0x8000_0000 != 0)
 }
 
-/// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk: bit 31 ends up set iff some exponent is 0xff.
+/// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk's bit patterns `b`: bit 31 ends up set iff
+/// some exponent is 0xff.
 #[inline]
-fn fold_u32(chunk: &[u32]) -> u32 {
-    chunk.iter().fold(0u32, |acc, &b| {
-        acc | (b & 0x7fff_ffff).wrapping_add(0x0080_0000)
+fn fold_f32(chunk: &[f32]) -> u32 {
+    chunk.iter().fold(0u32, |acc, x| {
+        acc | (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000)
     })
 }
 
-/// `true` when no element of `bits` (binary16 patterns) is NaN or infinite.
+/// `true` when no element of `values` is NaN or infinite.
 #[inline]
-fn finite_u16(bits: &[u16]) -> bool {
-    no_bad_chunk(bits, |c| fold_u16(c) & 0x8000 != 0)
+fn finite_f16(values: &[f16]) -> bool {
+    no_bad_chunk(values, |c| fold_f16(c) & 0x8000 != 0)
 }
 
-/// ORs `(b & 0x7fff) + 0x0400` over a chunk: bit 15 ends up set iff some exponent is 0x1f.
+/// ORs `(b & 0x7fff) + 0x0400` over a chunk's bit patterns `b`: bit 15 ends up set iff some
+/// exponent is 0x1f.
 #[inline]
-fn fold_u16(chunk: &[u16]) -> u16 {
-    chunk
-        .iter()
-        .fold(0u16, |acc, &b| acc | (b & 0x7fff).wrapping_add(0x0400))
+fn fold_f16(chunk: &[f16]) -> u16 {
+    chunk.iter().fold(0u16, |acc, x| {
+        acc | (x.to_bits() & 0x7fff).wrapping_add(0x0400)
+    })
 }
 
-/// `true` when the leaf `bits` holds no NaN or infinity.
+/// `true` when the leaf `values` holds no NaN or infinity (emulated bf16: its f32 storage).
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::{finite::bits_finite, precision::Precision};
-/// assert!(bits_finite(f32::bits(&[1.0, 2.0])));
-/// assert!(!bits_finite(f32::bits(&[1.0, f32::NEG_INFINITY])));
+/// use mpx_runtime::{finite::floats_finite, precision::Precision};
+/// assert!(floats_finite(f32::floats(&[1.0, 2.0])));
+/// assert!(!floats_finite(f32::floats(&[1.0, f32::NEG_INFINITY])));
 /// ```
-pub fn bits_finite(bits: FloatBits<'_>) -> bool {
-    match bits {
-        FloatBits::F32(b) => finite_u32(b),
-        FloatBits::F16(b) => finite_u16(b),
+pub fn floats_finite(values: FloatSlice<'_>) -> bool {
+    match values {
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => finite_f32(v),
+        FloatSlice::F16(v) => finite_f16(v),
     }
 }
 
@@ -110,7 +112,7 @@ pub fn bits_finite(bits: FloatBits<'_>) -> bool {
 /// assert!(!all_finite_f32(&[1.0, f32::INFINITY]));
 /// ```
 pub fn all_finite_f32(values: &[f32]) -> bool {
-    bits_finite(f32::bits(values))
+    finite_f32(values)
 }
 
 /// `true` when no element of `values` is NaN or infinite (bit-level, chunked; see the module docs).
@@ -123,7 +125,7 @@ pub fn all_finite_f32(values: &[f32]) -> bool {
 /// assert!(!all_finite_f16(&[f16::NAN]));
 /// ```
 pub fn all_finite_f16(values: &[f16]) -> bool {
-    bits_finite(f16::bits(values))
+    finite_f16(values)
 }
 
 /// `true` when no element of `values` is NaN or infinite, for any float element (`f32`, `f16`,
@@ -137,7 +139,7 @@ pub fn all_finite_f16(values: &[f16]) -> bool {
 /// assert!(!all_finite_slice(&[0.0f32, f32::NAN]));
 /// ```
 pub fn all_finite_slice<E: Precision<Elem = E>>(values: &[E]) -> bool {
-    bits_finite(E::bits(values))
+    floats_finite(E::floats(values))
 }
 
 /// `true` when every floating-point leaf of `tree` is free of NaN and infinity: mpx's and jmp's
@@ -163,7 +165,7 @@ pub fn all_finite_slice<E: Precision<Elem = E>>(values: &[E]) -> bool {
 /// assert!(all_finite(&())); // no float leaves: finite
 /// ```
 pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
-    tree.visit_float_bits(&mut |bits| bits_finite(bits))
+    tree.visit_float_bits(&mut |values| floats_finite(values))
 }
 
 /// Fused unscale and check: writes `src[i] * inv_scale` (computed in f32, after widening `src`
@@ -300,7 +302,7 @@ pub(crate) fn add_scaled_checked(dst: &mut [f32], src: &[f32], scale: f32) -> bo
 #[inline]
 fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
     if inv == 1.0 {
-        return fold_u32(f32_bits(chunk));
+        return fold_f32(chunk);
     }
     let mut acc = 0u32;
     for x in chunk.iter_mut() {
@@ -312,15 +314,6 @@ fn unscale_chunk(chunk: &mut [f32], inv: f32) -> u32 {
     acc
 }
 
-#[inline]
-fn f32_bits(values: &[f32]) -> &[u32] {
-    match f32::bits(values) {
-        FloatBits::F32(b) => b,
-        // f32::bits always returns the F32 view.
-        FloatBits::F16(_) => &[],
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,12 +322,13 @@ mod tests {
     #[test]
     fn exponent_boundaries_f32() {
         // Largest finite, smallest inf, NaN with every payload bit, negative forms.
-        assert!(finite_u32(&[
+        let f32s = |bits: &[u32]| bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
+        assert!(finite_f32(&f32s(&[
             0x7f7f_ffff,
             0xff7f_ffff,
             0x0000_0001,
             0x8000_0000
-        ]));
+        ])));
         for bad in [
             0x7f80_0000u32,
             0xff80_0000,
@@ -342,25 +336,27 @@ mod tests {
             0x7f80_0001,
             0xffff_ffff,
         ] {
-            let mut v = vec![0u32; 3 * CHUNK + 7];
+            let mut v = vec![0.0f32; 3 * CHUNK + 7];
             for i in [0, CHUNK - 1, CHUNK, 3 * CHUNK + 6] {
-                v[i] = bad;
-                assert!(!finite_u32(&v), "{bad:#x} at {i}");
-                v[i] = 0;
+                v[i] = f32::from_bits(bad);
+                assert!(!finite_f32(&v), "{bad:#x} at {i}");
+                v[i] = 0.0;
             }
-            assert!(finite_u32(&v));
+            assert!(finite_f32(&v));
         }
     }
 
     #[test]
     fn exponent_boundaries_f16() {
-        assert!(finite_u16(&[0x7bff, 0xfbff, 0x0001, 0x8000]));
+        assert!(finite_f16(
+            &[0x7bff, 0xfbff, 0x0001, 0x8000].map(f16::from_bits)
+        ));
         for bad in [0x7c00u16, 0xfc00, 0x7e00, 0x7c01, 0xffff] {
-            let mut v = vec![0u16; 2 * CHUNK + 3];
+            let mut v = vec![f16::ZERO; 2 * CHUNK + 3];
             for i in [0, CHUNK, 2 * CHUNK + 2] {
-                v[i] = bad;
-                assert!(!finite_u16(&v), "{bad:#x} at {i}");
-                v[i] = 0;
+                v[i] = f16::from_bits(bad);
+                assert!(!finite_f16(&v), "{bad:#x} at {i}");
+                v[i] = f16::ZERO;
             }
         }
     }

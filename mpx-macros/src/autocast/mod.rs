@@ -27,36 +27,38 @@ mod valid;
 use proc_macro2::TokenStream;
 use syn::visit_mut::VisitMut;
 
-use crate::ctxt::{Ctxt, finish, item_fn, runtime_path};
+use crate::ctxt::{expand_fn, runtime_path};
 
 /// Entry point: the rewritten function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
-    let mut cx = Ctxt::default();
-    let parsed_args = ast::parse_args(args, &mut cx);
-    let f = item_fn(
-        &item,
-        &mut cx,
-        "autocast",
-        "a function or a method with a body (a forward function, or `try_forward` inside `impl Module<..> for ..`)",
-    );
-    let rewritten = f.map(|mut f| {
-        let plan = valid::check(&parsed_args, &f, &mut cx);
-        let root = runtime_path(parsed_args.krate.as_ref());
-        // Without a half type (already reported) the body is still read for its own errors.
-        let half = plan.half.unwrap_or_else(|| syn::parse_quote!(H));
-        let mut rw = expand::Rewriter::new(&root, &half, &plan.skip);
-        rw.visit_block_mut(&mut f.block);
-        for err in rw.errors {
-            cx.push(err);
-        }
-        if rw.wrapped == 0 {
-            cx.error_spanned(&f.sig.ident, nothing_to_wrap());
-        }
-        f
-    });
-    finish(cx, item, "autocast", || {
-        rewritten.map(|f| quote::quote!(#f))
-    })
+    expand_fn(
+        (
+            "autocast",
+            "a function or a method with a body (a forward function, or `try_forward` inside `impl Module<..> for ..`)",
+        ),
+        (args, item),
+        ast::parse_args,
+        |args, f, cx| f.map(|f| rewrite(args, f, cx)),
+        |_, f| quote::quote!(#f),
+    )
+}
+
+/// Rewrites the body of `f` (recording the errors in `cx`); still read for its own errors when
+/// the arguments name no half type.
+fn rewrite(parsed_args: &ast::Args, mut f: syn::ItemFn, cx: &mut crate::ctxt::Ctxt) -> syn::ItemFn {
+    let plan = valid::check(parsed_args, &f, cx);
+    let root = runtime_path(parsed_args.krate.as_ref());
+    // Without a half type (already reported) the body is still read for its own errors.
+    let half = plan.half.unwrap_or_else(|| syn::parse_quote!(H));
+    let mut rw = expand::Rewriter::new(&root, &half, &plan.skip);
+    rw.visit_block_mut(&mut f.block);
+    for err in rw.errors {
+        cx.push(err);
+    }
+    if rw.wrapped == 0 {
+        cx.error_spanned(&f.sig.ident, nothing_to_wrap());
+    }
+    f
 }
 
 /// The error for a function with no tensor operation of the table.

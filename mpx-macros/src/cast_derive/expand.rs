@@ -166,7 +166,7 @@ pub(super) fn expand(plan: &Plan) -> TokenStream {
         {
             fn visit_float_bits(
                 &self,
-                visit: &mut dyn ::core::ops::FnMut(#rt::precision::FloatBits<'_>) -> bool,
+                visit: &mut dyn ::core::ops::FnMut(#rt::precision::FloatSlice<'_>) -> bool,
             ) -> bool {
                 true #(&& #rt::cast::FloatLeaves::visit_float_bits(&self.#members, visit))*
             }

@@ -15,24 +15,20 @@ mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, finish, item_fn};
+use crate::ctxt::expand_fn;
 
 /// Entry point: the expanded function, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
-    let mut cx = Ctxt::default();
-    let parsed_args = ast::parse_args(args, &mut cx);
-    let f = item_fn(
-        &item,
-        &mut cx,
-        "full_precision",
-        "a function or a method with a body",
-    );
-    let plan = f
-        .as_ref()
-        .and_then(|f| valid::check(&parsed_args, f, &mut cx));
-    finish(cx, item, "full_precision", || {
-        Some(expand::expand(&parsed_args, &plan?, f?))
-    })
+    expand_fn(
+        ("full_precision", "a function or a method with a body"),
+        (args, item),
+        ast::parse_args,
+        |args, f, cx| {
+            let f = f?;
+            Some((valid::check(args, &f, cx)?, f))
+        },
+        |args, (plan, f)| expand::expand(args, &plan, f),
+    )
 }
 
 #[cfg(test)]

@@ -9,24 +9,23 @@ mod valid;
 
 use proc_macro2::TokenStream;
 
-use crate::ctxt::{Ctxt, finish, item_fn};
+use crate::ctxt::expand_fn;
 
 /// Entry point: the rewritten step, or the errors followed by the user's item unchanged.
 pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
-    let mut cx = Ctxt::default();
-    let parsed_args = ast::parse_args(args, &mut cx);
-    let f = item_fn(
-        &item,
-        &mut cx,
-        "mixed_step",
-        "a function that trains: a traced forward pass of the model, a backward pass and an optimizer update (a loop of them is fine)",
-    );
-    let plan = f
-        .as_ref()
-        .and_then(|f| valid::check(&parsed_args, f, &mut cx));
-    finish(cx, item, "mixed_step", || {
-        Some(expand::expand(&parsed_args, plan?, f?))
-    })
+    expand_fn(
+        (
+            "mixed_step",
+            "a function that trains: a traced forward pass of the model, a backward pass and an optimizer update (a loop of them is fine)",
+        ),
+        (args, item),
+        ast::parse_args,
+        |args, f, cx| {
+            let f = f?;
+            Some((valid::check(args, &f, cx)?, f))
+        },
+        |args, (plan, f)| expand::expand(args, plan, f),
+    )
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hash};
 
 use super::{Cast, FloatLeaves, FloatSliceMut};
-use crate::precision::{FloatBits, Precision};
+use crate::precision::{FloatSlice, Precision};
 
 impl<P: Precision, T: Cast<P>> Cast<P> for Vec<T> {
     type Output = Vec<T::Output>;
@@ -14,7 +14,7 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Vec<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Vec<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.iter().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -31,7 +31,7 @@ impl<P: Precision, T: Cast<P>, const N: usize> Cast<P> for [T; N] {
     }
 }
 impl<T: FloatLeaves, const N: usize> FloatLeaves for [T; N] {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.iter().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -48,7 +48,7 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Option<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Option<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.as_ref().is_none_or(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -65,7 +65,7 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Box<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Box<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         (**self).visit_float_bits(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -86,7 +86,7 @@ impl<P: Precision, K: Clone + Eq + Hash, V: Cast<P>, St: BuildHasher + Clone> Ca
 /// Map values are visited in the map's iteration order, which for `HashMap` is fixed for a given
 /// map but not across maps: prefer `BTreeMap` where two trees must line up leaf by leaf.
 impl<K, V: FloatLeaves, St> FloatLeaves for HashMap<K, V, St> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.values().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -103,7 +103,7 @@ impl<P: Precision, K: Clone + Ord, V: Cast<P>> Cast<P> for BTreeMap<K, V> {
     }
 }
 impl<K, V: FloatLeaves> FloatLeaves for BTreeMap<K, V> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.values().all(|x| x.visit_float_bits(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -122,7 +122,7 @@ macro_rules! tuple {
             }
         }
         impl<$($t: FloatLeaves),+> FloatLeaves for ($($t,)+) {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 $(self.$i.visit_float_bits(visit))&&+
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -158,7 +158,7 @@ impl<P: Precision, T: Cast<P>> Cast<P> for std::marker::PhantomData<T> {
     }
 }
 impl<T> FloatLeaves for std::marker::PhantomData<T> {
-    fn visit_float_bits(&self, _: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         true
     }
     fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

@@ -20,7 +20,7 @@ use dfdx::nn::modules::{
 };
 
 use super::{Cast, FloatLeaves, FloatSliceMut, cast_by_fields};
-use crate::precision::{AMP, FloatBits, Precision, f16};
+use crate::precision::{AMP, FloatSlice, Precision, f16};
 
 cast_by_fields!(Linear [I, O] cast { weight, bias } keep {});
 cast_by_fields!(UnbiasedLinear [I, O] cast { weight } keep {});
@@ -46,7 +46,7 @@ macro_rules! leaky_for {
             }
         }
         impl FloatLeaves for LeakyReLU<$e> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 self.0.visit_float_bits(visit)
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -67,7 +67,7 @@ macro_rules! wrapper {
             }
         }
         impl<$($g: FloatLeaves),*> FloatLeaves for $name<$($g),*> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true $(&& self.$f.visit_float_bits(visit))*
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -90,7 +90,7 @@ impl<P: Precision, T: Cast<P>, const N: usize> Cast<P> for Repeated<T, N> {
     }
 }
 impl<T: FloatLeaves, const N: usize> FloatLeaves for Repeated<T, N> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         self.modules.visit_float_bits(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -108,7 +108,7 @@ macro_rules! no_leaves {
             }
         }
         impl<$(const $c: usize)?> FloatLeaves for $name$(<$c>)? {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

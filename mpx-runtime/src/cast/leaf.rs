@@ -9,7 +9,7 @@ use dfdx::tensor::{Cpu, Tensor, TensorFromVec};
 
 use super::tensor_io::{read_tensor_bits, read_tensor_f32, stores_itself, update_tensor};
 use super::{Cast, FloatLeaves, FloatSliceMut};
-use crate::precision::{AMP, FloatBits, Precision, f16, sized};
+use crate::precision::{AMP, FloatSlice, Precision, f16, sized};
 
 thread_local! {
     /// Per-thread scratch for tensor reads, so that visiting or casting a tensor allocates nothing
@@ -55,7 +55,7 @@ macro_rules! float_tensor {
         }
 
         impl<S: Shape> FloatLeaves for Tensor<S, $e, Cpu> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 with_scratch(|a, b| visit(read_tensor_bits(self, a, b)))
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -77,7 +77,7 @@ macro_rules! untouched_tensor {
         }
 
         impl<S: Shape> FloatLeaves for Tensor<S, $e, Cpu> {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}
@@ -116,24 +116,24 @@ impl<P: Precision> Cast<P> for AMP<f16> {
 }
 
 impl FloatLeaves for f32 {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(<f32 as Precision>::bits(std::slice::from_ref(self)))
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        visit(<f32 as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(FloatSliceMut::F32(std::slice::from_mut(self)));
     }
 }
 impl FloatLeaves for f16 {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(<f16 as Precision>::bits(std::slice::from_ref(self)))
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        visit(<f16 as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(FloatSliceMut::F16(std::slice::from_mut(self)));
     }
 }
 impl FloatLeaves for AMP<f16> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
-        visit(<AMP<f16> as Precision>::bits(std::slice::from_ref(self)))
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        visit(<AMP<f16> as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         visit(<AMP<f16> as Precision>::floats_mut(std::slice::from_mut(
@@ -151,7 +151,7 @@ macro_rules! untouched_value {
             }
         }
         impl FloatLeaves for $t {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

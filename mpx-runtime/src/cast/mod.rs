@@ -54,10 +54,10 @@ mod tensor_io;
 
 pub(crate) use tensor_io::grad_slice;
 
-use crate::precision::{FloatBits, HalfPrecision, Precision, bf16, f16};
+use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};
 
 /// The mutable view of a float leaf that [`FloatLeaves::visit_floats_mut`] passes (defined in
-/// [`crate::precision`], next to [`FloatBits`]).
+/// [`crate::precision`], next to [`FloatSlice`]).
 pub use crate::precision::FloatSliceMut;
 
 pub use module::{
@@ -97,7 +97,7 @@ macro_rules! cast_by_fields_of {
         impl<$(const $c: usize),*> $crate::cast::FloatLeaves for $name<$($c,)* $e, ::dfdx::tensor::Cpu> {
             fn visit_float_bits(
                 &self,
-                visit: &mut dyn FnMut($crate::precision::FloatBits<'_>) -> bool,
+                visit: &mut dyn FnMut($crate::precision::FloatSlice<'_>) -> bool,
             ) -> bool {
                 true $(&& $crate::cast::FloatLeaves::visit_float_bits(&self.$f, visit))*
             }
@@ -132,7 +132,7 @@ pub trait Cast<P: Precision> {
 pub trait FloatLeaves {
     /// Calls `visit` with the bits of every float leaf, in a fixed order, until it returns `false`.
     /// Returns `false` if a call returned `false`.
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool;
+    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool;
     /// Calls `visit` with every float leaf's values, mutably, in the same order.
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>));
 }

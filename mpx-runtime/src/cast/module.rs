@@ -13,7 +13,7 @@ use dfdx::tensor_ops::Device;
 use super::FloatSliceMut;
 use super::leaf::{cast_tensor, with_scratch};
 use super::tensor_io::{read_tensor_bits, read_tensor_f32, update_tensor, write_tensor_from_f32};
-use crate::precision::{FloatBits, Precision, f16};
+use crate::precision::{FloatSlice, Precision, f16};
 
 /// Why a module cast failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -310,7 +310,7 @@ where
 // ---- float leaves of modules -------------------------------------------------------------------
 
 struct BitsVisitor<'a, 'v> {
-    visit: &'a mut dyn FnMut(FloatBits<'_>) -> bool,
+    visit: &'a mut dyn FnMut(FloatSlice<'_>) -> bool,
     p: PhantomData<&'v ()>,
 }
 
@@ -369,15 +369,12 @@ where
 /// let dev = Cpu::default();
 /// let m = dev.build_module::<Linear<3, 2>, f32>();
 /// let mut n = 0;
-/// assert!(module_visit_float_bits::<f32, _>(&m, &mut |b| { n += match b {
-///     mpx_runtime::precision::FloatBits::F32(v) => v.len(),
-///     mpx_runtime::precision::FloatBits::F16(v) => v.len(),
-/// }; true }));
+/// assert!(module_visit_float_bits::<f32, _>(&m, &mut |v| { n += v.len(); true }));
 /// assert_eq!(n, 3 * 2 + 2);
 /// ```
 pub fn module_visit_float_bits<E, M>(
     module: &M,
-    visit: &mut dyn FnMut(FloatBits<'_>) -> bool,
+    visit: &mut dyn FnMut(FloatSlice<'_>) -> bool,
 ) -> bool
 where
     E: Precision<Elem = E> + Dtype,

@@ -13,7 +13,7 @@ use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
-use crate::precision::{FloatBits, FloatSliceMut, Precision};
+use crate::precision::{FloatSlice, FloatSliceMut, Precision};
 
 /// A gradient buffer (dfdx's private CPU vector) as a slice. Written outside any `Cpu: Device<E>`
 /// bound, under which the storage type does not resolve to the vector.
@@ -85,10 +85,10 @@ pub(crate) fn read_tensor_bits<'a, E: Precision<Elem = E> + Dtype, S: Shape>(
     t: &Tensor<S, E, Cpu>,
     tmp32: &'a mut Vec<f32>,
     tmp16: &'a mut Vec<f16>,
-) -> FloatBits<'a> {
+) -> FloatSlice<'a> {
     let buf = E::scratch(tmp32, tmp16, t.shape().num_elements());
     contiguous(t).copy_into(buf);
-    E::bits(buf)
+    E::floats(buf)
 }
 
 /// Lets `visit` change a CPU tensor's values in place (copied out to scratch, then back).

@@ -2,18 +2,11 @@
 
 use super::tile::Micro;
 
-const MR: usize = 8;
-const NR: usize = 32;
+pub(crate) const MR: usize = 8;
+pub(crate) const NR: usize = 32;
 
 pub(crate) fn micro() -> Micro<f32> {
-    Micro {
-        mr: MR,
-        nr: NR,
-        kc: 256,
-        mc: 64,
-        nc: 512,
-        run: kernel,
-    }
+    Micro::new(MR, NR, kernel)
 }
 
 /// `C[8 x 32] += Apack(kc x 8)ᵀ · Bpack(kc x 32)`.
@@ -24,10 +17,7 @@ pub(crate) fn micro() -> Micro<f32> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
-    use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
-        _mm512_storeu_ps,
-    };
+    use std::arch::x86_64::{_mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps};
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)).take(kc) {
@@ -43,6 +33,21 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
             row[1] = _mm512_fmadd_ps(av, b1, row[1]);
         }
     }
+    // SAFETY: AVX-512 F is enabled here; `c` is the tile the caller lends us.
+    unsafe { add_tile(&acc, c, ldc) };
+}
+
+/// `C[8 x 32] += acc`: a tile's f32 sums, two zmm per row, added into `C`. The end of the AVX-512
+/// f32 kernel and of the AVX512-BF16 one (`bf16.rs`), which share the tile shape.
+///
+/// # Safety
+/// The CPU must support AVX-512 F. `c` must be valid for reads and writes of `MR` rows of `NR`
+/// values at stride `ldc`, untouched by anyone else during the call.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn add_tile(acc: &[[std::arch::x86_64::__m512; 2]; MR], c: *mut f32, ldc: usize) {
+    use std::arch::x86_64::{_mm512_add_ps, _mm512_loadu_ps, _mm512_storeu_ps};
     for (i, row) in acc.iter().enumerate() {
         for (h, v) in row.iter().enumerate() {
             let dst = c.wrapping_add(i * ldc + h * 16);

@@ -32,10 +32,9 @@
 use super::pack::{Src, pack_a, pack_b};
 use super::tile::{Out, split};
 
-/// Rows of a micro-tile.
-pub(crate) const MR: usize = 8;
-/// Columns of a micro-tile (two zmm of 16 f32).
-pub(crate) const NR: usize = 32;
+/// Rows and columns of a micro-tile (two zmm of 16 f32 per row): the AVX-512 f32 kernel's, whose
+/// end (adding the sums into `C`) this path shares.
+pub(crate) use super::avx512::{MR, NR};
 /// Values of k per block (even: blocks start on a pair).
 pub(crate) const KC: usize = 256;
 const MC: usize = 64;
@@ -85,6 +84,19 @@ fn bf16_bits(x: f32) -> u32 {
     } else {
         // no overflow: the largest non-NaN pattern, 0xff80_0000, plus 0x8000 fits
         (b + 0x7fff + ((b >> 16) & 1)) >> 16
+    }
+}
+
+/// [`to_pairs`] on each of the first `panels` packed panels of `width` lines and `kc` values of k
+/// in `packed`, into the same panels of `pairs`.
+fn panels_to_pairs(packed: &[f32], panels: usize, (kc, width): (usize, usize), pairs: &mut [u32]) {
+    let kq = kc.div_ceil(2);
+    for (src, dst) in packed
+        .chunks_exact(width * kc)
+        .zip(pairs.chunks_exact_mut(width * kq))
+        .take(panels)
+    {
+        to_pairs(src, kc, width, dst);
     }
 }
 
@@ -144,25 +156,11 @@ fn block(
         for jc in (c0..c1).step_by(NC) {
             let nc = NC.min(c1 - jc);
             pack_b(&mut buf.b32, b, (pc, kc), (jc, nc), NR);
-            for jp in 0..nc.div_ceil(NR) {
-                to_pairs(
-                    &buf.b32[jp * NR * kc..(jp + 1) * NR * kc],
-                    kc,
-                    NR,
-                    &mut buf.b[jp * NR * kq..(jp + 1) * NR * kq],
-                );
-            }
+            panels_to_pairs(&buf.b32, nc.div_ceil(NR), (kc, NR), &mut buf.b);
             for ic in (r0..r1).step_by(MC) {
                 let mc = MC.min(r1 - ic);
                 pack_a(&mut buf.a32, a, (ic, mc), (pc, kc), MR);
-                for ip in 0..mc.div_ceil(MR) {
-                    to_pairs(
-                        &buf.a32[ip * MR * kc..(ip + 1) * MR * kc],
-                        kc,
-                        MR,
-                        &mut buf.a[ip * MR * kq..(ip + 1) * MR * kq],
-                    );
-                }
+                panels_to_pairs(&buf.a32, mc.div_ceil(MR), (kc, MR), &mut buf.a);
                 for jp in 0..nc.div_ceil(NR) {
                     let (col, cols) = (jc + jp * NR, NR.min(nc - jp * NR));
                     let bp = &buf.b[jp * NR * kq..(jp + 1) * NR * kq];
@@ -204,8 +202,7 @@ fn block(
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize) {
     use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32,
-        _mm512_setzero_ps, _mm512_storeu_ps,
+        _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_setzero_ps,
     };
     assert!(a.len() >= pairs * MR && b.len() >= pairs * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -223,17 +220,8 @@ pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc
             row[1] = _mm512_dpbf16_ps(row[1], av, b1);
         }
     }
-    for (i, row) in acc.iter().enumerate() {
-        for (h, v) in row.iter().enumerate() {
-            // `i < MR`, `h * 16 + 16 <= NR`: inside the tile the caller lends us
-            let dst = c.wrapping_add(i * ldc + h * 16);
-            // SAFETY: 16 values of the tile at `dst`, ours for the call.
-            let old = unsafe { _mm512_loadu_ps(dst) };
-            let sum = _mm512_add_ps(old, *v);
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(dst, sum) };
-        }
-    }
+    // SAFETY: AVX-512 F is enabled here; `c` is the tile the caller lends us (same shape).
+    unsafe { super::avx512::add_tile(&acc, c, ldc) };
 }
 
 /// The 512 bits of `v` as 32 bf16 values.

@@ -18,12 +18,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::mat::{MatRef, Operand};
+use super::mat::MatRef;
 use super::pack::{PackElem, Src, pack_a, pack_b};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Buffers, Micro, Out, Packed, split};
 use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable};
+use crate::precision::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
 ///
@@ -60,7 +61,7 @@ pub(crate) fn gemm_threads<'a>(
     }
     // each block zeroes its own part of C first (on its thread, just before using it)
     let zero = !accumulate;
-    if let (KernelPath::Avx512Fp16, Operand::F16(av), Operand::F16(bv)) =
+    if let (KernelPath::Avx512Fp16, FloatSlice::F16(av), FloatSlice::F16(bv)) =
         (path, a.values(), b.values())
     {
         let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
@@ -77,7 +78,7 @@ pub(crate) fn gemm_threads<'a>(
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
         return Ok(());
     }
-    if let (KernelPath::Avx512Bf16, Operand::Bf16(av), Operand::Bf16(bv)) =
+    if let (KernelPath::Avx512Bf16, FloatSlice::Bf16(av), FloatSlice::Bf16(bv)) =
         (path, a.values(), b.values())
     {
         // read in place: the values are rounded to bf16 while packing
@@ -175,13 +176,13 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     let n = m.needed().expect("checked by `check`");
     match m.values() {
-        Operand::F32(v) => &v[..n],
-        Operand::F16(v) => {
+        FloatSlice::F32(v) => &v[..n],
+        FloatSlice::F16(v) => {
             let buf = grown(buf, n);
             crate::precision::convert::widen_f16(&v[..n], buf);
             buf
         }
-        Operand::Bf16(v) => {
+        FloatSlice::Bf16(v) => {
             let buf = grown(buf, n);
             crate::precision::convert::round_bf16(&v[..n], buf);
             buf

@@ -8,6 +8,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::KernelError;
+use crate::precision::FloatSliceMut;
 
 /// The activation fused after a Linear layer's GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,24 +18,6 @@ pub enum Activation {
     Identity,
     /// `y = max(z, 0)`.
     ReLU,
-}
-
-/// A destination of a pass: f32 or f16 values.
-#[derive(Debug)]
-pub(crate) enum Dst<'a> {
-    /// f32 values (also emulated bf16 storage).
-    F32(&'a mut [f32]),
-    /// f16 values (also `AMP<f16>`, viewed as f16).
-    F16(&'a mut [f16]),
-}
-
-impl Dst<'_> {
-    fn len(&self) -> usize {
-        match self {
-            Dst::F32(v) => v.len(),
-            Dst::F16(v) => v.len(),
-        }
-    }
 }
 
 fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), KernelError> {
@@ -60,28 +43,28 @@ pub(crate) fn bias_act_into(
     acc: &mut [f32],
     bias: &[f32],
     act: Activation,
-    out: Dst<'_>,
+    out: FloatSliceMut<'_>,
 ) -> Result<(), KernelError> {
     let cols = bias.len();
     expect_len("out", out.len(), acc.len())?;
     whole_rows("acc", acc.len(), "bias", cols)?;
     let rows = acc.chunks_exact_mut(cols);
     match (act, out) {
-        (Activation::Identity, Dst::F32(o)) => {
+        (Activation::Identity, FloatSliceMut::F32(o)) => {
             for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
                 for ((d, a), b) in orow.iter_mut().zip(row.iter()).zip(bias) {
                     *d = *a + *b;
                 }
             }
         }
-        (Activation::ReLU, Dst::F32(o)) => {
+        (Activation::ReLU, FloatSliceMut::F32(o)) => {
             for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
                 for ((d, a), b) in orow.iter_mut().zip(row.iter()).zip(bias) {
                     *d = (*a + *b).max(0.0);
                 }
             }
         }
-        (act, Dst::F16(o)) => {
+        (act, FloatSliceMut::F16(o)) => {
             for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
                 if act == Activation::ReLU {
                     row.iter_mut()
@@ -252,11 +235,11 @@ fn whole_rows(
 ///
 /// # Errors
 /// [`KernelError::Length`] if the lengths differ.
-pub(crate) fn add_f32_into(src: &[f32], dst: Dst<'_>) -> Result<(), KernelError> {
+pub(crate) fn add_f32_into(src: &[f32], dst: FloatSliceMut<'_>) -> Result<(), KernelError> {
     expect_len("dst", dst.len(), src.len())?;
     match dst {
-        Dst::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-        Dst::F16(d) => crate::precision::convert::add_f32_into_f16(src, d),
+        FloatSliceMut::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
+        FloatSliceMut::F16(d) => crate::precision::convert::add_f32_into_f16(src, d),
     }
     Ok(())
 }

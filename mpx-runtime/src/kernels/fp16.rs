@@ -11,14 +11,7 @@ const MR: usize = 8;
 const NR: usize = 64;
 
 pub(crate) fn micro() -> Micro<u16> {
-    Micro {
-        mr: MR,
-        nr: NR,
-        kc: 256,
-        mc: 64,
-        nc: 512,
-        run: kernel,
-    }
+    Micro::new(MR, NR, kernel)
 }
 
 /// `C[8 x 64] += Apack(kc x 8)ᵀ · Bpack(kc x 64)`, in runs of at most 32 f16 FMAs per output

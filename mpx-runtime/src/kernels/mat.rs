@@ -6,14 +6,14 @@
 
 use super::KernelError;
 
-pub use crate::precision::Operand;
+use crate::precision::FloatSlice;
 use half::f16;
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
-    values: Operand<'a>,
+    values: FloatSlice<'a>,
     rows: usize,
     cols: usize,
     row_stride: usize,
@@ -27,7 +27,7 @@ impl<'a> MatRef<'a> {
     /// [`KernelError::OperandTooShort`] if the last element the view reaches lies past the
     /// slice, [`KernelError::OperandOverflow`] if its offset does not even fit in `usize`.
     pub fn new(
-        values: Operand<'a>,
+        values: FloatSlice<'a>,
         rows: usize,
         cols: usize,
         row_stride: usize,
@@ -48,7 +48,11 @@ impl<'a> MatRef<'a> {
     ///
     /// # Errors
     /// As [`MatRef::new`]: the slice must hold `rows x cols` values.
-    pub fn row_major(values: Operand<'a>, rows: usize, cols: usize) -> Result<Self, KernelError> {
+    pub fn row_major(
+        values: FloatSlice<'a>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
         Self::new(values, rows, cols, cols, 1)
     }
 
@@ -57,7 +61,7 @@ impl<'a> MatRef<'a> {
     /// # Errors
     /// As [`MatRef::row_major`].
     pub fn row_major_f32(values: &'a [f32], rows: usize, cols: usize) -> Result<Self, KernelError> {
-        Self::row_major(Operand::F32(values), rows, cols)
+        Self::row_major(FloatSlice::F32(values), rows, cols)
     }
 
     /// A row-major view of f16 values.
@@ -65,7 +69,7 @@ impl<'a> MatRef<'a> {
     /// # Errors
     /// As [`MatRef::row_major`].
     pub fn row_major_f16(values: &'a [f16], rows: usize, cols: usize) -> Result<Self, KernelError> {
-        Self::row_major(Operand::F16(values), rows, cols)
+        Self::row_major(FloatSlice::F16(values), rows, cols)
     }
 
     /// The transpose: the same values, rows and columns swapped (valid, as `self` is).
@@ -91,7 +95,7 @@ impl<'a> MatRef<'a> {
     }
 
     /// The values.
-    pub(crate) fn values(&self) -> Operand<'a> {
+    pub(crate) fn values(&self) -> FloatSlice<'a> {
         self.values
     }
 

@@ -70,11 +70,11 @@
 //!
 //! # Safety
 //! Most of mpx's `unsafe` is in this module, though not all of it: `precision/` reinterprets
-//! `AMP<f16>` slices as f16 ones and float slices as their bits (`slices.rs`, `impls.rs`), and
+//! `AMP<f16>` slices as f16 ones (`slices.rs`) and converts f16 and bf16 slices with F16C and
+//! AVX2 after detecting them (`convert.rs`), and
 //! `mx/block.rs` calls its row loops compiled for AVX2 after detecting it. Here: the SIMD micro-kernels (each runs only after its features
 //! were detected; the AVX2 one reads tiles of A and B through pointers and strides, in place or
-//! packed, whose ranges `strided.rs` checks against the operand slices), the F16C slice
-//! conversions (`convert.rs`, same condition), the AVX transpose that packs f32 panels with k
+//! packed, whose ranges `strided.rs` checks against the operand slices), the AVX transpose that packs f32 panels with k
 //! contiguous (`transpose.rs`), the peak-throughput loops, the driver's shared view of the output
 //! through which threads write disjoint blocks of it, and the pool's hand-off of a borrowed task
 //! to its helper threads (`pool.rs`). Every `unsafe` block holds one unsafe operation and says
@@ -115,11 +115,11 @@ mod transpose;
 pub use driver::{gemm_nanos, gemm_on};
 pub use epilogue::Activation;
 pub(crate) use epilogue::{
-    Dst, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
+    ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 pub use error::KernelError;
 pub use isa::KernelPath;
-pub use mat::{MatRef, Operand};
+pub use mat::MatRef;
 pub(crate) use path::gemm;
 pub use path::{Calibration, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
@@ -130,10 +130,11 @@ pub use threads::{available_threads, max_threads, set_max_threads, with_threads}
 pub mod bench {
     pub use super::path::gemm;
     pub use super::{
-        Calibration, KernelError, KernelPath, MatRef, Operand, active_path, available_threads,
+        Calibration, KernelError, KernelPath, MatRef, active_path, available_threads,
         bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm_nanos, gemm_on,
         max_threads, peak_fma_flops, set_max_threads, use_scoped_threads, with_path, with_threads,
     };
+    pub use crate::precision::FloatSlice;
 }
 
 /// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`): for

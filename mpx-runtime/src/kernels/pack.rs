@@ -172,22 +172,13 @@ fn panel_w<T: PackElem, const W: usize>(panel: &mut [T], at: Lines<'_, T>) {
 
 /// [`panel_of`] for any width, strides and line count.
 fn panel_any<T: PackElem>(panel: &mut [T], at: Lines<'_, T>, width: usize) {
-    let Lines {
-        data,
-        l0,
-        lines,
-        pc,
-        kc,
-        ls,
-        ks,
-    } = at;
-    if lines < width {
+    if at.lines < width {
         panel.fill(T::default());
     }
-    for l in 0..lines {
-        let base = (l0 + l) * ls + pc * ks;
-        for (p, dst) in panel[..width * kc].chunks_exact_mut(width).enumerate() {
-            dst[l] = data[base + p * ks];
+    for l in 0..at.lines {
+        let base = (at.l0 + l) * at.ls + at.pc * at.ks;
+        for (p, dst) in panel[..width * at.kc].chunks_exact_mut(width).enumerate() {
+            dst[l] = at.data[base + p * at.ks];
         }
     }
 }

@@ -22,7 +22,8 @@ use std::cell::Cell;
 use std::sync::OnceLock;
 
 use super::driver::{gemm_on, gemm_threads};
-use super::{KernelError, KernelPath, MatRef, Operand};
+use super::{KernelError, KernelPath, MatRef};
+use crate::precision::FloatSlice;
 
 /// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
 /// compute the same bits), the time each took on the probe products, and the one chosen, for
@@ -146,16 +147,16 @@ pub(crate) fn detected_path() -> KernelPath {
 /// The path an `m x n` product of `a` and `b` runs on when none is forced: f16 operands on
 /// [`KernelPath::Avx512Fp16`] and bf16 operands on [`KernelPath::Avx512Bf16`] where the CPU has
 /// them, everything else on the calibration's choice for its class (thin or not).
-pub(crate) fn path_for(a: Operand<'_>, b: Operand<'_>, m: usize, n: usize) -> KernelPath {
+pub(crate) fn path_for(a: FloatSlice<'_>, b: FloatSlice<'_>, m: usize, n: usize) -> KernelPath {
     static FP16: OnceLock<bool> = OnceLock::new();
     static BF16: OnceLock<bool> = OnceLock::new();
     match (a, b) {
-        (Operand::F16(_), Operand::F16(_))
+        (FloatSlice::F16(_), FloatSlice::F16(_))
             if *FP16.get_or_init(|| KernelPath::Avx512Fp16.is_supported()) =>
         {
             KernelPath::Avx512Fp16
         }
-        (Operand::Bf16(_), Operand::Bf16(_))
+        (FloatSlice::Bf16(_), FloatSlice::Bf16(_))
             if *BF16.get_or_init(|| KernelPath::Avx512Bf16.is_supported()) =>
         {
             KernelPath::Avx512Bf16

@@ -6,14 +6,7 @@ const MR: usize = 4;
 const NR: usize = 16;
 
 pub(crate) fn micro() -> Micro<f32> {
-    Micro {
-        mr: MR,
-        nr: NR,
-        kc: 256,
-        mc: 64,
-        nc: 512,
-        run: kernel,
-    }
+    Micro::new(MR, NR, kernel)
 }
 
 /// `C[4 x 16] += Apack(kc x 4)ᵀ · Bpack(kc x 16)`: a separate multiply and add per product.

@@ -5,6 +5,7 @@ use half::f16;
 use super::path::detected_path;
 use super::strided::Packing;
 use super::*;
+use crate::precision::{FloatSlice, FloatSliceMut};
 
 /// Deterministic values in [-1, 1) (a small LCG), some exact zeros.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -27,9 +28,9 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 fn at(m: &MatRef<'_>, i: usize, j: usize) -> f64 {
     let idx = i * m.row_stride() + j * m.col_stride();
     match m.values() {
-        Operand::F32(v) => f64::from(v[idx]),
-        Operand::F16(v) => v[idx].to_f64(),
-        Operand::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
+        FloatSlice::F32(v) => f64::from(v[idx]),
+        FloatSlice::F16(v) => v[idx].to_f64(),
+        FloatSlice::Bf16(v) => half::bf16::from_f32(v[idx]).to_f64(),
     }
 }
 
@@ -44,9 +45,9 @@ fn check(path: KernelPath, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     };
     gemm_on(path, a, b, &mut c, accumulate).unwrap();
     let (rel, abs) = match (path, a.values(), b.values()) {
-        (KernelPath::Avx512Fp16, Operand::F16(_), Operand::F16(_)) => fp16_error_bound(k),
+        (KernelPath::Avx512Fp16, FloatSlice::F16(_), FloatSlice::F16(_)) => fp16_error_bound(k),
         // the data holds no subnormals: c' = c, S' = S; + 1 for the accumulated C
-        (KernelPath::Avx512Bf16, Operand::Bf16(_), Operand::Bf16(_)) => {
+        (KernelPath::Avx512Bf16, FloatSlice::Bf16(_), FloatSlice::Bf16(_)) => {
             let (rel, abs) = bf16_error_bound(k);
             (rel + f32_error_bound(1), abs)
         }
@@ -80,11 +81,23 @@ fn linear_products(path: KernelPath, kind: &str) {
     let (x, w, dy) = (values(bsz * i, 1), values(o * i, 2), values(bsz * o, 3));
     let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
     let (xh, wh, dyh) = (h(&x), h(&w), h(&dy));
-    let op = |v32: &'static str| -> (Operand<'_>, Operand<'_>, Operand<'_>) {
+    let op = |v32: &'static str| -> (FloatSlice<'_>, FloatSlice<'_>, FloatSlice<'_>) {
         match v32 {
-            "f32" => (Operand::F32(&x), Operand::F32(&w), Operand::F32(&dy)),
-            "bf16" => (Operand::Bf16(&x), Operand::Bf16(&w), Operand::Bf16(&dy)),
-            _ => (Operand::F16(&xh), Operand::F16(&wh), Operand::F16(&dyh)),
+            "f32" => (
+                FloatSlice::F32(&x),
+                FloatSlice::F32(&w),
+                FloatSlice::F32(&dy),
+            ),
+            "bf16" => (
+                FloatSlice::Bf16(&x),
+                FloatSlice::Bf16(&w),
+                FloatSlice::Bf16(&dy),
+            ),
+            _ => (
+                FloatSlice::F16(&xh),
+                FloatSlice::F16(&wh),
+                FloatSlice::F16(&dyh),
+            ),
         }
     };
     let kind: &'static str = match kind {
@@ -181,7 +194,7 @@ fn shape_errors_are_reported() {
 fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
     let one = [1.0f32; 2];
     // (1 << 63) x 1 with row stride 0: reaches one element; m x n = 2^64 wraps to 0 = c.len()
-    let tall = MatRef::new(Operand::F32(&one), 1 << 63, 1, 0, 1).unwrap();
+    let tall = MatRef::new(FloatSlice::F32(&one), 1 << 63, 1, 0, 1).unwrap();
     let b = MatRef::row_major_f32(&one, 1, 2).unwrap();
     for path in KernelPath::supported() {
         let mut c: [f32; 0] = [];
@@ -196,7 +209,7 @@ fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
         );
     }
     // 3 rows 2^63 apart: the last row's offset 2^64 wraps to 0, inside a 1-element slice
-    let e = MatRef::new(Operand::F32(&one[..1]), 3, 1, 1 << 63, 1).unwrap_err();
+    let e = MatRef::new(FloatSlice::F32(&one[..1]), 3, 1, 1 << 63, 1).unwrap_err();
     assert_eq!(
         e,
         KernelError::OperandOverflow {
@@ -208,13 +221,13 @@ fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
         }
     );
     // the same through the transpose and through a column stride
-    assert!(MatRef::new(Operand::F32(&one), 1, 3, 1, 1 << 63).is_err());
+    assert!(MatRef::new(FloatSlice::F32(&one), 1, 3, 1, 1 << 63).is_err());
     assert!(MatRef::row_major_f32(&one, 1 << 62, 4).is_err());
     // the reach is exact: the last reachable element is allowed, one past it is not
     let v = [0.0f32; 8];
-    assert!(MatRef::new(Operand::F32(&v), 3, 2, 3, 1).is_ok()); // reaches 2·3 + 1·1 + 1 = 8
+    assert!(MatRef::new(FloatSlice::F32(&v), 3, 2, 3, 1).is_ok()); // reaches 2·3 + 1·1 + 1 = 8
     assert_eq!(
-        MatRef::new(Operand::F32(&v[..7]), 3, 2, 3, 1).unwrap_err(),
+        MatRef::new(FloatSlice::F32(&v[..7]), 3, 2, 3, 1).unwrap_err(),
         KernelError::OperandTooShort {
             name: "operand",
             needed: 8,
@@ -228,10 +241,22 @@ fn wrapping_sizes_and_strides_are_errors_not_wild_accesses() {
 fn element_wise_errors_say_what_was_wrong() {
     let mut acc = [0.0f32; 6];
     let mut out = [0.0f32; 6];
-    let e = bias_act_into(&mut acc, &[], Activation::Identity, Dst::F32(&mut out)).unwrap_err();
+    let e = bias_act_into(
+        &mut acc,
+        &[],
+        Activation::Identity,
+        FloatSliceMut::F32(&mut out),
+    )
+    .unwrap_err();
     assert_eq!(e, KernelError::EmptyRow { what: "bias" });
     assert!(e.to_string().contains("bias is empty"), "{e}");
-    let e = bias_act_into(&mut acc, &[0.0; 4], Activation::ReLU, Dst::F32(&mut out)).unwrap_err();
+    let e = bias_act_into(
+        &mut acc,
+        &[0.0; 4],
+        Activation::ReLU,
+        FloatSliceMut::F32(&mut out),
+    )
+    .unwrap_err();
     assert_eq!(
         e,
         KernelError::NotWholeRows {
@@ -275,7 +300,7 @@ fn epilogues_match_scalar_references() {
         };
         let mut acc = acc0.clone();
         let mut out = vec![f16::ZERO; rows * cols];
-        bias_act_into(&mut acc, &bias, act, Dst::F16(&mut out)).unwrap();
+        bias_act_into(&mut acc, &bias, act, FloatSliceMut::F16(&mut out)).unwrap();
         for (idx, o) in out.iter().enumerate() {
             assert_eq!(*o, f16::from_f32(f(acc0[idx] + bias[idx % cols])));
         }
@@ -331,9 +356,9 @@ fn any_thread_count_gives_the_same_bits_as_one() {
         let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let (ah, bh) = (h(&a), h(&b));
         let ops = [
-            (Operand::F32(&a), Operand::F32(&b)),
-            (Operand::F16(&ah), Operand::F16(&bh)),
-            (Operand::Bf16(&a), Operand::Bf16(&b)),
+            (FloatSlice::F32(&a), FloatSlice::F32(&b)),
+            (FloatSlice::F16(&ah), FloatSlice::F16(&bh)),
+            (FloatSlice::Bf16(&a), FloatSlice::Bf16(&b)),
         ];
         for (ao, bo) in ops {
             let am = if at {
@@ -517,7 +542,7 @@ fn in_place_and_packed_operands_give_the_same_bits_within_the_bound() {
         let a_views = [
             MatRef::row_major_f32(&av, m, k).unwrap(),
             MatRef::row_major_f32(&av, k, m).unwrap().t(),
-            MatRef::new(Operand::F32(&a_big), m, k, 3 * k, 3).unwrap(),
+            MatRef::new(FloatSlice::F32(&a_big), m, k, 3 * k, 3).unwrap(),
         ];
         let b_views = [
             MatRef::row_major_f32(&bv, k, n).unwrap(),
@@ -805,7 +830,7 @@ fn bf16_micro_kernel_matches_the_scalar_model_of_vdpbf16ps_bit_for_bit() {
 /// summed from `+0.0` by pairs (odd k padded with zeros) and added into `C` one block at a time.
 fn bf16_gemm_model(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumulate: bool) {
     let round = |m: &MatRef<'_>, i: usize, j: usize| -> u32 {
-        let Operand::Bf16(v) = m.values() else {
+        let FloatSlice::Bf16(v) = m.values() else {
             unreachable!("bf16 operands")
         };
         let mut r = [0.0f32];
@@ -877,12 +902,12 @@ fn bf16_gemm_matches_the_scalar_model_bit_for_bit_and_f64_within_its_bound() {
     ] {
         let (av, bv) = (f32s(m * k, 51), f32s(k * n, 52));
         let init = values(m * n, 53);
-        let a = MatRef::row_major(Operand::Bf16(&av), m, k).unwrap();
+        let a = MatRef::row_major(FloatSlice::Bf16(&av), m, k).unwrap();
         let b_store = f32s(k * n, 54);
-        let bt = MatRef::row_major(Operand::Bf16(&b_store), n, k)
+        let bt = MatRef::row_major(FloatSlice::Bf16(&b_store), n, k)
             .unwrap()
             .t();
-        for b in [MatRef::row_major(Operand::Bf16(&bv), k, n).unwrap(), bt] {
+        for b in [MatRef::row_major(FloatSlice::Bf16(&bv), k, n).unwrap(), bt] {
             for accumulate in [false, true] {
                 let mut want = init.clone();
                 bf16_gemm_model(&a, &b, &mut want, accumulate);
@@ -948,9 +973,9 @@ fn the_calibrated_candidates_compute_the_same_bits() {
         let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let (ah, bh) = (h(&a), h(&b));
         for (ao, bo) in [
-            (Operand::F32(&a), Operand::F32(&b)),
-            (Operand::F16(&ah), Operand::F16(&bh)),
-            (Operand::Bf16(&a), Operand::Bf16(&b)),
+            (FloatSlice::F32(&a), FloatSlice::F32(&b)),
+            (FloatSlice::F16(&ah), FloatSlice::F16(&bh)),
+            (FloatSlice::Bf16(&a), FloatSlice::Bf16(&b)),
         ] {
             let am = MatRef::row_major(ao, m, k).unwrap();
             for bm in [
@@ -997,10 +1022,10 @@ fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
     let (m, n, k) = (20, 40, 50);
     let (a, b) = (values(m * k, 81), values(k * n, 82));
     for (ao, bo, want) in [
-        (Operand::F32(&a), Operand::F32(&b), c.chosen),
+        (FloatSlice::F32(&a), FloatSlice::F32(&b), c.chosen),
         (
-            Operand::Bf16(&a),
-            Operand::Bf16(&b),
+            FloatSlice::Bf16(&a),
+            FloatSlice::Bf16(&b),
             if KernelPath::Avx512Bf16.is_supported() {
                 KernelPath::Avx512Bf16
             } else {

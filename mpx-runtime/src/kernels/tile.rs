@@ -26,6 +26,21 @@ pub(crate) struct Micro<T> {
     pub(crate) run: MicroFn<T>,
 }
 
+impl<T> Micro<T> {
+    /// An `mr x nr` micro-kernel with the blocking the packed paths share: k blocks of 256 (a
+    /// packed panel of A and of B stays in L1/L2), 64 rows of A and 512 columns of B per block.
+    pub(crate) fn new(mr: usize, nr: usize, run: MicroFn<T>) -> Self {
+        Self {
+            mr,
+            nr,
+            kc: 256,
+            mc: 64,
+            nc: 512,
+            run,
+        }
+    }
+}
+
 /// Products smaller than this many multiply-adds run on the calling thread only (starting a
 /// scoped thread costs tens of µs).
 pub(crate) const PAR_MIN_WORK: usize = 1 << 21;

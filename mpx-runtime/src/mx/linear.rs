@@ -17,7 +17,7 @@ use super::error::MxError;
 use super::fake_quant::MxFakeQuant;
 use super::spec::MxSpec;
 use super::tensor::MxTensor;
-use crate::nn::linear::{linear_bias_options, linear_weight_options};
+use crate::nn::linear::linear_params;
 use crate::nn::{Dfdx, IntoLayers};
 
 /// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):
@@ -178,22 +178,11 @@ where
     fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
         visitor: &mut V,
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            (
-                Self::tensor(
-                    "weight",
-                    |s| &s.weight,
-                    |s| &mut s.weight,
-                    linear_weight_options(),
-                ),
-                Self::tensor("bias", |s| &s.bias, |s| &mut s.bias, linear_bias_options()),
-            ),
-            |(weight, bias)| MxLinear {
-                weight,
-                bias,
-                config: PhantomData,
-            },
-        )
+        visitor.visit_fields(linear_params!(), |(weight, bias)| MxLinear {
+            weight,
+            bias,
+            config: PhantomData,
+        })
     }
 }
 

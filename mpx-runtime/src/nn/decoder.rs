@@ -9,9 +9,10 @@ use dfdx::tensor_ops::Device;
 
 use super::convert::dfdx_layer;
 use super::encoder::{FeedForward, TransformerEncoder};
+use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
-use super::mixed::{MixedModule, build_on_device, native_module};
+use super::mixed::MixedModule;
 use super::sublayer::{add_norm, feed_forward_norm};
 use crate::precision::{AMP, Precision, f16};
 
@@ -118,39 +119,15 @@ native_module!(TransformerDecoder[const M, const H, const F, const L]);
 build_on_device!(Transformer[const M, const H, const A, const B, const F]);
 native_module!(Transformer[const M, const H, const A, const B, const F]);
 
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one), visiting
-/// dfdx's fields in dfdx's order.
-macro_rules! collection {
+module_collection!(TransformerDecoderBlock[const M, const H, const F] {
+    self_attn, norm1, mh_attn, norm2, ff, norm3
+});
+module_collection!(Transformer[const M, const H, const A, const B, const F] { encoder, decoder });
+
+/// `TensorCollection` of the decoder stack, for each float element: its one field, `0`, as
+/// dfdx's visits it.
+macro_rules! decoder_collection {
     ($($e:ty),*) => {$(
-        impl<const M: usize, const H: usize, const F: usize, D: Device<$e>>
-            TensorCollection<$e, D> for TransformerDecoderBlock<M, H, F, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = TransformerDecoderBlock<M, H, F, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("self_attn", |s| &s.self_attn, |s| &mut s.self_attn),
-                        Self::module("norm1", |s| &s.norm1, |s| &mut s.norm1),
-                        Self::module("mh_attn", |s| &s.mh_attn, |s| &mut s.mh_attn),
-                        Self::module("norm2", |s| &s.norm2, |s| &mut s.norm2),
-                        Self::module("ff", |s| &s.ff, |s| &mut s.ff),
-                        Self::module("norm3", |s| &s.norm3, |s| &mut s.norm3),
-                    ),
-                    |(self_attn, norm1, mh_attn, norm2, ff, norm3)| TransformerDecoderBlock {
-                        self_attn,
-                        norm1,
-                        mh_attn,
-                        norm2,
-                        ff,
-                        norm3,
-                    },
-                )
-            }
-        }
-
         impl<const M: usize, const H: usize, const F: usize, const L: usize, D: Device<$e>>
             TensorCollection<$e, D> for TransformerDecoder<M, H, F, L, $e, D>
         {
@@ -162,27 +139,9 @@ macro_rules! collection {
                 visitor.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), TransformerDecoder)
             }
         }
-
-        impl<const M: usize, const H: usize, const A: usize, const B: usize, const F: usize, D: Device<$e>>
-            TensorCollection<$e, D> for Transformer<M, H, A, B, F, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = Transformer<M, H, A, B, F, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("encoder", |s| &s.encoder, |s| &mut s.encoder),
-                        Self::module("decoder", |s| &s.decoder, |s| &mut s.decoder),
-                    ),
-                    |(encoder, decoder)| Transformer { encoder, decoder },
-                )
-            }
-        }
     )*};
 }
-collection!(f32, f16, AMP<f16>);
+decoder_collection!(f32, f16, AMP<f16>);
 
 impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
     From<modules::TransformerDecoderBlock<M, H, F, E, D>>

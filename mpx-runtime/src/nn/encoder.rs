@@ -1,22 +1,18 @@
 //! [`TransformerEncoderBlock`] and [`TransformerEncoder`]: dfdx's encoder built from the
 //! mixed-ready [`LayerNorm1D`] and [`MultiHeadAttention`].
 
-use dfdx::nn::Module;
 use dfdx::nn::modules::{self, Linear, ReLU, Repeated, Residual};
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::shapes::{Const, Dim, Dtype, HasShape};
+use dfdx::shapes::{Const, Dim, Dtype};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{Device, TryAdd};
+use dfdx::tensor_ops::Device;
 
 use super::convert::dfdx_layer;
-use super::half_ops::is_f32;
+use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
-use super::layer_norm_kernel::add_layer_norm;
-use super::linear::fused_linear;
 use super::mha::MultiHeadAttention;
-use super::mixed::{MixedModule, build_on_device, native_module};
-use crate::kernels::Activation;
-use crate::precision::{AMP, Precision, f16};
+use super::mixed::MixedModule;
+use super::sublayer::{add_norm, feed_forward_norm};
+use crate::precision::Precision;
 
 /// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
 /// type (dfdx's own modules), as in dfdx's encoder block.
@@ -99,36 +95,7 @@ pub type TransformerEncoder<
 build_on_device!(TransformerEncoderBlock[const M, const H, const F]);
 native_module!(TransformerEncoderBlock[const M, const H, const F]);
 
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<const M: usize, const H: usize, const F: usize, D: Device<$e>>
-            TensorCollection<$e, D> for TransformerEncoderBlock<M, H, F, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = TransformerEncoderBlock<M, H, F, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("self_attn", |s| &s.self_attn, |s| &mut s.self_attn),
-                        Self::module("norm1", |s| &s.norm1, |s| &mut s.norm1),
-                        Self::module("ff", |s| &s.ff, |s| &mut s.ff),
-                        Self::module("norm2", |s| &s.norm2, |s| &mut s.norm2),
-                    ),
-                    |(self_attn, norm1, ff, norm2)| TransformerEncoderBlock {
-                        self_attn,
-                        norm1,
-                        ff,
-                        norm2,
-                    },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+module_collection!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm1, ff, norm2 });
 
 impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
     From<modules::TransformerEncoderBlock<M, H, F, E, D>>
@@ -183,25 +150,8 @@ macro_rules! block_forward {
                     &self.self_attn,
                     src.clone().put_tape(tape),
                 )?;
-                if !is_f32::<P>() {
-                    // Half precision: each residual add fused into its layer norm, the
-                    // feed-forward layers as fused ops on mpx's GEMM.
-                    let (n1, n2) = (&self.norm1, &self.norm2);
-                    let x = add_layer_norm::<P, E, M, _, T>(x, Some(src), &n1.gamma, &n1.beta, n1.epsilon)?;
-                    let (x, tape) = x.split_tape();
-                    let shape = *x.shape();
-                    let (l1, _, l2) = &self.ff.0;
-                    #[allow(non_snake_case)]
-                    let ($($d,)+ _) = shape;
-                    let hidden = ($($d,)+ Const::<F>);
-                    let h = fused_linear::<P, E, M, F, _, _, _>(&l1.weight, &l1.bias, Activation::ReLU, x.clone().put_tape(tape), hidden)?;
-                    let f = fused_linear::<P, E, F, M, _, _, _>(&l2.weight, &l2.bias, Activation::Identity, h, shape)?;
-                    return add_layer_norm::<P, E, M, _, T>(f, Some(x), &n2.gamma, &n2.beta, n2.epsilon);
-                }
-                let x = x.try_add(src)?;
-                let x = MixedModule::<P, _>::try_mixed_forward(&self.norm1, x)?;
-                let x = self.ff.try_forward(x)?;
-                MixedModule::<P, _>::try_mixed_forward(&self.norm2, x)
+                let x = add_norm::<P, E, M, _, T>(x, src, &self.norm1)?;
+                feed_forward_norm::<P, E, M, F, _, T>(x, &self.ff, &self.norm2)
             }
         }
     };

@@ -7,9 +7,8 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
 
 use super::scratch::{self, Buf};
-use crate::cast::FloatSliceMut;
-use crate::kernels::{Dst, KernelError, MatRef, Operand, add_f32_into};
-use crate::precision::Precision;
+use crate::kernels::{KernelError, MatRef, add_f32_into};
+use crate::precision::{FloatSlice, Precision};
 
 /// `true` for the f32 precision itself (`P = f32`): the layers then keep dfdx's own operations,
 /// bit-identical to dfdx's layers; every other precision (f16, `AMP<f16>`, emulated bf16) runs
@@ -29,14 +28,6 @@ pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     let mut v = scratch::take::<f32>(n);
     E::widen(&h, &mut v);
     v
-}
-
-/// `values` as a kernel pass's destination.
-pub(crate) fn as_dst<E: Precision<Elem = E> + dfdx::shapes::Dtype>(values: &mut [E]) -> Dst<'_> {
-    match E::floats_mut(values) {
-        FloatSliceMut::F32(v) => Dst::F32(v),
-        FloatSliceMut::F16(v) => Dst::F16(v),
-    }
 }
 
 /// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
@@ -69,7 +60,7 @@ pub(crate) use crate::cast::grad_slice;
 /// # Errors
 /// A shape error if the lengths differ.
 pub(crate) fn accumulate<P: Precision>(dst: &mut [P::Elem], add: &[f32]) -> Result<(), CpuError> {
-    add_f32_into(add, as_dst(dst)).map_err(shape_err)?;
+    add_f32_into(add, <P::Elem as Precision>::floats_mut(dst)).map_err(shape_err)?;
     round_in_place::<P>(dst);
     Ok(())
 }
@@ -84,7 +75,7 @@ pub(crate) fn view(
     row_stride: usize,
 ) -> Result<MatRef<'_>, CpuError> {
     MatRef::new(
-        Operand::F32(&values[offset.min(values.len())..]),
+        FloatSlice::F32(&values[offset.min(values.len())..]),
         rows,
         cols,
         row_stride,

@@ -8,8 +8,9 @@ use dfdx::tensor_ops::{BroadcastTo, Device};
 
 use super::convert::dfdx_layer;
 use super::half_ops::is_f32;
+use super::layer_impls::{build_on_device, native_module};
 use super::layer_norm_kernel::add_layer_norm;
-use super::mixed::{MixedModule, build_on_device, native_module};
+use super::mixed::MixedModule;
 use crate::precision::Precision;
 use crate::region::FullPrecision;
 

@@ -40,16 +40,16 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor, Ten
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::convert::{Dfdx, IntoLayers, Mpx};
-use super::half_ops::{as_dst, grad_slice, round_in_place, shape_err};
+use super::half_ops::{grad_slice, is_f32, round_in_place, shape_err};
 use super::mixed::MixedModule;
 use super::scratch::{self, Buf};
-use crate::cast::{Cast, FloatLeaves, FloatSliceMut};
+use crate::cast::{Cast, FloatLeaves};
 pub use crate::kernels::{Activation, KernelError};
 use crate::kernels::{
-    MatRef, Operand, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
+    MatRef, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
     relu_mask_bias_grad_f32,
 };
-use crate::precision::{AMP, FloatBits, Precision, f16};
+use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
 
 /// The activation a [`FusedLinear`] applies: a marker type ([`act::Identity`], [`act::ReLU`];
 /// dfdx builds modules from types), or an [`Activation`] value chosen at run time (the mixed
@@ -289,20 +289,34 @@ where
     fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
         visitor: &mut V,
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            (
-                Self::tensor(
-                    "weight",
-                    |s| &s.weight,
-                    |s| &mut s.weight,
-                    linear_weight_options(),
-                ),
-                Self::tensor("bias", |s| &s.bias, |s| &mut s.bias, linear_bias_options()),
-            ),
-            |(weight, bias)| FusedLinear::new(weight, bias),
-        )
+        visitor.visit_fields(linear_params!(), |(weight, bias)| {
+            FusedLinear::new(weight, bias)
+        })
     }
 }
+
+/// The fields `weight` and `bias` of a layer with dfdx-`Linear`'s parameters, as its
+/// `TensorCollection::iter_tensors` visits them (names, order and initialisation of dfdx's
+/// `Linear`): the fused [`Linear`]'s and [`MxLinear`](crate::mx::MxLinear)'s.
+macro_rules! linear_params {
+    () => {
+        (
+            Self::tensor(
+                "weight",
+                |s| &s.weight,
+                |s| &mut s.weight,
+                $crate::nn::linear::linear_weight_options(),
+            ),
+            Self::tensor(
+                "bias",
+                |s| &s.bias,
+                |s| &mut s.bias,
+                $crate::nn::linear::linear_bias_options(),
+            ),
+        )
+    };
+}
+pub(crate) use linear_params;
 
 /// The options of a layer's dfdx-`Linear` weight: trained, and reset as dfdx's `Linear` is
 /// (uniform in ±1/sqrt(I)), by building one. Shared by every layer with `Linear`'s parameters.
@@ -441,7 +455,7 @@ macro_rules! cast_for {
             }
         }
         impl<const I: usize, const O: usize, A> FloatLeaves for FusedLinear<I, O, $e, Cpu, A> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatBits<'_>) -> bool) -> bool {
+            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 self.weight.visit_float_bits(visit) && self.bias.visit_float_bits(visit)
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -457,9 +471,9 @@ cast_for!(f32, f16, AMP<f16>);
 
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
-    match E::operand(y) {
-        Operand::F16(v) => ReluMask::from_f16(v),
-        Operand::F32(v) | Operand::Bf16(v) => ReluMask::from_f32(v),
+    match E::floats(y) {
+        FloatSlice::F16(v) => ReluMask::from_f16(v),
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => ReluMask::from_f32(v),
     }
 }
 
@@ -495,7 +509,7 @@ fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
     dst: &mut [E],
 ) -> Result<(), KernelError> {
     with_weight_grad(dz, x, rows, |dw| {
-        add_f32_into(dw, as_dst(dst))?;
+        add_f32_into(dw, E::floats_mut(dst))?;
         round_in_place::<P>(dst);
         Ok(())
     })
@@ -523,12 +537,36 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
     }
     let mut dw = scratch::take::<f32>(o * i);
     gemm(
-        MatRef::row_major(E::operand(dz), rows, o)?.t(),
-        MatRef::row_major(E::operand(x), rows, i)?,
+        MatRef::row_major(E::floats(dz), rows, o)?.t(),
+        MatRef::row_major(E::floats(x), rows, i)?,
         &mut dw,
         false,
     )?;
     use_dw(&mut dw)
+}
+
+/// dfdx's `Linear` `l` on `x` (output shaped `out`) in precision `P`: dfdx's own operations in
+/// f32 (bit-identical to dfdx's layer), the fused op ([`fused_linear`], no activation) in a half
+/// precision. For the layers that hold a dfdx `Linear` alone (the ViT's patch embedding and head).
+pub(crate) fn linear_in<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    l: &DfdxLinear<I, O, E, Cpu>,
+    x: Tensor<Sx, E, Cpu, T>,
+    out: Sy,
+) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
+where
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+    Sx: Shape,
+    Sy: Shape,
+    T: Tape<E, Cpu>,
+    DfdxLinear<I, O, E, Cpu>:
+        Module<Tensor<Sx, E, Cpu, T>, Output = Tensor<Sy, E, Cpu, T>, Error = CpuError>,
+{
+    if is_f32::<P>() {
+        return l.try_forward(x);
+    }
+    fused_linear::<P, E, I, O, _, _, _>(&l.weight, &l.bias, Activation::Identity, x, out)
 }
 
 /// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:
@@ -576,15 +614,15 @@ where
         let r = xc.len() / I;
         let acc = &mut acc[..r * O];
         gemm(
-            MatRef::row_major(E::operand(xc), r, I).map_err(shape_err)?,
-            MatRef::row_major(E::operand(&wv), O, I)
+            MatRef::row_major(E::floats(xc), r, I).map_err(shape_err)?,
+            MatRef::row_major(E::floats(&wv), O, I)
                 .map_err(shape_err)?
                 .t(),
             acc,
             false,
         )
         .map_err(shape_err)?;
-        bias_act_into(acc, &b32, act, as_dst(yc)).map_err(shape_err)?;
+        bias_act_into(acc, &b32, act, E::floats_mut(yc)).map_err(shape_err)?;
     }
     drop((acc, b32, xv, wv));
     round_in_place::<P>(&mut y);
@@ -616,7 +654,7 @@ where
                     .map_err(shape_err)??;
             } else {
                 let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
-                add_f32_into(&db, as_dst(gb)).map_err(shape_err)?;
+                add_f32_into(&db, E::floats_mut(gb)).map_err(shape_err)?;
                 round_in_place::<P>(gb);
                 let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
                 write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
@@ -690,13 +728,13 @@ fn input_grad<
         let r = dzc.len() / O;
         let dx = &mut dx[..r * I];
         gemm(
-            MatRef::row_major(E::operand(dzc), r, O).map_err(shape_err)?,
-            MatRef::row_major(E::operand(wv), O, I).map_err(shape_err)?,
+            MatRef::row_major(E::floats(dzc), r, O).map_err(shape_err)?,
+            MatRef::row_major(E::floats(wv), O, I).map_err(shape_err)?,
             dx,
             false,
         )
         .map_err(shape_err)?;
-        add_f32_into(dx, as_dst(gxc)).map_err(shape_err)?;
+        add_f32_into(dx, E::floats_mut(gxc)).map_err(shape_err)?;
         round_in_place::<P>(gxc);
     }
     Ok(())

@@ -1,8 +1,7 @@
 //! [`MultiHeadAttention`]: dfdx's attention with its scaled softmax in f32.
 
+use dfdx::nn::Module;
 use dfdx::nn::modules::{self, Linear};
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::nn::{BuildModule, BuildOnDevice, Module};
 use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
@@ -10,10 +9,11 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
 use super::half_ops::is_f32;
+use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::linear::fused_linear;
-use super::mixed::{MixedModule, native_module};
+use super::mixed::MixedModule;
 use crate::kernels::Activation;
-use crate::precision::{AMP, Precision, f16};
+use crate::precision::Precision;
 use crate::region::FullPrecision;
 
 /// Multi-head attention, as dfdx's
@@ -76,52 +76,8 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
     );
 }
 
-impl<
-    const M: usize,
-    const H: usize,
-    const K: usize,
-    const V: usize,
-    E0: Dtype,
-    D0: Storage<E0>,
-    E: Dtype,
-    D: Device<E>,
-> BuildOnDevice<D, E> for MultiHeadAttention<M, H, K, V, E0, D0>
-where
-    MultiHeadAttention<M, H, K, V, E, D>: BuildModule<D, E>,
-{
-    type Built = MultiHeadAttention<M, H, K, V, E, D>;
-    fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
-        #[allow(clippy::let_unit_value)]
-        let () = Self::TYPE_CHECK;
-        Self::Built::try_build(device)
-    }
-}
-
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<const M: usize, const H: usize, const K: usize, const V: usize, D: Device<$e>>
-            TensorCollection<$e, D> for MultiHeadAttention<M, H, K, V, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = MultiHeadAttention<M, H, K, V, E2, D2>;
-
-            fn iter_tensors<Vi: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut Vi,
-            ) -> Result<Option<Self::To<Vi::E2, Vi::D2>>, Vi::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("w_q", |s| &s.w_q, |s| &mut s.w_q),
-                        Self::module("w_k", |s| &s.w_k, |s| &mut s.w_k),
-                        Self::module("w_v", |s| &s.w_v, |s| &mut s.w_v),
-                        Self::module("w_o", |s| &s.w_o, |s| &mut s.w_o),
-                    ),
-                    |(w_q, w_k, w_v, w_o)| MultiHeadAttention { w_q, w_k, w_v, w_o },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
+module_collection!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 
 impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
     From<modules::MultiHeadAttention<M, H, K, V, E, D>> for MultiHeadAttention<M, H, K, V, E, D>

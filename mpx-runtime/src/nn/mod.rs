@@ -42,6 +42,7 @@ mod convert;
 mod decoder;
 mod encoder;
 mod half_ops;
+mod layer_impls;
 mod layer_norm;
 mod layer_norm_kernel;
 pub(crate) mod linear;

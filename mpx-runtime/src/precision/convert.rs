@@ -10,6 +10,30 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+/// An 8-lane SIMD loop over two slices of one length; the CPU must have its instructions.
+type Simd<S, D> = unsafe fn(&[S], &mut [D]);
+
+/// Runs `simd` where the CPU has its instructions (`Some`: detected by the caller with
+/// [`has_f16c`] or [`has_avx2`]), else `portable`, on two slices of one length: how every
+/// conversion here picks its loop.
+///
+/// # Panics
+/// When the lengths differ.
+fn dispatch<S, D>(
+    name: &str,
+    src: &[S],
+    dst: &mut [D],
+    simd: Option<Simd<S, D>>,
+    portable: impl FnOnce(&[S], &mut [D]),
+) {
+    assert_eq!(src.len(), dst.len(), "{name}: lengths differ");
+    match simd {
+        // SAFETY: `simd` is `Some` only where its instructions were detected; the lengths match.
+        Some(simd) => unsafe { simd(src, dst) },
+        None => portable(src, dst),
+    }
+}
+
 /// Whether the CPU converts with F16C (and AVX, for the 256-bit registers); detected once.
 #[cfg(target_arch = "x86_64")]
 fn has_f16c() -> bool {
@@ -18,68 +42,85 @@ fn has_f16c() -> bool {
     *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
 }
 
-/// `dst[i] = src[i]` widened to f32 (exact). The lengths must match.
-pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "widen_f16: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if has_f16c() {
-        // SAFETY: AVX and F16C were detected above; the lengths match.
-        unsafe { x86::widen(src, dst) };
-        return;
-    }
-    src.convert_to_f32_slice(dst);
-}
-
-/// `dst[i] = src[i]` rounded to f16 (nearest, ties to even). The lengths must match.
-pub(crate) fn round_f16(src: &[f32], dst: &mut [f16]) {
-    assert_eq!(src.len(), dst.len(), "round_f16: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if has_f16c() {
-        // SAFETY: AVX and F16C were detected above; the lengths match.
-        unsafe { x86::round(src, dst) };
-        return;
-    }
-    dst.convert_from_f32_slice(src);
-}
-
-/// `dst[i] = round_f16(f32(dst[i]) + src[i])`: the f32 sum rounded once. The lengths must match.
-pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
-    assert_eq!(src.len(), dst.len(), "add_f32_into_f16: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if has_f16c() {
-        // SAFETY: AVX and F16C were detected above; the lengths match.
-        unsafe { x86::add_into(src, dst) };
-        return;
-    }
-    let mut buf = [0.0f32; 256];
-    for (dc, sc) in dst.chunks_mut(256).zip(src.chunks(256)) {
-        let b = &mut buf[..dc.len()];
-        dc.convert_to_f32_slice(b);
-        b.iter_mut().zip(sc).for_each(|(b, s)| *b += *s);
-        dc.convert_from_f32_slice(b);
-    }
-}
-
-/// `dst[i] = src[i]` rounded to bf16 (nearest, ties to even; NaN quieted), kept in f32: the same
-/// bits as [`round_to_bf16`](crate::precision::round_to_bf16), 8 values per AVX2 instruction where
-/// the CPU has it. The lengths must match.
-pub(crate) fn round_bf16(src: &[f32], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "round_bf16: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 was detected above; the lengths match.
-        unsafe { x86::round_bf16(src, dst) };
-        return;
-    }
-    crate::precision::round_to_bf16(src, dst);
-}
-
 /// Whether the CPU has AVX2; detected once.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
+/// No F16C off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+fn has_f16c() -> bool {
+    false
+}
+
+/// No AVX2 off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx2() -> bool {
+    false
+}
+
+/// `dst[i] = src[i]` widened to f32 (exact). The lengths must match.
+pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
+    let simd = has_f16c().then_some(x86::widen as Simd<_, _>);
+    dispatch("widen_f16", src, dst, simd, <[f16]>::convert_to_f32_slice);
+}
+
+/// `dst[i] = src[i]` rounded to f16 (nearest, ties to even). The lengths must match.
+pub(crate) fn round_f16(src: &[f32], dst: &mut [f16]) {
+    let simd = has_f16c().then_some(x86::round as Simd<_, _>);
+    dispatch("round_f16", src, dst, simd, |s, d| {
+        d.convert_from_f32_slice(s);
+    });
+}
+
+/// `dst[i] = round_f16(f32(dst[i]) + src[i])`: the f32 sum rounded once. The lengths must match.
+pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
+    let simd = has_f16c().then_some(x86::add_into as Simd<_, _>);
+    dispatch("add_f32_into_f16", src, dst, simd, |src, dst| {
+        let mut buf = [0.0f32; 256];
+        for (dc, sc) in dst.chunks_mut(256).zip(src.chunks(256)) {
+            let b = &mut buf[..dc.len()];
+            dc.convert_to_f32_slice(b);
+            b.iter_mut().zip(sc).for_each(|(b, s)| *b += *s);
+            dc.convert_from_f32_slice(b);
+        }
+    });
+}
+
+/// `dst[i] = src[i]` rounded to bf16 (nearest, ties to even; NaN quieted), kept in f32: the same
+/// bits as [`round_to_bf16`](crate::precision::round_to_bf16), 8 values per AVX2 instruction where
+/// the CPU has it. The lengths must match.
+pub(crate) fn round_bf16(src: &[f32], dst: &mut [f32]) {
+    let simd = has_avx2().then_some(x86::round_bf16 as Simd<_, _>);
+    dispatch(
+        "round_bf16",
+        src,
+        dst,
+        simd,
+        crate::precision::round_to_bf16,
+    );
+}
+
+/// Never called: [`has_f16c`] and [`has_avx2`] are `false` off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+mod x86 {
+    use half::f16;
+
+    pub(super) unsafe fn widen(_: &[f16], _: &mut [f32]) {
+        unreachable!("F16C off x86-64")
+    }
+    pub(super) unsafe fn round(_: &[f32], _: &mut [f16]) {
+        unreachable!("F16C off x86-64")
+    }
+    pub(super) unsafe fn add_into(_: &[f32], _: &mut [f16]) {
+        unreachable!("F16C off x86-64")
+    }
+    pub(super) unsafe fn round_bf16(_: &[f32], _: &mut [f32]) {
+        unreachable!("AVX2 off x86-64")
+    }
 }
 
 // `_mm_loadu_si128` / `_mm_storeu_si128` take `__m128i` pointers but access them unaligned: the
@@ -97,6 +138,32 @@ mod x86 {
     /// Values per register.
     const LANES: usize = 8;
 
+    /// Runs `op` (one of this module's loops, which handle whole groups of [`LANES`] values) once
+    /// more on the values past the last whole group, copied into a zero-padded group with `dst`'s
+    /// old values: the last values go through the same instruction as the others.
+    ///
+    /// # Safety
+    /// The CPU must have `op`'s instructions; `src.len() == dst.len()`.
+    #[inline]
+    unsafe fn padded_tail<S: Copy + Default, D: Copy + Default>(
+        src: &[S],
+        dst: &mut [D],
+        op: unsafe fn(&[S], &mut [D]),
+    ) {
+        let full = src.len() / LANES * LANES;
+        let rest = src.len() - full;
+        if rest == 0 {
+            return;
+        }
+        let mut s = [S::default(); LANES];
+        let mut d = [D::default(); LANES];
+        s[..rest].copy_from_slice(&src[full..]);
+        d[..rest].copy_from_slice(&dst[full..]);
+        // SAFETY: the caller's instructions; one whole group of LANES values on each side.
+        unsafe { op(&s, &mut d) };
+        dst[full..].copy_from_slice(&d[..rest]);
+    }
+
     /// # Safety
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
@@ -108,19 +175,8 @@ mod x86 {
             // SAFETY: `d` holds 8 f32 values, the 256 bits written.
             unsafe { _mm256_storeu_ps(d.as_mut_ptr(), w) };
         }
-        let full = src.len() / LANES * LANES;
-        let rest = src.len() - full;
-        if rest > 0 {
-            let mut h = [f16::ZERO; LANES];
-            let mut w = [0.0f32; LANES];
-            h[..rest].copy_from_slice(&src[full..]);
-            // SAFETY: `h` holds LANES f16 values.
-            let v = unsafe { _mm_loadu_si128(h.as_ptr().cast::<__m128i>()) };
-            let wide = _mm256_cvtph_ps(v);
-            // SAFETY: `w` holds LANES f32 values.
-            unsafe { _mm256_storeu_ps(w.as_mut_ptr(), wide) };
-            dst[full..].copy_from_slice(&w[..rest]);
-        }
+        // SAFETY: the caller's AVX and F16C; the lengths match.
+        unsafe { padded_tail(src, dst, widen) };
     }
 
     /// # Safety
@@ -150,8 +206,8 @@ mod x86 {
             // SAFETY: `d` holds 8 f32 values, the 256 bits written.
             unsafe { _mm256_storeu_ps(d.as_mut_ptr(), r) };
         }
-        let full = src.len() / LANES * LANES;
-        crate::precision::round_to_bf16(&src[full..], &mut dst[full..]);
+        // SAFETY: the caller's AVX2; the lengths match.
+        unsafe { padded_tail(src, dst, round_bf16) };
     }
 
     /// # Safety
@@ -165,19 +221,8 @@ mod x86 {
             // SAFETY: `d` holds 8 f16 values, the 128 bits written.
             unsafe { _mm_storeu_si128(d.as_mut_ptr().cast::<__m128i>(), h) };
         }
-        let full = src.len() / LANES * LANES;
-        let rest = src.len() - full;
-        if rest > 0 {
-            let mut w = [0.0f32; LANES];
-            let mut h = [f16::ZERO; LANES];
-            w[..rest].copy_from_slice(&src[full..]);
-            // SAFETY: `w` holds LANES f32 values.
-            let v = unsafe { _mm256_loadu_ps(w.as_ptr()) };
-            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-            // SAFETY: `h` holds LANES f16 values.
-            unsafe { _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r) };
-            dst[full..].copy_from_slice(&h[..rest]);
-        }
+        // SAFETY: the caller's AVX and F16C; the lengths match.
+        unsafe { padded_tail(src, dst, round) };
     }
 
     /// # Safety
@@ -194,22 +239,8 @@ mod x86 {
             // SAFETY: the 128 bits of `d` read above.
             unsafe { _mm_storeu_si128(dp, sum) };
         }
-        let full = src.len() / LANES * LANES;
-        let rest = src.len() - full;
-        if rest > 0 {
-            let mut w = [0.0f32; LANES];
-            let mut h = [f16::ZERO; LANES];
-            w[..rest].copy_from_slice(&src[full..]);
-            h[..rest].copy_from_slice(&dst[full..]);
-            // SAFETY: `h` holds LANES f16 values.
-            let old = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast::<__m128i>()) });
-            // SAFETY: `w` holds LANES f32 values.
-            let add = unsafe { _mm256_loadu_ps(w.as_ptr()) };
-            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(old, add));
-            // SAFETY: `h` holds LANES f16 values.
-            unsafe { _mm_storeu_si128(h.as_mut_ptr().cast::<__m128i>(), r) };
-            dst[full..].copy_from_slice(&h[..rest]);
-        }
+        // SAFETY: the caller's AVX and F16C; the lengths match.
+        unsafe { padded_tail(src, dst, add_into) };
     }
 }
 

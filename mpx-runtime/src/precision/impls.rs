@@ -1,17 +1,31 @@
 //! The four precisions: `f32`, `f16`, `AMP<f16>` and emulated `bf16`.
 
 use dfdx::dtypes::AMP;
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::Operand;
 use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16, sized};
-use super::{DType, FloatBits, FloatSliceMut, HalfPrecision, Precision, sealed};
+use super::{DType, FloatSlice, FloatSliceMut, HalfPrecision, Precision, sealed};
 
-impl sealed::Sealed for f32 {}
-impl sealed::Sealed for f16 {}
-impl sealed::Sealed for AMP<f16> {}
-impl sealed::Sealed for bf16 {}
+impl sealed::Sealed for f32 {
+    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<f16>, n: usize) -> &'a mut [f32] {
+        sized(tmp32, n)
+    }
+}
+impl sealed::Sealed for f16 {
+    fn scratch<'a>(_: &'a mut Vec<f32>, tmp16: &'a mut Vec<f16>, n: usize) -> &'a mut [f16] {
+        sized(tmp16, n)
+    }
+}
+impl sealed::Sealed for AMP<f16> {
+    fn scratch<'a>(_: &'a mut Vec<f32>, tmp16: &'a mut Vec<f16>, n: usize) -> &'a mut [AMP<f16>] {
+        f16_as_amp_mut(sized(tmp16, n))
+    }
+}
+impl sealed::Sealed for bf16 {
+    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<f16>, n: usize) -> &'a mut [f32] {
+        sized(tmp32, n)
+    }
+}
 
 impl Precision for f32 {
     type Elem = f32;
@@ -23,18 +37,11 @@ impl Precision for f32 {
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
-    fn bits(src: &[f32]) -> FloatBits<'_> {
-        // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is valid.
-        FloatBits::F32(unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u32>(), src.len()) })
+    fn floats(values: &[f32]) -> FloatSlice<'_> {
+        FloatSlice::F32(values)
     }
     fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
         FloatSliceMut::F32(values)
-    }
-    fn operand(values: &[f32]) -> Operand<'_> {
-        Operand::F32(values)
-    }
-    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<f16>, n: usize) -> &'a mut [f32] {
-        sized(tmp32, n)
     }
 }
 
@@ -48,17 +55,11 @@ impl Precision for f16 {
     fn widen(src: &[f16], dst: &mut [f32]) {
         super::convert::widen_f16(src, dst);
     }
-    fn bits(src: &[f16]) -> FloatBits<'_> {
-        FloatBits::F16(src.reinterpret_cast())
+    fn floats(values: &[f16]) -> FloatSlice<'_> {
+        FloatSlice::F16(values)
     }
     fn floats_mut(values: &mut [f16]) -> FloatSliceMut<'_> {
         FloatSliceMut::F16(values)
-    }
-    fn operand(values: &[f16]) -> Operand<'_> {
-        Operand::F16(values)
-    }
-    fn scratch<'a>(_: &'a mut Vec<f32>, tmp16: &'a mut Vec<f16>, n: usize) -> &'a mut [f16] {
-        sized(tmp16, n)
     }
 }
 impl HalfPrecision for f16 {
@@ -76,17 +77,11 @@ impl Precision for AMP<f16> {
     fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
         super::convert::widen_f16(amp_as_f16(src), dst);
     }
-    fn bits(src: &[AMP<f16>]) -> FloatBits<'_> {
-        FloatBits::F16(amp_as_f16(src).reinterpret_cast())
+    fn floats(values: &[AMP<f16>]) -> FloatSlice<'_> {
+        FloatSlice::F16(amp_as_f16(values))
     }
     fn floats_mut(values: &mut [AMP<f16>]) -> FloatSliceMut<'_> {
         FloatSliceMut::F16(amp_as_f16_mut(values))
-    }
-    fn operand(values: &[AMP<f16>]) -> Operand<'_> {
-        Operand::F16(amp_as_f16(values))
-    }
-    fn scratch<'a>(_: &'a mut Vec<f32>, tmp16: &'a mut Vec<f16>, n: usize) -> &'a mut [AMP<f16>] {
-        f16_as_amp_mut(sized(tmp16, n))
     }
 }
 impl HalfPrecision for AMP<f16> {
@@ -104,17 +99,11 @@ impl Precision for bf16 {
     fn widen(src: &[f32], dst: &mut [f32]) {
         round_to_bf16(src, dst);
     }
-    fn bits(src: &[f32]) -> FloatBits<'_> {
-        <f32 as Precision>::bits(src)
+    fn floats(values: &[f32]) -> FloatSlice<'_> {
+        FloatSlice::Bf16(values)
     }
     fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
         FloatSliceMut::F32(values)
-    }
-    fn operand(values: &[f32]) -> Operand<'_> {
-        Operand::Bf16(values)
-    }
-    fn scratch<'a>(tmp32: &'a mut Vec<f32>, _: &'a mut Vec<f16>, n: usize) -> &'a mut [f32] {
-        sized(tmp32, n)
     }
 }
 impl HalfPrecision for bf16 {
@@ -125,20 +114,25 @@ impl HalfPrecision for bf16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::slice::HalfFloatSliceExt;
 
     #[test]
     fn every_view_of_a_precision_agrees_with_its_storage() {
-        // bits, floats_mut and operand see the same values round and widen produce.
+        // floats and floats_mut see the same values round and widen produce.
         let src = [1.5f32, -2.0, 65504.0];
         let mut h = [AMP(f16::ZERO); 3];
         <AMP<f16>>::round(&src, &mut h);
-        let FloatBits::F16(b) = <AMP<f16>>::bits(&h) else {
-            panic!("AMP<f16> bits are binary16")
+        let FloatSlice::F16(b) = <AMP<f16>>::floats(&h) else {
+            panic!("AMP<f16> values are binary16")
         };
-        assert_eq!(b, [0x3e00, 0xc000, 0x7bff]);
-        assert!(matches!(<AMP<f16>>::operand(&h), Operand::F16(v) if v[2] == f16::MAX));
+        assert_eq!(b.reinterpret_cast(), [0x3e00, 0xc000, 0x7bff]);
+        assert!(matches!(<AMP<f16>>::floats(&h), FloatSlice::F16(v) if v[2] == f16::MAX));
         let mut e = [1.0f32 + 1.0 / 512.0];
-        assert!(matches!(bf16::operand(&e), Operand::Bf16(_)));
+        assert!(matches!(bf16::floats(&e), FloatSlice::Bf16(_)));
+        assert_eq!(
+            <AMP<f16> as sealed::Sealed>::scratch(&mut Vec::new(), &mut Vec::new(), 3).len(),
+            3
+        );
         assert!(matches!(bf16::floats_mut(&mut e), FloatSliceMut::F32(_)));
         let mut w = [0.0f32];
         bf16::widen(&e, &mut w);

@@ -3,10 +3,10 @@
 //! Two sealed traits describe every precision mpx knows; no other crate can implement them:
 //!
 //! - [`Precision`]: what a precision is. Its storage type (`Elem`), its jmp dtype ([`DType`]),
-//!   how f32 values round into it and widen out of it, and its views of stored values (bits for
-//!   finiteness checks, a mutable view for in-place visitors). The work done *in* a precision
-//!   (unscaling gradients, reading gradient buffers) lives with the code that does it
-//!   (`mpx::finite`, `mpx::step`).
+//!   how f32 values round into it and widen out of it, and its stored values seen through the
+//!   view pair ([`FloatSlice`] to read, [`FloatSliceMut`] to write). The work done *in* a
+//!   precision (unscaling gradients, reading gradient buffers, multiplying matrices) lives with
+//!   the code that does it (`mpx::finite`, `mpx::step`, the kernels), on the views.
 //! - [`HalfPrecision`]: a precision that can be the compute precision of a mixed step.
 //!
 //! | marker | storage (`P::Elem`) | [`HalfPrecision`] | what it is |
@@ -39,19 +39,18 @@
 //! assert!(bf16::EMULATED);
 //! ```
 
+pub(crate) mod convert;
 mod dtype;
 mod impls;
 mod slices;
+mod views;
 
 pub use dfdx::dtypes::AMP;
 pub use dtype::DType;
 pub use half::{bf16, f16};
-pub(crate) mod convert;
-mod operand;
-
-pub use operand::Operand;
 pub use slices::round_to_bf16;
 pub(crate) use slices::sized;
+pub use views::{FloatSlice, FloatSliceMut};
 
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
@@ -61,43 +60,20 @@ mod sealed {
         label = "mpx implements `Precision` only for its own precision types",
         note = "the precisions are `f32`, `f16`, `AMP<f16>` and the emulated `bf16` (`mpx::precision`); other formats (FP8, FP4, INT8) are MX block formats: see `mpx::mx`"
     )]
-    pub trait Sealed {}
-}
-
-/// A float slice seen as its IEEE bit patterns, for bit-level checks (finiteness, exact compares).
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::precision::{FloatBits, Precision, f16};
-/// assert!(matches!(f32::bits(&[1.0]), FloatBits::F32(&[0x3f80_0000])));
-/// assert!(matches!(f16::bits(&[f16::ONE]), FloatBits::F16(&[0x3c00])));
-/// ```
-#[derive(Debug, Clone, Copy)]
-pub enum FloatBits<'a> {
-    /// binary32 bit patterns (`f32`, also emulated bf16).
-    F32(&'a [u32]),
-    /// binary16 bit patterns (`f16` and `AMP<f16>`).
-    F16(&'a [u16]),
-}
-
-/// A mutable view of one floating-point leaf's values, as the in-place visitors
-/// ([`FloatLeaves::visit_floats_mut`](crate::cast::FloatLeaves::visit_floats_mut)) see it.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::precision::{AMP, FloatSliceMut, Precision, f16};
-/// let mut v = [AMP(f16::ONE)];
-/// if let FloatSliceMut::F16(h) = <AMP<f16>>::floats_mut(&mut v) {
-///     h[0] = f16::from_f32(2.0);
-/// }
-/// assert_eq!(v[0].0, f16::from_f32(2.0));
-/// ```
-#[derive(Debug)]
-pub enum FloatSliceMut<'a> {
-    /// f32 values (also emulated bf16).
-    F32(&'a mut [f32]),
-    /// f16 values (also `AMP<f16>`, viewed as f16).
-    F16(&'a mut [f16]),
+    pub trait Sealed {
+        /// The reused scratch buffer `n` values of this precision's storage are read into:
+        /// `tmp32` for f32 storage, `tmp16` for f16 storage. Grows, never shrinks. For mpx's
+        /// tensor reads (`cast`), which need the storage type itself rather than a view; kept on
+        /// the sealed supertrait, out of [`Precision`](super::Precision)'s API, since users can
+        /// neither name nor implement it.
+        fn scratch<'a>(
+            tmp32: &'a mut Vec<f32>,
+            tmp16: &'a mut Vec<half::f16>,
+            n: usize,
+        ) -> &'a mut [<Self as super::Precision>::Elem]
+        where
+            Self: super::Precision;
+    }
 }
 
 /// A precision: `f32`, [`f16`](struct@f16), [`AMP<f16>`] or (emulated) [`bf16`]. Sealed: only mpx
@@ -142,25 +118,12 @@ pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::D
     /// tensor would be cast.
     fn widen(src: &[Self::Elem], dst: &mut [f32]);
 
-    /// The stored values as their raw IEEE bit patterns.
-    fn bits(src: &[Self::Elem]) -> FloatBits<'_>;
+    /// The stored values, to read (emulated bf16: [`FloatSlice::Bf16`], f32 values read as
+    /// bf16).
+    fn floats(values: &[Self::Elem]) -> FloatSlice<'_>;
 
-    /// The stored values as the mutable view in-place visitors take.
+    /// The stored values, to write (emulated bf16: its f32 storage).
     fn floats_mut(values: &mut [Self::Elem]) -> FloatSliceMut<'_>;
-
-    /// The stored values as an operand of mpx's GEMM (emulated bf16: f32 values the kernels round
-    /// to bf16 while packing).
-    fn operand(values: &[Self::Elem]) -> Operand<'_>;
-
-    /// The reused scratch buffer `n` values of this storage type are read into: `tmp32` for f32
-    /// storage, `tmp16` for f16 storage. Grows, never shrinks. For mpx's tensor reads; not a
-    /// public API.
-    #[doc(hidden)]
-    fn scratch<'a>(
-        tmp32: &'a mut Vec<f32>,
-        tmp16: &'a mut Vec<f16>,
-        n: usize,
-    ) -> &'a mut [Self::Elem];
 }
 
 /// Half precision: the compute precision of a mixed step. Implemented by [`f16`](struct@f16),

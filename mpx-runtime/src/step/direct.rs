@@ -36,7 +36,7 @@ use dfdx::tensor_ops::Device;
 
 use super::layout::MasterSlot;
 use crate::finite::add_scaled_checked;
-use crate::precision::FloatBits;
+use crate::precision::FloatSlice;
 
 /// The state a scaler's workspace shares with the linked layers of its forward passes.
 pub(crate) struct Direct {
@@ -229,10 +229,12 @@ pub(crate) fn link<W, B>(weight: &W, bias: &B) -> Option<Link> {
 }
 
 /// Whether every bit of a gradient is zero (nothing was added to it).
-pub(crate) fn all_zero(bits: FloatBits<'_>) -> bool {
-    match bits {
-        FloatBits::F32(b) => b.iter().fold(0, |acc, &x| acc | x) == 0,
-        FloatBits::F16(b) => b.iter().fold(0, |acc, &x| acc | x) == 0,
+pub(crate) fn all_zero(values: FloatSlice<'_>) -> bool {
+    match values {
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => {
+            v.iter().fold(0, |acc, x| acc | x.to_bits()) == 0
+        }
+        FloatSlice::F16(v) => v.iter().fold(0, |acc, x| acc | x.to_bits()) == 0,
     }
 }
 

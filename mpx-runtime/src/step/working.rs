@@ -394,7 +394,7 @@ where
                 self.mismatch = Some(len_mismatch(i, n, src.len()));
                 return Ok(None);
             }
-            if direct && all_zero(H::bits(src)) {
+            if direct && all_zero(H::floats(src)) {
                 // written straight into `dst` (and checked there) by a linked layer
                 continue;
             }

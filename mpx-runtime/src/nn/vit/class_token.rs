@@ -6,7 +6,7 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryConcatAlong};
 
 use crate::nn::MixedModule;
-use crate::nn::mixed::{build_on_device, native_module};
+use crate::nn::layer_impls::{build_on_device, native_module};
 use crate::precision::Precision;
 
 /// A ViT class token: a learned `M`-vector prepended to each `(S, M)` sequence of a batch,

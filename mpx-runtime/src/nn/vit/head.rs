@@ -1,18 +1,14 @@
 //! [`ClassificationHead`]: pool the tokens, normalize in f32, project to class logits.
 
-use dfdx::nn::Module;
 use dfdx::nn::modules::Linear;
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
 
-use crate::kernels::Activation;
-use crate::nn::half_ops::is_f32;
-use crate::nn::linear::fused_linear;
-use crate::nn::mixed::{build_on_device, native_module};
+use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::linear::linear_in;
 use crate::nn::{LayerNorm1D, MixedModule};
-use crate::precision::{AMP, Precision, f16};
+use crate::precision::Precision;
 use crate::region::FullPrecision;
 
 /// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
@@ -44,29 +40,7 @@ pub struct ClassificationHead<const M: usize, const C: usize, E: Dtype = f32, D:
 build_on_device!(ClassificationHead[const M, const C]);
 native_module!(ClassificationHead[const M, const C]);
 
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<const M: usize, const C: usize, D: Device<$e>> TensorCollection<$e, D>
-            for ClassificationHead<M, C, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = ClassificationHead<M, C, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("norm", |s| &s.norm, |s| &mut s.norm),
-                        Self::module("linear", |s| &s.linear, |s| &mut s.linear),
-                    ),
-                    |(norm, linear)| ClassificationHead { norm, linear },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+module_collection!(ClassificationHead[const M, const C] { norm, linear });
 
 /// dfdx's `LayerNorm1D` on `(B, M)`, in f32, inside a region.
 fn layer_norm_f32<B: Dim, const M: usize>(
@@ -107,7 +81,8 @@ where
         let pooled = FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| {
             layer_norm_f32(ln, eps, x.mean::<(B, Const<M>), Axis<1>>())
         })?;
-        self.try_linear::<P, _, _>(pooled)
+        let out = (pooled.shape().0, Const::<C>);
+        linear_in::<P, E, M, C, _, _, _>(&self.linear, pooled, out)
     }
 }
 
@@ -130,26 +105,7 @@ where
         let eps = self.norm.epsilon;
         let normed =
             FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| layer_norm_f32(ln, eps, x))?;
-        self.try_linear::<P, _, _>(normed)
-    }
-}
-
-impl<const M: usize, const C: usize, E> ClassificationHead<M, C, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    Cpu: Device<E>,
-{
-    /// The head's linear layer in precision `P`: dfdx's `Linear` in f32, one fused op on mpx's
-    /// GEMM in a half precision (f32 sums, rounded once to `P`).
-    fn try_linear<P: Precision<Elem = E>, B: Dim, T: Tape<E, Cpu>>(
-        &self,
-        x: Tensor<(B, Const<M>), E, Cpu, T>,
-    ) -> Result<Tensor<(B, Const<C>), E, Cpu, T>, CpuError> {
-        if is_f32::<P>() {
-            return self.linear.try_forward(x);
-        }
-        let out = (x.shape().0, Const::<C>);
-        let (w, b) = (&self.linear.weight, &self.linear.bias);
-        fused_linear::<P, E, M, C, _, _, _>(w, b, Activation::Identity, x, out)
+        let out = (normed.shape().0, Const::<C>);
+        linear_in::<P, E, M, C, _, _, _>(&self.linear, normed, out)
     }
 }

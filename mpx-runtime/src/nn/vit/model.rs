@@ -1,15 +1,13 @@
 //! [`Vit`]: patch embedding, position embedding, transformer encoder, classification head.
 
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::nn::{BuildModule, BuildOnDevice};
 use dfdx::shapes::{Const, Dim, Dtype};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
 use super::{ClassificationHead, PatchEmbedding, PositionEmbedding};
-use crate::nn::mixed::native_module;
+use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
 use crate::nn::{MixedModule, TransformerEncoder};
-use crate::precision::{AMP, Precision, f16};
+use crate::precision::Precision;
 
 /// A Vision Transformer for flattened square images `(B, PIXELS)`: `PATCHES` patches of
 /// `PATCH_DIM` pixels embedded to width `MODEL`, plus a learned position embedding, through
@@ -35,6 +33,13 @@ use crate::precision::{AMP, Precision, f16};
 /// let logits = vit.forward_in::<bf16, _>(images);
 /// assert_eq!(logits.shape(), &(Const::<5>, Const::<3>));
 /// ```
+///
+/// Parts that do not fit together fail to compile when the model is built, here 3 heads for a
+/// width of 16:
+/// ```compile_fail
+/// use dfdx::prelude::*;
+/// let vit = Cpu::default().build_module::<mpx_runtime::nn::vit::Vit<64, 16, 4, 16, 3, 32, 1, 3>, f32>();
+/// ```
 #[derive(Debug, Clone)]
 pub struct Vit<
     const PIXELS: usize,
@@ -58,75 +63,11 @@ pub struct Vit<
     pub head: ClassificationHead<MODEL, CLASSES, E, D>,
 }
 
-impl<
-    const PIXELS: usize,
-    const PATCH_DIM: usize,
-    const PATCHES: usize,
-    const MODEL: usize,
-    const HEADS: usize,
-    const FF: usize,
-    const LAYERS: usize,
-    const CLASSES: usize,
-    E0: Dtype,
-    D0: Storage<E0>,
-    E: Dtype,
-    D: Device<E>,
-> BuildOnDevice<D, E> for Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E0, D0>
-where
-    Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E, D>: BuildModule<D, E>,
-{
-    type Built = Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E, D>;
-    fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
-        // The geometry and head checks of the parts, at compile time.
-        #[allow(clippy::let_unit_value)]
-        let () = PatchEmbedding::<PIXELS, PATCH_DIM, PATCHES, MODEL, E, D>::TYPE_CHECK;
-        #[allow(clippy::let_unit_value)]
-        let () = crate::nn::MultiHeadAttention::<MODEL, HEADS, MODEL, MODEL, E, D>::TYPE_CHECK;
-        Self::Built::try_build(device)
-    }
-}
-
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<
-            const PIXELS: usize,
-            const PATCH_DIM: usize,
-            const PATCHES: usize,
-            const MODEL: usize,
-            const HEADS: usize,
-            const FF: usize,
-            const LAYERS: usize,
-            const CLASSES: usize,
-            D: Device<$e>,
-        > TensorCollection<$e, D>
-            for Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> =
-                Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    (
-                        Self::module("patch_embed", |s| &s.patch_embed, |s| &mut s.patch_embed),
-                        Self::module("pos_embed", |s| &s.pos_embed, |s| &mut s.pos_embed),
-                        Self::module("encoder", |s| &s.encoder, |s| &mut s.encoder),
-                        Self::module("head", |s| &s.head, |s| &mut s.head),
-                    ),
-                    |(patch_embed, pos_embed, encoder, head)| Vit {
-                        patch_embed,
-                        pos_embed,
-                        encoder,
-                        head,
-                    },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+build_on_device!(
+    Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES],
+    checks: PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, MODEL>, crate::nn::MultiHeadAttention<MODEL, HEADS>
+);
+module_collection!(Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES] { patch_embed, pos_embed, encoder, head });
 
 native_module!(
     Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES]

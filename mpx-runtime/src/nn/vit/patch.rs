@@ -1,18 +1,14 @@
 //! [`PatchEmbedding`]: square images cut into square patches, each projected by one `Linear`.
 
 use dfdx::nn::modules::Linear;
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::nn::{BuildModule, BuildOnDevice, Module};
 use dfdx::shapes::{Axes5, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
-use crate::kernels::Activation;
 use crate::nn::MixedModule;
-use crate::nn::half_ops::is_f32;
-use crate::nn::linear::fused_linear;
-use crate::nn::mixed::native_module;
-use crate::precision::{AMP, Precision, f16};
+use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::linear::linear_in;
+use crate::precision::Precision;
 
 /// Integer square root (the largest `r` with `r * r <= n`), at compile time.
 const fn isqrt(n: usize) -> usize {
@@ -135,47 +131,8 @@ where
     }
 }
 
-impl<
-    const PIXELS: usize,
-    const PATCH_DIM: usize,
-    const PATCHES: usize,
-    const M: usize,
-    E0: Dtype,
-    D0: Storage<E0>,
-    E: Dtype,
-    D: Device<E>,
-> BuildOnDevice<D, E> for PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E0, D0>
-where
-    PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, D>: BuildModule<D, E>,
-{
-    type Built = PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, D>;
-    fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
-        #[allow(clippy::let_unit_value)]
-        let () = Self::TYPE_CHECK;
-        Self::Built::try_build(device)
-    }
-}
-
-/// `TensorCollection` for each float element (dfdx's `Linear` needs a concrete one).
-macro_rules! collection {
-    ($($e:ty),*) => {$(
-        impl<const PIXELS: usize, const PATCH_DIM: usize, const PATCHES: usize, const M: usize, D: Device<$e>>
-            TensorCollection<$e, D> for PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, $e, D>
-        {
-            type To<E2: Dtype, D2: Device<E2>> = PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E2, D2>;
-
-            fn iter_tensors<V: ModuleVisitor<Self, $e, D>>(
-                visitor: &mut V,
-            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-                visitor.visit_fields(
-                    Self::module("linear", |s| &s.linear, |s| &mut s.linear),
-                    |linear| PatchEmbedding { linear },
-                )
-            }
-        }
-    )*};
-}
-collection!(f32, f16, AMP<f16>);
+build_on_device!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], checks: Self);
+module_collection!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M] { linear });
 
 native_module!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M]);
 
@@ -195,12 +152,7 @@ where
         images: Tensor<(B, Const<PIXELS>), E, Cpu, T>,
     ) -> Result<Self::Output, CpuError> {
         let patches = Self::try_patchify(images)?;
-        if is_f32::<P>() {
-            return self.linear.try_forward(patches);
-        }
-        // Half precision: one fused op on mpx's GEMM (f32 sums, rounded once to P).
         let out = (patches.shape().0, Const::<PATCHES>, Const::<M>);
-        let (w, b) = (&self.linear.weight, &self.linear.bias);
-        fused_linear::<P, E, PATCH_DIM, M, _, _, _>(w, b, Activation::Identity, patches, out)
+        linear_in::<P, E, PATCH_DIM, M, _, _, _>(&self.linear, patches, out)
     }
 }

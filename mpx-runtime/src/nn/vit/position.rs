@@ -6,7 +6,7 @@ use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryAdd};
 
 use crate::nn::MixedModule;
-use crate::nn::mixed::{build_on_device, native_module};
+use crate::nn::layer_impls::{build_on_device, native_module};
 use crate::precision::Precision;
 
 /// A learned position embedding: `x + pos` for `x` of shape `(B, SEQ, M)` or `(SEQ, M)`, the

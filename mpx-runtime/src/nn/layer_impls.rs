@@ -1,0 +1,93 @@
+//! The dfdx trait impls every `mpx::nn` layer shares, written once as macros: `Module` by way of
+//! [`MixedModule`](super::MixedModule) ([`native_module!`]), `BuildOnDevice`
+//! ([`build_on_device!`]) and, for a layer made of other layers, `TensorCollection`
+//! ([`module_collection!`]).
+
+/// Implements dfdx's `Module` (in the element type as the precision: f32, f16 or `AMP<f16>`) and
+/// `NonMutableModule` for an `mpx::nn` layer, by way of its [`MixedModule`] impls.
+macro_rules! native_module {
+    ($name:ident [$(const $c:ident),*]) => {
+        impl<$(const $c: usize,)* E: $crate::precision::Precision<Elem = E> + dfdx::shapes::Dtype, X> dfdx::nn::Module<X>
+            for $name<$($c,)* E, dfdx::tensor::Cpu>
+        where
+            Self: $crate::nn::MixedModule<E, X>,
+        {
+            type Output = <Self as $crate::nn::MixedModule<E, X>>::Output;
+            type Error = dfdx::tensor::CpuError;
+            fn try_forward(&self, x: X) -> Result<Self::Output, dfdx::tensor::CpuError> {
+                $crate::nn::MixedModule::<E, X>::try_mixed_forward(self, x)
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            dfdx::nn::NonMutableModule for $name<$($c,)* E, D>
+        {
+        }
+    };
+}
+pub(crate) use native_module;
+
+/// Implements dfdx's `BuildOnDevice` for an `mpx::nn` layer type, whatever element and device it
+/// names: `dev.build_module::<mpx::nn::LayerNorm1D<8>, f16>()` builds a `LayerNorm1D<8, f16, Cpu>`.
+///
+/// `build_on_device!(Name[const A, ..], checks: T, ..)` first evaluates the `TYPE_CHECK`
+/// constant of each `T` (`Self`, or a part of the layer), so a layer whose const parameters do
+/// not fit together fails to compile when it is built.
+macro_rules! build_on_device {
+    ($name:ident [$(const $c:ident),*]) => {
+        $crate::nn::layer_impls::build_on_device!(@impl $name [$(const $c),*] {});
+    };
+    ($name:ident [$(const $c:ident),*], checks: $($check:ty),+) => {
+        $crate::nn::layer_impls::build_on_device!(@impl $name [$(const $c),*] {
+            fn try_build_on_device(device: &D) -> Result<Self::Built, D::Err> {
+                $(
+                    #[allow(clippy::let_unit_value)]
+                    let () = <$check>::TYPE_CHECK;
+                )+
+                <Self::Built as dfdx::nn::BuildModule<D, E>>::try_build(device)
+            }
+        });
+    };
+    (@impl $name:ident [$(const $c:ident),*] { $($body:tt)* }) => {
+        impl<$(const $c: usize,)* E0: dfdx::shapes::Dtype, D0: dfdx::tensor::Storage<E0>,
+            E: dfdx::shapes::Dtype, D: dfdx::tensor_ops::Device<E>>
+            dfdx::nn::BuildOnDevice<D, E> for $name<$($c,)* E0, D0>
+        where
+            $name<$($c,)* E, D>: dfdx::nn::BuildModule<D, E>,
+        {
+            type Built = $name<$($c,)* E, D>;
+            $($body)*
+        }
+    };
+}
+pub(crate) use build_on_device;
+
+/// Implements dfdx's `TensorCollection` for an `mpx::nn` layer made of other layers: visits the
+/// named fields, in the order given (the order of the parameters and of their names in a saved
+/// model), as modules. One impl per float element (f32, f16, `AMP<f16>`), since dfdx's `Linear`
+/// needs a concrete one.
+macro_rules! module_collection {
+    ($name:ident [$(const $c:ident),*] { $($f:ident),+ $(,)? }) => {
+        $crate::nn::layer_impls::module_collection!(@one f32; $name [$(const $c),*] { $($f),+ });
+        $crate::nn::layer_impls::module_collection!(@one half::f16; $name [$(const $c),*] { $($f),+ });
+        $crate::nn::layer_impls::module_collection!(
+            @one dfdx::dtypes::AMP<half::f16>; $name [$(const $c),*] { $($f),+ }
+        );
+    };
+    (@one $e:ty; $name:ident [$(const $c:ident),*] { $($f:ident),+ }) => {
+        impl<$(const $c: usize,)* D: dfdx::tensor_ops::Device<$e>>
+            dfdx::nn::tensor_collection::TensorCollection<$e, D> for $name<$($c,)* $e, D>
+        {
+            type To<E2: dfdx::shapes::Dtype, D2: dfdx::tensor_ops::Device<E2>> = $name<$($c,)* E2, D2>;
+
+            fn iter_tensors<Visitor: dfdx::nn::tensor_collection::ModuleVisitor<Self, $e, D>>(
+                visitor: &mut Visitor,
+            ) -> Result<Option<Self::To<Visitor::E2, Visitor::D2>>, Visitor::Err> {
+                visitor.visit_fields(
+                    ($(Self::module(stringify!($f), |s| &s.$f, |s| &mut s.$f),)+),
+                    |($($f,)+)| $name { $($f),+ },
+                )
+            }
+        }
+    };
+}
+pub(crate) use module_collection;
