@@ -144,7 +144,27 @@ tuple!(A.0, B.1, C.2, D.3, G.4, H.5);
 /// Implements [`IntoLayers`] for an `mpx::nn` layer with a dfdx counterpart of the same name and
 /// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`];
 /// each is already in its own family (so models that mix both convert whole).
+///
+/// `dfdx_layer!(Name[const A, ..] { field, .. })` also writes the two `From` impls, each field
+/// converted with `into()` (a field of the same type in both moves as it is).
 macro_rules! dfdx_layer {
+    ($name:ident [$(const $c:ident),*] { $($f:ident),+ $(,)? }) => {
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            From<dfdx::nn::modules::$name<$($c,)* E, D>> for $name<$($c,)* E, D>
+        {
+            fn from(m: dfdx::nn::modules::$name<$($c,)* E, D>) -> Self {
+                Self { $($f: m.$f.into()),+ }
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            From<$name<$($c,)* E, D>> for dfdx::nn::modules::$name<$($c,)* E, D>
+        {
+            fn from(m: $name<$($c,)* E, D>) -> Self {
+                Self { $($f: m.$f.into()),+ }
+            }
+        }
+        $crate::nn::convert::dfdx_layer!($name [$(const $c),*]);
+    };
     ($name:ident [$(const $c:ident),*]) => {
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
             $crate::nn::IntoLayers<$crate::nn::Mpx> for $name<$($c,)* E, D>

@@ -143,38 +143,6 @@ macro_rules! decoder_collection {
 }
 decoder_collection!(f32, f16, AMP<f16>);
 
-impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
-    From<modules::TransformerDecoderBlock<M, H, F, E, D>>
-    for TransformerDecoderBlock<M, H, F, E, D>
-{
-    fn from(m: modules::TransformerDecoderBlock<M, H, F, E, D>) -> Self {
-        Self {
-            self_attn: m.self_attn.into(),
-            norm1: m.norm1.into(),
-            mh_attn: m.mh_attn.into(),
-            norm2: m.norm2.into(),
-            ff: m.ff,
-            norm3: m.norm3.into(),
-        }
-    }
-}
-
-impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
-    From<TransformerDecoderBlock<M, H, F, E, D>>
-    for modules::TransformerDecoderBlock<M, H, F, E, D>
-{
-    fn from(m: TransformerDecoderBlock<M, H, F, E, D>) -> Self {
-        Self {
-            self_attn: m.self_attn.into(),
-            norm1: m.norm1.into(),
-            mh_attn: m.mh_attn.into(),
-            norm2: m.norm2.into(),
-            ff: m.ff,
-            norm3: m.norm3.into(),
-        }
-    }
-}
-
 /// Block by block, both ways.
 fn blocks<A: Into<B>, B, const L: usize>(r: Repeated<A, L>) -> Repeated<B, L> {
     Repeated {
@@ -226,7 +194,7 @@ where
     }
 }
 
-dfdx_layer!(TransformerDecoderBlock[const M, const H, const F]);
+dfdx_layer!(TransformerDecoderBlock[const M, const H, const F] { self_attn, norm1, mh_attn, norm2, ff, norm3 });
 dfdx_layer!(TransformerDecoder[const M, const H, const F, const L]);
 dfdx_layer!(Transformer[const M, const H, const A, const B, const F]);
 

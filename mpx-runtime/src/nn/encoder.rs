@@ -1,7 +1,7 @@
 //! [`TransformerEncoderBlock`] and [`TransformerEncoder`]: dfdx's encoder built from the
 //! mixed-ready [`LayerNorm1D`] and [`MultiHeadAttention`].
 
-use dfdx::nn::modules::{self, Linear, ReLU, Repeated, Residual};
+use dfdx::nn::modules::{Linear, ReLU, Repeated, Residual};
 use dfdx::shapes::{Const, Dim, Dtype};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
@@ -97,35 +97,7 @@ native_module!(TransformerEncoderBlock[const M, const H, const F]);
 
 module_collection!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm1, ff, norm2 });
 
-impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
-    From<modules::TransformerEncoderBlock<M, H, F, E, D>>
-    for TransformerEncoderBlock<M, H, F, E, D>
-{
-    fn from(m: modules::TransformerEncoderBlock<M, H, F, E, D>) -> Self {
-        Self {
-            self_attn: m.self_attn.into(),
-            norm1: m.norm1.into(),
-            ff: m.ff,
-            norm2: m.norm2.into(),
-        }
-    }
-}
-
-impl<const M: usize, const H: usize, const F: usize, E: Dtype, D: Storage<E>>
-    From<TransformerEncoderBlock<M, H, F, E, D>>
-    for modules::TransformerEncoderBlock<M, H, F, E, D>
-{
-    fn from(m: TransformerEncoderBlock<M, H, F, E, D>) -> Self {
-        Self {
-            self_attn: m.self_attn.into(),
-            norm1: m.norm1.into(),
-            ff: m.ff,
-            norm2: m.norm2.into(),
-        }
-    }
-}
-
-dfdx_layer!(TransformerEncoderBlock[const M, const H, const F]);
+dfdx_layer!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm1, ff, norm2 });
 
 /// The block on `(S, M)` and `(B, S, M)` sequences.
 macro_rules! block_forward {

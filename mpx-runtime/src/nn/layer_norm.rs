@@ -1,6 +1,5 @@
 //! [`LayerNorm1D`]: dfdx's layer norm with its statistics (and affine transform) in f32.
 
-use dfdx::nn::modules;
 use dfdx::nn::tensor_collection::{ModuleVisitor, ScalarOptions, TensorCollection, TensorOptions};
 use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape, Rank1};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
@@ -86,30 +85,6 @@ impl<const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D> for LayerNor
     }
 }
 
-impl<const M: usize, E: Dtype, D: Storage<E>> From<modules::LayerNorm1D<M, E, D>>
-    for LayerNorm1D<M, E, D>
-{
-    fn from(m: modules::LayerNorm1D<M, E, D>) -> Self {
-        Self {
-            gamma: m.gamma,
-            beta: m.beta,
-            epsilon: m.epsilon,
-        }
-    }
-}
-
-impl<const M: usize, E: Dtype, D: Storage<E>> From<LayerNorm1D<M, E, D>>
-    for modules::LayerNorm1D<M, E, D>
-{
-    fn from(m: LayerNorm1D<M, E, D>) -> Self {
-        Self {
-            gamma: m.gamma,
-            beta: m.beta,
-            epsilon: m.epsilon,
-        }
-    }
-}
-
 impl<const M: usize, E: Precision<Elem = E> + Dtype, P: Precision<Elem = E>, T: Tape<E, Cpu>>
     MixedModule<P, Tensor<Rank1<M>, E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
 where
@@ -160,4 +135,4 @@ macro_rules! batched {
 }
 batched!(1; B);
 batched!(2; B, S);
-dfdx_layer!(LayerNorm1D[const M]);
+dfdx_layer!(LayerNorm1D[const M] { gamma, beta, epsilon });

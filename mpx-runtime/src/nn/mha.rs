@@ -1,7 +1,7 @@
 //! [`MultiHeadAttention`]: dfdx's attention with its scaled softmax in f32.
 
 use dfdx::nn::Module;
-use dfdx::nn::modules::{self, Linear};
+use dfdx::nn::modules::Linear;
 use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
@@ -79,33 +79,7 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
 build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
 module_collection!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 
-impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
-    From<modules::MultiHeadAttention<M, H, K, V, E, D>> for MultiHeadAttention<M, H, K, V, E, D>
-{
-    fn from(m: modules::MultiHeadAttention<M, H, K, V, E, D>) -> Self {
-        Self {
-            w_q: m.w_q,
-            w_k: m.w_k,
-            w_v: m.w_v,
-            w_o: m.w_o,
-        }
-    }
-}
-
-impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
-    From<MultiHeadAttention<M, H, K, V, E, D>> for modules::MultiHeadAttention<M, H, K, V, E, D>
-{
-    fn from(m: MultiHeadAttention<M, H, K, V, E, D>) -> Self {
-        Self {
-            w_q: m.w_q,
-            w_k: m.w_k,
-            w_v: m.w_v,
-            w_o: m.w_o,
-        }
-    }
-}
-
-dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V]);
+dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 native_module!(MultiHeadAttention[const M, const H, const K, const V]);
 
 /// A batched `(B, S, M)` tensor of element `E`.
