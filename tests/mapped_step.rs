@@ -218,6 +218,14 @@ fn each_mapped_module_matches_the_f32_step() {
         "linear and relu fused",
         |_| {},
     );
+    mapped_matches_f32::<(Linear<12, 24>, Softmax, Linear<24, 5>, LogSoftmax)>(
+        "softmax, log-softmax in f32",
+        |_| {},
+    );
+    mapped_matches_f32::<(Linear<12, 24>, Tanh, Exp, Linear<24, 5>, Sigmoid, Ln)>(
+        "exp, ln in f32",
+        |_| {},
+    );
     mapped_matches_f32::<(UnbiasedLinear<12, 24>, LeakyReLU<f32>, Linear<24, 5>)>(
         "unbiased linear, leaky relu",
         |m| m.1 = LeakyReLU(0.2),

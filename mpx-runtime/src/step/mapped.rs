@@ -52,9 +52,10 @@ use crate::precision::{AMP, Precision, f16};
 /// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
 ///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
 ///   master on an applied update; the leaky slope is rounded to `H`);
-/// - the parameter-free layers (`Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`,
-///   `Sqrt`, `Sin`, `Cos`, `Exp`, `Ln`, `Softmax`, `LogSoftmax`, `Dropout`, `DropoutOneIn`) stay
-///   themselves;
+/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
+///   ([`InF32`](crate::nn::InF32)); the other parameter-free layers (`Tanh`, `Sigmoid`,
+///   `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
+///   `DropoutOneIn`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
 ///   such layers map their layers.
 ///
@@ -170,8 +171,8 @@ macro_rules! layers {
                 *working = crate::nn::LinkedReLU::applied_before();
             }
         }
-        activations!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Exp, Ln,
-            Softmax, LogSoftmax);
+        activations!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos);
+        in_f32!($h: Exp, Ln, Softmax, LogSoftmax);
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
         }
@@ -200,6 +201,15 @@ macro_rules! layers {
                 working.epsilon = self.epsilon;
                 working.momentum = self.momentum;
             }
+        }
+    )*};
+}
+
+/// The layers on autocast's float32 list run in an f32 region ([`InF32`](crate::nn::InF32)).
+macro_rules! in_f32 {
+    ($h:ty: $($a:ident),*) => {$(
+        impl HalfLayers<$h> for dfdx::nn::modules::$a {
+            type Working = crate::nn::InF32<dfdx::nn::modules::$a>;
         }
     )*};
 }
