@@ -39,6 +39,7 @@
 mod attention_core;
 mod cast;
 mod convert;
+pub(crate) mod dfdx_linear;
 mod encoder;
 mod half_ops;
 mod layer_impls;
