@@ -9,7 +9,6 @@ use dfdx::shapes::{Dtype, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::half_ops::is_f32;
 use super::linear::fused_linear;
 use crate::kernels::Activation;
 use crate::precision::Precision;
@@ -80,7 +79,7 @@ where
     DfdxLinear<I, O, E, Cpu>:
         Module<Tensor<Sx, E, Cpu, T>, Output = Tensor<Sy, E, Cpu, T>, Error = CpuError>,
 {
-    if is_f32::<P>() {
+    if P::IDENTITY {
         return l.try_forward(x);
     }
     fused_linear::<P, E, I, O, _, _, _>(&l.weight, &l.bias, Activation::Identity, x, out)

@@ -8,7 +8,6 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::convert::dfdx_layer;
-use super::half_ops::is_f32;
 use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
@@ -154,7 +153,7 @@ macro_rules! block_forward {
                     &self.self_attn,
                     src.clone().put_tape(tape),
                 )?;
-                if !is_f32::<P>() {
+                if !P::IDENTITY {
                     // Half precision: each residual add fused into its layer norm, the
                     // feed-forward layers as fused ops on mpx's GEMM.
                     let (n1, n2) = (&self.norm1, &self.norm2);
