@@ -6,4 +6,5 @@ pub mod bits;
 pub mod digits;
 pub mod grads;
 pub mod heap;
+pub mod mlp;
 pub mod params;
