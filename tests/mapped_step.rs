@@ -18,6 +18,7 @@ use mpx::step::{GradScaler, StepError};
 
 mod common;
 use common::bits::bits;
+use common::compare::rel;
 use common::params::values as params;
 
 type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
@@ -340,18 +341,6 @@ fn tiny_setup() -> (TinyModel, Tokens, Labels) {
     }
     let y: Labels = dev.tensor_from_vec(onehot, (Const, Const));
     (model, x, y)
-}
-
-/// Normwise relative error `|a - b| / |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (d / n).sqrt()
 }
 
 #[test]

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod bits;
+pub mod compare;
 pub mod digits;
 pub mod grads;
 pub mod heap;
