@@ -6,9 +6,6 @@
 //! input, the weights, the hidden layer, the output: each `2^-11` relative) with f32 sums in
 //! between, so each result is within `2^-7` of the largest magnitude of the f32 result.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -19,6 +16,7 @@ use mpx::step::{GradScaler, StepError};
 mod common;
 use common::bits::bits;
 use common::compare::rel;
+use common::grads::param_grads;
 use common::params::values as params;
 
 type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
@@ -43,30 +41,6 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
-/// The gradients of every trainable tensor of `m`, in visit order.
-fn grads_of<M: TensorCollection<f32, Cpu>>(m: &M, g: &Gradients<f32, Cpu>) -> Vec<f32> {
-    struct Collect<'a>(Vec<f32>, &'a Gradients<f32, Cpu>);
-    impl TensorVisitor<f32, Cpu> for Collect<'_> {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            o: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            if o.do_gradient_update {
-                self.0.extend(self.1.get(t).as_vec());
-            }
-            Ok(None)
-        }
-    }
-    let mut c = Collect(Vec::new(), g);
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
-    c.0
-}
-
 #[test]
 fn the_mapped_forward_and_gradients_match_the_f32_step() {
     let dev = Cpu::seed_from_u64(3);
@@ -85,7 +59,10 @@ fn the_mapped_forward_and_gradients_match_the_f32_step() {
     assert_close("output", &out16.as_vec(), &want_out);
     let g16 = scaler.backward(mse_loss(out16, y));
 
-    let (want, got) = (grads_of(&model, &g32), grads_of(&model, &g16));
+    let (want, got) = (
+        param_grads(&model, &g32).concat(),
+        param_grads(&model, &g16).concat(),
+    );
     // weight then bias of each layer, as the master visits them
     let sizes = [24 * 12, 24, 5 * 24, 5];
     let mut at = 0;
@@ -419,7 +396,10 @@ fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
         TC * TM,
         TC,
     ];
-    let (want, got) = (grads_of(&model, &g32), grads_of(&model, &g16));
+    let (want, got) = (
+        param_grads(&model, &g32).concat(),
+        param_grads(&model, &g16).concat(),
+    );
     assert_eq!(sizes.iter().sum::<usize>(), want.len());
     let mut at = 0;
     let mut worst = 0.0f64;
