@@ -9,7 +9,7 @@ use dfdx::shapes::{Dtype, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::linear::fused_linear;
+use super::fused_linear::fused_linear;
 use crate::kernels::Activation;
 use crate::precision::Precision;
 

@@ -8,10 +8,10 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::convert::dfdx_layer;
+use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
-use super::linear::fused_linear;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;

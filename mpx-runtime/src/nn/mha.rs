@@ -8,8 +8,8 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
+use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, module_collection, native_module};
-use super::linear::fused_linear;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;

@@ -41,6 +41,7 @@ mod cast;
 mod convert;
 pub(crate) mod dfdx_linear;
 mod encoder;
+mod fused_linear;
 mod half_ops;
 mod layer_impls;
 mod layer_norm;
