@@ -108,12 +108,7 @@ fn buffers(
 
 const GLOBAL: usize = 48;
 const HIDDEN: usize = 128;
-type Mlp = (
-    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
-);
-type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+type Model = <digits::FusedMlp<HIDDEN> as BuildOnDevice<Cpu, f32>>::Built;
 
 #[mpx::mixed_step(scaling = scaler)]
 fn step<const B: usize>(
@@ -140,7 +135,7 @@ fn steps<const B: usize>(
     let size = world.size() as usize;
     let d = Digits::load(0.2, 7);
     let dev = Cpu::default();
-    let init = Cpu::seed_from_u64(0).build_module::<Mlp, f32>();
+    let init = Cpu::seed_from_u64(0).build_module::<digits::FusedMlp<HIDDEN>, f32>();
     let order = d.epoch_order(0);
     let batches: Vec<_> = order
         .chunks_exact(GLOBAL)

@@ -59,12 +59,7 @@ type Mlp = (
 );
 type Master = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 /// The same MLP in mpx's fused layers: one op per `Linear` + `ReLU` pair.
-type FusedMlp = (
-    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
-);
-type FusedMaster = <FusedMlp as BuildOnDevice<Cpu, f32>>::Built;
+type FusedMaster = <digits::FusedMlp<HIDDEN> as BuildOnDevice<Cpu, f32>>::Built;
 type X = Tensor<Rank2<BATCH, FEATURES>, f32, Cpu>;
 type Y = Tensor<Rank2<BATCH, CLASSES>, f32, Cpu>;
 type Logits = [[f32; CLASSES]; BATCH];

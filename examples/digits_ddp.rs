@@ -36,12 +36,7 @@ use mpx::step::GradScaler;
 const GLOBAL: usize = 48;
 const HIDDEN: usize = 128;
 /// mpx's fused MLP of `examples/digits.rs`.
-type Mlp = (
-    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
-    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
-    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
-);
-type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
+type Model = <digits::FusedMlp<HIDDEN> as BuildOnDevice<Cpu, f32>>::Built;
 type X<const B: usize> = Tensor<Rank2<B, FEATURES>, f32, Cpu>;
 type Y<const B: usize> = Tensor<Rank2<B, CLASSES>, f32, Cpu>;
 
@@ -224,7 +219,7 @@ fn run<const B: usize>(
     let d = Digits::load(0.2, 7);
     let mut stats = Reducer::new(world);
     // every rank draws its own weights; rank 0's are broadcast, as DDP does
-    let mut init = Cpu::seed_from_u64(rank as u64).build_module::<Mlp, f32>();
+    let mut init = Cpu::seed_from_u64(rank as u64).build_module::<digits::FusedMlp<HIDDEN>, f32>();
     stats.broadcast_model(&mut init, 0)?;
     if lead {
         println!(

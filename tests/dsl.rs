@@ -330,19 +330,6 @@ mod step {
     }
 }
 
-fn master_bits(m: &step::Model) -> Vec<u32> {
-    [
-        m.0.weight.as_vec(),
-        m.0.bias.as_vec(),
-        m.2.weight.as_vec(),
-        m.2.bias.as_vec(),
-    ]
-    .concat()
-    .iter()
-    .map(|v| v.to_bits())
-    .collect()
-}
-
 #[test]
 fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
     let dev = Cpu::default();
@@ -355,7 +342,7 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
     let mut skipped = 0;
     for i in 0..12 {
         let (x, y) = step::batch(&dev, &data, i);
-        let before = master_bits(&a);
+        let before = common::params::value_bits(&a);
         let la = step::mixed(&mut a, &mut oa, x.clone(), y.clone(), &mut sa);
         let lb = step::by_hand(&mut b, &mut ob, x, y, &mut sb);
         assert_eq!(la.to_bits(), lb.to_bits());
@@ -363,7 +350,10 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
         assert_eq!(ra, rb);
         assert_eq!(ra.loss.to_bits(), la.to_bits());
         assert_eq!(ra.new_scale, sa.loss_scale());
-        assert_eq!(master_bits(&a), master_bits(&b));
+        assert_eq!(
+            common::params::value_bits(&a),
+            common::params::value_bits(&b)
+        );
         if !ra.is_applied() {
             skipped += 1;
             assert_eq!(
@@ -375,7 +365,7 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
                 }
             );
             assert_eq!(
-                master_bits(&a),
+                common::params::value_bits(&a),
                 before,
                 "a skipped step leaves the master untouched"
             );

@@ -2,7 +2,6 @@
 //! accumulation, clipping, a penalty on the parameters, several heads, integer inputs,
 //! `try_forward`, overflow and skipping.
 
-use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -12,25 +11,8 @@ use mpx::step::{GradScaler, SkipReason, StepError, UpdateOutcome, clip_grad_norm
 
 mod common;
 
-/// A model's values as bits, for bit-for-bit comparisons.
-fn params<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
-    common::bits::bits(&common::params::values(m))
-}
-
-type Mlp = (Linear<4, 16>, ReLU, Linear<16, 3>);
-type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
-type X = Tensor<Rank2<8, 4>, f32, Cpu>;
-type Y = Tensor<Rank2<8, 3>, f32, Cpu>;
-
-fn batch(dev: &Cpu, k: usize) -> (X, Y) {
-    let x: X = dev.tensor(std::array::from_fn(|i| {
-        std::array::from_fn(|j| ((i * 4 + j + 3 * k) as f32 * 0.37).sin())
-    }));
-    let y: Y = dev.tensor(std::array::from_fn(|i| {
-        std::array::from_fn(|j| if (i + k) % 3 == j { 1.0 } else { 0.0 })
-    }));
-    (x, y)
-}
+use common::mlp::{Mlp, Model, X, Y, batch};
+use common::params::value_bits;
 
 // ---- gradient accumulation ------------------------------------------------------------------
 
@@ -105,7 +87,7 @@ fn accumulated_micro_batches_match_f32_and_an_overflow_anywhere_skips_the_whole_
         let (mut tested, mut reference) = (m16.clone(), m16.clone());
         let (mut ot, mut or) = (o16.clone(), o16.clone());
         let (mut st, mut sr) = (GradScaler::default(), GradScaler::default());
-        let before = params(&tested);
+        let before = value_bits(&tested);
         let _ = accumulate(&mut tested, &mut ot, &poisoned, &mut st);
         let last = st.last_step().unwrap();
         assert_eq!(
@@ -117,15 +99,15 @@ fn accumulated_micro_batches_match_f32_and_an_overflow_anywhere_skips_the_whole_
             }
         );
         assert_eq!(
-            params(&tested),
+            value_bits(&tested),
             before,
             "micro-batch {bad}: the master moved"
         );
         let _ = accumulate(&mut tested, &mut ot, &micro, &mut st);
         let _ = accumulate(&mut reference, &mut or, &micro, &mut sr);
         assert_eq!(
-            params(&tested),
-            params(&reference),
+            value_bits(&tested),
+            value_bits(&reference),
             "micro-batch {bad}: optimizer state moved"
         );
     }
@@ -252,8 +234,8 @@ fn a_tuple_output_backpropagates_both_heads_through_the_shared_trunk() {
         two_heads_identity(&mut c, &mut oc, &x, &mut identity).unwrap();
     }
     // With an f32 working copy the trunk's gradients (from both heads) are exactly dfdx's.
-    assert_eq!(params(&c), params(&a));
-    assert_ne!(params(&a), params(&init));
+    assert_eq!(value_bits(&c), value_bits(&a));
+    assert_ne!(value_bits(&a), value_bits(&init));
 }
 
 #[mixed_step(scaling = scaler)]
@@ -365,16 +347,16 @@ fn an_overflowing_scale_backs_off_and_skipped_steps_never_touch_the_master() {
     );
     let mut skipped = 0;
     for _ in 0..40 {
-        let before = params(&model);
+        let before = value_bits(&model);
         let scale = scaler.loss_scale();
         plain_step(&mut model, &mut opt, &x, &y, &mut scaler);
         let last = scaler.last_step().unwrap();
         assert_eq!(last.scale, scale);
         if last.is_applied() {
-            assert_ne!(params(&model), before);
+            assert_ne!(value_bits(&model), before);
         } else {
             skipped += 1;
-            assert_eq!(params(&model), before);
+            assert_eq!(value_bits(&model), before);
             assert_eq!(last.new_scale, scale / 2.0);
         }
     }
@@ -393,7 +375,7 @@ fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
     let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale).with_max_consecutive_skips(2);
     let mut grads = model.alloc_grads();
     let x: X = dev.tensor([[f32::INFINITY; 4]; 8]);
-    let before = params(&model);
+    let before = value_bits(&model);
     for k in 1..=3u64 {
         let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x));
         grads = scaler.backward(out.square().mean());
@@ -422,7 +404,7 @@ fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
         }
         model.zero_grads(&mut grads);
     }
-    assert_eq!(params(&model), before);
+    assert_eq!(value_bits(&model), before);
     assert_eq!(grad_norm(&model, &mut grads).unwrap(), 0.0);
 }
 
@@ -465,7 +447,7 @@ fn batch_norm_running_statistics_reach_the_master() {
         bn_step(&mut b, &mut ob, &x, &y, &mut scaler);
     }
     assert_ne!(a.1.running_mean.as_vec(), init.1.running_mean.as_vec());
-    assert_eq!(params(&b), params(&a));
+    assert_eq!(value_bits(&b), value_bits(&a));
 }
 
 // ---- a forward staged over several calls ----------------------------------------------------
@@ -546,7 +528,7 @@ fn a_staged_forward_chains_its_gradients_through_f32_glue() {
     }
     // The first stage learned too (its gradient came through the second stage and the glue).
     assert_ne!(b.0.weight.as_vec(), init.0.weight.as_vec());
-    assert_eq!(params(&c), params(&a));
+    assert_eq!(value_bits(&c), value_bits(&a));
 }
 
 // ---- a model built from mpx's own layers ---------------------------------------------------

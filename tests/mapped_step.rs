@@ -6,9 +6,6 @@
 //! input, the weights, the hidden layer, the output: each `2^-11` relative) with f32 sums in
 //! between, so each result is within `2^-7` of the largest magnitude of the f32 result.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
@@ -18,6 +15,8 @@ use mpx::step::{GradScaler, StepError};
 
 mod common;
 use common::bits::bits;
+use common::compare::rel;
+use common::grads::param_grads;
 use common::params::values as params;
 
 type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
@@ -70,30 +69,6 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
-/// The gradients of every trainable tensor of `m`, in visit order.
-fn grads_of<M: TensorCollection<f32, Cpu>>(m: &M, g: &Gradients<f32, Cpu>) -> Vec<f32> {
-    struct Collect<'a>(Vec<f32>, &'a Gradients<f32, Cpu>);
-    impl TensorVisitor<f32, Cpu> for Collect<'_> {
-        type Viewer = ViewTensorRef;
-        type Err = CpuError;
-        type E2 = f32;
-        type D2 = Cpu;
-        fn visit<S: Shape>(
-            &mut self,
-            o: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-            if o.do_gradient_update {
-                self.0.extend(self.1.get(t).as_vec());
-            }
-            Ok(None)
-        }
-    }
-    let mut c = Collect(Vec::new(), g);
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut c }).unwrap();
-    c.0
-}
-
 #[test]
 fn the_mapped_forward_and_gradients_match_the_f32_step() {
     let dev = Cpu::seed_from_u64(3);
@@ -112,7 +87,10 @@ fn the_mapped_forward_and_gradients_match_the_f32_step() {
     assert_close("output", &out16.as_vec(), &want_out);
     let g16 = scaler.backward(mse_loss(out16, y));
 
-    let (want, got) = (grads_of(&model, &g32), grads_of(&model, &g16));
+    let (want, got) = (
+        param_grads(&model, &g32).concat(),
+        param_grads(&model, &g16).concat(),
+    );
     // weight then bias of each layer, as the master visits them
     let sizes = [24 * 12, 24, 5 * 24, 5];
     let mut at = 0;
@@ -167,8 +145,8 @@ where
     let g16 = scaler.backward(mse_loss(out16, y));
     assert_close(
         &format!("{what}: gradients"),
-        &grads_of(&model, &g16),
-        &grads_of(&model, &g32),
+        &param_grads(&model, &g16).concat(),
+        &param_grads(&model, &g32).concat(),
     );
     // one SGD step each: every tensor (batch-norm statistics included, which the mapped
     // forward pass updated in its working copy) as the f32 step left it
@@ -264,8 +242,8 @@ fn a_dfdx_transformer_with_its_decoder_maps_and_matches_the_f32_step() {
     let g16 = scaler.backward(mse_loss(out16, y));
     assert_close(
         "transformer gradients",
-        &grads_of(&model, &g16),
-        &grads_of(&model, &g32),
+        &param_grads(&model, &g16).concat(),
+        &param_grads(&model, &g32).concat(),
     );
 }
 
@@ -512,18 +490,6 @@ fn tiny_setup() -> (TinyModel, Tokens, Labels) {
     (model, x, y)
 }
 
-/// Normwise relative error `|a - b| / |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (d / n).sqrt()
-}
-
 #[test]
 fn a_dfdx_transformer_classifier_trains_on_mpx_layers_as_in_f32() {
     let (init, x, y) = tiny_setup();
@@ -600,7 +566,10 @@ fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
         TC * TM,
         TC,
     ];
-    let (want, got) = (grads_of(&model, &g32), grads_of(&model, &g16));
+    let (want, got) = (
+        param_grads(&model, &g32).concat(),
+        param_grads(&model, &g16).concat(),
+    );
     assert_eq!(sizes.iter().sum::<usize>(), want.len());
     let mut at = 0;
     let mut worst = 0.0f64;

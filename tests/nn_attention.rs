@@ -21,19 +21,8 @@ use mpx::nn::{self, ForwardIn};
 use mpx::precision::{Precision, bf16, f16};
 
 mod common;
+use common::compare::rel;
 use common::grads::param_grads;
-
-/// Normwise relative error `|a - b| / |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (d / n).sqrt()
-}
 
 fn widen<E: Precision<Elem = E> + Dtype>(v: &[E]) -> Vec<f32> {
     let mut out = vec![0.0f32; v.len()];

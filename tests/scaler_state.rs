@@ -11,27 +11,8 @@ use mpx::scaling::{DynamicLossScale, StaticLossScale};
 use mpx::step::{GradScaler, ScalerState, SkipReason, StepError, UpdateOutcome};
 
 mod common;
-use common::params::{load, values};
-
-/// A model's values as bits, for bit-for-bit comparisons.
-fn bits<M: dfdx::nn::tensor_collection::TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
-    common::bits::bits(&values(m))
-}
-
-type Mlp = (Linear<4, 16>, ReLU, Linear<16, 3>);
-type Model = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
-type X = Tensor<Rank2<8, 4>, f32, Cpu>;
-type Y = Tensor<Rank2<8, 3>, f32, Cpu>;
-
-fn batch(dev: &Cpu, k: usize) -> (X, Y) {
-    let x: X = dev.tensor(std::array::from_fn(|i| {
-        std::array::from_fn(|j| ((i * 4 + j + 3 * k) as f32 * 0.37).sin())
-    }));
-    let y: Y = dev.tensor(std::array::from_fn(|i| {
-        std::array::from_fn(|j| if (i + k) % 3 == j { 1.0 } else { 0.0 })
-    }));
-    (x, y)
-}
+use common::mlp::{Mlp, Model, X, Y, batch};
+use common::params::{load, value_bits, values};
 
 fn sgd(m: &Model) -> Sgd<Model, f32, Cpu> {
     Sgd::new(
@@ -83,8 +64,12 @@ fn a_second_model_through_a_used_scaler_trains_as_with_its_own() {
         &data,
         &mut GradScaler::new(scale()),
     );
-    assert_ne!(bits(&b), bits(&b0), "the second model did not train");
-    assert_eq!(bits(&b), bits(&b_alone));
+    assert_ne!(
+        value_bits(&b),
+        value_bits(&b0),
+        "the second model did not train"
+    );
+    assert_eq!(value_bits(&b), value_bits(&b_alone));
     assert_eq!(shared.applied_steps(), 10);
 }
 
@@ -103,7 +88,7 @@ fn a_second_update_of_the_same_gradients_is_an_error_and_changes_nothing() {
             .unwrap()
             .is_applied()
     );
-    let once = bits(&model);
+    let once = value_bits(&model);
     for _ in 0..2 {
         let err = scaler.update(&mut model, &mut opt, &grads).unwrap_err();
         assert!(matches!(err, StepError::NoBackward { .. }), "{err}");
@@ -112,7 +97,7 @@ fn a_second_update_of_the_same_gradients_is_an_error_and_changes_nothing() {
                 .contains("each update needs its own backward pass")
         );
     }
-    assert_eq!(bits(&model), once);
+    assert_eq!(value_bits(&model), once);
     assert_eq!(scaler.applied_steps(), 1);
 }
 
@@ -126,10 +111,10 @@ fn an_update_of_a_model_no_forward_pass_ran_is_an_error() {
     let (x, y) = batch(&dev, 0);
     let out = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
     let grads = scaler.backward(mse_loss(out, y));
-    let before = bits(&other);
+    let before = value_bits(&other);
     let err = scaler.update(&mut other, &mut opt, &grads).unwrap_err();
     assert!(matches!(err, StepError::UnknownMaster { .. }), "{err}");
-    assert_eq!(bits(&other), before);
+    assert_eq!(value_bits(&other), before);
 }
 
 /// The f32 idiom of skipping a bad batch by hand: zero the gradients and return.
@@ -168,10 +153,10 @@ fn gradients_thrown_away_by_zero_grads_do_not_skip_the_next_batch() {
     let mut bad = y.as_vec();
     bad[5] = f32::NAN;
     let bad = dev.tensor_from_vec(bad, *y.shape());
-    let before = bits(&model);
+    let before = value_bits(&model);
     let (l, grads) = guarded_step(&mut model, &mut opt, grads, x.clone(), bad, &mut scaler);
     assert!(l.is_nan());
-    assert_eq!(bits(&model), before);
+    assert_eq!(value_bits(&model), before);
     let (l, _) = guarded_step(&mut model, &mut opt, grads, x, y, &mut scaler);
     assert!(l.is_finite());
     assert_eq!(
@@ -179,7 +164,7 @@ fn gradients_thrown_away_by_zero_grads_do_not_skip_the_next_batch() {
         UpdateOutcome::Applied,
         "the finite batch was judged on the thrown-away gradients"
     );
-    assert_ne!(bits(&model), before);
+    assert_ne!(value_bits(&model), before);
 }
 
 #[test]
@@ -192,7 +177,7 @@ fn two_masters_each_skip_on_their_own_gradients_and_the_scale_moves_once() {
         GradScaler::<f16>::new(DynamicLossScale::builder().initial(1024.0).build().unwrap());
     let (x, y) = batch(&dev, 1);
     let bad: X = dev.tensor([[f32::INFINITY; 4]; 8]);
-    let critic_before = bits(&critic);
+    let critic_before = value_bits(&critic);
     let a = scaler.forward(&actor, x.trace(actor.alloc_grads()), |m, x| m.forward(x));
     let c = scaler.forward(&critic, bad.trace(critic.alloc_grads()), |m, x| {
         m.forward(x)
@@ -212,7 +197,7 @@ fn two_masters_each_skip_on_their_own_gradients_and_the_scale_moves_once() {
             ..
         }
     ));
-    assert_eq!(bits(&critic), critic_before);
+    assert_eq!(value_bits(&critic), critic_before);
     // one iteration with a skip: the scale backs off once, not once per master
     assert_eq!(scaler.loss_scale(), 512.0);
 }
@@ -321,5 +306,5 @@ fn a_run_restored_from_a_checkpoint_continues_bit_for_bit() {
     let mut s: GradScaler = serde_json::from_str(&saved_scaler).unwrap();
     scales.extend(steps(&mut resumed, &mut opt, &data[6..], &mut s));
     assert_eq!(scales, want_scales);
-    assert_eq!(bits(&resumed), bits(&whole));
+    assert_eq!(value_bits(&resumed), value_bits(&whole));
 }

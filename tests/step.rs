@@ -10,34 +10,15 @@ use mpx::step::{
 };
 use proptest::prelude::*;
 
+mod common;
+use common::params::value_bits;
+
 type Mlp = (Linear<8, 16>, ReLU, Linear<16, 4>);
 type MlpF32 = <Mlp as BuildOnDevice<Cpu, f32>>::Built;
 
-/// Every float of a model, as bits, in walk order (weights and biases of both layers).
-fn bits(m: &MlpF32) -> Vec<u32> {
-    [
-        m.0.weight.as_vec(),
-        m.0.bias.as_vec(),
-        m.2.weight.as_vec(),
-        m.2.bias.as_vec(),
-    ]
-    .concat()
-    .iter()
-    .map(|v| v.to_bits())
-    .collect()
-}
-
+/// Every gradient of a model's trainable tensors, as bits, in walk order.
 fn grad_bits(m: &MlpF32, g: &Gradients<f32, Cpu>) -> Vec<u32> {
-    [
-        g.get(&m.0.weight).as_vec(),
-        g.get(&m.0.bias).as_vec(),
-        g.get(&m.2.weight).as_vec(),
-        g.get(&m.2.bias).as_vec(),
-    ]
-    .concat()
-    .iter()
-    .map(|v| v.to_bits())
-    .collect()
+    common::bits::bits(&common::grads::param_grads(m, g).concat())
 }
 
 fn batch(dev: &Cpu) -> (Tensor<Rank2<5, 8>, f32, Cpu>, Tensor<Rank2<5, 4>, f32, Cpu>) {
@@ -89,7 +70,11 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
         assert_eq!(outcome, UpdateOutcome::Applied);
         opt_plain.update(&mut plain, &plain_grads).unwrap();
         plain.zero_grads(&mut plain_grads);
-        assert_eq!(bits(&master), bits(&plain), "parameters after step {step}");
+        assert_eq!(
+            value_bits(&master),
+            value_bits(&plain),
+            "parameters after step {step}"
+        );
     }
 }
 
@@ -149,7 +134,7 @@ fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
 fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
     let dev = Cpu::seed_from_u64(3);
     let mut master = dev.build_module::<Mlp, f32>();
-    let initial = bits(&master);
+    let initial = value_bits(&master);
     let mut opt = Sgd::new(
         &master,
         SgdConfig {
@@ -192,7 +177,11 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
         if step == skipped as usize && !finite {
             skipped += 1;
             assert_eq!(new, applied / 2.0, "step {step}: the scale halves");
-            assert_eq!(bits(&master), initial, "step {step}: master unchanged");
+            assert_eq!(
+                value_bits(&master),
+                initial,
+                "step {step}: master unchanged"
+            );
             assert_eq!(
                 outcome,
                 UpdateOutcome::Skipped {
@@ -215,7 +204,7 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
         (scaler.skipped_steps(), scaler.applied_steps()),
         (skipped, 60 - skipped)
     );
-    assert_ne!(bits(&master), initial);
+    assert_ne!(value_bits(&master), initial);
     // Soft targets: the loss is bounded below by their entropy, so "proceeds" means it falls.
     assert!(
         losses.windows(2).all(|w| w[1] < w[0]),
@@ -241,7 +230,7 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
         .tensor_from_vec(bad, (Const::<5>, Const::<8>))
         .to_dtype::<f16>();
     let good = x.clone().to_dtype::<f16>();
-    let initial = bits(&master);
+    let initial = value_bits(&master);
 
     let mut run = |input: &Tensor<Rank2<5, 8>, f16, Cpu>,
                    master: &mut MlpF32|
@@ -268,7 +257,7 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
                 total: k
             }
         );
-        assert_eq!(bits(&master), initial);
+        assert_eq!(value_bits(&master), initial);
     }
     let (third, _) = run(&bad, &mut master);
     match third {
@@ -280,11 +269,15 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
         }
         other => panic!("expected TooManySkips, got {other:?}"),
     }
-    assert_eq!(bits(&master), initial, "an error changes nothing either");
+    assert_eq!(
+        value_bits(&master),
+        initial,
+        "an error changes nothing either"
+    );
     let (ok, loss) = run(&good, &mut master);
     assert_eq!(ok.unwrap(), UpdateOutcome::Applied);
     assert!(loss.is_finite());
-    assert_ne!(bits(&master), initial);
+    assert_ne!(value_bits(&master), initial);
     assert_eq!(
         (
             scaler.skipped_steps(),
@@ -596,15 +589,15 @@ fn check_injection<O: Optimizer<MlpF32, Cpu, f32> + Clone>(
     }
     let mut twin = master.clone();
     let mut twin_opt = opt.clone();
-    let before = bits(&master);
+    let before = value_bits(&master);
     let (outcome, _) = step(&mut master, &mut opt, Some((pos, bad)));
     prop_assert!(!outcome.is_applied(), "{outcome:?}");
-    prop_assert_eq!(bits(&master), before.clone());
+    prop_assert_eq!(value_bits(&master), before.clone());
     let (outcome, grads) = step(&mut master, &mut opt, None);
     prop_assert!(outcome.is_applied());
     twin_opt.update(&mut twin, &grads).unwrap();
-    prop_assert_ne!(bits(&master), before);
-    prop_assert_eq!(bits(&master), bits(&twin));
+    prop_assert_ne!(value_bits(&master), before);
+    prop_assert_eq!(value_bits(&master), value_bits(&twin));
     Ok(())
 }
 

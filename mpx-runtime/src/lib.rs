@@ -9,11 +9,10 @@
 //! | [`cast`] | casting any tree between precisions |
 //! | [`scaling`] | loss scales: no-op, static, dynamic |
 //! | [`finite`] | bit-level finiteness checks |
-//! | [`nn`] | mixed-ready layers (a fused `Linear`) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes; internal, not a public API) |
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
-//! | [`nn`] | mixed-ready layers built on those kernels: a fused `Linear`, layer norm, attention, transformer encoder, ViT |
+//! | [`nn`] | mixed-ready layers (a fused `Linear`, layer norm, attention, transformer encoder, ViT) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes; internal, not a public API) |
 
 pub mod boundary;
 pub mod cast;

@@ -16,6 +16,15 @@ pub const CLASSES: usize = 10;
 pub type DigitsVit<E = f32, D = Cpu> =
     mpx::nn::vit::Vit<FEATURES, 4, 16, 32, 4, 64, 2, CLASSES, E, D>;
 
+/// mpx's fused MLP for these digits, `FEATURES`-`HIDDEN`-`HIDDEN`-`CLASSES` with a ReLU fused
+/// into each hidden layer: the mixed model of `examples/digits.rs`, `examples/digits_ddp.rs` and
+/// `examples/bench_allreduce.rs`.
+pub type FusedMlp<const HIDDEN: usize> = (
+    mpx::nn::builders::LinearReLU<FEATURES, HIDDEN>,
+    mpx::nn::builders::LinearReLU<HIDDEN, HIDDEN>,
+    mpx::nn::builders::Linear<HIDDEN, CLASSES>,
+);
+
 /// A train/test split of the digits, pixels scaled to [0, 1].
 pub struct Digits {
     /// Row-major `train_len x 64` pixels.

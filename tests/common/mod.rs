@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 pub mod bits;
+pub mod compare;
 pub mod digits;
 pub mod grads;
 pub mod heap;
+pub mod mlp;
 pub mod params;

@@ -52,3 +52,8 @@ pub fn load<M: TensorCollection<f32, Cpu>>(to: &mut M, from: &[f32]) {
         .expect("writing a model cannot fail");
     assert_eq!(w.1, from.len(), "the values do not fill the model");
 }
+
+/// [`values`] as bit patterns, for bit-for-bit comparisons.
+pub fn value_bits<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
+    super::bits::bits(&values(m))
+}

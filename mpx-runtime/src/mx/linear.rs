@@ -17,7 +17,7 @@ use super::error::MxError;
 use super::fake_quant::MxFakeQuant;
 use super::spec::MxSpec;
 use super::tensor::MxTensor;
-use crate::nn::linear::linear_params;
+use crate::nn::dfdx_linear::linear_params;
 use crate::nn::{Dfdx, IntoLayers};
 
 /// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):

@@ -10,13 +10,6 @@ use super::scratch::{self, Buf};
 use crate::kernels::{KernelError, MatRef, add_f32_into};
 use crate::precision::{FloatSlice, Precision};
 
-/// `true` for the f32 precision itself (`P = f32`): the layers then keep dfdx's own operations,
-/// bit-identical to dfdx's layers; every other precision (f16, `AMP<f16>`, emulated bf16) runs
-/// the fused ops.
-pub(crate) fn is_f32<P: Precision>() -> bool {
-    P::IDENTITY
-}
-
 /// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32, in
 /// a pooled buffer.
 pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(

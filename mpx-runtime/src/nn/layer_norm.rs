@@ -6,7 +6,6 @@ use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device};
 
 use super::convert::dfdx_layer;
-use super::half_ops::is_f32;
 use super::layer_impls::{build_on_device, native_module};
 use super::layer_norm_kernel::add_layer_norm;
 use super::mixed::MixedModule;
@@ -93,7 +92,7 @@ where
     type Output = Tensor<Rank1<M>, E, Cpu, T>;
     fn try_mixed_forward(&self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
         let eps = self.epsilon;
-        if !is_f32::<P>() {
+        if !P::IDENTITY {
             return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
         }
         // dfdx: x.normalize(eps) * gamma + beta (gamma and beta without a tape).
@@ -118,7 +117,7 @@ macro_rules! batched {
                 x: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
             ) -> Result<Self::Output, CpuError> {
                 let eps = self.epsilon;
-                if !is_f32::<P>() {
+                if !P::IDENTITY {
                     return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
                 }
                 FullPrecision::<P>::try_run_with(self, x, |ln, x| {

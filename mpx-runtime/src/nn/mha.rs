@@ -8,9 +8,8 @@ use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
-use super::half_ops::is_f32;
+use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, module_collection, native_module};
-use super::linear::fused_linear;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;
@@ -118,7 +117,7 @@ where
             return Err(CpuError::WrongNumElements);
         }
 
-        if !is_f32::<P>() {
+        if !P::IDENTITY {
             // Half precision: the projections and the whole attention core as fused ops on
             // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
             let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);

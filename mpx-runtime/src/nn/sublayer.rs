@@ -8,10 +8,9 @@ use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
 use super::encoder::FeedForward;
-use super::half_ops::is_f32;
+use super::fused_linear::fused_linear;
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
-use super::linear::fused_linear;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;
@@ -31,7 +30,7 @@ where
     T: Tape<E, Cpu>,
     LayerNorm1D<M, E, Cpu>: MixedModule<P, Tensor<S, E, Cpu, T>, Output = Tensor<S, E, Cpu, T>>,
 {
-    if is_f32::<P>() {
+    if P::IDENTITY {
         let x = x.try_add(residual)?;
         MixedModule::<P, _>::try_mixed_forward(norm, x)
     } else {
@@ -57,7 +56,7 @@ where
         Module<Tensor<S, E, Cpu, T>, Output = Tensor<S, E, Cpu, T>, Error = CpuError>,
     LayerNorm1D<M, E, Cpu>: MixedModule<P, Tensor<S, E, Cpu, T>, Output = Tensor<S, E, Cpu, T>>,
 {
-    if is_f32::<P>() {
+    if P::IDENTITY {
         let x = ff.try_forward(x)?;
         return MixedModule::<P, _>::try_mixed_forward(norm, x);
     }

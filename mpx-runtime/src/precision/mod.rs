@@ -64,8 +64,8 @@ mod sealed {
         /// The reused scratch buffer `n` values of this precision's storage are read into:
         /// `tmp32` for f32 storage, `tmp16` for f16 storage. Grows, never shrinks. For mpx's
         /// tensor reads (`cast`), which need the storage type itself rather than a view; kept on
-        /// the sealed supertrait, out of [`Precision`](super::Precision)'s API, since users can
-        /// neither name nor implement it.
+        /// the sealed supertrait, out of [`Precision`](super::Precision)'s API and docs: users
+        /// can neither name nor implement it. Not a public API.
         fn scratch<'a>(
             tmp32: &'a mut Vec<f32>,
             tmp16: &'a mut Vec<half::f16>,

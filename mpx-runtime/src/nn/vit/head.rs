@@ -5,8 +5,8 @@ use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
 
+use crate::nn::dfdx_linear::linear_in;
 use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
-use crate::nn::linear::linear_in;
 use crate::nn::{LayerNorm1D, MixedModule};
 use crate::precision::Precision;
 use crate::region::FullPrecision;

@@ -6,8 +6,8 @@ use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
 use crate::nn::MixedModule;
+use crate::nn::dfdx_linear::linear_in;
 use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
-use crate::nn::linear::linear_in;
 use crate::precision::Precision;
 
 /// Integer square root (the largest `r` with `r * r <= n`), at compile time.

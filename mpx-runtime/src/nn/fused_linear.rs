@@ -1,0 +1,222 @@
+//! [`fused_linear`]: `y = act(x·Wᵀ + b)` as one op on the tape, on mpx's kernels, forward and
+//! backward: the op of the fused [`Linear`](super::Linear) and of the layers that hold dfdx's
+//! `Linear` ([`linear_in`](super::dfdx_linear::linear_in), the attention's projections, the
+//! encoder's feed-forward).
+
+use dfdx::shapes::{Dtype, HasShape, Rank1, Rank2, Shape};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::{Device, ReshapeTo};
+
+use super::half_ops::{grad_slice, round_in_place, shape_err};
+use super::scratch::{self, Buf};
+use crate::kernels::{Activation, KernelError};
+use crate::kernels::{
+    MatRef, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
+    relu_mask_bias_grad_f32,
+};
+use crate::precision::{FloatSlice, FloatSliceMut, Precision};
+
+/// `ReLU`'s mask of outputs `y`.
+fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
+    match E::floats(y) {
+        FloatSlice::F16(v) => ReluMask::from_f16(v),
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => ReluMask::from_f32(v),
+    }
+}
+
+/// `ReLU` mask (where given) and bias-gradient column sums, in one pass.
+fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
+    dy: &mut [E],
+    mask: Option<&ReluMask>,
+    bias_grad: &mut [f32],
+) -> Result<(), KernelError> {
+    match E::floats_mut(dy) {
+        FloatSliceMut::F32(v) => relu_mask_bias_grad_f32(v, mask, bias_grad),
+        FloatSliceMut::F16(v) => relu_mask_bias_grad_f16(v, mask, bias_grad),
+    }
+}
+
+/// Rows per GEMM call in the forward and in `dX`: bounds the f32 sums (`ROW_CHUNK x O` or
+/// `ROW_CHUNK x I` values) whatever the batch.
+const ROW_CHUNK: usize = 512;
+
+/// The values of a tensor (contiguous) in a pooled buffer.
+fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Buf<E> {
+    let mut v = scratch::take(t.shape().num_elements());
+    t.copy_into(&mut v);
+    v
+}
+
+/// `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), summed in f32 and rounded once
+/// into `dst` (`O x I`, of precision `P`): the weight gradient of a layer no scaler links.
+fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
+    dz: &[E],
+    x: &[E],
+    rows: usize,
+    dst: &mut [E],
+) -> Result<(), KernelError> {
+    with_weight_grad(dz, x, rows, |dw| {
+        add_f32_into(dw, E::floats_mut(dst))?;
+        round_in_place::<P>(dst);
+        Ok(())
+    })
+}
+
+/// Computes `dZᵀ·X` (f32 sums, `O x I`) into a pooled buffer and hands it to `use_dw`:
+/// [`write_weight_grad`] rounds it into a gradient of the layer's dtype, a linked layer adds it
+/// to the master's f32 gradient ([`crate::step::direct`]).
+fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
+    dz: &[E],
+    x: &[E],
+    rows: usize,
+    use_dw: impl FnOnce(&mut [f32]) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
+    let o = dz.len().checked_div(rows).unwrap_or(0);
+    let i = x.len().checked_div(rows).unwrap_or(0);
+    for (what, len, expected) in [("dz", dz.len(), rows * o), ("x", x.len(), rows * i)] {
+        if len != expected {
+            return Err(KernelError::Length {
+                what,
+                len,
+                expected,
+            });
+        }
+    }
+    let mut dw = scratch::take::<f32>(o * i);
+    gemm(
+        MatRef::row_major(E::floats(dz), rows, o)?.t(),
+        MatRef::row_major(E::floats(x), rows, i)?,
+        &mut dw,
+        false,
+    )?;
+    use_dw(&mut dw)
+}
+
+/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:
+/// the fused op of [`FusedLinear`](super::FusedLinear), also run by the layers that hold dfdx's
+/// `Linear` ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward, the
+/// ViT's patch embedding and head) on their `weight` and `bias`.
+///
+/// - Forward: one GEMM (f32 sums) per `ROW_CHUNK` rows, then one pass adding the bias, applying
+///   the activation and rounding to the element type; for emulated bf16 (f32 storage) the output
+///   is then rounded to bf16.
+/// - Backward: `ReLU`'s mask and the bias-gradient sums in one pass over a copy of `dY`; inside a
+///   [`GradScaler`](crate::step::GradScaler) forward pass (a [`Link`](crate::step::direct)),
+///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
+///   gradient entries and rounded once to `P`. Then `dX += dZ·W`, rounded once to `P`.
+///
+/// The op keeps the input and the weight tensors themselves for the backward (shared, not
+/// copied): dfdx lends no slice of a tensor's storage, so each pass copies the values it
+/// multiplies into pooled buffers ([`scratch`]) and gives them back when its GEMM is done. The
+/// pool then holds one layer's operands at a time, not a copy of every layer's input and weight
+/// from the forward to the backward.
+pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    weight: &Tensor<Rank2<O, I>, E, Cpu>,
+    bias: &Tensor<Rank1<O>, E, Cpu>,
+    act: Activation,
+    x: Tensor<Sx, E, Cpu, T>,
+    out: Sy,
+) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
+where
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+    Sx: Shape,
+    Sy: Shape,
+    T: Tape<E, Cpu>,
+{
+    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let rows = x.shape().num_elements() / I;
+    let (xv, wv) = (read(&x), read(weight));
+    let mut b32 = scratch::take::<f32>(O);
+    E::widen(&read(bias), &mut b32);
+    let mut y = vec![E::default(); rows * O];
+    // f32 sums for at most ROW_CHUNK rows at a time, so the buffer stays small at any batch
+    let mut acc = scratch::take::<f32>(rows.min(ROW_CHUNK) * O);
+    for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
+        let r = xc.len() / I;
+        let acc = &mut acc[..r * O];
+        gemm(
+            MatRef::row_major(E::floats(xc), r, I).map_err(shape_err)?,
+            MatRef::row_major(E::floats(&wv), O, I)
+                .map_err(shape_err)?
+                .t(),
+            acc,
+            false,
+        )
+        .map_err(shape_err)?;
+        bias_act_into(acc, &b32, act, E::floats_mut(yc)).map_err(shape_err)?;
+    }
+    drop((acc, b32, xv, wv));
+    round_in_place::<P>(&mut y);
+    let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
+    // Inside a scaler's forward pass, the master tensors this weight and bias stand for: their
+    // gradients are then written there directly, in f32.
+    let link = if T::OWNS_TAPE {
+        crate::step::direct::link(weight, bias)
+    } else {
+        None
+    };
+    let y = x.device().try_tensor_from_vec(y, out)?;
+    if T::OWNS_TAPE {
+        // The op keeps the input and the weight (the tensors, shared), the ReLU mask (1 bit per
+        // output) and ghosts for the gradient entries.
+        let (x_id, w_id, b_id, y_id) = (x.ghost(), weight.ghost(), bias.ghost(), y.ghost());
+        let w = weight.clone();
+        tape.add_backward_op(move |grads| {
+            let mut dz = scratch::take::<E>(rows * O);
+            dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            let mut db = scratch::take_zeroed::<f32>(O);
+            mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
+            drop(mask);
+            let xv = read(&x);
+            drop(x);
+            if let Some(link) = &link {
+                link.add_bias_grad(&db)?;
+                with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                    .map_err(shape_err)??;
+            } else {
+                let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
+                add_f32_into(&db, E::floats_mut(gb)).map_err(shape_err)?;
+                round_in_place::<P>(gb);
+                let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
+                write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
+            }
+            drop((db, xv));
+            let wv = read(&w);
+            drop(w);
+            input_grad::<P, E, I, O>(&dz, &wv, grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+        });
+    }
+    Ok(y.put_tape(tape))
+}
+
+/// `gx += dZ·W`, in row chunks of f32 sums, rounded once to `P`. `W` is the forward pass's: the
+/// op holds that tensor, and dfdx copies a shared tensor's storage before writing to it.
+fn input_grad<
+    P: Precision<Elem = E>,
+    E: Precision<Elem = E> + Dtype,
+    const I: usize,
+    const O: usize,
+>(
+    dz: &[E],
+    wv: &[E],
+    gx: &mut [E],
+) -> Result<(), CpuError> {
+    let rows = dz.len() / O;
+    let mut dx = scratch::take::<f32>(rows.min(ROW_CHUNK) * I);
+    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
+        let r = dzc.len() / O;
+        let dx = &mut dx[..r * I];
+        gemm(
+            MatRef::row_major(E::floats(dzc), r, O).map_err(shape_err)?,
+            MatRef::row_major(E::floats(wv), O, I).map_err(shape_err)?,
+            dx,
+            false,
+        )
+        .map_err(shape_err)?;
+        add_f32_into(dx, E::floats_mut(gxc)).map_err(shape_err)?;
+        round_in_place::<P>(gxc);
+    }
+    Ok(())
+}
