@@ -8,12 +8,12 @@ use dfdx::tensor::{Cpu, CpuError, NoneTape, PutTape, SplitTape, Storage, Tape, T
 use dfdx::tensor_ops::Device;
 
 use super::convert::dfdx_layer;
-use super::encoder::{FeedForward, TransformerEncoder};
+use super::encoder::TransformerEncoder;
 use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
-use super::sublayer::{add_norm, feed_forward_norm};
+use super::sublayer::{FeedForward, add_norm, feed_forward_norm};
 use crate::precision::{AMP, Precision, f16};
 
 /// A transformer decoder block, as dfdx's

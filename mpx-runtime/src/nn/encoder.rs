@@ -1,7 +1,7 @@
 //! [`TransformerEncoderBlock`] and [`TransformerEncoder`]: dfdx's encoder built from the
 //! mixed-ready [`LayerNorm1D`] and [`MultiHeadAttention`].
 
-use dfdx::nn::modules::{Linear, ReLU, Repeated, Residual};
+use dfdx::nn::modules::Repeated;
 use dfdx::shapes::{Const, Dim, Dtype};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
@@ -11,26 +11,8 @@ use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
-use super::sublayer::{add_norm, feed_forward_norm};
+use super::sublayer::{FeedForward, add_norm, feed_forward_norm};
 use crate::precision::Precision;
-
-/// The feed-forward part of an encoder block: `x + Linear(ReLU(Linear(x)))`, all in the half
-/// type (dfdx's own modules), as in dfdx's encoder block.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::{FeedForward, TransformerEncoderBlock};
-/// let dev = Cpu::default();
-/// let block = dev.build_module::<TransformerEncoderBlock<4, 2, 8>, f32>();
-/// let ff: &FeedForward<4, 8, f32, Cpu> = &block.ff;
-/// let x: Tensor<Rank1<4>, f32, Cpu> = dev.zeros();
-/// // x + W2 relu(W1 x + b1) + b2 at x = 0 is W2 relu(b1) + b2.
-/// let want = ff.0.2.forward(ff.0.0.bias.clone().relu());
-/// assert_eq!(ff.forward(x).array(), want.array());
-/// ```
-pub type FeedForward<const M: usize, const F: usize, E, D> =
-    Residual<(Linear<M, F, E, D>, ReLU, Linear<F, M, E, D>)>;
 
 /// A transformer encoder block, as dfdx's
 /// [`TransformerEncoderBlock`](dfdx::nn::modules::TransformerEncoderBlock) (post-norm: same

@@ -66,6 +66,7 @@ pub use linked_relu::LinkedReLU;
 pub use mha::*;
 pub use mixed::*;
 pub use scratch::release_buffers;
+pub use sublayer::FeedForward;
 
 /// Caps the threads each of the layers' GEMMs may use, process-wide (`0`: all available, the
 /// default). A data-parallel run with one rank per core sets 1, so ranks do not contend for

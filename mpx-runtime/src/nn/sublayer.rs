@@ -1,19 +1,37 @@
 //! The two sub-layers every transformer block is made of, shared by the encoder and the decoder:
-//! a residual add followed by a layer norm, and the feed-forward network with its residual and
-//! norm.
+//! a residual add followed by a layer norm, and the feed-forward network ([`FeedForward`]) with
+//! its residual and norm.
 
 use dfdx::nn::Module;
+use dfdx::nn::modules::{Linear, ReLU, Residual};
 use dfdx::shapes::{Const, Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
 
-use super::encoder::FeedForward;
 use super::fused_linear::fused_linear;
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;
+
+/// The feed-forward part of a transformer block (encoder or decoder): `x + Linear(ReLU(Linear(x)))`, all in the half
+/// type (dfdx's own modules), as in dfdx's encoder block.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::{FeedForward, TransformerEncoderBlock};
+/// let dev = Cpu::default();
+/// let block = dev.build_module::<TransformerEncoderBlock<4, 2, 8>, f32>();
+/// let ff: &FeedForward<4, 8, f32, Cpu> = &block.ff;
+/// let x: Tensor<Rank1<4>, f32, Cpu> = dev.zeros();
+/// // x + W2 relu(W1 x + b1) + b2 at x = 0 is W2 relu(b1) + b2.
+/// let want = ff.0.2.forward(ff.0.0.bias.clone().relu());
+/// assert_eq!(ff.forward(x).array(), want.array());
+/// ```
+pub type FeedForward<const M: usize, const F: usize, E, D> =
+    Residual<(Linear<M, F, E, D>, ReLU, Linear<F, M, E, D>)>;
 
 /// `norm(x + residual)`, as dfdx's blocks compute it. In a half precision one fused pass: the sum
 /// in f32, not rounded before the norm; in f32 dfdx's add, then the norm.
