@@ -39,7 +39,7 @@ use crate::finite::add_scaled_checked;
 use crate::precision::FloatBits;
 
 /// The state a scaler's workspace shares with the linked layers of its forward passes.
-pub(crate) struct Direct {
+pub struct Direct {
     state: Mutex<State>,
     /// The address table of the last scope, kept so that a step allocates none.
     spare: Mutex<Vec<(usize, usize)>>,
@@ -84,11 +84,6 @@ impl Direct {
         self.lock().inv = inv;
     }
 
-    /// The reciprocal set by [`set_inv`](Self::set_inv).
-    pub(crate) fn inv(&self) -> f32 {
-        self.lock().inv
-    }
-
     /// Lends the master's gradients to the linked layers (an empty set is left in their place).
     pub(crate) fn lend(&self, grads: &mut Gradients<f32, Cpu>) {
         self.lock().lent = Some(std::mem::replace(grads, Gradients::leaky()));
@@ -123,7 +118,7 @@ impl Direct {
         if master.len != values.len() {
             return Err(CpuError::WrongNumElements);
         }
-        let dst = (master.get)(grads)?;
+        let dst = master.slice(grads)?;
         s.finite &= add_scaled_checked(dst, values, s.inv);
         if let Some(w) = s.written.get_mut(slot) {
             *w = true;
@@ -163,7 +158,7 @@ thread_local! {
 }
 
 /// Ends the scope [`enter`] opened when dropped (also when the forward pass panics).
-pub(crate) struct ScopeGuard(());
+pub struct ScopeGuard(());
 
 impl Drop for ScopeGuard {
     fn drop(&mut self) {

@@ -1,0 +1,104 @@
+//! Workspaces that stay on their thread: a master on dfdx's `Cuda` device has a working copy of
+//! `Cuda` tensors, and dfdx's `Cuda` device is neither `Send` nor `Sync`. Such a workspace lives
+//! in a table of the thread that ran the master's first forward pass; the scaler holds a
+//! [`Local`] handle to it, which is `Send + Sync`, so a scaler stays `Send + Sync` whatever it
+//! serves. Used from another thread, the handle reports a [`StepError::WorkspaceMismatch`].
+//! A handle dropped on its own thread frees its workspace; one dropped on another thread leaves
+//! it to the end of the thread that holds it.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::error::StepError;
+#[cfg(feature = "mpi")]
+use super::layout::MasterSlot;
+use super::working::{AnyFn, StateFn, Workspace};
+
+type Shared = Rc<RefCell<Box<dyn Workspace>>>;
+
+thread_local! {
+    /// This thread's workspaces, by handle id.
+    static TABLE: RefCell<HashMap<u64, Shared>> = RefCell::new(HashMap::new());
+}
+
+/// Ids of handles, never reused.
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// The scaler's handle to a workspace kept on its thread.
+pub(crate) struct Local {
+    id: u64,
+    in_f32: bool,
+    mapped: bool,
+}
+
+impl Local {
+    /// Puts `w` into this thread's table.
+    pub(crate) fn new<W: Workspace>(w: W) -> Self {
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        let (in_f32, mapped) = (w.in_f32(), w.mapped());
+        let shared: Shared = Rc::new(RefCell::new(Box::new(w)));
+        TABLE.with(|t| t.borrow_mut().insert(id, shared));
+        Self { id, in_f32, mapped }
+    }
+
+    /// The workspace, when this is its thread.
+    fn get(&self) -> Result<Shared, StepError> {
+        TABLE
+            .with(|t| t.borrow().get(&self.id).cloned())
+            .ok_or_else(|| StepError::WorkspaceMismatch {
+                expected: "the thread that ran this master's first forward pass (a `Cuda` \
+                           workspace stays on its thread, as dfdx's `Cuda` tensors do)"
+                    .into(),
+                found: format!("{:?}", std::thread::current().id()),
+            })
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        // Taken out of the table first, so that the workspace drops with the table released.
+        let taken = TABLE
+            .try_with(|t| t.borrow_mut().remove(&self.id))
+            .ok()
+            .flatten();
+        drop(taken);
+    }
+}
+
+impl Workspace for Local {
+    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
+        self.get()?.borrow_mut().transfer(grads)
+    }
+
+    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
+        self.get()?.borrow().check(grads)
+    }
+
+    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
+        self.get()?.borrow().with_state(f)
+    }
+
+    fn mark_used(&mut self) -> bool {
+        self.get().is_ok_and(|w| w.borrow_mut().mark_used())
+    }
+
+    fn in_f32(&self) -> bool {
+        self.in_f32
+    }
+
+    fn mapped(&self) -> bool {
+        self.mapped
+    }
+
+    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
+        self.get()?.borrow_mut().with_any(f)
+    }
+
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot] {
+        &[]
+    }
+}
