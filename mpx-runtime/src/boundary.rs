@@ -62,6 +62,6 @@ impl<D: Device<f32>, M: TensorCollection<f32, D>> MasterModel<D> for M {}
 /// let model = dev.build_module::<Linear<2, 3>, f32>();
 /// assert_eq!(require_master(&model).weight.array(), model.weight.array());
 /// ```
-pub fn require_master<M: MasterModel>(model: &M) -> &M {
+pub fn require_master<D: Device<f32>, M: MasterModel<D>>(model: &M) -> &M {
     model
 }

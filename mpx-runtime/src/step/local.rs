@@ -2,7 +2,9 @@
 //! `Cuda` tensors, and dfdx's `Cuda` device is neither `Send` nor `Sync`. Such a workspace lives
 //! in a table of the thread that ran the master's first forward pass; the scaler holds a
 //! [`Local`] handle to it, which is `Send + Sync`, so a scaler stays `Send + Sync` whatever it
-//! serves. Used from another thread, the handle reports a [`StepError::WorkspaceMismatch`].
+//! serves. A backward pass on another thread has not reached it (the master's tensors cannot
+//! leave their thread); a forward pass or an update of it from another thread is a
+//! [`StepError::WorkspaceMismatch`].
 //! A handle dropped on its own thread frees its workspace; one dropped on another thread leaves
 //! it to the end of the thread that holds it.
 
@@ -70,11 +72,19 @@ impl Drop for Local {
 
 impl Workspace for Local {
     fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
-        self.get()?.borrow_mut().transfer(grads)
+        // A backward pass on another thread cannot have reached this workspace (its tensors
+        // cannot leave this one).
+        match self.get() {
+            Ok(w) => w.borrow_mut().transfer(grads),
+            Err(_) => Ok(None),
+        }
     }
 
     fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
-        self.get()?.borrow().check(grads)
+        match self.get() {
+            Ok(w) => w.borrow().check(grads),
+            Err(_) => Ok(true),
+        }
     }
 
     fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
