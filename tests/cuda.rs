@@ -299,3 +299,89 @@ fn a_mixed_step_loop_on_cuda_runs_in_f16() {
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 41);
     assert!(last < first, "{last} !< {first}");
 }
+
+// ---- #[full_precision] on Cuda --------------------------------------------------------------
+
+type Ln<E> = dfdx::nn::modules::LayerNorm1D<8, E, Cuda>;
+type Rows<E, T = NoneTape> = Tensor<Rank2<4, 8>, E, Cuda, T>;
+
+/// A layer norm and a softmax, in f32 inside a graph of `H` on `Cuda`.
+#[mpx::full_precision(params = ln, inputs = x)]
+fn norm_softmax<H: Precision, T: Tape<H::Elem, Cuda>>(
+    ln: &Ln<H::Elem>,
+    x: Rows<H::Elem, T>,
+) -> Rows<H::Elem, T>
+where
+    Cuda: Device<H::Elem> + mpx::region::RegionDevice<H> + mpx::region::RegionDevice<H::Elem>,
+{
+    ln.forward(x).softmax::<Axis<1>>()
+}
+
+fn norm_softmax_plain<T: Tape<f32, Cuda>>(ln: &Ln<f32>, x: Rows<f32, T>) -> Rows<f32, T> {
+    ln.forward(x).softmax::<Axis<1>>()
+}
+
+fn rows(dev: &Cuda, big: f32) -> Rows<f32> {
+    let mut r = [[0.0f32; 8]; 4];
+    for (i, row) in r.iter_mut().enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = if j < 2 {
+                big
+            } else {
+                (i * 8 + j) as f32 * 0.25 - 3.0
+            };
+        }
+    }
+    dev.tensor(r)
+}
+
+/// With `H = f32`, a region on `Cuda` gives the gradients of the plain computation bit for bit
+/// (inputs and the layer norm's parameters).
+#[test]
+fn a_full_precision_region_with_f32_is_bit_identical_on_cuda() {
+    let dev = Cuda::seed_from_u64(7);
+    let ln: Ln<f32> = dev.build_module::<LayerNorm1D<8>, f32>();
+    let x = rows(&dev, 3.0);
+    let w: Rows<f32> = dev.sample_normal();
+    let plain = (norm_softmax_plain(&ln, x.leaky_trace()) * w.clone())
+        .square()
+        .sum()
+        .backward();
+    let region = (norm_softmax::<f32, _>(&ln, x.leaky_trace()) * w.clone())
+        .square()
+        .sum()
+        .backward();
+    let b = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(b(plain.get(&x).as_vec()), b(region.get(&x).as_vec()));
+    assert_eq!(
+        b(plain.get(&ln.gamma).as_vec()),
+        b(region.get(&ln.gamma).as_vec())
+    );
+    assert_eq!(
+        b(plain.get(&ln.beta).as_vec()),
+        b(region.get(&ln.beta).as_vec())
+    );
+    assert!(region.get(&x).as_vec().iter().any(|g| *g != 0.0));
+}
+
+/// In f16, the region's f32 statistics keep rows whose squares overflow f16 (40000^2) finite, in
+/// the output and in every gradient; the same layer norm run in f16 does not.
+#[test]
+fn a_full_precision_region_in_f16_keeps_an_overflowing_norm_finite_on_cuda() {
+    let dev = Cuda::seed_from_u64(8);
+    let ln: Ln<f16> = dev.build_module::<LayerNorm1D<8>, f16>();
+    let x: Rows<f16> = rows(&dev, 40000.0).to_dtype::<f16>();
+    let y = norm_softmax::<f16, _>(&ln, x.leaky_trace());
+    assert!(y.as_vec().iter().all(|v| v.is_finite()));
+    let g = y.square().sum().backward();
+    for t in [
+        g.get(&x).as_vec(),
+        g.get(&ln.gamma).as_vec(),
+        g.get(&ln.beta).as_vec(),
+    ] {
+        assert!(t.iter().all(|v| v.is_finite()), "{t:?}");
+    }
+    // the plain f16 norm overflows on these rows
+    let plain = ln.forward(x.clone());
+    assert!(plain.as_vec().iter().any(|v| !v.is_finite()));
+}

@@ -12,20 +12,26 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaDevice, CudaFunction, CudaSlice, DeviceRepr, DeviceSlice, DriverError, LaunchAsync,
-    LaunchConfig,
+    CudaDevice, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, DeviceSlice, DriverError,
+    LaunchAsync, LaunchConfig,
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::OptimizerUpdateError;
+use dfdx::shapes::HasShape;
 use dfdx::shapes::Shape;
-use dfdx::tensor::{Cuda, CudaError, Gradients, NoneTape, Storage, Tensor};
+use dfdx::tensor::{
+    Cuda, CudaError, Gradients, NoneTape, OwnedTape, PutTape, SplitTape, Storage, Tape, Tensor,
+    Trace,
+};
+use dfdx::tensor_ops::{Backward, ReshapeTo, SumTo, TryMul};
 
 use super::private::Primitives;
 use super::{FullOp, HalfOp, SeedOp};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
 use crate::precision::{AMP, Precision, f16};
+use crate::region::{Flat, Leaves, RegionDevice, RegionError, Traced32};
 use crate::step::direct::{Direct, ScopeGuard};
 use crate::step::error::StepError;
 use crate::step::full::FullWorking;
@@ -37,7 +43,7 @@ use crate::step::working::ErasedWorking;
 const MODULE: &str = "mpx_step";
 
 /// The kernels' names, in the order of [`KERNELS`]' source.
-const NAMES: [&str; 7] = [
+const NAMES: [&str; 9] = [
     "mpx_unscale_add_f16",
     "mpx_unscale_add_f32",
     "mpx_add_widened_f16",
@@ -45,6 +51,8 @@ const NAMES: [&str; 7] = [
     "mpx_seed_f16",
     "mpx_seed_f32",
     "mpx_flag_nonfinite",
+    "mpx_assign_f16",
+    "mpx_assign_f32",
 ];
 
 /// The kernels. Every sum is rounded as the `Cpu` path rounds it (NVRTC is told not to fuse a
@@ -113,6 +121,15 @@ extern "C" __global__ void mpx_flag_nonfinite(const size_t n, const float *g, un
     MPX_LOOP {
         if (mpx_nonfinite(g[i])) { *flag = 1u; }
     }
+}
+
+// dst = round(src) (a full-precision region's gradient sums written back into the half graph)
+extern "C" __global__ void mpx_assign_f16(const size_t n, const float *src, mpx_half *dst) {
+    MPX_LOOP { dst[i] = mpx_f2h(src[i]); }
+}
+
+extern "C" __global__ void mpx_assign_f32(const size_t n, const float *src, float *dst) {
+    MPX_LOOP { dst[i] = src[i]; }
 }
 "#;
 
@@ -235,6 +252,29 @@ fn seed<E: DeviceRepr>(
     // long, checked above); the argument types are its parameters'.
     unsafe { f.launch(config(n), (n, g, scale, dst)) }?;
     Ok(())
+}
+
+/// `dst = round(src)`.
+fn assign<E: DeviceRepr>(src: &CudaSlice<f32>, dst: &mut CudaSlice<E>) -> Result<(), CudaError> {
+    let n = src.len();
+    if dst.len() != n {
+        return Err(mismatch());
+    }
+    let dev = src.device();
+    let name = pick(std::mem::size_of::<E>(), "mpx_assign_f16", "mpx_assign_f32");
+    let f = kernel(&dev, name)?;
+    // SAFETY: the kernel reads `n` elements of `src` and writes `n` of `dst` (both `n` long,
+    // checked above); the argument types are its parameters'.
+    unsafe { f.launch(config(n), (n, src, dst)) }?;
+    Ok(())
+}
+
+/// Loads the kernels on the device of `slice` (a region's first use of them).
+fn load_for<E>(slice: &CudaSlice<E>) -> Result<(), CudaError> {
+    load(&slice.device()).map_err(|e| match e {
+        StepError::Cuda(e) => e,
+        _ => CudaError::Driver(DriverError(CUresult::CUDA_ERROR_INVALID_SOURCE)),
+    })
 }
 
 /// Flags a non-finite element of `g`.
@@ -403,3 +443,130 @@ macro_rules! on_cuda {
     )*};
 }
 on_cuda!(f32, f16, AMP<f16>);
+
+// ---- full-precision regions (`mpx::region`) on Cuda ---------------------------------------------
+
+macro_rules! region_on_cuda {
+    ($($h:ty),*) => {$(
+        impl RegionDevice<$h> for Cuda {
+            fn enter<S: Shape, T: Tape<<$h as Precision>::Elem, Cuda>>(
+                x: Tensor<S, <$h as Precision>::Elem, Cuda, T>,
+                leaves: &mut Leaves<<$h as Precision>::Elem, Cuda>,
+            ) -> Result<(Traced32<S, Cuda>, T), CudaError> {
+                // contiguous, so that the gradient buffer and the logical values line up
+                let (x, tape) = x.try_contiguous()?.split_tape();
+                let n = x.shape().num_elements();
+                let x32: Tensor<S, f32, Cuda> = x.clone().try_to_dtype()?;
+                leaves.outer.push(x.try_reshape_like(&(n,))?);
+                leaves.inner.push(x32.clone().try_reshape_like(&(n,))?);
+                Ok((x32.leaky_traced(), tape))
+            }
+
+            fn widen_param<S: Shape>(
+                t: &Tensor<S, <$h as Precision>::Elem, Cuda>,
+                trainable: bool,
+                leaves: &mut Leaves<<$h as Precision>::Elem, Cuda>,
+            ) -> Result<Tensor<S, f32, Cuda>, CudaError> {
+                let t32: Tensor<S, f32, Cuda> = t.clone().try_to_dtype()?;
+                if trainable {
+                    let n = t.shape().num_elements();
+                    leaves.outer.push(t.clone().try_reshape_like(&(n,))?);
+                    leaves.inner.push(t32.clone().try_reshape_like(&(n,))?);
+                }
+                Ok(t32)
+            }
+
+            fn bridge<S: Shape, T: Tape<<$h as Precision>::Elem, Cuda>>(
+                leaves: Leaves<<$h as Precision>::Elem, Cuda>,
+                mut tape: T,
+                y32: Tensor<S, f32, Cuda, OwnedTape<f32, Cuda>>,
+            ) -> Result<Tensor<S, <$h as Precision>::Elem, Cuda, T>, CudaError> {
+                type E = <$h as Precision>::Elem;
+                let (y32, inner_tape) = y32.try_contiguous()?.split_tape();
+                let n = y32.shape().num_elements();
+                let y: Tensor<S, E, Cuda> = y32.clone().try_to_dtype()?;
+                if !T::OWNS_TAPE {
+                    return Ok(y.put_tape(tape));
+                }
+                let y_flat = y.clone().try_reshape_like(&(n,))?;
+                let y32_flat = y32.try_reshape_like(&(n,))?;
+                tape.add_backward_op(move |grads: &mut Gradients<E, Cuda>| {
+                    region_backward::<E>(grads, &leaves, &y_flat, y32_flat, inner_tape)
+                });
+                Ok(y.put_tape(tape))
+            }
+
+            fn region_error(e: CudaError) -> RegionError {
+                RegionError::Cuda(Arc::new(e))
+            }
+        }
+    )*};
+}
+region_on_cuda!(f32, f16, AMP<f16>);
+
+/// A full-precision region's backward op on `Cuda`: the `Cpu`'s (`mpx::region`), with the
+/// gradient sums in mpx's kernels.
+fn region_backward<E: dfdx::shapes::Dtype + DeviceRepr>(
+    grads: &mut Gradients<E, Cuda>,
+    leaves: &Leaves<E, Cuda>,
+    y: &Flat<E, Cuda>,
+    y32: Flat<f32, Cuda>,
+    mut inner_tape: OwnedTape<f32, Cuda>,
+) -> Result<(), CudaError>
+where
+    Cuda: dfdx::tensor_ops::Device<E>,
+    <Cuda as Storage<E>>::Vec: std::ops::DerefMut<Target = CudaSlice<E>>,
+    <Cuda as Storage<f32>>::Vec: std::ops::DerefMut<Target = CudaSlice<f32>>,
+{
+    // The output's gradient, widened.
+    grads.try_alloc_for(y)?;
+    let g32: Flat<f32, Cuda> = grads.get(y).try_to_dtype::<f32>()?;
+    // What each leaf's gradient holds already (a device copy); a tensor passed twice shares one
+    // gradient entry: only its first occurrence carries that value.
+    let mut first_of = Vec::with_capacity(leaves.outer.len());
+    let mut buffers: Vec<u64> = Vec::with_capacity(leaves.outer.len());
+    let mut seeds: Vec<Option<CudaSlice<E>>> = Vec::with_capacity(leaves.outer.len());
+    for (i, leaf) in leaves.outer.iter().enumerate() {
+        let buf: &mut CudaSlice<E> = grads.get_or_alloc_mut(leaf)?;
+        if seeds.is_empty() {
+            load_for(buf)?;
+        }
+        let ptr = *buf.device_ptr();
+        if let Some(j) = buffers.iter().position(|p| *p == ptr && buf.len() != 0) {
+            first_of.push(first_of[j]);
+            seeds.push(None);
+        } else {
+            first_of.push(i);
+            seeds.push(Some(buf.try_clone()?));
+        }
+        buffers.push(ptr);
+    }
+    // Run first of the region's own ops: accumulation inside continues from the outer values.
+    let inner_leaves = leaves.inner.clone();
+    inner_tape.add_backward_op(move |g: &mut Gradients<f32, Cuda>| {
+        for (leaf, seed) in inner_leaves.iter().zip(seeds) {
+            if let Some(seed) = seed {
+                add_widened(&seed, g.get_or_alloc_mut(leaf)?, 1.0)?;
+            }
+        }
+        Ok(())
+    });
+    let vjp = y32.put_tape(inner_tape).try_mul(g32)?.try_sum()?;
+    let mut inner = vjp.try_backward()?;
+    // Sum per gradient entry in f32, then round once into the outer buffer.
+    let mut sums: Vec<Option<CudaSlice<f32>>> = (0..leaves.inner.len()).map(|_| None).collect();
+    for (i, leaf) in leaves.inner.iter().enumerate() {
+        let g: &mut CudaSlice<f32> = inner.get_or_alloc_mut(leaf)?;
+        let j = first_of[i];
+        match &mut sums[j] {
+            Some(acc) => add_widened(g, acc, 1.0)?,
+            None => sums[j] = Some(g.try_clone()?),
+        }
+    }
+    for (leaf, sum) in leaves.outer.iter().zip(sums) {
+        if let Some(sum) = sum {
+            assign(&sum, grads.get_or_alloc_mut(leaf)?)?;
+        }
+    }
+    Ok(())
+}
