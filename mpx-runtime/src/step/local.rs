@@ -112,3 +112,60 @@ impl Workspace for Local {
         &[]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precision::f16;
+    use crate::step::full::FullWorking;
+    use dfdx::prelude::*;
+
+    fn table_len() -> usize {
+        TABLE.with(|t| t.borrow().len())
+    }
+
+    /// A workspace held through a handle: found on its thread, reached by no backward pass of
+    /// another thread, an error for a forward pass there, and freed when the handle drops.
+    #[test]
+    fn a_local_workspace_stays_on_its_thread_and_is_freed_with_its_handle() {
+        let dev = Cpu::default();
+        let model = dev.build_module::<Linear<2, 2>, f32>();
+        let before = table_len();
+        let mut held = Local::new(FullWorking::<f16, Cpu>::new(&model).unwrap());
+        assert_eq!(table_len(), before + 1);
+        assert!(held.in_f32() && !held.mapped());
+        // on its thread: the workspace itself (marked used, its gradients checked)
+        assert!(held.mark_used());
+        let mut grads: Gradients<f32, Cpu> = model.alloc_grads();
+        assert_eq!(held.transfer(&mut grads).unwrap(), Some(true));
+        let mut seen = false;
+        held.with_any(&mut |any| {
+            seen = any.is::<FullWorking<f16, Cpu>>();
+            Ok(())
+        })
+        .unwrap();
+        assert!(seen);
+        // on another thread: not reached by its backward passes, and no forward pass there
+        let held = std::thread::spawn(move || {
+            let mut held = held;
+            let mut grads: Gradients<f32, Cpu> = Gradients::leaky();
+            assert_eq!(held.transfer(&mut grads).unwrap(), None);
+            assert!(held.check(&mut grads).unwrap());
+            let e = held.with_any(&mut |_| Ok(())).unwrap_err();
+            assert!(matches!(e, StepError::WorkspaceMismatch { .. }), "{e}");
+            held
+        })
+        .join()
+        .unwrap();
+        // back home it is still there, and dropping the handle frees it
+        let mut state_len = None;
+        held.with_state(&mut |s| {
+            state_len = Some(s.len());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(state_len, Some(0));
+        drop(held);
+        assert_eq!(table_len(), before);
+    }
+}
