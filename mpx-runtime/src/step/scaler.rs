@@ -1049,7 +1049,11 @@ where
     let y = f(half, x);
     drop(scope);
     let out = y.leave(&mut region).map_err(D::step_error)?;
-    if let Some(unused) = region.pool.take() {
+    // Unused (no traced input): kept for the next forward pass, where the working copy keeps its
+    // tensors; a rebuilt one (`Cuda`) gets buffers of its own.
+    if let Some(unused) = region.pool.take()
+        && D::IN_PLACE
+    {
         working.pool.push(unused);
     }
     Ok(out)

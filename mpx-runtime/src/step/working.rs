@@ -264,7 +264,8 @@ where
         let Some(half) = self.half.as_mut() else {
             return Err(StepError::Cast(crate::cast::CastError::NotRebuilt));
         };
-        let grads = match self.pool.pop() {
+        // Reused buffers only where the working copy keeps its tensors (their ids key them).
+        let grads = match self.pool.pop().filter(|_| D::IN_PLACE) {
             Some(g) => g,
             None => half.try_alloc_grads().map_err(D::step_error)?,
         };
@@ -324,8 +325,12 @@ where
             return Ok(None);
         }
         let Some(grads) = grads.downcast_mut::<Gradients<f32, D>>() else {
-            // a backward pass on another device cannot have reached this master
-            self.pool.append(&mut half_grads);
+            // A backward pass on another device cannot have reached this master: its stash
+            // waits for its own.
+            self.stash
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .append(&mut half_grads);
             return Ok(None);
         };
         // The next forward casts the master again (the user may change it before then).

@@ -1,4 +1,4 @@
-//! The primitives on dfdx's `Cuda` device: dfdx's `to_dtype` for the casts, and four small
+//! The primitives on dfdx's `Cuda` device: dfdx's `to_dtype` for the casts, and small
 //! kernels of mpx's own for the gradients (dfdx 0.13 keeps its tensors' buffers and its
 //! gradient kernels crate-private, but hands out a gradient's device buffer through
 //! `Gradients::get_or_alloc_mut`). The kernels are compiled with NVRTC at first use, as dfdx
