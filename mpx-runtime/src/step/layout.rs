@@ -4,7 +4,7 @@
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
 };
-use dfdx::shapes::{HasShape, Shape};
+use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
 use dfdx::tensor_ops::Device;
 
@@ -139,6 +139,62 @@ pub(super) struct Layout<D: SlotDevice = Cpu> {
     pub(super) state_lens: Vec<usize>,
 }
 
+/// A read-only walk of a module: what it does with each tensor, in visit order. [`each_tensor`]
+/// is the one adapter to dfdx's `TensorVisitor`, so a walk states only its own work.
+pub(crate) trait EachTensor<E: Dtype, D: Device<E>> {
+    /// What stops the walk.
+    type Error;
+    /// One tensor; `trainable`: whether optimizers update it (else it is state, such as batch
+    /// norm's running statistics).
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, D>)
+    -> Result<(), Self::Error>;
+}
+
+/// Hands every tensor of `m` to `walk`, in visit order, until `walk` returns an error; `err`
+/// converts a device error of the walker itself.
+pub(crate) fn each_tensor<E, D, M, W>(
+    m: &M,
+    walk: &mut W,
+    err: fn(D::Err) -> W::Error,
+) -> Result<(), W::Error>
+where
+    E: Dtype,
+    D: Device<E>,
+    M: TensorCollection<E, D>,
+    W: EachTensor<E, D>,
+{
+    struct Adapter<'a, W: EachTensor<E, D>, E: Dtype, D: Device<E>> {
+        walk: &'a mut W,
+        failed: Option<W::Error>,
+        marker: std::marker::PhantomData<fn() -> (E, D)>,
+    }
+    impl<W: EachTensor<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
+        type Viewer = ViewTensorRef;
+        type Err = D::Err;
+        type E2 = E;
+        type D2 = D;
+        fn visit<S: Shape>(
+            &mut self,
+            opts: TensorOptions<S, E, D>,
+            t: &Tensor<S, E, D>,
+        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
+            if self.failed.is_none()
+                && let Err(e) = self.walk.tensor(opts.do_gradient_update, t)
+            {
+                self.failed = Some(e);
+            }
+            Ok(None)
+        }
+    }
+    let mut adapter = Adapter {
+        walk,
+        failed: None,
+        marker: std::marker::PhantomData,
+    };
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
+    adapter.failed.map_or(Ok(()), Err)
+}
+
 /// Walks `master` once and records its [`Layout`].
 pub(super) fn master_layout<D: SlotDevice, M: MasterModel<D>>(
     master: &M,
@@ -147,26 +203,15 @@ pub(super) fn master_layout<D: SlotDevice, M: MasterModel<D>>(
         slots: Vec::new(),
         state_lens: Vec::new(),
     };
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut layout,
-    })?;
+    each_tensor(master, &mut layout, std::convert::identity)?;
     Ok(layout)
 }
 
-impl<D: SlotDevice> TensorVisitor<f32, D> for Layout<D> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = f32;
-    type D2 = D;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, D>,
-        t: &Tensor<S, f32, D>,
-    ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
+impl<D: SlotDevice> EachTensor<f32, D> for Layout<D> {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
         let n = t.shape().num_elements();
-        if opts.do_gradient_update {
+        if trainable {
             self.slots.push(MasterSlot {
                 len: n,
                 get: D::slot(t),
@@ -174,7 +219,7 @@ impl<D: SlotDevice> TensorVisitor<f32, D> for Layout<D> {
         } else {
             self.state_lens.push(n);
         }
-        Ok(None)
+        Ok(())
     }
 }
 
@@ -193,33 +238,21 @@ impl Identity {
         master: &M,
     ) -> Result<(), D::Err> {
         self.ids.clear();
-        M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut ReadIdentity(self),
-        })?;
-        Ok(())
+        each_tensor(master, &mut ReadIdentity(self), std::convert::identity)
     }
 }
 
 struct ReadIdentity<'a>(&'a mut Identity);
 
-impl<D: Device<f32>> TensorVisitor<f32, D> for ReadIdentity<'_> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = f32;
-    type D2 = D;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, D>,
-        t: &Tensor<S, f32, D>,
-    ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
-        if opts.do_gradient_update {
+impl<D: Device<f32>> EachTensor<f32, D> for ReadIdentity<'_> {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
+        if trainable {
             // An id that cannot be read (a dfdx whose `Debug` differs) keys nothing: the master
             // is then told apart by its type and tensor count alone.
             self.0.ids.push(tensor_id(t).unwrap_or(u64::MAX));
         }
-        Ok(None)
+        Ok(())
     }
 }
 

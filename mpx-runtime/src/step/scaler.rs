@@ -12,7 +12,7 @@ use dfdx::tensor::{AsArray, Cpu, Gradients, HasErr, OwnedTape, Tensor};
 use super::device::MixedDevice;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
-use super::layout::{WorkingCopy, WriteState};
+use super::layout::{EachTensor, WorkingCopy, WriteState, each_tensor};
 use super::mapped::HalfLayers;
 use super::masters::Masters;
 use super::outcome::{SkipReason, UpdateOutcome};
@@ -981,31 +981,19 @@ fn write_state<D: dfdx::tensor_ops::Device<f32>, M: MasterModel<D>>(
 fn master_device<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
     master: &M,
 ) -> Result<D, StepError> {
-    use dfdx::nn::tensor_collection::{TensorOptions, TensorVisitor, ViewTensorRef};
     use dfdx::shapes::Shape;
     struct First<D>(Option<D>);
-    impl<D: dfdx::tensor_ops::Device<f32>> TensorVisitor<f32, D> for First<D> {
-        type Viewer = ViewTensorRef;
-        type Err = D::Err;
-        type E2 = f32;
-        type D2 = D;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, D>,
-            t: &Tensor<S, f32, D>,
-        ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
+    impl<D: dfdx::tensor_ops::Device<f32>> EachTensor<f32, D> for First<D> {
+        type Error = StepError;
+        fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, f32, D>) -> Result<(), StepError> {
             if self.0.is_none() {
                 self.0 = Some(t.device().clone());
             }
-            Ok(None)
+            Ok(())
         }
     }
     let mut first = First(None);
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut first,
-    })
-    .map_err(D::step_error)?;
+    each_tensor(master, &mut first, D::step_error)?;
     first
         .0
         .or_else(D::fallback_device)

@@ -6,9 +6,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, PoisonError};
 
 use dfdx::nn::ZeroGrads;
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, Gradients, Tensor};
 
@@ -16,7 +14,9 @@ use super::device::MixedDevice;
 use super::direct::Direct;
 use super::error::StepError;
 use super::half_region::Stash;
-use super::layout::{MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout};
+use super::layout::{
+    EachTensor, MasterSlot, WorkingCopy, count_mismatch, each_tensor, len_mismatch, master_layout,
+};
 use super::mapped::{HalfLayers, MapScratch};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
@@ -283,17 +283,9 @@ where
             let mut read = ReadState::<H> {
                 out: &mut self.state,
                 index: 0,
-                mismatch: None,
                 marker: std::marker::PhantomData,
             };
-            <K::Copy as TensorCollection<H::Elem, D>>::iter_tensors(&mut RecursiveWalker {
-                m: half,
-                f: &mut read,
-            })
-            .map_err(D::step_error)?;
-            if let Some(e) = read.mismatch {
-                return Err(e);
-            }
+            each_tensor::<H::Elem, D, K::Copy, _>(half, &mut read, D::step_error)?;
         }
         if H::IDENTITY {
             self.half = None;
@@ -345,17 +337,9 @@ where
                     written: &self.written,
                     finite: D::Finite::default(),
                     index: 0,
-                    mismatch: None,
                 };
-                <K::Copy as TensorCollection<H::Elem, D>>::iter_tensors(&mut RecursiveWalker {
-                    m: half,
-                    f: &mut mover,
-                })
-                .map_err(D::step_error)?;
-                let (seen, mismatch) = (mover.index, mover.mismatch.take());
-                if let Some(e) = mismatch {
-                    return Err(e);
-                }
+                each_tensor::<H::Elem, D, K::Copy, _>(half, &mut mover, D::step_error)?;
+                let seen = mover.index;
                 if seen != self.master.len() {
                     return Err(count_mismatch(self.master.len(), seen));
                 }
@@ -424,37 +408,30 @@ struct Mover<'a, H: Precision, D: MixedDevice<H>> {
     written: &'a [bool],
     finite: D::Finite,
     index: usize,
-    mismatch: Option<StepError>,
 }
 
-impl<H: Precision, D: MixedDevice<H>> TensorVisitor<H::Elem, D> for Mover<'_, H, D> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = H::Elem;
-    type D2 = D;
-
-    fn visit<S: Shape>(
+impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for Mover<'_, H, D> {
+    type Error = StepError;
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, H::Elem, D>,
+        trainable: bool,
         t: &Tensor<S, H::Elem, D>,
-    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
-        if !opts.do_gradient_update || self.mismatch.is_some() {
-            return Ok(None);
+    ) -> Result<(), StepError> {
+        if !trainable {
+            return Ok(());
         }
         let i = self.index;
         self.index += 1;
         let Some(slot) = self.master.get(i) else {
-            self.mismatch = Some(count_mismatch(self.master.len(), i + 1));
-            return Ok(None);
+            return Err(count_mismatch(self.master.len(), i + 1));
         };
         let n = t.shape().num_elements();
         if slot.len != n {
-            self.mismatch = Some(len_mismatch(i, slot.len, n));
-            return Ok(None);
+            return Err(len_mismatch(i, slot.len, n));
         }
         let direct = self.written.get(i).copied().unwrap_or(false);
         for g in self.half_grads.iter_mut() {
-            if let Err(e) = D::accumulate(
+            D::accumulate(
                 g,
                 t,
                 slot,
@@ -463,12 +440,9 @@ impl<H: Precision, D: MixedDevice<H>> TensorVisitor<H::Elem, D> for Mover<'_, H,
                 self.inv_scale,
                 direct,
                 &mut self.finite,
-            ) {
-                self.mismatch = Some(e);
-                return Ok(None);
-            }
+            )?;
         }
-        Ok(None)
+        Ok(())
     }
 }
 
@@ -476,32 +450,29 @@ impl<H: Precision, D: MixedDevice<H>> TensorVisitor<H::Elem, D> for Mover<'_, H,
 struct ReadState<'a, H> {
     out: &'a mut [Vec<f32>],
     index: usize,
-    mismatch: Option<StepError>,
     marker: std::marker::PhantomData<H>,
 }
 
-impl<H: Precision, D: MixedDevice<H>> TensorVisitor<H::Elem, D> for ReadState<'_, H> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = H::Elem;
-    type D2 = D;
-
-    fn visit<S: Shape>(
+impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for ReadState<'_, H> {
+    type Error = StepError;
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, H::Elem, D>,
+        trainable: bool,
         t: &Tensor<S, H::Elem, D>,
-    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
-        if opts.do_gradient_update || self.mismatch.is_some() {
-            return Ok(None);
+    ) -> Result<(), StepError> {
+        if trainable {
+            return Ok(());
         }
         let j = self.index;
         self.index += 1;
         let n = t.shape().num_elements();
         match self.out.get_mut(j) {
-            Some(dst) if dst.len() == n => H::widen(&t.as_vec(), dst),
-            Some(dst) => self.mismatch = Some(len_mismatch(j, dst.len(), n)),
-            None => self.mismatch = Some(count_mismatch(self.out.len(), j + 1)),
+            Some(dst) if dst.len() == n => {
+                H::widen(&t.as_vec(), dst);
+                Ok(())
+            }
+            Some(dst) => Err(len_mismatch(j, dst.len(), n)),
+            None => Err(count_mismatch(self.out.len(), j + 1)),
         }
-        Ok(None)
     }
 }
