@@ -27,14 +27,12 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::layout::MasterSlot;
+use super::layout::{EachTensor, MasterSlot, each_tensor};
 use crate::finite::add_scaled_checked;
 use crate::precision::FloatBits;
 
@@ -188,10 +186,7 @@ where
         std::mem::take(&mut *direct.spare.lock().unwrap_or_else(PoisonError::into_inner));
     by_addr.clear();
     let mut walk = Addresses { by_addr };
-    W::iter_tensors(&mut RecursiveWalker {
-        m: working,
-        f: &mut walk,
-    })?;
+    each_tensor::<E, Cpu, W, _>(working, &mut walk, std::convert::identity)?;
     let mut by_addr = walk.by_addr;
     by_addr.sort_unstable();
     SCOPES.with(|s| {
@@ -235,24 +230,16 @@ struct Addresses {
     by_addr: Vec<(usize, usize)>,
 }
 
-impl<E: Dtype> TensorVisitor<E, Cpu> for Addresses
+impl<E: Dtype> EachTensor<E, Cpu> for Addresses
 where
     Cpu: Device<E>,
 {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = E;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, E, Cpu>,
-        t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
-        if opts.do_gradient_update {
+    type Error = CpuError;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, Cpu>) -> Result<(), CpuError> {
+        if trainable {
             let position = self.by_addr.len();
             self.by_addr.push((addr(t), position));
         }
-        Ok(None)
+        Ok(())
     }
 }
