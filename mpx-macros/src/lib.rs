@@ -183,8 +183,10 @@ pub fn full_precision(args: TokenStream, item: TokenStream) -> TokenStream {
 ///   scaler's type decides (`GradScaler<f16>` by default);
 /// - `crate = "path"` (optional): the `mpx` facade's path, for a renamed dependency.
 ///
-/// A step generic over its dtype and device (dfdx's `generic-train-loop`) converts too: the
-/// macro specialises it to an f32 master on the `Cpu`. A model built in a half type where the
+/// A step whose code names dfdx's `Cuda` device (feature `cuda`, `docs/gpu.md`) runs its
+/// forward passes on `Cuda`; any other runs on the `Cpu`. A step generic over its dtype and
+/// device (dfdx's `generic-train-loop`) converts too: the macro specialises it to an f32 master
+/// on the `Cpu` (on `Cuda` when the step also names `Cuda`). A model built in a half type where the
 /// f32 master belongs is a compile error at the model that says to keep the master in f32.
 /// Every mistake is reported at its token, together, and the function is kept as written so the
 /// rest of the crate still compiles. `examples/mixed_step-expanded.rs` shows one expansion in

@@ -13,10 +13,12 @@
 
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::tensor::Cpu;
+use dfdx::tensor_ops::Device;
 
 /// An f32 master model: what optimizers update and the mixed step casts its working copy from.
 ///
-/// Implemented for every dfdx module (any [`TensorCollection`]) stored in f32. A model built in
+/// Implemented for every dfdx module (any [`TensorCollection`]) stored in f32, on any dfdx device
+/// `D` (the `Cpu` unless named; `Cuda` with the `cuda` feature). A model built in
 /// `f16` or `AMP<f16>` is not a master: the error says to keep the master in f32 and let the
 /// mixed step cast.
 ///
@@ -43,9 +45,9 @@ use dfdx::tensor::Cpu;
     label = "a half-precision model cannot be the master",
     note = "keep the master in f32 (`dev.build_module::<Model, f32>()`): the mixed step casts its own half working copy, and optimizers must never run on half weights (Adam's eps = 1e-8 is 0 in f16)"
 )]
-pub trait MasterModel: TensorCollection<f32, Cpu> {}
+pub trait MasterModel<D: Device<f32> = Cpu>: TensorCollection<f32, D> {}
 
-impl<M: TensorCollection<f32, Cpu>> MasterModel for M {}
+impl<D: Device<f32>, M: TensorCollection<f32, D>> MasterModel<D> for M {}
 
 /// Checks at compile time that `model` is an f32 [`MasterModel`], and hands it back.
 ///
@@ -60,6 +62,6 @@ impl<M: TensorCollection<f32, Cpu>> MasterModel for M {}
 /// let model = dev.build_module::<Linear<2, 3>, f32>();
 /// assert_eq!(require_master(&model).weight.array(), model.weight.array());
 /// ```
-pub fn require_master<M: MasterModel>(model: &M) -> &M {
+pub fn require_master<D: Device<f32>, M: MasterModel<D>>(model: &M) -> &M {
     model
 }

@@ -21,7 +21,9 @@
 //! carried into the f32 accumulation and rounded once, so with `H = f32` a region's gradients are
 //! bit-identical to the same computation without it.
 //!
-//! CPU only (the bridge reads and writes gradient buffers directly).
+//! On the `Cpu` the bridge reads and writes gradient buffers on the host; on dfdx's `Cuda` device
+//! (feature `cuda`, in `f16`, `AMP<f16>` and `f32`) the casts are dfdx's `to_dtype` and the
+//! gradient sums mpx's own kernels ([`RegionDevice`]).
 //!
 //! # Examples
 //! ```
@@ -46,11 +48,12 @@ use dfdx::nn::tensor_collection::{
 };
 use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
 use dfdx::tensor::{
-    Cpu, CpuError, Gradients, Merge, OwnedTape, PutTape, SplitTape, Tape, Tensor, TensorFromVec,
-    Trace,
+    Cpu, CpuError, Gradients, HasErr, Merge, OwnedTape, PutTape, SplitTape, Storage, Tape, Tensor,
+    TensorFromVec, Trace,
 };
 use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
 
+use crate::cast::grad_slice;
 use crate::precision::Precision;
 
 /// Why [`FullPrecision::try_run_with`] failed.
@@ -68,6 +71,11 @@ pub enum RegionError {
     /// The device failed (in practice: out of memory); the device's error is the source.
     #[error("the device failed in a full-precision region")]
     Device(#[from] CpuError),
+    /// dfdx's `Cuda` device failed (its error is neither `Clone` nor a `std::error::Error`: it is
+    /// shared, and in the message).
+    #[cfg(feature = "cuda")]
+    #[error("the CUDA device failed in a full-precision region: {0}")]
+    Cuda(std::sync::Arc<dfdx::tensor::CudaError>),
     /// The parameters' `TensorCollection` impl did not build their f32 copy (a third-party impl
     /// that returns `None` for a field).
     #[error(
@@ -83,29 +91,103 @@ impl From<RegionError> for CpuError {
     fn from(e: RegionError) -> Self {
         match e {
             RegionError::Device(e) => e,
+            #[cfg(feature = "cuda")]
+            RegionError::Cuda(e) => match *e {
+                dfdx::tensor::CudaError::Cpu(e) => e,
+                _ => CpuError::OutOfMemory,
+            },
             RegionError::NotRebuilt => CpuError::WrongNumElements,
         }
     }
 }
 
+/// A layer on `Cuda` passes a region's error on as dfdx's `CudaError`: a device error as itself,
+/// [`RegionError::NotRebuilt`] as `CpuError::WrongNumElements` inside it.
+#[cfg(feature = "cuda")]
+impl From<RegionError> for dfdx::tensor::CudaError {
+    fn from(e: RegionError) -> Self {
+        match e {
+            // the device's own error when this is its only holder
+            RegionError::Cuda(e) => {
+                std::sync::Arc::try_unwrap(e).unwrap_or(Self::Cpu(CpuError::OutOfMemory))
+            }
+            RegionError::Device(e) => Self::Cpu(e),
+            RegionError::NotRebuilt => Self::Cpu(CpuError::WrongNumElements),
+        }
+    }
+}
+
+/// An input's f32 copy inside a region, on the region's own tape.
+pub(crate) type Traced32<S, D> = Tensor<S, f32, D, OwnedTape<f32, D>>;
+
+/// A region's output: in the caller's precision `H`, on the inputs' tape `T`.
+type Half<S, H, D, T> = Tensor<S, <H as Precision>::Elem, D, T>;
+
 /// A flattened handle on a contiguous tensor: same id (so the same gradient entry), shape `(n,)`.
-type Flat<E> = Tensor<(usize,), E, Cpu>;
+pub(crate) type Flat<E, D = Cpu> = Tensor<(usize,), E, D>;
 
 /// The leaves of a region: each outer (half) tensor whose gradient the region produces, paired
 /// with its f32 copy inside the region. Opaque; filled by [`RegionInput::enter`].
 #[derive(Debug)]
-pub struct Leaves<E: Dtype> {
-    outer: Vec<Flat<E>>,
-    inner: Vec<Flat<f32>>,
+pub struct Leaves<E: Dtype, D: Storage<E> + Storage<f32> = Cpu> {
+    pub(crate) outer: Vec<Flat<E, D>>,
+    pub(crate) inner: Vec<Flat<f32, D>>,
 }
 
-impl<E: Dtype> Leaves<E> {
+impl<E: Dtype, D: Storage<E> + Storage<f32>> Leaves<E, D> {
     fn new() -> Self {
         Self {
             outer: Vec::new(),
             inner: Vec::new(),
         }
     }
+}
+
+/// The device a region runs on, in precision `H`: the `Cpu` (host slices) for every precision,
+/// dfdx's `Cuda` (feature `cuda`) for `f32`, `f16` and `AMP<f16>`. Sealed: its methods are the
+/// region's own machinery.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::region::RegionDevice;
+/// fn regions_on<D: RegionDevice<f16>>() {}
+/// regions_on::<Cpu>();
+/// ```
+pub trait RegionDevice<H: Precision>: Device<f32> + Storage<H::Elem> + sealed::Sealed {
+    /// A half input entering the region: made contiguous, its tape split off, its f32 copy
+    /// traced on the region's tape, both recorded as a leaf.
+    #[doc(hidden)]
+    fn enter<S: Shape, T: Tape<H::Elem, Self>>(
+        x: Tensor<S, H::Elem, Self, T>,
+        leaves: &mut Leaves<H::Elem, Self>,
+    ) -> Result<(Traced32<S, Self>, T), Self::Err>;
+    /// A half parameter's f32 copy, recorded as a leaf when it is trainable.
+    #[doc(hidden)]
+    fn widen_param<S: Shape>(
+        t: &Tensor<S, H::Elem, Self>,
+        trainable: bool,
+        leaves: &mut Leaves<H::Elem, Self>,
+    ) -> Result<Tensor<S, f32, Self>, Self::Err>;
+    /// Casts the region's f32 result back to `H` and registers the backward bridge on `tape`.
+    #[doc(hidden)]
+    fn bridge<S: Shape, T: Tape<H::Elem, Self>>(
+        leaves: Leaves<H::Elem, Self>,
+        tape: T,
+        y32: Tensor<S, f32, Self, OwnedTape<f32, Self>>,
+    ) -> Result<Tensor<S, H::Elem, Self, T>, Self::Err>;
+    /// A device error as a region error.
+    #[doc(hidden)]
+    fn region_error(e: Self::Err) -> RegionError;
+}
+
+pub(crate) mod sealed {
+    /// Seals [`RegionDevice`](super::RegionDevice).
+    pub trait Sealed {}
+    impl Sealed for dfdx::tensor::Cpu {}
+    #[cfg(feature = "cuda")]
+    impl Sealed for dfdx::tensor::Cuda {}
 }
 
 /// Converts a half tensor's values to an f32 tensor of the same shape (exact widening).
@@ -120,41 +202,172 @@ fn widen<S: Shape, E: Precision<Elem = E> + Dtype, T>(
     x.device().try_tensor_from_vec(v, *x.shape())
 }
 
-/// One or more half-precision tensors entering a region: a tensor, or a tuple (nested as deep as
-/// you like) of tensors. Each tensor may carry its own tape; the tapes are merged into the first
-/// one's, as dfdx's binary operations do.
-pub trait RegionInput<E: Dtype> {
-    /// The same tensors as f32, traced on the region's own tape.
-    type Full;
-    /// The outer tape the region's output carries.
-    type Tape: Tape<E, Cpu>;
-    /// Splits the tapes off, makes the f32 copies and records the leaves.
-    ///
-    /// # Errors
-    /// A device error (allocation) while making the f32 copies.
-    fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError>;
-}
-
-impl<S: Shape, E: Precision<Elem = E> + Dtype, T: Tape<E, Cpu>> RegionInput<E>
-    for Tensor<S, E, Cpu, T>
-{
-    type Full = Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>;
-    type Tape = T;
-    fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, T), CpuError> {
+impl<H: Precision> RegionDevice<H> for Cpu {
+    fn enter<S: Shape, T: Tape<H::Elem, Cpu>>(
+        x: Tensor<S, H::Elem, Cpu, T>,
+        leaves: &mut Leaves<H::Elem, Cpu>,
+    ) -> Result<(Traced32<S, Cpu>, T), CpuError> {
         // A permuted or broadcast input is first made contiguous inside the outer graph, so that
         // its gradient buffer and its logical values line up.
-        let (x, tape) = self.try_contiguous()?.split_tape();
+        let (x, tape) = x.try_contiguous()?.split_tape();
         let n = x.shape().num_elements();
         let x32 = widen(&x)?;
         leaves.outer.push(x.try_reshape_like(&(n,))?);
         leaves.inner.push(x32.clone().try_reshape_like(&(n,))?);
         Ok((x32.leaky_traced(), tape))
     }
+
+    fn widen_param<S: Shape>(
+        t: &Tensor<S, H::Elem, Cpu>,
+        trainable: bool,
+        leaves: &mut Leaves<H::Elem, Cpu>,
+    ) -> Result<Tensor<S, f32, Cpu>, CpuError> {
+        let t32 = widen(t)?;
+        if trainable {
+            let n = t.shape().num_elements();
+            leaves.outer.push(t.clone().try_reshape_like(&(n,))?);
+            leaves.inner.push(t32.clone().try_reshape_like(&(n,))?);
+        }
+        Ok(t32)
+    }
+
+    fn bridge<S: Shape, T: Tape<H::Elem, Cpu>>(
+        leaves: Leaves<H::Elem, Cpu>,
+        mut tape: T,
+        y32: Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> Result<Tensor<S, H::Elem, Cpu, T>, CpuError> {
+        let (y32, inner_tape) = y32.try_contiguous()?.split_tape();
+        let dev = y32.device().clone();
+        let shape = *y32.shape();
+        let n = shape.num_elements();
+        let mut v = vec![0.0f32; n];
+        y32.copy_into(&mut v);
+        let mut h = vec![H::Elem::default(); n];
+        H::round(&v, &mut h);
+        let y: Tensor<S, H::Elem, Cpu> = dev.try_tensor_from_vec(h, shape)?;
+        if !T::OWNS_TAPE {
+            return Ok(y.put_tape(tape));
+        }
+        let y_flat = y.clone().try_reshape_like(&(n,))?;
+        let y32_flat = y32.try_reshape_like(&(n,))?;
+        tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
+            cpu_backward::<H>(grads, &leaves, &y_flat, y32_flat, inner_tape)
+        });
+        Ok(y.put_tape(tape))
+    }
+
+    fn region_error(e: CpuError) -> RegionError {
+        RegionError::Device(e)
+    }
+}
+
+/// The region's backward op on the outer tape, on the host.
+fn cpu_backward<H: Precision>(
+    grads: &mut Gradients<H::Elem, Cpu>,
+    leaves: &Leaves<H::Elem, Cpu>,
+    y: &Flat<H::Elem>,
+    y32: Flat<f32>,
+    mut inner_tape: OwnedTape<f32, Cpu>,
+) -> Result<(), CpuError> {
+    let dev = y32.device().clone();
+    let n = y.shape().num_elements();
+    // Output gradient, widened to f32.
+    let mut g32 = vec![0.0f32; n];
+    <H::Elem as Precision>::widen(grad_slice::<H::Elem>(grads.get_or_alloc_mut(y)?), &mut g32);
+    let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
+
+    // What each leaf's gradient holds already (widened). A tensor passed twice shares one
+    // gradient entry: only its first occurrence carries that value, the others add to it.
+    let mut first_of = Vec::with_capacity(leaves.outer.len());
+    let mut buffers: Vec<*const H::Elem> = Vec::with_capacity(leaves.outer.len());
+    let mut seeds: Vec<Option<Vec<f32>>> = Vec::with_capacity(leaves.outer.len());
+    for (i, leaf) in leaves.outer.iter().enumerate() {
+        let buf = grad_slice::<H::Elem>(grads.get_or_alloc_mut(leaf)?);
+        let ptr = buf.as_ptr();
+        if let Some(j) = buffers.iter().position(|p| *p == ptr && !buf.is_empty()) {
+            first_of.push(first_of[j]);
+            seeds.push(None);
+        } else {
+            first_of.push(i);
+            let mut s = vec![0.0f32; buf.len()];
+            <H::Elem as Precision>::widen(buf, &mut s);
+            seeds.push(Some(s));
+        }
+        buffers.push(ptr);
+    }
+
+    // The seed op is added last, so it runs first of the region's own ops (after the VJP's
+    // mul and sum): accumulation inside the region continues from the outer values.
+    let inner_leaves = leaves.inner.clone();
+    inner_tape.add_backward_op(move |g: &mut Gradients<f32, Cpu>| {
+        for (leaf, seed) in inner_leaves.iter().zip(seeds) {
+            if let Some(seed) = seed {
+                let buf = g.get_or_alloc_mut(leaf)?;
+                for (b, s) in buf.iter_mut().zip(seed) {
+                    *b += s;
+                }
+            }
+        }
+        Ok(())
+    });
+    let vjp: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>> =
+        y32.put_tape(inner_tape).try_mul(g32)?.try_sum()?;
+    let mut inner = vjp.try_backward()?;
+
+    // Sum per gradient entry in f32, then round once into the outer buffer.
+    let mut sums: Vec<Option<Vec<f32>>> = vec![None; leaves.inner.len()];
+    for (i, leaf) in leaves.inner.iter().enumerate() {
+        let g = inner.get_or_alloc_mut(leaf)?;
+        let j = first_of[i];
+        match &mut sums[j] {
+            Some(acc) => acc.iter_mut().zip(g.iter()).for_each(|(a, b)| *a += *b),
+            None => sums[j] = Some(g.to_vec()),
+        }
+    }
+    for (leaf, sum) in leaves.outer.iter().zip(sums) {
+        if let Some(sum) = sum {
+            let buf = grad_slice::<H::Elem>(grads.get_or_alloc_mut(leaf)?);
+            H::round(&sum, buf);
+        }
+    }
+    Ok(())
+}
+
+/// One or more half-precision tensors entering a region: a tensor, or a tuple (nested as deep as
+/// you like) of tensors. Each tensor may carry its own tape; the tapes are merged into the first
+/// one's, as dfdx's binary operations do.
+pub trait RegionInput<E: Dtype, D: Storage<E> + Storage<f32> = Cpu> {
+    /// The same tensors as f32, traced on the region's own tape.
+    type Full;
+    /// The outer tape the region's output carries.
+    type Tape: Tape<E, D>;
+    /// Splits the tapes off, makes the f32 copies and records the leaves.
+    ///
+    /// # Errors
+    /// A device error (allocation) while making the f32 copies.
+    fn enter(
+        self,
+        leaves: &mut Leaves<E, D>,
+    ) -> Result<(Self::Full, Self::Tape), <D as HasErr>::Err>;
+}
+
+impl<S, E, D, T> RegionInput<E, D> for Tensor<S, E, D, T>
+where
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+    D: RegionDevice<E>,
+    T: Tape<E, D>,
+{
+    type Full = Tensor<S, f32, D, OwnedTape<f32, D>>;
+    type Tape = T;
+    fn enter(self, leaves: &mut Leaves<E, D>) -> Result<(Self::Full, T), D::Err> {
+        D::enter(self, leaves)
+    }
 }
 
 macro_rules! tuple_input {
     ($first:ident $(, $rest:ident)*) => {
-        impl<E: Dtype, $first: RegionInput<E> $(, $rest: RegionInput<E>)*> RegionInput<E>
+        impl<E: Dtype, Dv: Storage<E> + Storage<f32>, $first: RegionInput<E, Dv> $(, $rest: RegionInput<E, Dv>)*> RegionInput<E, Dv>
             for ($first, $($rest,)*)
         where
             $($first::Tape: Merge<$rest::Tape>,)*
@@ -162,7 +375,7 @@ macro_rules! tuple_input {
             type Full = ($first::Full, $($rest::Full,)*);
             type Tape = $first::Tape;
             #[allow(non_snake_case)]
-            fn enter(self, leaves: &mut Leaves<E>) -> Result<(Self::Full, Self::Tape), CpuError> {
+            fn enter(self, leaves: &mut Leaves<E, Dv>) -> Result<(Self::Full, Self::Tape), <Dv as HasErr>::Err> {
                 let ($first, $($rest,)*) = self;
                 let ($first, tape) = $first.enter(leaves)?;
                 $(
@@ -182,31 +395,24 @@ tuple_input!(A, B, C, D, F);
 tuple_input!(A, B, C, D, F, G);
 
 /// Walks a half module: builds its f32 copy and records each trainable parameter as a leaf.
-struct Widen<'a, E: Dtype> {
-    leaves: &'a mut Leaves<E>,
+struct Widen<'a, E: Dtype, D: Storage<E> + Storage<f32>> {
+    leaves: &'a mut Leaves<E, D>,
 }
 
-impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for Widen<'_, E>
-where
-    Cpu: Device<E>,
+impl<E: Precision<Elem = E> + Dtype, D: RegionDevice<E> + Device<E>> TensorVisitor<E, D>
+    for Widen<'_, E, D>
 {
     type Viewer = ViewTensorRef;
-    type Err = CpuError;
+    type Err = D::Err;
     type E2 = f32;
-    type D2 = Cpu;
+    type D2 = D;
 
     fn visit<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, E, Cpu>,
-        t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let t32 = widen(t)?;
-        if opts.do_gradient_update {
-            let n = t.shape().num_elements();
-            self.leaves.outer.push(t.clone().try_reshape_like(&(n,))?);
-            self.leaves.inner.push(t32.clone().try_reshape_like(&(n,))?);
-        }
-        Ok(Some(t32))
+        opts: TensorOptions<S, E, D>,
+        t: &Tensor<S, E, D>,
+    ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
+        D::widen_param(t, opts.do_gradient_update, self.leaves).map(Some)
     }
 }
 
@@ -236,11 +442,12 @@ impl<H: Precision> FullPrecision<H> {
     /// let g = y.sum().backward();
     /// assert_eq!(g.get(&a).array(), [4.0, 5.0, 6.0].map(f16::from_f32));
     /// ```
-    pub fn run<X, S, F>(x: X, f: F) -> Tensor<S, H::Elem, Cpu, X::Tape>
+    pub fn run<X, S, F, D>(x: X, f: F) -> Tensor<S, H::Elem, D, X::Tape>
     where
-        X: RegionInput<H::Elem>,
+        D: RegionDevice<H>,
+        X: RegionInput<H::Elem, D>,
         S: Shape,
-        F: FnOnce(X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+        F: FnOnce(X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
         Self::try_run(x, f).unwrap()
     }
@@ -260,16 +467,17 @@ impl<H: Precision> FullPrecision<H> {
     /// assert_eq!(y.array(), [1.0, 4.0].map(f16::from_f32));
     /// # Ok::<(), dfdx::tensor::CpuError>(())
     /// ```
-    pub fn try_run<X, S, F>(x: X, f: F) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, CpuError>
+    pub fn try_run<X, S, F, D>(x: X, f: F) -> Result<Half<S, H, D, X::Tape>, D::Err>
     where
-        X: RegionInput<H::Elem>,
+        D: RegionDevice<H>,
+        X: RegionInput<H::Elem, D>,
         S: Shape,
-        F: FnOnce(X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+        F: FnOnce(X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
         let mut leaves = Leaves::new();
         let (x32, tape) = x.enter(&mut leaves)?;
         let y32 = f(x32);
-        Self::bridge(leaves, tape, y32)
+        <D as RegionDevice<H>>::bridge(leaves, tape, y32)
     }
 
     /// Like [`FullPrecision::run`], with a module (or any dfdx tensor collection) whose
@@ -294,13 +502,13 @@ impl<H: Precision> FullPrecision<H> {
     /// # Panics
     /// Where [`FullPrecision::try_run_with`] returns an error: on a device error (allocation), or
     /// when `params`' `TensorCollection` impl does not rebuild it.
-    pub fn run_with<M, X, S, F>(params: &M, x: X, f: F) -> Tensor<S, H::Elem, Cpu, X::Tape>
+    pub fn run_with<M, X, S, F, D>(params: &M, x: X, f: F) -> Tensor<S, H::Elem, D, X::Tape>
     where
-        Cpu: Device<H::Elem>,
-        M: TensorCollection<H::Elem, Cpu>,
-        X: RegionInput<H::Elem>,
+        D: RegionDevice<H> + RegionDevice<H::Elem> + Device<H::Elem>,
+        M: TensorCollection<H::Elem, D>,
+        X: RegionInput<H::Elem, D>,
         S: Shape,
-        F: FnOnce(&M::To<f32, Cpu>, X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+        F: FnOnce(&M::To<f32, D>, X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
         Self::try_run_with(params, x, f).unwrap()
     }
@@ -323,128 +531,32 @@ impl<H: Precision> FullPrecision<H> {
     /// assert!(y.array()[0].is_finite());
     /// # Ok::<(), mpx_runtime::region::RegionError>(())
     /// ```
-    pub fn try_run_with<M, X, S, F>(
+    pub fn try_run_with<M, X, S, F, D>(
         params: &M,
         x: X,
         f: F,
-    ) -> Result<Tensor<S, H::Elem, Cpu, X::Tape>, RegionError>
+    ) -> Result<Tensor<S, H::Elem, D, X::Tape>, RegionError>
     where
-        Cpu: Device<H::Elem>,
-        M: TensorCollection<H::Elem, Cpu>,
-        X: RegionInput<H::Elem>,
+        D: RegionDevice<H> + RegionDevice<H::Elem> + Device<H::Elem>,
+        M: TensorCollection<H::Elem, D>,
+        X: RegionInput<H::Elem, D>,
         S: Shape,
-        F: FnOnce(&M::To<f32, Cpu>, X::Full) -> Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
+        F: FnOnce(&M::To<f32, D>, X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
+        let err = <D as RegionDevice<H>>::region_error;
         let mut leaves = Leaves::new();
-        let (x32, tape) = x.enter(&mut leaves)?;
+        let (x32, tape) = x.enter(&mut leaves).map_err(err)?;
         let p32 = M::iter_tensors(&mut RecursiveWalker {
             m: params,
             f: &mut Widen {
                 leaves: &mut leaves,
             },
-        })?;
+        })
+        .map_err(err)?;
         // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
         // return `None` for its own fields.
         let p32 = p32.ok_or(RegionError::NotRebuilt)?;
         let y32 = f(&p32, x32);
-        Ok(Self::bridge(leaves, tape, y32)?)
-    }
-
-    /// Casts the region's f32 result back to `H` and registers the backward bridge on `tape`.
-    fn bridge<S: Shape, T: Tape<H::Elem, Cpu>>(
-        leaves: Leaves<H::Elem>,
-        mut tape: T,
-        y32: Tensor<S, f32, Cpu, OwnedTape<f32, Cpu>>,
-    ) -> Result<Tensor<S, H::Elem, Cpu, T>, CpuError> {
-        let (y32, inner_tape) = y32.try_contiguous()?.split_tape();
-        let dev = y32.device().clone();
-        let shape = *y32.shape();
-        let n = shape.num_elements();
-        let mut v = vec![0.0f32; n];
-        y32.copy_into(&mut v);
-        let mut h = vec![H::Elem::default(); n];
-        H::round(&v, &mut h);
-        let y: Tensor<S, H::Elem, Cpu> = dev.try_tensor_from_vec(h, shape)?;
-        if !T::OWNS_TAPE {
-            return Ok(y.put_tape(tape));
-        }
-        let y_flat = y.clone().try_reshape_like(&(n,))?;
-        let y32_flat = y32.try_reshape_like(&(n,))?;
-        tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
-            Self::backward(grads, &leaves, &y_flat, y32_flat, inner_tape)
-        });
-        Ok(y.put_tape(tape))
-    }
-
-    /// The region's backward op on the outer tape.
-    fn backward(
-        grads: &mut Gradients<H::Elem, Cpu>,
-        leaves: &Leaves<H::Elem>,
-        y: &Flat<H::Elem>,
-        y32: Flat<f32>,
-        mut inner_tape: OwnedTape<f32, Cpu>,
-    ) -> Result<(), CpuError> {
-        let dev = y32.device().clone();
-        let n = y.shape().num_elements();
-        // Output gradient, widened to f32.
-        let mut g32 = vec![0.0f32; n];
-        <H::Elem as Precision>::widen(grads.get_or_alloc_mut(y)?, &mut g32);
-        let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
-
-        // What each leaf's gradient holds already (widened). A tensor passed twice shares one
-        // gradient entry: only its first occurrence carries that value, the others add to it.
-        let mut first_of = Vec::with_capacity(leaves.outer.len());
-        let mut buffers: Vec<*const H::Elem> = Vec::with_capacity(leaves.outer.len());
-        let mut seeds: Vec<Option<Vec<f32>>> = Vec::with_capacity(leaves.outer.len());
-        for (i, leaf) in leaves.outer.iter().enumerate() {
-            let buf = grads.get_or_alloc_mut(leaf)?;
-            let ptr = buf.as_ptr();
-            if let Some(j) = buffers.iter().position(|p| *p == ptr && !buf.is_empty()) {
-                first_of.push(first_of[j]);
-                seeds.push(None);
-            } else {
-                first_of.push(i);
-                let mut s = vec![0.0f32; buf.len()];
-                <H::Elem as Precision>::widen(buf, &mut s);
-                seeds.push(Some(s));
-            }
-            buffers.push(ptr);
-        }
-
-        // The seed op is added last, so it runs first of the region's own ops (after the VJP's
-        // mul and sum): accumulation inside the region continues from the outer values.
-        let inner_leaves = leaves.inner.clone();
-        inner_tape.add_backward_op(move |g: &mut Gradients<f32, Cpu>| {
-            for (leaf, seed) in inner_leaves.iter().zip(seeds) {
-                if let Some(seed) = seed {
-                    let buf = g.get_or_alloc_mut(leaf)?;
-                    for (b, s) in buf.iter_mut().zip(seed) {
-                        *b += s;
-                    }
-                }
-            }
-            Ok(())
-        });
-        let vjp: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>> =
-            y32.put_tape(inner_tape).try_mul(g32)?.try_sum()?;
-        let mut inner = vjp.try_backward()?;
-
-        // Sum per gradient entry in f32, then round once into the outer buffer.
-        let mut sums: Vec<Option<Vec<f32>>> = vec![None; leaves.inner.len()];
-        for (i, leaf) in leaves.inner.iter().enumerate() {
-            let g = inner.get_or_alloc_mut(leaf)?;
-            let j = first_of[i];
-            match &mut sums[j] {
-                Some(acc) => acc.iter_mut().zip(g.iter()).for_each(|(a, b)| *a += *b),
-                None => sums[j] = Some(g.to_vec()),
-            }
-        }
-        for (leaf, sum) in leaves.outer.iter().zip(sums) {
-            if let Some(sum) = sum {
-                let buf = grads.get_or_alloc_mut(leaf)?;
-                H::round(&sum, buf);
-            }
-        }
-        Ok(())
+        <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
     }
 }

@@ -31,10 +31,13 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         (None, Some(ty)) => scaler_half(ty).unwrap_or_else(|| quote!(#root::precision::f16)),
         (None, None) => quote!(#root::precision::f16),
     };
+    // The device is the one the step's types name: dfdx's `Cuda` where the step names it
+    // anywhere (its signature, a local's type, a `Cuda::default()`), else the `Cpu`.
+    let cuda = names_cuda(quote!(#f));
     let generic = plan
         .masters
         .iter()
-        .any(|m| super::generic::specialise(&mut f, m, &root, &concrete));
+        .any(|m| super::generic::specialise(&mut f, m, &root, &concrete, cuda));
     let half = if generic { concrete } else { half };
     annotate_local_scaler(&mut f, &plan.scaling, plan.half.map(half_of), &root);
     let mut rewriter = Rewriter {
@@ -43,6 +46,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         scaling: plan.scaling,
         half,
         root,
+        cuda,
     };
     rewriter.visit_block_mut(&mut f.block);
     // The generated calls are methods of these traits (so that they auto-ref and auto-deref as
@@ -59,6 +63,15 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         ),
     );
     quote!(#f)
+}
+
+/// Whether `tokens` name dfdx's `Cuda` device (as a path segment anywhere).
+fn names_cuda(tokens: TokenStream) -> bool {
+    tokens.into_iter().any(|t| match t {
+        proc_macro2::TokenTree::Ident(i) => i == "Cuda",
+        proc_macro2::TokenTree::Group(g) => names_cuda(g.stream()),
+        _ => false,
+    })
 }
 
 /// Gives a local scaler declared as `GradScaler::default()` / `GradScaler::new(..)` a type.
@@ -159,6 +172,8 @@ fn scaler_half(ty: &syn::Type) -> Option<TokenStream> {
 struct Rewriter {
     root: TokenStream,
     half: TokenStream,
+    /// Whether the step runs on dfdx's `Cuda` device.
+    cuda: bool,
     scaling: syn::Expr,
     /// Each master's key and place.
     masters: Vec<(String, syn::Expr)>,
@@ -243,10 +258,15 @@ impl Rewriter {
                 let check_master = quote_spanned!(span=>
                     let _ = #root::boundary::require_master(#master_ref);
                 );
+                let start = if self.cuda {
+                    quote!(#root::step::__macro_support::forward_on::<#root::__dfdx::tensor::Cuda, _, _, _>)
+                } else {
+                    quote!(#root::step::__macro_support::forward)
+                };
                 quote!({
                     let __mpx_input = #arg;
                     #check_master
-                    (&mut &mut #root::step::__macro_support::forward(#scaler, #master_for_call)).__mpx_forward(
+                    (&mut &mut #start(#scaler, #master_for_call)).__mpx_forward(
                         #input,
                         |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),
                     )

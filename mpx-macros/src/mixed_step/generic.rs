@@ -91,6 +91,7 @@ pub(crate) fn specialise(
     master: &syn::Expr,
     root: &TokenStream,
     half: &TokenStream,
+    cuda: bool,
 ) -> bool {
     let syn::Expr::Path(mp) = super::roles::place(master) else {
         return false;
@@ -173,11 +174,23 @@ pub(crate) fn specialise(
             .cloned()
             .collect();
     }
+    // The device the step names (`Cuda`), else the `Cpu`.
+    let (device, device_error): (syn::Type, syn::Type) = if cuda {
+        (
+            syn::parse_quote!(#root::__dfdx::tensor::Cuda),
+            syn::parse_quote!(#root::__dfdx::tensor::CudaError),
+        )
+    } else {
+        (
+            syn::parse_quote!(#root::__dfdx::tensor::Cpu),
+            syn::parse_quote!(#root::__dfdx::tensor::CpuError),
+        )
+    };
     let mut s = Specialise {
         dtypes: dtypes.clone(),
         devices: devices.clone(),
-        cpu: syn::parse_quote!(#root::__dfdx::tensor::Cpu),
-        cpu_error: syn::parse_quote!(#root::__dfdx::tensor::CpuError),
+        cpu: device.clone(),
+        cpu_error: device_error.clone(),
     };
     s.visit_signature_mut(&mut f.sig);
     s.visit_block_mut(&mut f.block);
@@ -189,17 +202,32 @@ pub(crate) fn specialise(
     // The working copy's type written out with the element type itself: a where clause on
     // `To<<H as Precision>::Elem, Cpu>` would not be normalised to match the body's `To<f16, Cpu>`.
     let elem = elem_of(half, root);
-    let wc = quote!(<#m as #dfdx::nn::tensor_collection::TensorCollection<f32, #dfdx::tensor::Cpu>>::To<#elem, #dfdx::tensor::Cpu>);
+    // The device argument of `HalfInput` / `HalfOutput` (the `Cpu` is their default), and what
+    // the runtime needs to keep the working copy (on the `Cpu`: `Send + Sync`, so that the
+    // scaler is).
+    let (on, keep) = if cuda {
+        (quote!(, #device), quote!(#root::step::WorkspaceOn<#device>))
+    } else {
+        (
+            quote!(),
+            quote!(::core::marker::Send + ::core::marker::Sync + 'static),
+        )
+    };
+    let wc = quote!(<#m as #dfdx::nn::tensor_collection::TensorCollection<f32, #device>>::To<#elem, #device>);
     // A concrete f32 tensor's half type is written out (rustc does not normalise
     // `<Tensor<..> as HalfInput<H>>::Half` inside a where clause to the body's type).
     let half_x = concrete_half(&x, &elem)
-        .unwrap_or_else(|| quote!(<#x as #root::step::HalfInput<#half>>::Half));
-    // The master's own bounds go where the user declared it (one place for its bounds).
-    let extra: Vec<syn::TypeParamBound> = vec![
+        .unwrap_or_else(|| quote!(<#x as #root::step::HalfInput<#half #on>>::Half));
+    // The master's own bounds go where the user declared it (one place for its bounds); a
+    // `Cuda` model is neither `Send` nor `Sync` (dfdx's `Cuda` device is not).
+    let mut extra: Vec<syn::TypeParamBound> = vec![
         syn::parse_quote!(::core::marker::Send),
         syn::parse_quote!(::core::marker::Sync),
         syn::parse_quote!('static),
     ];
+    if cuda {
+        extra.drain(..2);
+    }
     let mut placed = false;
     for p in &mut f.sig.generics.params {
         if let syn::GenericParam::Type(t) = p
@@ -218,12 +246,12 @@ pub(crate) fn specialise(
             .push(syn::parse_quote!(#m: #(#extra)+*));
     }
     let preds: Vec<syn::WherePredicate> = vec![
-        syn::parse_quote!(#wc: #dfdx::nn::tensor_collection::TensorCollection<#elem, #dfdx::tensor::Cpu>
-            + ::core::marker::Send + ::core::marker::Sync + 'static
-            + #dfdx::nn::#module<#half_x, Error = #dfdx::tensor::CpuError>),
-        syn::parse_quote!(#x: #root::step::HalfInput<#half>),
+        syn::parse_quote!(#wc: #dfdx::nn::tensor_collection::TensorCollection<#elem, #device>
+            + #keep
+            + #dfdx::nn::#module<#half_x, Error = #device_error>),
+        syn::parse_quote!(#x: #root::step::HalfInput<#half #on>),
         syn::parse_quote!(<#wc as #dfdx::nn::#module<#half_x>>::Output:
-            #root::step::HalfOutput<#half, Full = <#m as #dfdx::nn::#module<#x>>::Output>),
+            #root::step::HalfOutput<#half #on, Full = <#m as #dfdx::nn::#module<#x>>::Output>),
     ];
     f.sig.generics.make_where_clause().predicates.extend(preds);
     true
@@ -322,5 +350,50 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("scaler_of::<bf16,_>"), "{s}");
+    }
+
+    #[test]
+    fn a_generic_step_that_names_cuda_is_specialised_to_cuda() {
+        let out = crate::mixed_step::expand(
+            quote!(scaling = scaler, half = f16),
+            quote!(
+                fn train<
+                    M: ModuleMut<Tensor<Rank2<4, 8>, E, D, OwnedTape<E, D>>, Error = D::Err>
+                        + TensorCollection<E, D>,
+                    O: Optimizer<M, D, E>,
+                    E: Dtype,
+                    D: Device<E>,
+                >(
+                    model: &mut M,
+                    opt: &mut O,
+                    x: Tensor<Rank2<4, 8>, E, D>,
+                    scaler: &mut GradScaler<f16>,
+                    _on: &Cuda,
+                ) -> Result<(), D::Err> {
+                    let grads = model.try_alloc_grads()?;
+                    let y = model.try_forward_mut(x.traced(grads))?;
+                    let grads = y.mean().try_backward()?;
+                    opt.update(model, &grads).unwrap();
+                    Ok(())
+                }
+            ),
+        );
+        let s = out.to_string().replace(' ', "");
+        let cuda = "::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda";
+        assert!(s.contains(&format!("->Result<(),{cuda}Error>")), "{s}");
+        assert!(
+            s.contains(&format!(
+                "::mpx::__private::mpx_runtime::step::WorkspaceOn<{cuda}>"
+            )),
+            "{s}"
+        );
+        assert!(
+            s.contains(&format!(
+                "HalfInput<::mpx::__private::mpx_runtime::precision::f16,{cuda}>"
+            )),
+            "{s}"
+        );
+        // a Cuda model is not `Send`: the master gets `'static` alone
+        assert!(!s.contains("::core::marker::Send"), "{s}");
     }
 }

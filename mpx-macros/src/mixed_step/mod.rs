@@ -92,6 +92,37 @@ mod tests {
     }
 
     #[test]
+    fn a_step_that_names_cuda_runs_its_forward_on_cuda() {
+        let cuda = quote!(
+            fn train(
+                model: &mut Model,
+                opt: &mut Adam<Model, f32, Cuda>,
+                data: Data,
+                scaler: &mut GradScaler,
+            ) {
+                let mut grads = model.alloc_grads();
+                for (img, lbl) in data {
+                    let logits = model.forward_mut(img.traced(grads));
+                    grads = cross_entropy_with_logits_loss(logits, lbl).backward();
+                    opt.update(model, &grads).unwrap();
+                    model.zero_grads(&mut grads);
+                }
+            }
+        );
+        let out = super::expand(quote!(scaling = scaler, half = f16), cuda);
+        assert!(messages(&out).is_empty(), "{out}");
+        let s = flat(&out);
+        let on_cuda = "__macro_support::forward_on::<::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda,_,_,_>(";
+        assert!(s.contains(on_cuda), "{s}");
+        // the Cpu step keeps the Cpu's entry point
+        let s = flat(&super::expand(
+            quote!(scaling = scaler, half = f16),
+            mnist_loop(),
+        ));
+        assert!(!s.contains("forward_on"), "{s}");
+    }
+
+    #[test]
     fn staged_forward_on_fields_of_self_and_an_untraced_evaluation() {
         let out = super::expand(
             quote!(scaling = self.scaler, half = bf16, crate = "m"),

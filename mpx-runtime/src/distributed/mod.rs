@@ -552,12 +552,12 @@ fn reduce(
     let mut flat = std::mem::take(&mut r.flat);
     flat.clear();
     for s in slots {
-        flat.extend_from_slice((s.get)(grads)?);
+        flat.extend_from_slice(s.slice(grads)?);
     }
     let finite = r.all_reduce_mean(&mut flat, scale);
     let mut at = 0;
     for s in slots {
-        let dst = (s.get)(grads)?;
+        let dst = s.slice(grads)?;
         dst.copy_from_slice(&flat[at..at + dst.len()]);
         at += dst.len();
     }

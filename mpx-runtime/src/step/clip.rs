@@ -2,11 +2,11 @@
 //! `clip_grad_norm_` after `scaler.unscale_(opt)`; with [`GradScaler`](super::GradScaler) the
 //! gradients a backward pass returns are already unscaled).
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
+
+use super::layout::{EachTensor, each_tensor};
 
 /// Visits every trainable tensor's gradient.
 struct EachGrad<'a, F> {
@@ -14,21 +14,17 @@ struct EachGrad<'a, F> {
     f: F,
 }
 
-impl<F: FnMut(&mut [f32])> TensorVisitor<f32, Cpu> for EachGrad<'_, F> {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
+impl<F: FnMut(&mut [f32])> EachTensor<f32, Cpu> for EachGrad<'_, F> {
+    type Error = CpuError;
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
+        trainable: bool,
         t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        if opts.do_gradient_update {
+    ) -> Result<(), CpuError> {
+        if trainable {
             (self.f)(&mut self.grads.get_or_alloc_mut(t)?[..]);
         }
-        Ok(None)
+        Ok(())
     }
 }
 
@@ -37,11 +33,7 @@ fn each_grad<M: TensorCollection<f32, Cpu>>(
     grads: &mut Gradients<f32, Cpu>,
     f: impl FnMut(&mut [f32]),
 ) -> Result<(), CpuError> {
-    M::iter_tensors(&mut RecursiveWalker {
-        m: model,
-        f: &mut EachGrad { grads, f },
-    })?;
-    Ok(())
+    each_tensor(model, &mut EachGrad { grads, f }, std::convert::identity)
 }
 
 /// The global L2 norm of `model`'s gradients in `grads`, summed in f64 (inf or NaN when a

@@ -27,19 +27,17 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::layout::MasterSlot;
+use super::layout::{EachTensor, MasterSlot, each_tensor};
 use crate::finite::add_scaled_checked;
 use crate::precision::FloatSlice;
 
 /// The state a scaler's workspace shares with the linked layers of its forward passes.
-pub(crate) struct Direct {
+pub struct Direct {
     state: Mutex<State>,
     /// The address table of the last scope, kept so that a step allocates none.
     spare: Mutex<Vec<(usize, usize)>>,
@@ -84,11 +82,6 @@ impl Direct {
         self.lock().inv = inv;
     }
 
-    /// The reciprocal set by [`set_inv`](Self::set_inv).
-    pub(crate) fn inv(&self) -> f32 {
-        self.lock().inv
-    }
-
     /// Lends the master's gradients to the linked layers (an empty set is left in their place).
     pub(crate) fn lend(&self, grads: &mut Gradients<f32, Cpu>) {
         self.lock().lent = Some(std::mem::replace(grads, Gradients::leaky()));
@@ -123,7 +116,7 @@ impl Direct {
         if master.len != values.len() {
             return Err(CpuError::WrongNumElements);
         }
-        let dst = (master.get)(grads)?;
+        let dst = master.slice(grads)?;
         s.finite &= add_scaled_checked(dst, values, s.inv);
         if let Some(w) = s.written.get_mut(slot) {
             *w = true;
@@ -163,7 +156,7 @@ thread_local! {
 }
 
 /// Ends the scope [`enter`] opened when dropped (also when the forward pass panics).
-pub(crate) struct ScopeGuard(());
+pub struct ScopeGuard(());
 
 impl Drop for ScopeGuard {
     fn drop(&mut self) {
@@ -193,10 +186,7 @@ where
         std::mem::take(&mut *direct.spare.lock().unwrap_or_else(PoisonError::into_inner));
     by_addr.clear();
     let mut walk = Addresses { by_addr };
-    W::iter_tensors(&mut RecursiveWalker {
-        m: working,
-        f: &mut walk,
-    })?;
+    each_tensor::<E, Cpu, W, _>(working, &mut walk, std::convert::identity)?;
     let mut by_addr = walk.by_addr;
     by_addr.sort_unstable();
     SCOPES.with(|s| {
@@ -242,24 +232,16 @@ struct Addresses {
     by_addr: Vec<(usize, usize)>,
 }
 
-impl<E: Dtype> TensorVisitor<E, Cpu> for Addresses
+impl<E: Dtype> EachTensor<E, Cpu> for Addresses
 where
     Cpu: Device<E>,
 {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = E;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, E, Cpu>,
-        t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
-        if opts.do_gradient_update {
+    type Error = CpuError;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, Cpu>) -> Result<(), CpuError> {
+        if trainable {
             let position = self.by_addr.len();
             self.by_addr.push((addr(t), position));
         }
-        Ok(None)
+        Ok(())
     }
 }

@@ -16,6 +16,17 @@ pub enum StepError {
     #[error("the device failed during the mixed step")]
     Device(#[from] CpuError),
 
+    /// dfdx's `Cuda` device failed (out of memory, a kernel that did not load or launch); the
+    /// device's error is in the message (dfdx's `CudaError` is not a `std::error::Error`).
+    #[cfg(feature = "cuda")]
+    #[error("the CUDA device failed during the mixed step: {0}")]
+    Cuda(dfdx::tensor::CudaError),
+
+    /// mpx's CUDA kernels did not compile (NVRTC's log is in the message).
+    #[cfg(feature = "cuda")]
+    #[error("compiling mpx's CUDA kernels with NVRTC failed: {0}")]
+    CudaKernels(String),
+
     /// The working copy could not be cast from the master (a module whose `TensorCollection`
     /// does not rebuild it, or runtime dimensions that changed).
     #[error("casting the master into the working copy failed")]
@@ -55,6 +66,14 @@ pub enum StepError {
          produced for this master model (was the workspace built from a different master?)"
     )]
     Optimizer(#[source] OptimizerUpdateError<CpuError>),
+
+    /// The optimizer rejected an update on the `Cuda` device: as [`StepError::Optimizer`].
+    #[cfg(feature = "cuda")]
+    #[error(
+        "the optimizer update on the CUDA device failed; if its source names unused tensors, the \
+         gradients were not produced for this master model"
+    )]
+    CudaOptimizer(#[source] OptimizerUpdateError<dfdx::tensor::CudaError>),
 
     /// An update named a model that never ran a forward pass through this scaler, so there are
     /// no gradients of it to judge.
@@ -157,6 +176,60 @@ impl From<StepError> for CpuError {
                     "{e} (dfdx's CpuError cannot carry this cause: return StepError or Box<dyn Error> from the step to handle it)"
                 )
             }
+            #[cfg(feature = "cuda")]
+            StepError::Cuda(dfdx::tensor::CudaError::Cpu(e)) => e,
+            #[cfg(feature = "cuda")]
+            e @ (StepError::Cuda(_) | StepError::CudaOptimizer(_) | StepError::CudaKernels(_)) => {
+                panic!(
+                    "{e} (a CUDA device's error is not a CpuError: a step on `Cuda` returns CudaError, StepError or Box<dyn Error>)"
+                )
+            }
         }
+    }
+}
+
+/// A step on dfdx's `Cuda` device that returns `Result<_, CudaError>` can use `?` on the mixed
+/// step's calls: the device's own errors come back as themselves, the others as `CpuError`s
+/// inside `CudaError::Cpu` (see `From<StepError> for CpuError`, whose panics apply here too).
+///
+/// # Examples
+/// ```no_run
+/// use dfdx::tensor::{CpuError, CudaError};
+/// use mpx_runtime::step::StepError;
+/// let err = StepError::from(CpuError::OutOfMemory);
+/// assert!(matches!(CudaError::from(err), CudaError::Cpu(CpuError::OutOfMemory)));
+/// ```
+#[cfg(feature = "cuda")]
+impl From<StepError> for dfdx::tensor::CudaError {
+    fn from(e: StepError) -> Self {
+        match e {
+            StepError::Cuda(e) | StepError::CudaOptimizer(OptimizerUpdateError::DeviceError(e)) => {
+                e
+            }
+            StepError::CudaOptimizer(OptimizerUpdateError::UnusedParams(_)) => {
+                Self::Cpu(CpuError::WrongNumElements)
+            }
+            e => Self::Cpu(CpuError::from(e)),
+        }
+    }
+}
+
+impl From<OptimizerUpdateError<CpuError>> for StepError {
+    fn from(e: OptimizerUpdateError<CpuError>) -> Self {
+        Self::Optimizer(e)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<dfdx::tensor::CudaError> for StepError {
+    fn from(e: dfdx::tensor::CudaError) -> Self {
+        Self::Cuda(e)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<OptimizerUpdateError<dfdx::tensor::CudaError>> for StepError {
+    fn from(e: OptimizerUpdateError<dfdx::tensor::CudaError>) -> Self {
+        Self::CudaOptimizer(e)
     }
 }

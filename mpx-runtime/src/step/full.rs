@@ -6,50 +6,56 @@
 //! ([`StepReport::precision`](super::StepReport::precision)).
 
 use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
-use dfdx::tensor::{Cpu, Gradients};
-
+use super::device::MixedDevice;
 use super::error::StepError;
 use super::layout::{MasterSlot, master_layout};
-use super::working::ErasedWorking;
+use super::working::{AnyFn, StateFn, Workspace, check_all};
 use crate::boundary::MasterModel;
-use crate::finite::all_finite_f32;
+use crate::precision::Precision;
+use dfdx::tensor::Gradients;
 
-/// The gradient slots of an f32-run master, and whether a forward pass ran since the last
-/// backward.
-pub(crate) struct FullWorking {
-    master: Arc<[MasterSlot]>,
+/// The gradient slots of an f32-run master on device `D` (checked as precision `H`'s device
+/// checks), and whether a forward pass ran since the last backward.
+pub struct FullWorking<H: Precision, D: MixedDevice<H>> {
+    master: Arc<[MasterSlot<D>]>,
     used: bool,
+    marker: PhantomData<fn() -> H>,
 }
 
-impl FullWorking {
-    pub(crate) fn new<M: MasterModel>(master: &M) -> Result<Self, StepError> {
+impl<H: Precision, D: MixedDevice<H>> FullWorking<H, D> {
+    pub(crate) fn new<M: MasterModel<D>>(master: &M) -> Result<Self, StepError> {
         Ok(Self {
-            master: master_layout(master)?.slots.into(),
+            master: master_layout::<D, M>(master)
+                .map_err(D::step_error)?
+                .slots
+                .into(),
             used: false,
+            marker: PhantomData,
         })
     }
 }
 
-impl ErasedWorking for FullWorking {
-    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError> {
-        if !std::mem::replace(&mut self.used, false) {
+impl<H: Precision, D: MixedDevice<H>> Workspace for FullWorking<H, D> {
+    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
+        if !self.used || !grads.is::<Gradients<f32, D>>() {
             return Ok(None);
         }
+        self.used = false;
         self.check(grads).map(Some)
     }
 
-    fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
-        let mut finite = true;
-        for slot in self.master.iter() {
-            finite &= all_finite_f32((slot.get)(grads)?);
+    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
+        match grads.downcast_mut::<Gradients<f32, D>>() {
+            Some(grads) => check_all::<H, D>(&self.master, grads),
+            None => Ok(true),
         }
-        Ok(finite)
     }
 
-    fn state(&self) -> &[Vec<f32>] {
-        &[]
+    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
+        f(&[])
     }
 
     fn mark_used(&mut self) -> bool {
@@ -63,10 +69,12 @@ impl ErasedWorking for FullWorking {
 
     #[cfg(feature = "mpi")]
     fn master_slots(&self) -> &[MasterSlot] {
-        &self.master
+        let any: &dyn Any = &self.master;
+        any.downcast_ref::<Arc<[MasterSlot]>>()
+            .map_or(&[], |s| &s[..])
     }
 
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
+    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
+        f(self)
     }
 }

@@ -17,7 +17,6 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::Optimizer;
 use dfdx::shapes::{Rank0, Shape};
 use dfdx::tensor::{AsArray, Cpu, Gradients, OwnedTape, SplitTape, Tensor, Trace, ZerosTensor};
-use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
 use super::layout::WorkingCopy;
@@ -129,7 +128,7 @@ where
     L: LossScale,
     M: MasterModel + Send + Sync + 'static,
     S: Shape,
-    Cpu: Device<H::Elem>,
+    Cpu: super::MixedDevice<H>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     Fwd: FnOnce(
         &mut WorkingCopy<H, M>,
@@ -184,7 +183,7 @@ where
     L: LossScale,
     M: MasterModel + Send + Sync + 'static,
     S: Shape,
-    Cpu: Device<H::Elem>,
+    Cpu: super::MixedDevice<H>,
     WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
     Fwd: FnOnce(
         &mut WorkingCopy<H, M>,
@@ -254,6 +253,7 @@ where
     L: LossScale,
     M: MasterModel,
     O: Optimizer<M, Cpu, f32>,
+    Cpu: super::MixedDevice<H>,
 {
     scaler.update(master, optimizer, grads.grads())
 }

@@ -4,16 +4,18 @@
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
 };
-use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, TensorFromVec};
+use dfdx::shapes::{Dtype, HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
 use dfdx::tensor_ops::Device;
 
+use super::device::MixedDevice;
 use super::error::StepError;
 use crate::boundary::MasterModel;
 use crate::precision::Precision;
 
-/// The working copy of master model `M` in precision `H`: the same module with its float tensors
-/// stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for emulated bf16).
+/// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
+/// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
+/// emulated bf16).
 ///
 /// # Examples
 /// ```
@@ -25,73 +27,199 @@ use crate::precision::Precision;
 /// let half: WorkingCopy<f16, Master> = dev.build_module::<Linear<2, 3>, f16>();
 /// assert_eq!(half.weight.shape(), &(Const::<3>, Const::<2>));
 /// ```
-pub type WorkingCopy<H, M> =
-    <M as TensorCollection<f32, Cpu>>::To<<H as crate::precision::Precision>::Elem, Cpu>;
+pub type WorkingCopy<H, M, D = Cpu> =
+    <M as TensorCollection<f32, D>>::To<<H as crate::precision::Precision>::Elem, D>;
 
 /// Hands out one master gradient buffer; built once per trainable master tensor (it holds a
 /// data-free "ghost" of the tensor, keyed by the tensor's id; dfdx does not let the ghost's type
-/// be named). `Send + Sync`, so the state that holds it can be.
-pub(super) type GradSlot = Box<
-    dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError> + Send + Sync,
->;
-
-/// A gradient buffer of the f32 master, with its element count.
-pub(crate) struct MasterSlot {
-    pub(crate) len: usize,
-    pub(crate) get: GradSlot,
+/// be named). On the `Cpu` it is `Send + Sync`, so the state that holds it can be; a ghost of a
+/// `Cuda` tensor is neither (dfdx's `Cuda` device is not), so the slot is not either there.
+pub trait SlotDevice: Device<f32> {
+    /// The boxed closure.
+    type Slot;
+    /// The slot of master tensor `t`.
+    fn slot<S: Shape>(t: &Tensor<S, f32, Self>) -> Self::Slot;
+    /// The master's gradient buffer in `grads` (allocated as zeros when `grads` lacks it).
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<f32, Self>,
+    ) -> Result<&'a mut <Self as Storage<f32>>::Vec, Self::Err>;
 }
 
-/// Constrains a closure to the higher-ranked signature of [`GradSlot`].
-fn slot<F>(f: F) -> F
+/// Constrains a closure to the higher-ranked signature of a slot.
+fn slot<D: Device<f32>, F>(f: F) -> F
 where
-    F: for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut [f32], CpuError>,
+    F: for<'a> Fn(
+        &'a mut Gradients<f32, D>,
+    ) -> Result<&'a mut <D as Storage<f32>>::Vec, <D as HasErr>::Err>,
 {
     f
 }
 
+/// A `Cpu` slot's closure: `Send + Sync`.
+type CpuSlotFn = dyn for<'a> Fn(&'a mut Gradients<f32, Cpu>) -> Result<&'a mut <Cpu as Storage<f32>>::Vec, CpuError>
+    + Send
+    + Sync;
+
+impl SlotDevice for Cpu {
+    type Slot = Box<CpuSlotFn>;
+    fn slot<S: Shape>(t: &Tensor<S, f32, Cpu>) -> Self::Slot {
+        let ghost = t.ghost();
+        Box::new(slot(move |g: &mut Gradients<f32, Cpu>| {
+            g.get_or_alloc_mut(&ghost)
+        }))
+    }
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<f32, Cpu>,
+    ) -> Result<&'a mut <Cpu as Storage<f32>>::Vec, CpuError> {
+        slot(grads)
+    }
+}
+
+/// A `Cuda` slot's closure (dfdx's `Cuda` device is neither `Send` nor `Sync`).
+#[cfg(feature = "cuda")]
+type CudaSlotFn = dyn for<'a> Fn(
+    &'a mut Gradients<f32, dfdx::tensor::Cuda>,
+) -> Result<
+    &'a mut <dfdx::tensor::Cuda as Storage<f32>>::Vec,
+    dfdx::tensor::CudaError,
+>;
+
+#[cfg(feature = "cuda")]
+impl SlotDevice for dfdx::tensor::Cuda {
+    type Slot = Box<CudaSlotFn>;
+    fn slot<S: Shape>(t: &Tensor<S, f32, dfdx::tensor::Cuda>) -> Self::Slot {
+        let ghost = t.ghost();
+        Box::new(slot(move |g: &mut Gradients<f32, dfdx::tensor::Cuda>| {
+            g.get_or_alloc_mut(&ghost)
+        }))
+    }
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<f32, dfdx::tensor::Cuda>,
+    ) -> Result<&'a mut <dfdx::tensor::Cuda as Storage<f32>>::Vec, dfdx::tensor::CudaError> {
+        slot(grads)
+    }
+}
+
+/// A gradient buffer of the f32 master, with its element count.
+pub struct MasterSlot<D: SlotDevice = Cpu> {
+    pub(crate) len: usize,
+    get: D::Slot,
+}
+
+impl<D: SlotDevice> MasterSlot<D> {
+    /// The master's gradient buffer in `grads` (allocated as zeros when `grads` lacks it).
+    pub(crate) fn buffer<'a>(
+        &self,
+        grads: &'a mut Gradients<f32, D>,
+    ) -> Result<&'a mut <D as Storage<f32>>::Vec, D::Err> {
+        D::buffer(&self.get, grads)
+    }
+}
+
+impl MasterSlot<Cpu> {
+    /// The master's gradient buffer on the host (allocated as zeros when `grads` lacks it).
+    pub(crate) fn slice<'a>(
+        &self,
+        grads: &'a mut Gradients<f32, Cpu>,
+    ) -> Result<&'a mut [f32], CpuError> {
+        Ok(&mut self.buffer(grads)?[..])
+    }
+}
+
 /// The master's layout: a gradient slot per trainable tensor, in visit order, and the element
 /// count of each non-parameter tensor (batch-norm statistics).
-pub(super) struct Layout {
-    pub(super) slots: Vec<MasterSlot>,
+pub(super) struct Layout<D: SlotDevice = Cpu> {
+    pub(super) slots: Vec<MasterSlot<D>>,
     pub(super) state_lens: Vec<usize>,
 }
 
+/// A read-only walk of a module: what it does with each tensor, in visit order. [`each_tensor`]
+/// is the one adapter to dfdx's `TensorVisitor`, so a walk states only its own work.
+pub(crate) trait EachTensor<E: Dtype, D: Device<E>> {
+    /// What stops the walk.
+    type Error;
+    /// One tensor; `trainable`: whether optimizers update it (else it is state, such as batch
+    /// norm's running statistics).
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, D>)
+    -> Result<(), Self::Error>;
+}
+
+/// Hands every tensor of `m` to `walk`, in visit order, until `walk` returns an error; `err`
+/// converts a device error of the walker itself.
+pub(crate) fn each_tensor<E, D, M, W>(
+    m: &M,
+    walk: &mut W,
+    err: fn(D::Err) -> W::Error,
+) -> Result<(), W::Error>
+where
+    E: Dtype,
+    D: Device<E>,
+    M: TensorCollection<E, D>,
+    W: EachTensor<E, D>,
+{
+    struct Adapter<'a, W: EachTensor<E, D>, E: Dtype, D: Device<E>> {
+        walk: &'a mut W,
+        failed: Option<W::Error>,
+        marker: std::marker::PhantomData<fn() -> (E, D)>,
+    }
+    impl<W: EachTensor<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
+        type Viewer = ViewTensorRef;
+        type Err = D::Err;
+        type E2 = E;
+        type D2 = D;
+        fn visit<S: Shape>(
+            &mut self,
+            opts: TensorOptions<S, E, D>,
+            t: &Tensor<S, E, D>,
+        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
+            if self.failed.is_none()
+                && let Err(e) = self.walk.tensor(opts.do_gradient_update, t)
+            {
+                self.failed = Some(e);
+            }
+            Ok(None)
+        }
+    }
+    let mut adapter = Adapter {
+        walk,
+        failed: None,
+        marker: std::marker::PhantomData,
+    };
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
+    adapter.failed.map_or(Ok(()), Err)
+}
+
 /// Walks `master` once and records its [`Layout`].
-pub(super) fn master_layout<M: MasterModel>(master: &M) -> Result<Layout, CpuError> {
+pub(super) fn master_layout<D: SlotDevice, M: MasterModel<D>>(
+    master: &M,
+) -> Result<Layout<D>, D::Err> {
     let mut layout = Layout {
         slots: Vec::new(),
         state_lens: Vec::new(),
     };
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut layout,
-    })?;
+    each_tensor(master, &mut layout, std::convert::identity)?;
     Ok(layout)
 }
 
-impl TensorVisitor<f32, Cpu> for Layout {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+impl<D: SlotDevice> EachTensor<f32, D> for Layout<D> {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
         let n = t.shape().num_elements();
-        if opts.do_gradient_update {
-            let ghost = t.ghost();
-            let get: GradSlot = Box::new(slot(move |g: &mut Gradients<f32, Cpu>| {
-                let buf = g.get_or_alloc_mut(&ghost)?;
-                Ok(&mut buf[..])
-            }));
-            self.slots.push(MasterSlot { len: n, get });
+        if trainable {
+            self.slots.push(MasterSlot {
+                len: n,
+                get: D::slot(t),
+            });
         } else {
             self.state_lens.push(n);
         }
-        Ok(None)
+        Ok(())
     }
 }
 
@@ -105,42 +233,33 @@ pub(super) struct Identity {
 
 impl Identity {
     /// Reads `master`'s identity into `self`.
-    pub(super) fn read<M: MasterModel>(&mut self, master: &M) -> Result<(), CpuError> {
+    pub(super) fn read<D: Device<f32>, M: MasterModel<D>>(
+        &mut self,
+        master: &M,
+    ) -> Result<(), D::Err> {
         self.ids.clear();
-        M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut ReadIdentity(self),
-        })?;
-        Ok(())
+        each_tensor(master, &mut ReadIdentity(self), std::convert::identity)
     }
 }
 
 struct ReadIdentity<'a>(&'a mut Identity);
 
-impl TensorVisitor<f32, Cpu> for ReadIdentity<'_> {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        if opts.do_gradient_update {
+impl<D: Device<f32>> EachTensor<f32, D> for ReadIdentity<'_> {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
+        if trainable {
             // An id that cannot be read (a dfdx whose `Debug` differs) keys nothing: the master
             // is then told apart by its type and tensor count alone.
             self.0.ids.push(tensor_id(t).unwrap_or(u64::MAX));
         }
-        Ok(None)
+        Ok(())
     }
 }
 
 /// The id dfdx keys a tensor's gradient by. dfdx 0.13 exposes it only through `Tensor`'s
 /// derived `Debug`, whose first field it is: the formatter is stopped right after it, so no data
 /// is printed and nothing is allocated.
-fn tensor_id<S: Shape>(t: &Tensor<S, f32, Cpu>) -> Option<u64> {
+fn tensor_id<S: Shape, D: Device<f32>>(t: &Tensor<S, f32, D>) -> Option<u64> {
     use std::fmt::Write;
 
     /// Collects the digits of `UniqueId(..)`, then stops the formatter.
@@ -198,16 +317,14 @@ fn tensor_id<S: Shape>(t: &Tensor<S, f32, Cpu>) -> Option<u64> {
 
 /// The working copy of an [`IDENTITY`](Precision::IDENTITY) precision: the master's own
 /// tensors (same ids, shared buffers, nothing copied).
-pub(super) fn share<H: Precision, M: MasterModel>(
+pub(super) fn share<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
     master: &M,
-) -> Result<WorkingCopy<H, M>, StepError>
-where
-    Cpu: Device<H::Elem>,
-{
+) -> Result<WorkingCopy<H, M, D>, StepError> {
     M::iter_tensors(&mut RecursiveWalker {
         m: master,
         f: &mut Share::<H>(std::marker::PhantomData),
-    })?
+    })
+    .map_err(D::step_error)?
     .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
 }
 
@@ -215,31 +332,23 @@ where
 /// is not `f32` it falls back to a converting copy.
 struct Share<H>(std::marker::PhantomData<H>);
 
-impl<H: Precision> TensorVisitor<f32, Cpu> for Share<H>
-where
-    Cpu: Device<H::Elem>,
-{
+impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for Share<H> {
     type Viewer = ViewTensorRef;
-    type Err = CpuError;
+    type Err = D::Err;
     type E2 = H::Elem;
-    type D2 = Cpu;
+    type D2 = D;
 
     fn visit<S: Shape>(
         &mut self,
-        _opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
+        _opts: TensorOptions<S, f32, D>,
+        t: &Tensor<S, f32, D>,
+    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
         let mut shared = Some(t.clone());
         let any: &mut dyn std::any::Any = &mut shared;
-        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, Cpu>>>() {
+        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, D>>>() {
             return Ok(same.take());
         }
-        let n = t.shape().num_elements();
-        let mut src = vec![0.0f32; n];
-        t.copy_into(&mut src);
-        let mut dst = vec![H::Elem::default(); n];
-        H::round(&src, &mut dst);
-        Ok(Some(t.device().try_tensor_from_vec(dst, *t.shape())?))
+        D::to_half(t).map(Some)
     }
 }
 
@@ -265,17 +374,17 @@ pub(super) struct WriteState<'a> {
     pub(super) mismatch: Option<StepError>,
 }
 
-impl TensorVisitor<f32, Cpu> for WriteState<'_> {
+impl<D: Device<f32>> TensorVisitor<f32, D> for WriteState<'_> {
     type Viewer = ViewTensorMut;
-    type Err = CpuError;
+    type Err = D::Err;
     type E2 = f32;
-    type D2 = Cpu;
+    type D2 = D;
 
     fn visit<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &mut Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        opts: TensorOptions<S, f32, D>,
+        t: &mut Tensor<S, f32, D>,
+    ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
         if opts.do_gradient_update || self.mismatch.is_some() {
             return Ok(None);
         }

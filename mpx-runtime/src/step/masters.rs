@@ -14,6 +14,7 @@ use super::error::StepError;
 use super::layout::Identity;
 use super::working::ErasedWorking;
 use crate::boundary::MasterModel;
+use dfdx::tensor_ops::Device;
 
 /// Closed iterations an entry may go unused before its working copy is freed (a model of an
 /// earlier fold, a discarded ensemble member).
@@ -72,8 +73,12 @@ pub(super) struct Masters {
 
 impl Masters {
     /// The entry of `master`, if it has one.
-    pub(super) fn find<M: MasterModel>(&mut self, master: &M) -> Result<Option<usize>, StepError> {
-        self.probe.read(master)?;
+    pub(super) fn find<D: Device<f32>, M: MasterModel<D>>(
+        &mut self,
+        master: &M,
+        err: fn(D::Err) -> StepError,
+    ) -> Result<Option<usize>, StepError> {
+        self.probe.read::<D, M>(master).map_err(err)?;
         let type_name = std::any::type_name::<M>();
         Ok(self
             .entries
@@ -82,12 +87,13 @@ impl Masters {
     }
 
     /// The entry of `master`, made with `make` if it has none; marked as used.
-    pub(super) fn find_or_insert<M: MasterModel>(
+    pub(super) fn find_or_insert<D: Device<f32>, M: MasterModel<D>>(
         &mut self,
         master: &M,
+        err: fn(D::Err) -> StepError,
         make: impl FnOnce(&M) -> Result<Box<dyn ErasedWorking>, StepError>,
     ) -> Result<usize, StepError> {
-        let i = if let Some(i) = self.find(master)? {
+        let i = if let Some(i) = self.find::<D, M>(master, err)? {
             i
         } else {
             self.entries.push(Entry {

@@ -46,12 +46,16 @@
 
 mod checkpoint;
 mod clip;
+mod device;
 pub(crate) mod direct;
 mod error;
 mod full;
 mod function;
 mod half_region;
 mod layout;
+// Used by devices whose tensors are not `Send` (`Cuda`); built and unit-tested everywhere.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod local;
 mod mapped;
 mod masters;
 mod outcome;
@@ -61,6 +65,7 @@ mod working;
 
 pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};
+pub use device::MixedDevice;
 pub use error::StepError;
 /// mpx's `filter_grad`: [`filter_value_and_grad`] under mpx's other name (the loss value comes
 /// with the gradients either way).
@@ -91,15 +96,19 @@ pub use mapped::HalfLayers;
 pub use outcome::{SkipReason, UpdateOutcome};
 pub use report::StepReport;
 pub use scaler::{GradScaler, MixedScaler, Verdict, scaler_of};
+pub use working::WorkspaceOn;
 
 /// Support for code `#[mixed_step]` generates. Not a public API.
 #[doc(hidden)]
 pub mod __macro_support {
+    use std::marker::PhantomData;
+
     use dfdx::nn::tensor_collection::TensorCollection;
     use dfdx::tensor::Cpu;
-    use dfdx::tensor_ops::Device;
 
-    use super::{GradScaler, HalfInput, HalfLayers, HalfOutput, WorkingCopy};
+    use super::{
+        GradScaler, HalfInput, HalfLayers, HalfOutput, MixedDevice, WorkingCopy, WorkspaceOn,
+    };
     use crate::boundary::MasterModel;
     use crate::precision::Precision;
     use crate::scaling::LossScale;
@@ -118,7 +127,7 @@ pub mod __macro_support {
     /// `(model).__mpx_master()` borrows a model however the step holds it (a value, a `&mut`
     /// binding, a field, a `Box`): method calls auto-deref until a module is found, which a
     /// generic function taking `&M` would not do.
-    pub trait Master<E: dfdx::shapes::Dtype> {
+    pub trait Master<E: dfdx::shapes::Dtype, D> {
         /// The model, shared.
         fn __mpx_master(&self) -> &Self {
             self
@@ -128,10 +137,10 @@ pub mod __macro_support {
             self
         }
     }
-    impl<E: dfdx::shapes::Dtype, T> Master<E> for T
+    impl<E: dfdx::shapes::Dtype, D, T> Master<E, D> for T
     where
-        T: dfdx::nn::tensor_collection::TensorCollection<E, dfdx::tensor::Cpu>,
-        dfdx::tensor::Cpu: dfdx::tensor_ops::Device<E>,
+        T: dfdx::nn::tensor_collection::TensorCollection<E, D>,
+        D: dfdx::tensor_ops::Device<E>,
     {
     }
 
@@ -142,20 +151,31 @@ pub mod __macro_support {
     /// whose type is a generic parameter of the `impl`), `ViaFull` runs it in f32 on the master
     /// itself. Method probing tries the receiver by value, then borrowed, then dereferenced:
     /// `(&mut &mut fwd).__mpx_forward(..)` finds `ViaMapped` (on `&mut Forward`) first,
-    /// `ViaHalf` (on `&mut &mut Forward`) next, `ViaFull` (on `Forward`) last.
-    pub struct Forward<'a, H: Precision, L: LossScale, R> {
+    /// `ViaHalf` (on `&mut &mut Forward`) next, `ViaFull` (on `Forward`) last. `D` is the
+    /// device the step's types name (the `Cpu` unless the step names `Cuda`).
+    pub struct Forward<'a, H: Precision, L: LossScale, R, D = Cpu> {
         scaler: &'a mut GradScaler<H, L>,
         master: Option<R>,
+        device: PhantomData<fn() -> D>,
     }
 
-    /// The forward pass of `master` through `scaler`.
+    /// The forward pass of `master` through `scaler`, on the `Cpu`.
     pub fn forward<H: Precision, L: LossScale, R>(
         scaler: &mut GradScaler<H, L>,
         master: R,
     ) -> Forward<'_, H, L, R> {
+        forward_on::<Cpu, H, L, R>(scaler, master)
+    }
+
+    /// The forward pass of `master` through `scaler`, on device `D`.
+    pub fn forward_on<D, H: Precision, L: LossScale, R>(
+        scaler: &mut GradScaler<H, L>,
+        master: R,
+    ) -> Forward<'_, H, L, R, D> {
         Forward {
             scaler,
             master: Some(master),
+            device: PhantomData,
         }
     }
 
@@ -180,24 +200,21 @@ pub mod __macro_support {
     }
 
     /// The forward pass on the half working copy.
-    pub trait ViaHalf<H: Precision>
-    where
-        Cpu: Device<H::Elem>,
-    {
+    pub trait ViaHalf<H: Precision, D: MixedDevice<H>> {
         /// The master model.
-        type Model: MasterModel;
+        type Model: MasterModel<D>;
         /// Runs `f` on the working copy and `x` rounded to `H`; the output comes back in f32.
         fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
         where
-            X: HalfInput<H>,
-            Y: HalfOutput<H>,
-            F: FnOnce(&mut WorkingCopy<H, Self::Model>, X::Half) -> Y;
+            X: HalfInput<H, D>,
+            Y: HalfOutput<H, D>,
+            F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, X::Half) -> Y;
     }
 
     /// The forward pass on the working copy made of mpx's layers.
     pub trait ViaMapped<H: Precision>
     where
-        Cpu: Device<H::Elem>,
+        Cpu: MixedDevice<H>,
     {
         /// The master model.
         type Model: HalfLayers<H>;
@@ -216,7 +233,7 @@ pub mod __macro_support {
         L: LossScale,
         R: Borrowed,
         R::Model: HalfLayers<H> + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
+        Cpu: MixedDevice<H>,
     {
         type Model = R::Model;
         fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
@@ -234,21 +251,21 @@ pub mod __macro_support {
 
     // the second `&mut` is the ladder's middle rung (see `Forward`)
     #[allow(clippy::mut_mut)]
-    impl<H, L, R> ViaHalf<H> for &mut &mut Forward<'_, H, L, R>
+    impl<H, L, R, D> ViaHalf<H, D> for &mut &mut Forward<'_, H, L, R, D>
     where
         H: Precision,
         L: LossScale,
         R: Borrowed,
-        R::Model: MasterModel + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
-        WorkingCopy<H, R::Model>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+        D: MixedDevice<H>,
+        R::Model: MasterModel<D> + 'static,
+        WorkingCopy<H, R::Model, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
     {
         type Model = R::Model;
         fn __mpx_forward<X, Y, F>(&mut self, x: X, f: F) -> Y::Full
         where
-            X: HalfInput<H>,
-            Y: HalfOutput<H>,
-            F: FnOnce(&mut WorkingCopy<H, Self::Model>, X::Half) -> Y,
+            X: HalfInput<H, D>,
+            Y: HalfOutput<H, D>,
+            F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, X::Half) -> Y,
         {
             match self.master.as_ref() {
                 Some(m) => self.scaler.forward(m.shared(), x, f),
@@ -263,18 +280,19 @@ pub mod __macro_support {
         fn __mpx_forward<X, Y, F: FnOnce(R, X) -> Y>(&mut self, x: X, f: F) -> Y;
     }
 
-    impl<H, L, R> ViaFull<R> for Forward<'_, H, L, R>
+    impl<H, L, R, D> ViaFull<R> for Forward<'_, H, L, R, D>
     where
         H: Precision,
         L: LossScale,
         R: Borrowed,
-        R::Model: MasterModel,
+        D: MixedDevice<H>,
+        R::Model: MasterModel<D>,
     {
         fn __mpx_forward<X, Y, F: FnOnce(R, X) -> Y>(&mut self, x: X, f: F) -> Y {
             let Some(master) = self.master.take() else {
                 panic!("a mixed forward pass ran twice")
             };
-            if let Err(e) = self.scaler.forward_full(master.shared()) {
+            if let Err(e) = self.scaler.forward_full::<R::Model, D>(master.shared()) {
                 panic!("mixed-precision forward pass failed: {e}");
             }
             f(master, x)

@@ -1,22 +1,23 @@
 //! [`GradScaler`]: the one state object of mixed-precision training, kept across steps.
 
+use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use dfdx::nn::tensor_collection::{RecursiveWalker, TensorCollection};
 use dfdx::optim::{Optimizer, OptimizerUpdateError};
 use dfdx::shapes::Rank0;
-use dfdx::tensor::{AsArray, Cpu, CpuError, Gradients, OwnedTape, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::tensor::{AsArray, Cpu, Gradients, HasErr, OwnedTape, Tensor};
 
+use super::device::MixedDevice;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
-use super::layout::{WorkingCopy, WriteState};
+use super::layout::{EachTensor, WorkingCopy, WriteState, each_tensor};
 use super::mapped::HalfLayers;
 use super::masters::Masters;
 use super::outcome::{SkipReason, UpdateOutcome};
 use super::report::StepReport;
-use super::working::{ErasedWorking, Kind, Mapped, Same, Working};
+use super::working::{Kind, Mapped, Same, Working, WorkspaceOn};
 use crate::boundary::MasterModel;
 use crate::precision::{Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
@@ -260,14 +261,14 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     ///
     /// # Examples
     /// See [`GradScaler`].
-    pub fn forward<M, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Y::Full
+    pub fn forward<M, X, Y, F, D>(&mut self, master: &M, input: X, f: F) -> Y::Full
     where
-        M: MasterModel + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
-        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
-        X: HalfInput<H>,
-        Y: HalfOutput<H>,
-        F: FnOnce(&mut WorkingCopy<H, M>, X::Half) -> Y,
+        D: MixedDevice<H>,
+        M: MasterModel<D> + 'static,
+        WorkingCopy<H, M, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
+        X: HalfInput<H, D>,
+        Y: HalfOutput<H, D>,
+        F: FnOnce(&mut WorkingCopy<H, M, D>, X::Half) -> Y,
     {
         match self.try_forward(master, input, f) {
             Ok(y) => y,
@@ -293,21 +294,21 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert_eq!(y.array()[0].len(), 2); // f32 again
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn try_forward<M, X, Y, F>(
+    pub fn try_forward<M, X, Y, F, D>(
         &mut self,
         master: &M,
         input: X,
         f: F,
     ) -> Result<Y::Full, StepError>
     where
-        M: MasterModel + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
-        WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
-        X: HalfInput<H>,
-        Y: HalfOutput<H>,
-        F: FnOnce(&mut WorkingCopy<H, M>, X::Half) -> Y,
+        D: MixedDevice<H>,
+        M: MasterModel<D> + 'static,
+        WorkingCopy<H, M, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
+        X: HalfInput<H, D>,
+        Y: HalfOutput<H, D>,
+        F: FnOnce(&mut WorkingCopy<H, M, D>, X::Half) -> Y,
     {
-        self.run::<M, Same, X, Y, F>(master, input, f)
+        self.run::<M, Same, X, Y, F, D>(master, input, f)
     }
 
     /// Runs a model's forward pass in half precision on its working copy made of mpx's layers
@@ -341,7 +342,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     pub fn forward_mapped<M, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Y::Full
     where
         M: HalfLayers<H> + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
+        Cpu: MixedDevice<H>,
         X: HalfInput<H>,
         Y: HalfOutput<H>,
         F: FnOnce(&mut M::Working, X::Half) -> Y,
@@ -380,41 +381,44 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     ) -> Result<Y::Full, StepError>
     where
         M: HalfLayers<H> + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
+        Cpu: MixedDevice<H>,
         X: HalfInput<H>,
         Y: HalfOutput<H>,
         F: FnOnce(&mut M::Working, X::Half) -> Y,
     {
-        self.run::<M, Mapped, X, Y, F>(master, input, f)
+        self.run::<M, Mapped, X, Y, F, Cpu>(master, input, f)
     }
 
     /// A forward pass on the working copy of kind `K`.
-    fn run<M, K, X, Y, F>(&mut self, master: &M, input: X, f: F) -> Result<Y::Full, StepError>
+    fn run<M, K, X, Y, F, D>(&mut self, master: &M, input: X, f: F) -> Result<Y::Full, StepError>
     where
-        M: MasterModel + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
-        K: Kind<H, M>,
-        X: HalfInput<H>,
-        Y: HalfOutput<H>,
+        D: MixedDevice<H>,
+        M: MasterModel<D> + 'static,
+        K: Kind<H, M, D>,
+        X: HalfInput<H, D>,
+        Y: HalfOutput<H, D>,
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
         let (scale, inv) = self.checked_scale()?;
-        let working = self.working_for::<M, K>(master)?;
-        working.direct.set_inv(inv);
-        let stash = Arc::clone(&working.stash);
-        let direct = Arc::clone(&working.direct);
-        let (half, grads) = working.prepare(master)?;
-        let mut region = Region::<H>::new(grads, scale, inv, stash, Some(Arc::clone(&direct)));
-        let x = input.enter(&mut region)?;
-        // mpx's fused layers of the working copy find their master tensors in this scope
-        let scope = super::direct::enter::<H::Elem, _>(&*half, &direct)?;
-        let y = f(half, x);
-        drop(scope);
-        let out = y.leave(&mut region)?;
-        if let Some(unused) = region.pool.take() {
-            working.pool.push(unused);
-        }
-        Ok(out)
+        let dev = master_device::<H, D, M>(master)?;
+        D::ready(&dev)?;
+        let i = self
+            .masters
+            .find_or_insert::<D, M>(master, D::step_error, |m| {
+                Ok(K::hold(Working::<H, M, K, D>::new(m)?))
+            })?;
+        let workspace = &mut *self.masters.get_mut(i).working;
+        let (mapped, f32_run) = (workspace.mapped(), workspace.in_f32());
+        let mut job = Some((input, f, dev));
+        let mut out = None;
+        workspace.with_any(&mut |any| {
+            let working = typed::<H, M, K, D>(any, mapped, f32_run)?;
+            if let Some((input, f, dev)) = job.take() {
+                out = Some(run_on(working, master, dev, scale, inv, input, f)?);
+            }
+            Ok(())
+        })?;
+        out.ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
     }
 
     /// The scale to apply and its reciprocal (the loss scale's own `inv_loss_scale`), both
@@ -428,21 +432,6 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             Err(StepError::InvalidScale { scale })
         }
     }
-
-    /// The typed workspace of `master`, built the first time this master (by its tensors'
-    /// identity, not its type alone) runs a forward pass.
-    fn working_for<M, K>(&mut self, master: &M) -> Result<&mut Working<H, M, K>, StepError>
-    where
-        M: MasterModel + Send + Sync + 'static,
-        Cpu: Device<H::Elem>,
-        K: Kind<H, M>,
-    {
-        let i = self.masters.find_or_insert(master, |m| {
-            Ok(Box::new(Working::<H, M, K>::new(m)?) as Box<dyn ErasedWorking>)
-        })?;
-        typed(&mut *self.masters.get_mut(i).working)
-    }
-
     /// Runs the backward pass of an f32 `loss` whose graph went through
     /// [`forward`](Self::forward): the master's f32 gradients (the `Gradients` the input was
     /// traced with) come back with the working copy's gradients added, unscaled with the scale
@@ -455,10 +444,10 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     ///
     /// # Examples
     /// See [`GradScaler`].
-    pub fn backward(
+    pub fn backward<D: MixedDevice<H>>(
         &mut self,
-        loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
-    ) -> Gradients<f32, Cpu> {
+        loss: Tensor<Rank0, f32, D, OwnedTape<f32, D>>,
+    ) -> Gradients<f32, D> {
         match self.try_backward(loss) {
             Ok(g) => g,
             Err(e) => panic!("mixed-precision backward pass failed: {e}"),
@@ -485,11 +474,12 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn try_backward(
+    pub fn try_backward<D: MixedDevice<H>>(
         &mut self,
-        loss: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>>,
-    ) -> Result<Gradients<f32, Cpu>, StepError> {
-        self.try_backward_with(loss, dfdx::tensor_ops::Backward::try_backward)
+        loss: Tensor<Rank0, f32, D, OwnedTape<f32, D>>,
+    ) -> Result<Gradients<f32, D>, StepError> {
+        let backward = dfdx::tensor_ops::Backward::try_backward;
+        self.try_backward_with(loss, |l| backward(l).map_err(D::step_error))
     }
 
     /// [`try_backward`](Self::try_backward) with the backward call given as a closure (what
@@ -513,14 +503,15 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn try_backward_with<T, F, E>(
+    pub fn try_backward_with<T, F, E, D>(
         &mut self,
         loss: T,
         backward: F,
-    ) -> Result<Gradients<f32, Cpu>, StepError>
+    ) -> Result<Gradients<f32, D>, StepError>
     where
+        D: MixedDevice<H>,
         T: AsArray<Array = f32>,
-        F: FnOnce(T) -> Result<Gradients<f32, Cpu>, E>,
+        F: FnOnce(T) -> Result<Gradients<f32, D>, E>,
         StepError: From<E>,
     {
         let loss_value = loss.array();
@@ -528,7 +519,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         let scale = self.scaling.loss_scale();
         let mut touched = 0;
         for entry in self.masters.iter_mut() {
-            let Some(grads_finite) = entry.working.transfer(&mut grads)? else {
+            let Some(grads_finite) = entry.working.transfer(&mut grads as &mut dyn Any)? else {
                 entry.touched = false;
                 continue;
             };
@@ -548,13 +539,25 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             // `alloc_grads` made it for), and each master is judged on what remains of its own.
             grads.drop_non_leafs();
             for entry in self.masters.iter_mut().filter(|e| e.touched) {
-                let finite = entry.working.check(&mut grads)?;
+                let finite = entry.working.check(&mut grads as &mut dyn Any)?;
                 entry.pending.grads_finite = entry.pending.grads_finite_before && finite;
             }
             grads.drop_non_leafs();
         }
         #[cfg(feature = "mpi")]
-        self.reduce(&mut grads, loss_value.is_finite())?;
+        {
+            let any: &mut dyn Any = &mut grads;
+            match any.downcast_mut::<Gradients<f32, Cpu>>() {
+                Some(g) => self.reduce(g, loss_value.is_finite())?,
+                None if self.reducer.is_some() => {
+                    return Err(StepError::WorkspaceMismatch {
+                        expected: "gradients on the `Cpu` under a data-parallel reducer".into(),
+                        found: std::any::type_name::<D>().into(),
+                    });
+                }
+                None => {}
+            }
+        }
         Ok(grads)
     }
 
@@ -576,10 +579,11 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// let grads = scaler.backward_with(y.sum(), |loss| loss.backward());
     /// assert_eq!(grads.get(&model.bias).array(), [1.0]);
     /// ```
-    pub fn backward_with<T, F>(&mut self, loss: T, backward: F) -> Gradients<f32, Cpu>
+    pub fn backward_with<T, F, D>(&mut self, loss: T, backward: F) -> Gradients<f32, D>
     where
+        D: MixedDevice<H>,
         T: AsArray<Array = f32>,
-        F: FnOnce(T) -> Gradients<f32, Cpu>,
+        F: FnOnce(T) -> Gradients<f32, D>,
     {
         match self.try_backward_with(loss, |l| Ok::<_, StepError>(backward(l))) {
             Ok(g) => g,
@@ -601,15 +605,16 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     ///
     /// # Examples
     /// See [`GradScaler`].
-    pub fn update<M, O>(
+    pub fn update<M, O, D>(
         &mut self,
         master: &mut M,
         optimizer: &mut O,
-        grads: &Gradients<f32, Cpu>,
+        grads: &Gradients<f32, D>,
     ) -> Result<UpdateOutcome, StepError>
     where
-        M: MasterModel,
-        O: Optimizer<M, Cpu, f32>,
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+        O: Optimizer<M, D, f32>,
     {
         self.update_with(master, |m| optimizer.update(m, grads))
     }
@@ -636,21 +641,22 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert!(outcome.is_applied());
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn update_with<M, F>(
+    pub fn update_with<M, F, D>(
         &mut self,
         master: &mut M,
         apply: F,
     ) -> Result<UpdateOutcome, StepError>
     where
-        M: MasterModel,
-        F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<CpuError>>,
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+        F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<<D as HasErr>::Err>>,
     {
-        let verdict = self.begin_update(master)?;
+        let verdict = self.begin_update::<M, D>(master)?;
         let applied = match verdict.reason {
-            None => Some(apply(master)),
+            None => Some(apply(master).map_err(D::optimizer_error)),
             Some(_) => None,
         };
-        self.end_update(verdict, applied)
+        self.finish_update(verdict, applied)
     }
 
     /// The first half of an update (what `#[mixed_step]` generates around the step's own
@@ -682,10 +688,14 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert!(scaler.begin_update(&mut model).is_err());
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn begin_update<M: MasterModel>(&mut self, master: &mut M) -> Result<Verdict, StepError> {
+    pub fn begin_update<M, D>(&mut self, master: &mut M) -> Result<Verdict, StepError>
+    where
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+    {
         #[cfg(feature = "mpi")]
         crate::distributed::before_update(self.reducer.as_mut())?;
-        let Some(index) = self.masters.find(master)? else {
+        let Some(index) = self.masters.find::<D, M>(master, D::step_error)? else {
             return Err(StepError::UnknownMaster {
                 model: std::any::type_name::<M>(),
             });
@@ -705,7 +715,9 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
             None
         };
         if reason.is_none() {
-            write_state(master, entry.working.state())?;
+            entry.working.with_state(&mut |state| {
+                write_state::<D, M>(master, state).map_err(D::step_error)?
+            })?;
         }
         Ok(Verdict {
             index,
@@ -733,14 +745,26 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     ///
     /// # Examples
     /// See [`begin_update`](Self::begin_update).
-    pub fn end_update(
+    pub fn end_update<Err>(
         &mut self,
         verdict: Verdict,
-        applied: Option<Result<(), OptimizerUpdateError<CpuError>>>,
+        applied: Option<Result<(), OptimizerUpdateError<Err>>>,
+    ) -> Result<UpdateOutcome, StepError>
+    where
+        StepError: From<OptimizerUpdateError<Err>>,
+    {
+        self.finish_update(verdict, applied.map(|r| r.map_err(StepError::from)))
+    }
+
+    /// [`end_update`](Self::end_update) with the optimizer's error already a [`StepError`].
+    fn finish_update(
+        &mut self,
+        verdict: Verdict,
+        applied: Option<Result<(), StepError>>,
     ) -> Result<UpdateOutcome, StepError> {
         let outcome = match (verdict.reason, applied) {
             (None, Some(result)) => {
-                result.map_err(StepError::Optimizer)?;
+                result?;
                 self.consecutive = 0;
                 self.applied += 1;
                 UpdateOutcome::Applied
@@ -813,7 +837,11 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert!(scaler.update(&mut model, &mut opt, &grads)?.is_applied());
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn zero_grads<M: MasterModel>(&mut self, master: &M, grads: &mut Gradients<f32, Cpu>) {
+    pub fn zero_grads<M, D>(&mut self, master: &M, grads: &mut Gradients<f32, D>)
+    where
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+    {
         if let Err(e) = self.try_zero_grads(master, grads) {
             panic!("zeroing the master's gradients failed: {e}");
         }
@@ -835,13 +863,17 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert_eq!(grads.get(&model.bias).array(), [0.0]);
     /// # Ok::<(), mpx_runtime::step::StepError>(())
     /// ```
-    pub fn try_zero_grads<M: MasterModel>(
+    pub fn try_zero_grads<M, D>(
         &mut self,
         master: &M,
-        grads: &mut Gradients<f32, Cpu>,
-    ) -> Result<(), StepError> {
-        dfdx::nn::ZeroGrads::try_zero_grads(master, grads)?;
-        if let Some(i) = self.masters.find(master)? {
+        grads: &mut Gradients<f32, D>,
+    ) -> Result<(), StepError>
+    where
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+    {
+        dfdx::nn::ZeroGrads::try_zero_grads(master, grads).map_err(D::step_error)?;
+        if let Some(i) = self.masters.find::<D, M>(master, D::step_error)? {
             self.masters.get_mut(i).pending = super::masters::Pending::NONE;
         }
         Ok(())
@@ -886,10 +918,16 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
 
     /// Registers a forward pass of `master` run in f32 on the master itself (see
     /// [`super::full`]), so that the backward pass and the update judge its gradients.
-    pub(crate) fn forward_full<M: MasterModel>(&mut self, master: &M) -> Result<(), StepError> {
-        let i = self.masters.find_or_insert(master, |m| {
-            Ok(Box::new(super::full::FullWorking::new(m)?) as Box<dyn ErasedWorking>)
-        })?;
+    pub(crate) fn forward_full<M, D>(&mut self, master: &M) -> Result<(), StepError>
+    where
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+    {
+        let i = self
+            .masters
+            .find_or_insert::<D, M>(master, D::step_error, |m| {
+                Ok(D::hold_full(super::full::FullWorking::<H, D>::new(m)?))
+            })?;
         if self.masters.get_mut(i).working.mark_used() {
             Ok(())
         } else {
@@ -904,11 +942,12 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     }
 
     /// Whether the gradients of `master` seen since its last update were all finite.
-    pub(super) fn pending_grads_finite<M: MasterModel>(
-        &mut self,
-        master: &M,
-    ) -> Result<bool, StepError> {
-        Ok(match self.masters.find(master)? {
+    pub(super) fn pending_grads_finite<M, D>(&mut self, master: &M) -> Result<bool, StepError>
+    where
+        D: MixedDevice<H>,
+        M: MasterModel<D>,
+    {
+        Ok(match self.masters.find::<D, M>(master, D::step_error)? {
             Some(i) => self.masters.get_mut(i).pending.grads_finite,
             None => true,
         })
@@ -917,9 +956,13 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
 
 /// Writes the non-parameter tensors (batch-norm statistics) a working copy's forward pass
 /// updated into the master.
-fn write_state<M: MasterModel>(master: &mut M, state: &[Vec<f32>]) -> Result<(), StepError> {
+/// The outer `Result` is the device's, the inner one a layout mismatch.
+fn write_state<D: dfdx::tensor_ops::Device<f32>, M: MasterModel<D>>(
+    master: &mut M,
+    state: &[Vec<f32>],
+) -> Result<Result<(), StepError>, D::Err> {
     if state.is_empty() {
-        return Ok(());
+        return Ok(Ok(()));
     }
     let mut write = WriteState {
         after: state,
@@ -930,22 +973,95 @@ fn write_state<M: MasterModel>(master: &mut M, state: &[Vec<f32>]) -> Result<(),
         m: master,
         f: &mut write,
     })?;
-    write.mismatch.map_or(Ok(()), Err)
+    Ok(write.mismatch.map_or(Ok(()), Err))
+}
+
+/// The device `master` lives on: that of its first tensor (a master without tensors: the
+/// `Cpu`, or an error on another device).
+fn master_device<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
+    master: &M,
+) -> Result<D, StepError> {
+    use dfdx::shapes::Shape;
+    struct First<D>(Option<D>);
+    impl<D: dfdx::tensor_ops::Device<f32>> EachTensor<f32, D> for First<D> {
+        type Error = StepError;
+        fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, f32, D>) -> Result<(), StepError> {
+            if self.0.is_none() {
+                self.0 = Some(t.device().clone());
+            }
+            Ok(())
+        }
+    }
+    let mut first = First(None);
+    each_tensor(master, &mut first, D::step_error)?;
+    first
+        .0
+        .or_else(D::fallback_device)
+        .ok_or_else(|| StepError::WorkspaceMismatch {
+            expected: "a master model with at least one tensor (its device is the step's)".into(),
+            found: format!("`{}`, which has none", std::any::type_name::<M>()),
+        })
+}
+
+/// A forward pass on a master's typed workspace.
+#[allow(clippy::too_many_arguments)]
+fn run_on<H, M, K, X, Y, F, D>(
+    working: &mut Working<H, M, K, D>,
+    master: &M,
+    dev: D,
+    scale: f32,
+    inv: f32,
+    input: X,
+    f: F,
+) -> Result<Y::Full, StepError>
+where
+    H: Precision,
+    D: MixedDevice<H>,
+    M: MasterModel<D> + 'static,
+    K: Kind<H, M, D>,
+    X: HalfInput<H, D>,
+    Y: HalfOutput<H, D>,
+    F: FnOnce(&mut K::Copy, X::Half) -> Y,
+{
+    working.inv = inv;
+    if let Some(d) = &working.direct {
+        d.set_inv(inv);
+    }
+    let stash = Arc::clone(&working.stash);
+    let direct = working.direct.clone();
+    let (half, grads) = working.prepare(master)?;
+    let mut region = Region::<H, D>::new(dev, grads, scale, inv, stash, direct.clone());
+    let x = input.enter(&mut region).map_err(D::step_error)?;
+    // mpx's fused layers of the working copy find their master tensors in this scope
+    let scope = D::enter_scope(&*half, direct.as_ref())?;
+    let y = f(half, x);
+    drop(scope);
+    let out = y.leave(&mut region).map_err(D::step_error)?;
+    // Unused (no traced input): kept for the next forward pass, where the working copy keeps its
+    // tensors; a rebuilt one (`Cuda`) gets buffers of its own.
+    if let Some(unused) = region.pool.take()
+        && D::IN_PLACE
+    {
+        working.pool.push(unused);
+    }
+    Ok(out)
 }
 
 /// A master's typed workspace, from its type-erased entry: an error when the master ran
 /// through another kind of working copy (or in f32) with this scaler.
-fn typed<H, M, K>(working: &mut dyn ErasedWorking) -> Result<&mut Working<H, M, K>, StepError>
+fn typed<H, M, K, D>(
+    working: &mut dyn Any,
+    mapped: bool,
+    f32_run: bool,
+) -> Result<&mut Working<H, M, K, D>, StepError>
 where
     H: Precision,
-    M: MasterModel + Send + Sync + 'static,
-    Cpu: Device<H::Elem>,
-    K: Kind<H, M>,
+    D: MixedDevice<H>,
+    M: MasterModel<D> + 'static,
+    K: Kind<H, M, D>,
 {
-    let (mapped, f32_run) = (working.mapped(), working.in_f32());
     working
-        .as_any_mut()
-        .downcast_mut::<Working<H, M, K>>()
+        .downcast_mut::<Working<H, M, K, D>>()
         .ok_or_else(|| StepError::WorkspaceMismatch {
             expected: format!(
                 "`{}` run through one kind of working copy with this scaler",

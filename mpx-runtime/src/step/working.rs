@@ -6,36 +6,42 @@ use std::marker::PhantomData;
 use std::sync::{Arc, PoisonError};
 
 use dfdx::nn::ZeroGrads;
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::tensor::{Cpu, Gradients, Tensor};
 
-use super::direct::{Direct, all_zero};
+use super::device::MixedDevice;
+use super::direct::Direct;
 use super::error::StepError;
 use super::half_region::Stash;
-use super::layout::{MasterSlot, WorkingCopy, count_mismatch, len_mismatch, master_layout, share};
+use super::layout::{
+    EachTensor, MasterSlot, WorkingCopy, count_mismatch, each_tensor, len_mismatch, master_layout,
+};
 use super::mapped::{HalfLayers, MapScratch};
 use crate::boundary::MasterModel;
-use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
-use crate::finite::{add_scaled_checked, all_finite_f32};
+use crate::cast::CastScratch;
 use crate::precision::Precision;
 
-/// What the scaler does with a master's workspace without knowing the model's type.
-pub(crate) trait ErasedWorking: Any + Send + Sync {
+/// Reads a workspace's non-parameter state.
+pub(crate) type StateFn<'a> = dyn FnMut(&[Vec<f32>]) -> Result<(), StepError> + 'a;
+
+/// Gets a workspace's typed form back.
+pub(crate) type AnyFn<'a> = dyn FnMut(&mut dyn Any) -> Result<(), StepError> + 'a;
+
+/// What the scaler does with a master's workspace without knowing the model's type (nor its
+/// device: the gradients come as `dyn Any`, a `Gradients<f32, D>` of the master's device `D`).
+pub trait Workspace: Any {
     /// Moves every finished backward's half gradients into `grads` (the master's f32
     /// gradients, keyed by its tensors), unscaled, and checks the master's gradients for
     /// finiteness on the way. Returns `None` when no backward reached this working copy since
-    /// the last call, else whether all were finite.
-    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError>;
+    /// the last call (or `grads` are another device's), else whether all were finite.
+    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError>;
     /// Whether the master's gradients in `grads` are all finite (a slot `grads` lacks is
     /// allocated as zeros).
-    fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError>;
-    /// The working copy's non-parameter tensors (batch-norm statistics) after the last backward
-    /// pass, widened to f32, in the master's visit order.
-    fn state(&self) -> &[Vec<f32>];
+    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError>;
+    /// Hands `f` the working copy's non-parameter tensors (batch-norm statistics) after the
+    /// last backward pass, widened to f32, in the master's visit order.
+    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError>;
     /// Marks an f32-run master's forward pass (see [`super::full`]); `false` for a half
     /// working copy, which is not run that way.
     fn mark_used(&mut self) -> bool {
@@ -49,22 +55,74 @@ pub(crate) trait ErasedWorking: Any + Send + Sync {
     fn mapped(&self) -> bool {
         false
     }
-    /// The workspace, as `Any`, to get the typed workspace back.
-    fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// Hands `f` the workspace, as `Any`, to get the typed workspace back.
+    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError>;
     /// The master's gradient slots, one per trainable tensor in visit order (what the
     /// data-parallel all-reduce packs).
     #[cfg(feature = "mpi")]
     fn master_slots(&self) -> &[MasterSlot];
 }
 
+/// A workspace the scaler can hold: `Send + Sync`, so the scaler is (a workspace that is not,
+/// one on dfdx's `Cuda` device, is held through [`super::local`]).
+pub trait ErasedWorking: Workspace + Send + Sync {}
+
+impl<T: Workspace + Send + Sync> ErasedWorking for T {}
+
+/// A working copy the scaler can keep for a master on device `D`: on the `Cpu` any `Send +
+/// Sync` module (so that the scaler is `Send + Sync`); on `Cuda` any module (dfdx's `Cuda`
+/// tensors are neither, so a master's `Cuda` workspace stays on the thread that ran its first
+/// forward pass, as the master itself does).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::step::{WorkingCopy, WorkspaceOn};
+/// fn keeps<W: WorkspaceOn<Cpu>>() {}
+/// keeps::<WorkingCopy<f16, dfdx::nn::modules::Linear<2, 3, f32, Cpu>>>();
+/// ```
+pub trait WorkspaceOn<D>: Sized + 'static {
+    /// Boxes a workspace whose working copy is `Self`.
+    #[doc(hidden)]
+    fn hold<H, M, K>(w: Working<H, M, K, D>) -> Box<dyn ErasedWorking>
+    where
+        H: Precision,
+        D: MixedDevice<H>,
+        M: MasterModel<D> + 'static,
+        K: Kind<H, M, D, Copy = Self>;
+}
+
+impl<T: Send + Sync + 'static> WorkspaceOn<Cpu> for T {
+    fn hold<H, M, K>(w: Working<H, M, K, Cpu>) -> Box<dyn ErasedWorking>
+    where
+        H: Precision,
+        Cpu: MixedDevice<H>,
+        M: MasterModel<Cpu> + 'static,
+        K: Kind<H, M, Cpu, Copy = T>,
+    {
+        Box::new(w)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<T: 'static> WorkspaceOn<dfdx::tensor::Cuda> for T {
+    fn hold<H, M, K>(w: Working<H, M, K, dfdx::tensor::Cuda>) -> Box<dyn ErasedWorking>
+    where
+        H: Precision,
+        dfdx::tensor::Cuda: MixedDevice<H>,
+        M: MasterModel<dfdx::tensor::Cuda> + 'static,
+        K: Kind<H, M, dfdx::tensor::Cuda, Copy = T>,
+    {
+        Box::new(super::local::Local::new(w))
+    }
+}
+
 /// How a master's working copy is made: [`Same`] (the master's own layers in `H`) or
 /// [`Mapped`] (mpx's layers, [`HalfLayers`]).
-pub(crate) trait Kind<H: Precision, M: MasterModel>: 'static
-where
-    Cpu: Device<H::Elem>,
-{
+pub trait Kind<H: Precision, M: MasterModel<D>, D: MixedDevice<H>>: 'static {
     /// The working copy.
-    type Copy: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static;
+    type Copy: TensorCollection<H::Elem, D> + 'static;
     /// Whether the working copy is made of mpx's layers.
     const MAPPED: bool;
     /// The working copy with `master`'s values: `half` cast in place, or built when `None`.
@@ -73,6 +131,11 @@ where
         half: Option<Self::Copy>,
         scratch: &mut Scratch<H::Elem>,
     ) -> Result<Self::Copy, StepError>;
+    /// Boxes the workspace for the scaler.
+    fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
+    where
+        Self: Sized,
+        M: 'static;
 }
 
 /// The working copy is the master's own module in `H` ([`WorkingCopy`]).
@@ -82,43 +145,35 @@ pub(crate) struct Same;
 pub(crate) struct Mapped;
 
 /// The reused buffers of both casts.
-pub(crate) struct Scratch<E> {
+pub struct Scratch<E> {
     cast: CastScratch,
     mapped: MapScratch<E>,
 }
 
-impl<H: Precision, M: MasterModel> Kind<H, M> for Same
+impl<H: Precision, D: MixedDevice<H>, M: MasterModel<D>> Kind<H, M, D> for Same
 where
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: TensorCollection<H::Elem, Cpu> + Send + Sync + 'static,
+    WorkingCopy<H, M, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
 {
-    type Copy = WorkingCopy<H, M>;
+    type Copy = WorkingCopy<H, M, D>;
     const MAPPED: bool = false;
     fn refresh(
         master: &M,
         half: Option<Self::Copy>,
         scratch: &mut Scratch<H::Elem>,
     ) -> Result<Self::Copy, StepError> {
-        Ok(match half {
-            Some(mut half) if !H::IDENTITY => {
-                cast_module_into::<H, f32, M>(master, &mut half, &mut scratch.cast)?;
-                half
-            }
-            _ if H::IDENTITY => share::<H, M>(master)?,
-            _ => {
-                // Built once; the in-place cast sizes its scratch now, so that every later
-                // step allocates nothing of the model's size.
-                let mut half = try_cast_module::<H, f32, M>(master)?;
-                cast_module_into::<H, f32, M>(master, &mut half, &mut scratch.cast)?;
-                half
-            }
-        })
+        D::refresh_same::<M>(master, half, &mut scratch.cast)
+    }
+    fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
+    where
+        M: 'static,
+    {
+        <WorkingCopy<H, M, D> as WorkspaceOn<D>>::hold(w)
     }
 }
 
-impl<H: Precision, M: HalfLayers<H>> Kind<H, M> for Mapped
+impl<H: Precision, M: HalfLayers<H>> Kind<H, M, Cpu> for Mapped
 where
-    Cpu: Device<H::Elem>,
+    Cpu: MixedDevice<H>,
 {
     type Copy = M::Working;
     const MAPPED: bool = true;
@@ -129,31 +184,37 @@ where
     ) -> Result<Self::Copy, StepError> {
         super::mapped::refresh::<H, M>(master, half, &mut scratch.mapped)
     }
+    fn hold(w: Working<H, M, Self, Cpu>) -> Box<dyn ErasedWorking>
+    where
+        M: 'static,
+    {
+        Box::new(w)
+    }
 }
 
 /// A forward pass's working copy and gradient buffers.
-type Prepared<'a, H, C> = (
+type Prepared<'a, H, C, D> = (
     &'a mut C,
-    Gradients<<H as crate::precision::Precision>::Elem, Cpu>,
+    Gradients<<H as crate::precision::Precision>::Elem, D>,
 );
 
-/// The typed workspace for master model `M` in precision `H`, with the working copy of kind
-/// `K`.
-pub(crate) struct Working<H: Precision, M: MasterModel, K: Kind<H, M>>
-where
-    Cpu: Device<H::Elem>,
-{
+/// The typed workspace for master model `M` in precision `H` on device `D`, with the working
+/// copy of kind `K`.
+pub struct Working<H: Precision, M: MasterModel<D>, K: Kind<H, M, D>, D: MixedDevice<H>> {
     /// The working copy; `None` for an identity precision between steps (it shares the
     /// master's buffers, which the optimizer must own alone).
     half: Option<K::Copy>,
     /// Whether `half` was cast from the master since the last backward or update.
     fresh: bool,
     /// Zeroed half gradient buffers keyed by the working copy, ready for the next forward.
-    pub(crate) pool: Vec<Gradients<H::Elem, Cpu>>,
-    pub(crate) stash: Stash<H::Elem>,
-    master: Arc<[MasterSlot]>,
-    /// What the linked fused layers share with the workspace ([`super::direct`]).
-    pub(crate) direct: Arc<Direct>,
+    pub(crate) pool: Vec<Gradients<H::Elem, D>>,
+    pub(crate) stash: Stash<H::Elem, D>,
+    master: Arc<[MasterSlot<D>]>,
+    /// What the linked fused layers share with the workspace ([`super::direct`]; the `Cpu`'s
+    /// alone).
+    pub(crate) direct: Option<Arc<Direct>>,
+    /// The reciprocal of the scale the last forward pass applied.
+    pub(crate) inv: f32,
     /// The positions the linked layers wrote in the last backward (reused buffer).
     written: Vec<bool>,
     scratch: Scratch<H::Elem>,
@@ -163,20 +224,24 @@ where
     marker: PhantomData<fn() -> (M, K)>,
 }
 
-impl<H: Precision, M: MasterModel + Send + Sync + 'static, K: Kind<H, M>> Working<H, M, K>
+impl<H, M, K, D> Working<H, M, K, D>
 where
-    Cpu: Device<H::Elem>,
+    H: Precision,
+    D: MixedDevice<H>,
+    M: MasterModel<D> + 'static,
+    K: Kind<H, M, D>,
 {
     /// Records the master's layout; the working copy is cast on the first forward.
     pub(crate) fn new(master: &M) -> Result<Self, StepError> {
-        let layout = master_layout(master)?;
-        let slots: Arc<[MasterSlot]> = layout.slots.into();
+        let layout = master_layout::<D, M>(master).map_err(D::step_error)?;
+        let slots: Arc<[MasterSlot<D>]> = layout.slots.into();
         Ok(Self {
             half: None,
             fresh: false,
             pool: Vec::new(),
             stash: Arc::default(),
-            direct: Arc::new(Direct::new(Arc::clone(&slots))),
+            direct: D::links(&slots),
+            inv: 1.0,
             written: Vec::new(),
             master: slots,
             scratch: Scratch {
@@ -190,7 +255,7 @@ where
 
     /// The working copy, cast from `master` if it is not fresh, and a gradient buffer for its
     /// forward pass.
-    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, K::Copy>, StepError> {
+    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, K::Copy, D>, StepError> {
         if !self.fresh || self.half.is_none() {
             let half = K::refresh(master, self.half.take(), &mut self.scratch)?;
             self.half = Some(half);
@@ -199,9 +264,10 @@ where
         let Some(half) = self.half.as_mut() else {
             return Err(StepError::Cast(crate::cast::CastError::NotRebuilt));
         };
-        let grads = match self.pool.pop() {
+        // Reused buffers only where the working copy keeps its tensors (their ids key them).
+        let grads = match self.pool.pop().filter(|_| D::IN_PLACE) {
             Some(g) => g,
-            None => half.try_alloc_grads()?,
+            None => half.try_alloc_grads().map_err(D::step_error)?,
         };
         Ok((half, grads))
     }
@@ -217,16 +283,9 @@ where
             let mut read = ReadState::<H> {
                 out: &mut self.state,
                 index: 0,
-                mismatch: None,
                 marker: std::marker::PhantomData,
             };
-            <K::Copy as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
-                m: half,
-                f: &mut read,
-            })?;
-            if let Some(e) = read.mismatch {
-                return Err(e);
-            }
+            each_tensor::<H::Elem, D, K::Copy, _>(half, &mut read, D::step_error)?;
         }
         if H::IDENTITY {
             self.half = None;
@@ -236,172 +295,154 @@ where
     }
 }
 
-impl<H: Precision, M: MasterModel + Send + Sync + 'static, K: Kind<H, M>> ErasedWorking
-    for Working<H, M, K>
+impl<H, M, K, D> Workspace for Working<H, M, K, D>
 where
-    Cpu: Device<H::Elem>,
+    H: Precision,
+    D: MixedDevice<H>,
+    M: MasterModel<D> + 'static,
+    K: Kind<H, M, D>,
 {
-    fn transfer(&mut self, grads: &mut Gradients<f32, Cpu>) -> Result<Option<bool>, StepError> {
-        let mut half_grads: Vec<Gradients<H::Elem, Cpu>> = self
+    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
+        let mut half_grads: Vec<Gradients<H::Elem, D>> = self
             .stash
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .drain(..)
             .collect();
-        let mut finite = self.direct.drain(&mut self.written);
+        let mut finite = match &self.direct {
+            Some(d) => d.drain(&mut self.written),
+            None => true,
+        };
         if half_grads.is_empty() && !self.written.contains(&true) {
             return Ok(None);
         }
+        let Some(grads) = grads.downcast_mut::<Gradients<f32, D>>() else {
+            // A backward pass on another device cannot have reached this master: its stash
+            // waits for its own.
+            self.stash
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .append(&mut half_grads);
+            return Ok(None);
+        };
         // The next forward casts the master again (the user may change it before then).
         self.fresh = false;
         match (&self.half, half_grads.is_empty()) {
             (Some(half), false) => {
-                let mut mover = Mover::<H> {
+                let mut mover = Mover::<H, D> {
                     half_grads: &mut half_grads,
                     master_grads: grads,
                     master: &self.master,
-                    inv_scale: self.direct.inv(),
+                    inv_scale: self.inv,
                     written: &self.written,
-                    finite: true,
+                    finite: D::Finite::default(),
                     index: 0,
-                    mismatch: None,
                 };
-                <K::Copy as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
-                    m: half,
-                    f: &mut mover,
-                })?;
-                let (seen, mismatch) = (mover.index, mover.mismatch.take());
-                finite &= mover.finite;
-                if let Some(e) = mismatch {
-                    return Err(e);
-                }
+                each_tensor::<H::Elem, D, K::Copy, _>(half, &mut mover, D::step_error)?;
+                let seen = mover.index;
                 if seen != self.master.len() {
                     return Err(count_mismatch(self.master.len(), seen));
                 }
+                finite &= D::verdict(mover.finite)?;
             }
             _ => {
                 // No half contribution: the gradients are plain f32 ones; still check them.
-                for ghost in self.master.iter() {
-                    finite &= all_finite_f32((ghost.get)(grads)?);
-                }
+                finite &= check_all::<H, D>(&self.master, grads)?;
             }
         }
-        self.pool.append(&mut half_grads);
+        if D::IN_PLACE {
+            self.pool.append(&mut half_grads);
+        }
         self.finish_backward()?;
         Ok(Some(finite))
     }
 
-    fn state(&self) -> &[Vec<f32>] {
-        &self.state
+    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
+        f(&self.state)
     }
 
     fn mapped(&self) -> bool {
         K::MAPPED
     }
 
-    fn check(&self, grads: &mut Gradients<f32, Cpu>) -> Result<bool, StepError> {
-        let mut finite = true;
-        for slot in self.master.iter() {
-            finite &= all_finite_f32((slot.get)(grads)?);
+    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
+        match grads.downcast_mut::<Gradients<f32, D>>() {
+            Some(grads) => check_all::<H, D>(&self.master, grads),
+            None => Ok(true),
         }
-        Ok(finite)
     }
 
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
+    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
+        f(self)
     }
 
     #[cfg(feature = "mpi")]
     fn master_slots(&self) -> &[MasterSlot] {
-        &self.master
+        let any: &dyn Any = &self.master;
+        any.downcast_ref::<Arc<[MasterSlot]>>()
+            .map_or(&[], |s| &s[..])
     }
 }
 
-/// Elements moved per chunk (widened, unscaled, added and checked while in cache).
-const CHUNK: usize = 1024;
-
-/// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
-/// whether `dst` is finite afterwards: each chunk is widened into a stack buffer, then added
-/// with the check folded in ([`add_scaled_checked`]), so `dst` is read once.
-fn add_unscaled<H: Precision>(src: &mut [H::Elem], inv_scale: f32, dst: &mut [f32]) -> bool {
-    let mut buf = [0.0f32; CHUNK];
-    let zero = H::Elem::default();
-    let mut finite = true;
-    for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-        let b = &mut buf[..s.len()];
-        H::widen(s, b);
-        finite &= add_scaled_checked(d, b, inv_scale);
-        s.fill(zero);
+/// Whether the master's gradients in `grads` are all finite (on the device; one verdict).
+pub(super) fn check_all<H: Precision, D: MixedDevice<H>>(
+    slots: &[MasterSlot<D>],
+    grads: &mut Gradients<f32, D>,
+) -> Result<bool, StepError> {
+    let mut finite = D::Finite::default();
+    for slot in slots {
+        D::check(slot, grads, &mut finite)?;
     }
-    // `dst` longer than `src` cannot happen (the lengths are checked before); its tail would
-    // still be checked here.
-    let tail = dst.get(src.len()..).unwrap_or(&[]);
-    finite && all_finite_f32(tail)
+    D::verdict(finite)
 }
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished
 /// backward) are added, unscaled, to the master's entry at the same position.
-struct Mover<'a, H: Precision>
-where
-    Cpu: Device<H::Elem>,
-{
-    half_grads: &'a mut [Gradients<H::Elem, Cpu>],
-    master_grads: &'a mut Gradients<f32, Cpu>,
-    master: &'a [MasterSlot],
+struct Mover<'a, H: Precision, D: MixedDevice<H>> {
+    half_grads: &'a mut [Gradients<H::Elem, D>],
+    master_grads: &'a mut Gradients<f32, D>,
+    master: &'a [MasterSlot<D>],
     inv_scale: f32,
     /// Positions a linked layer wrote directly: their half gradients are moved only when
     /// something else also added to them.
     written: &'a [bool],
-    finite: bool,
+    finite: D::Finite,
     index: usize,
-    mismatch: Option<StepError>,
 }
 
-impl<H: Precision> TensorVisitor<H::Elem, Cpu> for Mover<'_, H>
-where
-    Cpu: Device<H::Elem>,
-{
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = H::Elem;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
+impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for Mover<'_, H, D> {
+    type Error = StepError;
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, H::Elem, Cpu>,
-        t: &Tensor<S, H::Elem, Cpu>,
-    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
-        if !opts.do_gradient_update || self.mismatch.is_some() {
-            return Ok(None);
+        trainable: bool,
+        t: &Tensor<S, H::Elem, D>,
+    ) -> Result<(), StepError> {
+        if !trainable {
+            return Ok(());
         }
         let i = self.index;
         self.index += 1;
-        let Some(ghost) = self.master.get(i) else {
-            self.mismatch = Some(count_mismatch(self.master.len(), i + 1));
-            return Ok(None);
+        let Some(slot) = self.master.get(i) else {
+            return Err(count_mismatch(self.master.len(), i + 1));
         };
         let n = t.shape().num_elements();
-        let dst = (ghost.get)(self.master_grads)?;
-        if dst.len() != n {
-            self.mismatch = Some(len_mismatch(i, dst.len(), n));
-            return Ok(None);
+        if slot.len != n {
+            return Err(len_mismatch(i, slot.len, n));
         }
-        let mut finite = true;
         let direct = self.written.get(i).copied().unwrap_or(false);
         for g in self.half_grads.iter_mut() {
-            let src = grad_slice::<H::Elem>(g.get_or_alloc_mut(t)?);
-            if src.len() != n {
-                self.mismatch = Some(len_mismatch(i, n, src.len()));
-                return Ok(None);
-            }
-            if direct && all_zero(H::floats(src)) {
-                // written straight into `dst` (and checked there) by a linked layer
-                continue;
-            }
-            finite &= add_unscaled::<H>(src, self.inv_scale, dst);
+            D::accumulate(
+                g,
+                t,
+                slot,
+                i,
+                self.master_grads,
+                self.inv_scale,
+                direct,
+                &mut self.finite,
+            )?;
         }
-        self.finite &= finite;
-        Ok(None)
+        Ok(())
     }
 }
 
@@ -409,35 +450,29 @@ where
 struct ReadState<'a, H> {
     out: &'a mut [Vec<f32>],
     index: usize,
-    mismatch: Option<StepError>,
     marker: std::marker::PhantomData<H>,
 }
 
-impl<H: Precision> TensorVisitor<H::Elem, Cpu> for ReadState<'_, H>
-where
-    Cpu: Device<H::Elem>,
-{
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = H::Elem;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
+impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for ReadState<'_, H> {
+    type Error = StepError;
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, H::Elem, Cpu>,
-        t: &Tensor<S, H::Elem, Cpu>,
-    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CpuError> {
-        if opts.do_gradient_update || self.mismatch.is_some() {
-            return Ok(None);
+        trainable: bool,
+        t: &Tensor<S, H::Elem, D>,
+    ) -> Result<(), StepError> {
+        if trainable {
+            return Ok(());
         }
         let j = self.index;
         self.index += 1;
         let n = t.shape().num_elements();
         match self.out.get_mut(j) {
-            Some(dst) if dst.len() == n => H::widen(&t.as_vec(), dst),
-            Some(dst) => self.mismatch = Some(len_mismatch(j, dst.len(), n)),
-            None => self.mismatch = Some(count_mismatch(self.out.len(), j + 1)),
+            Some(dst) if dst.len() == n => {
+                H::widen(&t.as_vec(), dst);
+                Ok(())
+            }
+            Some(dst) => Err(len_mismatch(j, dst.len(), n)),
+            None => Err(count_mismatch(self.out.len(), j + 1)),
         }
-        Ok(None)
     }
 }
