@@ -52,6 +52,7 @@ mod leaf;
 mod module;
 mod tensor_io;
 
+pub(crate) use module::cast_by_position;
 pub(crate) use tensor_io::grad_slice;
 
 use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};

@@ -32,6 +32,15 @@ pub enum CastError {
         /// Elements in the destination tensor (0 when the destination has fewer tensors).
         dst: usize,
     },
+    /// The destination's tensor at `index` is trained (or not) where the source's is not (or
+    /// is): the two do not line up.
+    #[error(
+        "cast into another module: tensor #{index} is trained in one module and not in the other; the destination must hold the source's tensors in the same order"
+    )]
+    TrainableMismatch {
+        /// Position of the tensor in visit order.
+        index: usize,
+    },
     /// A module's `TensorCollection` impl did not build its output (a third-party impl that
     /// returns `None` for a field).
     #[error(
@@ -53,8 +62,8 @@ pub enum CastError {
 pub struct CastScratch {
     /// Every source value, as f32, in visit order.
     flat: Vec<f32>,
-    /// Element count of each source tensor, in visit order.
-    lens: Vec<usize>,
+    /// Element count and trainable flag of each source tensor, in visit order.
+    lens: Vec<(usize, bool)>,
     tmp32: Vec<f32>,
     tmp16: Vec<f16>,
 }
@@ -68,7 +77,7 @@ impl CastScratch {
     /// Bytes held by the buffers (their capacity).
     pub fn capacity_bytes(&self) -> usize {
         self.flat.capacity() * 4
-            + self.lens.capacity() * std::mem::size_of::<usize>()
+            + self.lens.capacity() * std::mem::size_of::<(usize, bool)>()
             + self.tmp32.capacity() * 4
             + self.tmp16.capacity() * 2
     }
@@ -184,7 +193,7 @@ where
 
     fn visit<S: Shape>(
         &mut self,
-        _: TensorOptions<S, E, Cpu>,
+        opts: TensorOptions<S, E, Cpu>,
         t: &Tensor<S, E, Cpu>,
     ) -> Result<Option<Tensor<S, E, Cpu>>, CastError> {
         let n = t.shape().num_elements();
@@ -194,7 +203,7 @@ where
         }
         read_tensor_f32(t, &mut self.s.flat[start..end], &mut self.s.tmp16);
         self.filled = end;
-        self.s.lens.push(n);
+        self.s.lens.push((n, opts.do_gradient_update));
         Ok(None)
     }
 }
@@ -217,17 +226,20 @@ where
 
     fn visit<S: Shape>(
         &mut self,
-        _: TensorOptions<S, P::Elem, Cpu>,
+        opts: TensorOptions<S, P::Elem, Cpu>,
         t: &mut Tensor<S, P::Elem, Cpu>,
     ) -> Result<Option<Tensor<S, P::Elem, Cpu>>, CastError> {
         let n = t.shape().num_elements();
-        let src = self.s.lens.get(self.index).copied().unwrap_or(0);
+        let (src, trainable) = self.s.lens.get(self.index).copied().unwrap_or((0, false));
         if src != n || self.index >= self.s.lens.len() {
             return Err(CastError::LengthMismatch {
                 index: self.index,
                 src,
                 dst: n,
             });
+        }
+        if trainable != opts.do_gradient_update {
+            return Err(CastError::TrainableMismatch { index: self.index });
         }
         let vals = &self.s.flat[self.offset..self.offset + n];
         write_tensor_from_f32::<P, S>(t, vals, &mut self.s.tmp32, &mut self.s.tmp16);
@@ -279,6 +291,24 @@ where
     M::To<P::Elem, Cpu>: TensorCollection<P::Elem, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
 {
+    cast_by_position::<P, E, M, M::To<P::Elem, Cpu>>(src, dst, scratch)
+}
+
+/// [`cast_module_into`] between any two modules that hold the same tensors in the same visit
+/// order (counts, element counts and trainable flags checked), whatever their types: the mixed
+/// step's working copy made of mpx's layers is cast from a master made of dfdx's this way.
+pub(crate) fn cast_by_position<P, E, M, W>(
+    src: &M,
+    dst: &mut W,
+    scratch: &mut CastScratch,
+) -> Result<(), CastError>
+where
+    P: Precision,
+    E: Precision<Elem = E> + Dtype,
+    M: TensorCollection<E, Cpu>,
+    W: TensorCollection<P::Elem, Cpu>,
+    Cpu: Device<E> + Device<P::Elem>,
+{
     scratch.lens.clear();
     M::iter_tensors(&mut RecursiveWalker {
         m: src,
@@ -293,14 +323,14 @@ where
         offset: 0,
         p: PhantomData,
     };
-    <M::To<P::Elem, Cpu> as TensorCollection<P::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
+    W::iter_tensors(&mut RecursiveWalker {
         m: dst,
         f: &mut scatter,
     })?;
-    if scatter.index != scatter.s.lens.len() {
+    if let Some(&(src, _)) = scatter.s.lens.get(scatter.index) {
         return Err(CastError::LengthMismatch {
             index: scatter.index,
-            src: scatter.s.lens[scatter.index],
+            src,
             dst: 0,
         });
     }
@@ -417,4 +447,39 @@ where
         m: module,
         f: &mut v,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use dfdx::nn::{DeviceBuildExt, builders};
+
+    use super::*;
+
+    /// Two modules of other types line up by position: element counts and trainable flags.
+    #[test]
+    fn a_cast_by_position_checks_what_is_trained() {
+        let dev = Cpu::default();
+        let bn = dev.build_module::<builders::BatchNorm1D<4>, f32>();
+        let mut scratch = CastScratch::default();
+        // scale, bias (trained), running mean and variance (not): 4 + 4 + 4 + 4
+        let mut norms =
+            dev.build_module::<(builders::LayerNorm1D<4>, builders::LayerNorm1D<4>), f16>();
+        let e = cast_by_position::<f16, f32, _, _>(&bn, &mut norms, &mut scratch).unwrap_err();
+        assert_eq!(e, CastError::TrainableMismatch { index: 2 });
+        // fewer tensors in the destination
+        let mut one = dev.build_module::<builders::LayerNorm1D<4>, f16>();
+        let e = cast_by_position::<f16, f32, _, _>(&bn, &mut one, &mut scratch).unwrap_err();
+        assert_eq!(
+            e,
+            CastError::LengthMismatch {
+                index: 2,
+                src: 4,
+                dst: 0
+            }
+        );
+        // the same layout: the values, rounded
+        let mut same = dev.build_module::<builders::BatchNorm1D<4>, f16>();
+        cast_by_position::<f16, f32, _, _>(&bn, &mut same, &mut scratch).unwrap();
+        assert_eq!(same.running_var.as_vec(), vec![f16::ONE; 4]);
+    }
 }

@@ -29,16 +29,13 @@ use dfdx::nn::modules::{
     SplitInto, Transformer as DfdxTransformer, TransformerDecoder as DfdxDecoder,
     TransformerDecoderBlock as DfdxDecoderBlock, TransformerEncoderBlock as DfdxEncoderBlock,
 };
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
-};
-use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, Tensor};
+use dfdx::nn::tensor_collection::TensorCollection;
+use dfdx::tensor::Cpu;
 use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
-use super::layout::{count_mismatch, len_mismatch};
 use crate::boundary::MasterModel;
+use crate::cast::{CastScratch, cast_by_position};
 use crate::precision::{AMP, Precision, f16};
 
 /// A master model whose working copy in precision `H` can be built from mpx's fused layers:
@@ -373,165 +370,26 @@ tuple!(A.0, B.1, C.2, D.3; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3);
 tuple!(A.0, B.1, C.2, D.3, G.4; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4);
 tuple!(A.0, B.1, C.2, D.3, G.4, J.5; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4, G.4 -> J.5);
 
-/// The reused buffers of the cast: the master's values in visit order, rounded, and the
-/// `(length, trainable)` of each master tensor.
-pub(crate) struct MapScratch<E> {
-    flat: Vec<f32>,
-    half: Vec<E>,
-    layout: Vec<(usize, bool)>,
-}
-
-impl<E> Default for MapScratch<E> {
-    fn default() -> Self {
-        Self {
-            flat: Vec::new(),
-            half: Vec::new(),
-            layout: Vec::new(),
-        }
-    }
-}
-
-/// The mapped working copy of `master`, built and cast the first time (`half` is `None`), cast
-/// in place after.
+/// The mapped working copy of `master`, built the first time (`half` is `None`), then cast from
+/// the master in place by position ([`cast_by_position`]: every count, length and trainable flag
+/// checked), with the settings that are not tensors copied and the `(Linear, ReLU)` pairs linked.
 pub(crate) fn refresh<H, M>(
     master: &M,
     half: Option<M::Working>,
-    scratch: &mut MapScratch<H::Elem>,
+    scratch: &mut CastScratch,
 ) -> Result<M::Working, StepError>
 where
     H: Precision,
     M: HalfLayers<H>,
     Cpu: Device<H::Elem>,
 {
-    let dev = flatten::<H, M>(master, scratch)?;
     let mut half = match half {
         Some(half) => half,
-        None => M::Working::try_build(&dev)?,
+        None => M::Working::try_build(&Cpu::default())?,
     };
-    let mut fill = Fill::<H::Elem> {
-        values: &scratch.half,
-        layout: &scratch.layout,
-        offset: 0,
-        index: 0,
-        mismatch: None,
-    };
-    <M::Working as TensorCollection<H::Elem, Cpu>>::iter_tensors(&mut RecursiveWalker {
-        m: &mut half,
-        f: &mut fill,
-    })?;
-    if let Some(e) = fill.mismatch {
-        return Err(e);
-    }
-    if fill.index != scratch.layout.len() {
-        return Err(count_mismatch(scratch.layout.len(), fill.index));
-    }
+    cast_by_position::<H, f32, M, M::Working>(master, &mut half, scratch)?;
     master.copy_scalars(&mut half);
     Ok(half)
-}
-
-/// Reads `master`'s tensors in visit order into `scratch.flat` and rounds them into
-/// `scratch.half`; returns the master's device.
-fn flatten<H, M>(master: &M, scratch: &mut MapScratch<H::Elem>) -> Result<Cpu, StepError>
-where
-    H: Precision,
-    M: MasterModel,
-    Cpu: Device<H::Elem>,
-{
-    scratch.layout.clear();
-    let mut read = Flatten {
-        flat: &mut scratch.flat,
-        layout: &mut scratch.layout,
-        offset: 0,
-        dev: None,
-    };
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut read,
-    })?;
-    let (n, dev) = (read.offset, read.dev.take());
-    scratch.flat.truncate(n);
-    scratch.half.resize(n, H::Elem::default());
-    H::round(&scratch.flat, &mut scratch.half);
-    Ok(dev.unwrap_or_default())
-}
-
-struct Flatten<'a> {
-    flat: &'a mut Vec<f32>,
-    layout: &'a mut Vec<(usize, bool)>,
-    offset: usize,
-    dev: Option<Cpu>,
-}
-
-impl TensorVisitor<f32, Cpu> for Flatten<'_> {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let n = t.shape().num_elements();
-        let end = self.offset + n;
-        if self.flat.len() < end {
-            self.flat.resize(end, 0.0);
-        }
-        t.copy_into(&mut self.flat[self.offset..end]);
-        self.offset = end;
-        self.layout.push((n, opts.do_gradient_update));
-        if self.dev.is_none() {
-            self.dev = Some(t.device().clone());
-        }
-        Ok(None)
-    }
-}
-
-struct Fill<'a, E> {
-    values: &'a [E],
-    layout: &'a [(usize, bool)],
-    offset: usize,
-    index: usize,
-    mismatch: Option<StepError>,
-}
-
-impl<E: dfdx::shapes::Dtype> TensorVisitor<E, Cpu> for Fill<'_, E>
-where
-    Cpu: Device<E>,
-{
-    type Viewer = ViewTensorMut;
-    type Err = CpuError;
-    type E2 = E;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        opts: TensorOptions<S, E, Cpu>,
-        t: &mut Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
-        if self.mismatch.is_some() {
-            return Ok(None);
-        }
-        let i = self.index;
-        self.index += 1;
-        let n = t.shape().num_elements();
-        match self.layout.get(i) {
-            Some(&(len, trainable)) if len == n && trainable == opts.do_gradient_update => {
-                t.copy_from(&self.values[self.offset..self.offset + n]);
-                self.offset += n;
-            }
-            Some(&(len, _)) if len != n => self.mismatch = Some(len_mismatch(i, len, n)),
-            Some(_) => {
-                self.mismatch = Some(StepError::WorkspaceMismatch {
-                    expected: format!("tensor #{i} trained as in the master"),
-                    found: "a tensor trained differently".into(),
-                });
-            }
-            None => self.mismatch = Some(count_mismatch(self.layout.len(), i + 1)),
-        }
-        Ok(None)
-    }
 }
 
 #[cfg(test)]
@@ -542,14 +400,19 @@ mod tests {
         BatchNorm1D, Dropout, DropoutOneIn, Embedding, LayerNorm1D, Linear, MultiHeadAttention,
         ReLU, Sigmoid, Tanh, TransformerEncoder, TransformerEncoderBlock,
     };
+    use dfdx::nn::tensor_collection::{
+        RecursiveWalker, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
+    };
     use dfdx::prelude::{DeviceBuildExt, Dtype, TensorFrom};
+    use dfdx::shapes::{HasShape, Shape};
+    use dfdx::tensor::{CpuError, Tensor};
 
     #[test]
     fn the_mapped_copy_holds_the_masters_values_rounded() {
         type Mlp = (builders::Linear<3, 4>, ReLU, builders::Linear<4, 2>, Tanh);
         let dev = Cpu::default();
         let master = dev.build_module::<Mlp, f32>();
-        let mut scratch = MapScratch::default();
+        let mut scratch = CastScratch::default();
         let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
         let round = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
         assert_eq!(w.0.weight.as_vec(), round(master.0.weight.as_vec()));
@@ -601,7 +464,7 @@ mod tests {
     fn scramble<M: TensorCollection<f32, Cpu>>(m: &mut M) {
         struct Scramble(usize);
         impl TensorVisitor<f32, Cpu> for Scramble {
-            type Viewer = dfdx::nn::tensor_collection::ViewTensorMut;
+            type Viewer = ViewTensorMut;
             type Err = CpuError;
             type E2 = f32;
             type D2 = Cpu;
@@ -638,7 +501,7 @@ mod tests {
         let dev = Cpu::seed_from_u64(7);
         let mut master = M::build(&dev);
         scramble(&mut master);
-        let w = refresh::<H, M>(&master, None, &mut MapScratch::default()).unwrap();
+        let w = refresh::<H, M>(&master, None, &mut CastScratch::default()).unwrap();
         let (layout, values) = walk::<f32, M>(&master);
         let (w_layout, w_values) = walk::<H::Elem, M::Working>(&w);
         assert!(!layout.is_empty(), "{what}: no tensors");
@@ -717,7 +580,7 @@ mod tests {
         let dev = Cpu::default();
         let mut master = dev.build_module::<builders::TransformerEncoder<8, 2, 16, 2>, f32>();
         master.modules[1].norm2.epsilon = 1e-3;
-        let mut scratch = MapScratch::default();
+        let mut scratch = CastScratch::default();
         let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
         assert_eq!(w.modules[1].norm2.epsilon, 1e-3);
         assert_eq!(w.modules[0].norm2.epsilon, 1e-5);
@@ -742,7 +605,7 @@ mod tests {
         let dev = Cpu::seed_from_u64(3);
         let mut master = dev.build_module::<Mlp, f32>();
         master.5.bias = dev.tensor([-0.5, 0.25]);
-        let w = refresh::<f16, _>(&master, None, &mut MapScratch::default()).unwrap();
+        let w = refresh::<f16, _>(&master, None, &mut CastScratch::default()).unwrap();
         // linked: the first pair only (the second ReLU follows a Tanh)
         assert_eq!(w.0.activation(), Activation::ReLU);
         assert_eq!(w.2.activation(), Activation::Identity);
@@ -768,7 +631,7 @@ mod tests {
         let mut master = dev.build_module::<Net, f32>();
         master.1.p = 0.25;
         master.2.momentum = 0.5;
-        let mut scratch = MapScratch::default();
+        let mut scratch = CastScratch::default();
         let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
         assert_eq!((w.1.p, w.2.momentum, w.2.epsilon), (0.25, 0.5, 1e-5));
         // a schedule that changes them between steps reaches the working copy

@@ -17,7 +17,7 @@ use super::half_region::Stash;
 use super::layout::{
     EachTensor, MasterSlot, WorkingCopy, count_mismatch, each_tensor, len_mismatch, master_layout,
 };
-use super::mapped::{HalfLayers, MapScratch};
+use super::mapped::HalfLayers;
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
 use crate::precision::Precision;
@@ -129,7 +129,7 @@ pub trait Kind<H: Precision, M: MasterModel<D>, D: MixedDevice<H>>: 'static {
     fn refresh(
         master: &M,
         half: Option<Self::Copy>,
-        scratch: &mut Scratch<H::Elem>,
+        scratch: &mut CastScratch,
     ) -> Result<Self::Copy, StepError>;
     /// Boxes the workspace for the scaler.
     fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
@@ -144,12 +144,6 @@ pub(crate) struct Same;
 /// The working copy is made of mpx's layers ([`HalfLayers::Working`]).
 pub(crate) struct Mapped;
 
-/// The reused buffers of both casts.
-pub struct Scratch<E> {
-    cast: CastScratch,
-    mapped: MapScratch<E>,
-}
-
 impl<H: Precision, D: MixedDevice<H>, M: MasterModel<D>> Kind<H, M, D> for Same
 where
     WorkingCopy<H, M, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
@@ -159,9 +153,9 @@ where
     fn refresh(
         master: &M,
         half: Option<Self::Copy>,
-        scratch: &mut Scratch<H::Elem>,
+        scratch: &mut CastScratch,
     ) -> Result<Self::Copy, StepError> {
-        D::refresh_same::<M>(master, half, &mut scratch.cast)
+        D::refresh_same::<M>(master, half, scratch)
     }
     fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
     where
@@ -180,9 +174,9 @@ where
     fn refresh(
         master: &M,
         half: Option<Self::Copy>,
-        scratch: &mut Scratch<H::Elem>,
+        scratch: &mut CastScratch,
     ) -> Result<Self::Copy, StepError> {
-        super::mapped::refresh::<H, M>(master, half, &mut scratch.mapped)
+        super::mapped::refresh::<H, M>(master, half, scratch)
     }
     fn hold(w: Working<H, M, Self, Cpu>) -> Box<dyn ErasedWorking>
     where
@@ -217,7 +211,7 @@ pub struct Working<H: Precision, M: MasterModel<D>, K: Kind<H, M, D>, D: MixedDe
     pub(crate) inv: f32,
     /// The positions the linked layers wrote in the last backward (reused buffer).
     written: Vec<bool>,
-    scratch: Scratch<H::Elem>,
+    scratch: CastScratch,
     /// Non-parameter tensors (batch-norm statistics) of the working copy, widened; every one is
     /// written back on an applied step.
     state: Vec<Vec<f32>>,
@@ -244,10 +238,7 @@ where
             inv: 1.0,
             written: Vec::new(),
             master: slots,
-            scratch: Scratch {
-                cast: CastScratch::default(),
-                mapped: MapScratch::default(),
-            },
+            scratch: CastScratch::default(),
             state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
             marker: PhantomData,
         })
