@@ -1,76 +1,35 @@
 //! Whole-model collectives: start every rank from the same master, check that they still agree.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
-};
-use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, Tensor};
+use dfdx::nn::tensor_collection::TensorCollection;
+use dfdx::tensor::Cpu;
 use mpi::traits::{Communicator, Root};
 
 use super::{DistributedError, Reducer, hash_words};
+use crate::cast::{module_visit_float_bits, module_visit_floats_mut};
+use crate::precision::{FloatSlice, FloatSliceMut};
 
-/// Appends every tensor of a model (trainable or not, in visit order) to `flat`, and its
-/// length to `lens`.
-struct Pack<'a> {
-    flat: &'a mut Vec<f32>,
-    lens: &'a mut Vec<u64>,
-}
-
-impl TensorVisitor<f32, Cpu> for Pack<'_> {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, f32, Cpu>,
-        t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let n = t.shape().num_elements();
-        let at = self.flat.len();
-        self.flat.resize(at + n, 0.0);
-        t.copy_into(&mut self.flat[at..]);
-        self.lens.push(n as u64);
-        Ok(None)
-    }
-}
-
-/// Writes `flat` back into the model's tensors, in visit order.
-struct Unpack<'a> {
-    flat: &'a [f32],
-    at: usize,
-}
-
-impl TensorVisitor<f32, Cpu> for Unpack<'_> {
-    type Viewer = ViewTensorMut;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
-
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, f32, Cpu>,
-        t: &mut Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-        let n = t.shape().num_elements();
-        t.copy_from(&self.flat[self.at..self.at + n]);
-        self.at += n;
-        Ok(None)
-    }
-}
-
-/// A model's tensors, flat, and their lengths.
-fn pack<M: TensorCollection<f32, Cpu>>(model: &M) -> Result<(Vec<f32>, Vec<u64>), CpuError> {
+/// A model's tensors (trainable or not, in visit order), flat, and their lengths.
+fn pack<M: TensorCollection<f32, Cpu>>(model: &M) -> (Vec<f32>, Vec<u64>) {
     let (mut flat, mut lens) = (Vec::new(), Vec::new());
-    M::iter_tensors(&mut RecursiveWalker {
-        m: model,
-        f: &mut Pack {
-            flat: &mut flat,
-            lens: &mut lens,
-        },
-    })?;
-    Ok((flat, lens))
+    module_visit_float_bits::<f32, M>(model, &mut |v| {
+        if let FloatSlice::F32(v) = v {
+            flat.extend_from_slice(v);
+            lens.push(v.len() as u64);
+        }
+        true
+    });
+    (flat, lens)
+}
+
+/// Writes `flat` (as [`pack`] read it) back into the model's tensors, in visit order.
+fn unpack<M: TensorCollection<f32, Cpu>>(model: &mut M, flat: &[f32]) {
+    let mut at = 0;
+    module_visit_floats_mut::<f32, M>(model, &mut |s| {
+        if let FloatSliceMut::F32(v) = s {
+            v.copy_from_slice(&flat[at..at + v.len()]);
+            at += v.len();
+        }
+    });
 }
 
 impl Reducer {
@@ -106,7 +65,7 @@ impl Reducer {
                 size: self.size,
             });
         }
-        let (mut flat, lens) = pack(model)?;
+        let (mut flat, lens) = pack(model);
         let layout = hash_words(std::iter::once(lens.len() as u64).chain(lens.iter().copied()));
         if !self.agree(layout, 0, true).0 {
             return Err(DistributedError::LayoutMismatch {
@@ -118,10 +77,7 @@ impl Reducer {
         self.comm
             .process_at_rank(root as i32)
             .broadcast_into(&mut flat[..]);
-        M::iter_tensors(&mut RecursiveWalker {
-            m: model,
-            f: &mut Unpack { flat: &flat, at: 0 },
-        })?;
+        unpack(model, &flat);
         Ok(())
     }
 
@@ -137,7 +93,7 @@ impl Reducer {
         &mut self,
         model: &M,
     ) -> Result<bool, DistributedError> {
-        let (flat, lens) = pack(model)?;
+        let (flat, lens) = pack(model);
         let h = hash_words(
             lens.iter()
                 .copied()

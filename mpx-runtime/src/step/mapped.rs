@@ -400,12 +400,11 @@ mod tests {
         BatchNorm1D, Dropout, DropoutOneIn, Embedding, LayerNorm1D, Linear, MultiHeadAttention,
         ReLU, Sigmoid, Tanh, TransformerEncoder, TransformerEncoderBlock,
     };
-    use dfdx::nn::tensor_collection::{
-        RecursiveWalker, TensorOptions, TensorVisitor, ViewTensorMut, ViewTensorRef,
-    };
     use dfdx::prelude::{DeviceBuildExt, Dtype, TensorFrom};
     use dfdx::shapes::{HasShape, Shape};
     use dfdx::tensor::{CpuError, Tensor};
+
+    use crate::step::layout::{EachTensor, each_tensor};
 
     #[test]
     fn the_mapped_copy_holds_the_masters_values_rounded() {
@@ -433,61 +432,41 @@ mod tests {
         Cpu: Device<E>,
     {
         struct Walk(Vec<(usize, bool)>, Vec<f32>);
-        impl<E: Dtype> TensorVisitor<E, Cpu> for Walk
+        impl<E: Dtype> EachTensor<E, Cpu> for Walk
         where
             Cpu: Device<E>,
         {
-            type Viewer = ViewTensorRef;
-            type Err = CpuError;
-            type E2 = E;
-            type D2 = Cpu;
-            fn visit<S: Shape>(
+            type Error = CpuError;
+            fn tensor<S: Shape>(
                 &mut self,
-                opts: TensorOptions<S, E, Cpu>,
+                trainable: bool,
                 t: &Tensor<S, E, Cpu>,
-            ) -> Result<Option<Tensor<S, E, Cpu>>, CpuError> {
-                self.0
-                    .push((t.shape().num_elements(), opts.do_gradient_update));
-                let v = t.as_vec();
+            ) -> Result<(), CpuError> {
+                self.0.push((t.shape().num_elements(), trainable));
                 self.1
-                    .extend(v.iter().map(|x| x.to_f32().unwrap_or(f32::NAN)));
-                Ok(None)
+                    .extend(t.as_vec().iter().map(|x| x.to_f32().unwrap_or(f32::NAN)));
+                Ok(())
             }
         }
         let mut w = Walk(Vec::new(), Vec::new());
-        M::iter_tensors(&mut RecursiveWalker { m, f: &mut w }).unwrap();
+        each_tensor(m, &mut w, std::convert::identity).unwrap();
         (w.0, w.1)
     }
 
     /// Fills every tensor of `m` with distinct values (so that a layer norm's ones and zeros
     /// cannot hide a swap).
     fn scramble<M: TensorCollection<f32, Cpu>>(m: &mut M) {
-        struct Scramble(usize);
-        impl TensorVisitor<f32, Cpu> for Scramble {
-            type Viewer = ViewTensorMut;
-            type Err = CpuError;
-            type E2 = f32;
-            type D2 = Cpu;
-            fn visit<S: Shape>(
-                &mut self,
-                _: TensorOptions<S, f32, Cpu>,
-                t: &mut Tensor<S, f32, Cpu>,
-            ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
-                let n = t.shape().num_elements();
-                #[allow(clippy::cast_precision_loss)]
-                let v: Vec<f32> = (self.0..self.0 + n)
-                    .map(|i| ((i as f32) * 0.618_034).sin() * 1.7)
-                    .collect();
-                self.0 += n;
-                t.copy_from(&v);
-                Ok(None)
+        let mut at = 1usize;
+        crate::cast::module_visit_floats_mut::<f32, M>(m, &mut |s| {
+            if let crate::precision::FloatSliceMut::F32(v) = s {
+                for x in v.iter_mut() {
+                    #[allow(clippy::cast_precision_loss)]
+                    let i = at as f32;
+                    *x = (i * 0.618_034).sin() * 1.7;
+                    at += 1;
+                }
             }
-        }
-        M::iter_tensors(&mut RecursiveWalker {
-            m,
-            f: &mut Scramble(1),
-        })
-        .unwrap();
+        });
     }
 
     /// `M`'s mapped working copy in `H` visits the master's tensors in order, with the same
