@@ -7,7 +7,7 @@ use std::cell::Cell;
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, Tensor, TensorFromVec};
 
-use super::tensor_io::{read_tensor_bits, read_tensor_f32, stores_itself, update_tensor};
+use super::tensor_io::{read_tensor_bits, read_tensor_f32, update_tensor};
 use super::{Cast, FloatLeaves, FloatSliceMut};
 use crate::precision::{AMP, FloatSlice, Precision, f16, sized};
 
@@ -30,7 +30,8 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<f32>, &mut Vec<f16>) -> R)
 pub(crate) fn cast_tensor<P: Precision, E: Precision<Elem = E> + Dtype, S: Shape>(
     t: &Tensor<S, E, Cpu>,
 ) -> Tensor<S, P::Elem, Cpu> {
-    if stores_itself::<P>()
+    // already in `P` (the same precision, so the same element type): share it
+    if P::DTYPE == E::DTYPE
         && let Some(same) = (t as &dyn Any).downcast_ref::<Tensor<S, P::Elem, Cpu>>()
     {
         return same.clone();

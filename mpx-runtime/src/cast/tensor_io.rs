@@ -33,12 +33,6 @@ fn make_contiguous<S: Shape, E: dfdx::shapes::Dtype>(t: &mut Tensor<S, E, Cpu>) 
     *t = c;
 }
 
-/// `true` when `P` stores itself (f32, f16, `AMP<f16>`; not the emulated bf16, whose storage
-/// type differs from the precision): casting a `P::Elem` tensor to `P` then changes nothing.
-pub(crate) fn stores_itself<P: Precision>() -> bool {
-    std::any::TypeId::of::<P>() == std::any::TypeId::of::<P::Elem>()
-}
-
 /// Reads a CPU tensor's values, in logical order, into `dst` as f32 (exact widening).
 /// `dst.len()` must be the tensor's element count. An f32 tensor is copied straight into `dst`;
 /// `tmp16` is the scratch for 16-bit elements.
@@ -48,7 +42,9 @@ pub(crate) fn read_tensor_f32<E: Precision<Elem = E> + Dtype, S: Shape>(
     tmp16: &mut Vec<f16>,
 ) {
     let t = contiguous(t);
-    if let Some(t32) = (&t as &dyn Any).downcast_ref::<Tensor<S, f32, Cpu>>() {
+    if E::IDENTITY
+        && let Some(t32) = (&t as &dyn Any).downcast_ref::<Tensor<S, f32, Cpu>>()
+    {
         t32.copy_into(dst);
     } else {
         // Only 16-bit elements get here: their scratch is `tmp16` (`unused` allocates nothing).
