@@ -139,7 +139,7 @@ fn float_leaves_visit_tensors_in_order_and_write_back() {
     let labels: Tensor<Rank1<2>, usize, _> = dev.tensor([1, 2]);
     let mut tree = (a, labels, b, vec![4.0f32]);
     let mut lens = Vec::new();
-    assert!(tree.visit_float_bits(&mut |bits| {
+    assert!(tree.visit_floats(&mut |bits| {
         lens.push(match bits {
             FloatSlice::F32(v) | FloatSlice::Bf16(v) => (32, v.len()),
             FloatSlice::F16(v) => (16, v.len()),
@@ -159,7 +159,7 @@ fn float_leaves_visit_tensors_in_order_and_write_back() {
     assert_eq!(tree.1.array(), [1, 2]);
     // early stop
     let mut calls = 0;
-    assert!(!tree.visit_float_bits(&mut |_| {
+    assert!(!tree.visit_floats(&mut |_| {
         calls += 1;
         false
     }));
@@ -243,7 +243,7 @@ fn derived_batch_casts_float_fields_and_leaves_the_rest() {
     );
     // the derived FloatLeaves visits x and extras, not the labels
     let mut seen = Vec::new();
-    h.visit_float_bits(&mut |bits| {
+    h.visit_floats(&mut |bits| {
         seen.push(match bits {
             FloatSlice::F16(v) => v.len(),
             FloatSlice::F32(v) | FloatSlice::Bf16(v) => v.len() + 1000,
@@ -307,7 +307,7 @@ fn batch_norm_running_stats_are_float_leaves_and_scalars_survive() {
     assert_eq!(h.running_mean.array(), [0.1, 0.2, 0.3].map(f16::from_f32));
     assert_eq!(h.momentum, 0.25);
     let mut count = 0;
-    h.visit_float_bits(&mut |_| {
+    h.visit_floats(&mut |_| {
         count += 1;
         true
     });

@@ -31,7 +31,7 @@ fn batches(dev: &Cpu, d: &Digits) -> Vec<(Images, Labels)> {
 /// Every parameter value of the model, in visiting order.
 fn values(m: &DigitsVit<f32, Cpu>) -> Vec<f32> {
     let mut out = Vec::new();
-    mpx::cast::module_visit_float_bits::<f32, _>(m, &mut |bits| {
+    mpx::cast::module_visit_floats::<f32, _>(m, &mut |bits| {
         if let mpx::precision::FloatSlice::F32(v) = bits {
             out.extend_from_slice(v);
         }

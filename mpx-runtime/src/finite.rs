@@ -165,7 +165,7 @@ pub fn all_finite_slice<E: Precision<Elem = E>>(values: &[E]) -> bool {
 /// assert!(all_finite(&())); // no float leaves: finite
 /// ```
 pub fn all_finite<T: FloatLeaves + ?Sized>(tree: &T) -> bool {
-    tree.visit_float_bits(&mut |values| floats_finite(values))
+    tree.visit_floats(&mut |values| floats_finite(values))
 }
 
 /// Fused unscale and check: writes `src[i] * inv_scale` (computed in f32, after widening `src`

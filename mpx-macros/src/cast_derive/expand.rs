@@ -164,11 +164,11 @@ pub(super) fn expand(plan: &Plan) -> TokenStream {
         where
             #(#leaf_preds,)*
         {
-            fn visit_float_bits(
+            fn visit_floats(
                 &self,
                 visit: &mut dyn ::core::ops::FnMut(#rt::precision::FloatSlice<'_>) -> bool,
             ) -> bool {
-                true #(&& #rt::cast::FloatLeaves::visit_float_bits(&self.#members, visit))*
+                true #(&& #rt::cast::FloatLeaves::visit_floats(&self.#members, visit))*
             }
             fn visit_floats_mut(
                 &mut self,

@@ -51,11 +51,8 @@ fn single_type_parameter_is_the_dtype() {
         "{out}"
     );
     assert!(!out.contains("String : :: mpx"), "{out}");
-    assert!(!out.contains("visit_float_bits (& self . name"), "{out}");
-    assert!(
-        out.contains("visit_float_bits (& self . x , visit)"),
-        "{out}"
-    );
+    assert!(!out.contains("visit_floats (& self . name"), "{out}");
+    assert!(out.contains("visit_floats (& self . x , visit)"), "{out}");
 }
 
 #[test]

@@ -14,8 +14,8 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Vec<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Vec<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.iter().all(|x| x.visit_float_bits(visit))
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.iter().all(|x| x.visit_floats(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         for x in self.iter_mut() {
@@ -31,8 +31,8 @@ impl<P: Precision, T: Cast<P>, const N: usize> Cast<P> for [T; N] {
     }
 }
 impl<T: FloatLeaves, const N: usize> FloatLeaves for [T; N] {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.iter().all(|x| x.visit_float_bits(visit))
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.iter().all(|x| x.visit_floats(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         for x in self.iter_mut() {
@@ -48,8 +48,8 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Option<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Option<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.as_ref().is_none_or(|x| x.visit_float_bits(visit))
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.as_ref().is_none_or(|x| x.visit_floats(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         if let Some(x) = self {
@@ -65,8 +65,8 @@ impl<P: Precision, T: Cast<P>> Cast<P> for Box<T> {
     }
 }
 impl<T: FloatLeaves> FloatLeaves for Box<T> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        (**self).visit_float_bits(visit)
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        (**self).visit_floats(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         (**self).visit_floats_mut(visit);
@@ -86,8 +86,8 @@ impl<P: Precision, K: Clone + Eq + Hash, V: Cast<P>, St: BuildHasher + Clone> Ca
 /// Map values are visited in the map's iteration order, which for `HashMap` is fixed for a given
 /// map but not across maps: prefer `BTreeMap` where two trees must line up leaf by leaf.
 impl<K, V: FloatLeaves, St> FloatLeaves for HashMap<K, V, St> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.values().all(|x| x.visit_float_bits(visit))
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.values().all(|x| x.visit_floats(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         for x in self.values_mut() {
@@ -103,8 +103,8 @@ impl<P: Precision, K: Clone + Ord, V: Cast<P>> Cast<P> for BTreeMap<K, V> {
     }
 }
 impl<K, V: FloatLeaves> FloatLeaves for BTreeMap<K, V> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.values().all(|x| x.visit_float_bits(visit))
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.values().all(|x| x.visit_floats(visit))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         for x in self.values_mut() {
@@ -122,8 +122,8 @@ macro_rules! tuple {
             }
         }
         impl<$($t: FloatLeaves),+> FloatLeaves for ($($t,)+) {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-                $(self.$i.visit_float_bits(visit))&&+
+            fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+                $(self.$i.visit_floats(visit))&&+
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
                 $(self.$i.visit_floats_mut(visit);)+
@@ -158,7 +158,7 @@ impl<P: Precision, T: Cast<P>> Cast<P> for std::marker::PhantomData<T> {
     }
 }
 impl<T> FloatLeaves for std::marker::PhantomData<T> {
-    fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+    fn visit_floats(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         true
     }
     fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

@@ -46,8 +46,8 @@ macro_rules! leaky_for {
             }
         }
         impl FloatLeaves for LeakyReLU<$e> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-                self.0.visit_float_bits(visit)
+            fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+                self.0.visit_floats(visit)
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
                 self.0.visit_floats_mut(visit)
@@ -67,8 +67,8 @@ macro_rules! wrapper {
             }
         }
         impl<$($g: FloatLeaves),*> FloatLeaves for $name<$($g),*> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-                true $(&& self.$f.visit_float_bits(visit))*
+            fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+                true $(&& self.$f.visit_floats(visit))*
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
                 $(self.$f.visit_floats_mut(visit);)*
@@ -90,8 +90,8 @@ impl<P: Precision, T: Cast<P>, const N: usize> Cast<P> for Repeated<T, N> {
     }
 }
 impl<T: FloatLeaves, const N: usize> FloatLeaves for Repeated<T, N> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-        self.modules.visit_float_bits(visit)
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+        self.modules.visit_floats(visit)
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
         self.modules.visit_floats_mut(visit);
@@ -108,7 +108,7 @@ macro_rules! no_leaves {
             }
         }
         impl<$(const $c: usize)?> FloatLeaves for $name$(<$c>)? {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+            fn visit_floats(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

@@ -56,7 +56,7 @@ macro_rules! float_tensor {
         }
 
         impl<S: Shape> FloatLeaves for Tensor<S, $e, Cpu> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+            fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 with_scratch(|a, b| visit(read_tensor_bits(self, a, b)))
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -78,7 +78,7 @@ macro_rules! untouched_tensor {
         }
 
         impl<S: Shape> FloatLeaves for Tensor<S, $e, Cpu> {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+            fn visit_floats(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}
@@ -117,7 +117,7 @@ impl<P: Precision> Cast<P> for AMP<f16> {
 }
 
 impl FloatLeaves for f32 {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         visit(<f32 as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -125,7 +125,7 @@ impl FloatLeaves for f32 {
     }
 }
 impl FloatLeaves for f16 {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         visit(<f16 as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -133,7 +133,7 @@ impl FloatLeaves for f16 {
     }
 }
 impl FloatLeaves for AMP<f16> {
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
         visit(<AMP<f16> as Precision>::floats(std::slice::from_ref(self)))
     }
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
@@ -152,7 +152,7 @@ macro_rules! untouched_value {
             }
         }
         impl FloatLeaves for $t {
-            fn visit_float_bits(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+            fn visit_floats(&self, _: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
                 true
             }
             fn visit_floats_mut(&mut self, _: &mut dyn FnMut(FloatSliceMut<'_>)) {}

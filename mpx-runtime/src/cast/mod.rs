@@ -62,7 +62,7 @@ use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};
 pub use crate::precision::FloatSliceMut;
 
 pub use module::{
-    CastError, CastScratch, cast_module, cast_module_into, module_visit_float_bits,
+    CastError, CastScratch, cast_module, cast_module_into, module_visit_floats,
     module_visit_floats_mut, try_cast_module,
 };
 
@@ -96,11 +96,11 @@ macro_rules! cast_by_fields_of {
             }
         }
         impl<$(const $c: usize),*> $crate::cast::FloatLeaves for $name<$($c,)* $e, ::dfdx::tensor::Cpu> {
-            fn visit_float_bits(
+            fn visit_floats(
                 &self,
                 visit: &mut dyn FnMut($crate::precision::FloatSlice<'_>) -> bool,
             ) -> bool {
-                true $(&& $crate::cast::FloatLeaves::visit_float_bits(&self.$f, visit))*
+                true $(&& $crate::cast::FloatLeaves::visit_floats(&self.$f, visit))*
             }
             fn visit_floats_mut(
                 &mut self,
@@ -131,9 +131,9 @@ pub trait Cast<P: Precision> {
 /// Visits the floating-point leaves of a tree in place: the basis of [`crate::finite::all_finite`]
 /// and of unscaling. Implemented wherever [`Cast`] is.
 pub trait FloatLeaves {
-    /// Calls `visit` with the bits of every float leaf, in a fixed order, until it returns `false`.
+    /// Calls `visit` with the values of every float leaf, in a fixed order, until it returns `false`.
     /// Returns `false` if a call returned `false`.
-    fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool;
+    fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool;
     /// Calls `visit` with every float leaf's values, mutably, in the same order.
     fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>));
 }

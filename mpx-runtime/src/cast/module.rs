@@ -339,7 +339,7 @@ where
 
 // ---- float leaves of modules -------------------------------------------------------------------
 
-struct BitsVisitor<'a, 'v> {
+struct FloatsVisitor<'a, 'v> {
     visit: &'a mut dyn FnMut(FloatSlice<'_>) -> bool,
     p: PhantomData<&'v ()>,
 }
@@ -347,7 +347,7 @@ struct BitsVisitor<'a, 'v> {
 /// Stops a walk early (not an error).
 struct Stop;
 
-impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for BitsVisitor<'_, '_>
+impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for FloatsVisitor<'_, '_>
 where
     Cpu: Device<E>,
 {
@@ -389,29 +389,26 @@ where
     }
 }
 
-/// [`super::FloatLeaves::visit_float_bits`] for any dfdx module: visits the bits of every tensor
+/// [`super::FloatLeaves::visit_floats`] for any dfdx module: visits the values of every tensor
 /// in `TensorCollection` order, stopping when `visit` returns `false`.
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
-/// use mpx_runtime::cast::module_visit_float_bits;
+/// use mpx_runtime::cast::module_visit_floats;
 /// let dev = Cpu::default();
 /// let m = dev.build_module::<Linear<3, 2>, f32>();
 /// let mut n = 0;
-/// assert!(module_visit_float_bits::<f32, _>(&m, &mut |v| { n += v.len(); true }));
+/// assert!(module_visit_floats::<f32, _>(&m, &mut |v| { n += v.len(); true }));
 /// assert_eq!(n, 3 * 2 + 2);
 /// ```
-pub fn module_visit_float_bits<E, M>(
-    module: &M,
-    visit: &mut dyn FnMut(FloatSlice<'_>) -> bool,
-) -> bool
+pub fn module_visit_floats<E, M>(module: &M, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool
 where
     E: Precision<Elem = E> + Dtype,
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E>,
 {
-    let mut v = BitsVisitor {
+    let mut v = FloatsVisitor {
         visit,
         p: PhantomData,
     };

@@ -5,13 +5,13 @@ use dfdx::tensor::Cpu;
 use mpi::traits::{Communicator, Root};
 
 use super::{DistributedError, Reducer, hash_words};
-use crate::cast::{module_visit_float_bits, module_visit_floats_mut};
+use crate::cast::{module_visit_floats, module_visit_floats_mut};
 use crate::precision::{FloatSlice, FloatSliceMut};
 
 /// A model's tensors (trainable or not, in visit order), flat, and their lengths.
 fn pack<M: TensorCollection<f32, Cpu>>(model: &M) -> (Vec<f32>, Vec<u64>) {
     let (mut flat, mut lens) = (Vec::new(), Vec::new());
-    module_visit_float_bits::<f32, M>(model, &mut |v| {
+    module_visit_floats::<f32, M>(model, &mut |v| {
         if let FloatSlice::F32(v) = v {
             flat.extend_from_slice(v);
             lens.push(v.len() as u64);

@@ -403,8 +403,8 @@ macro_rules! cast_for {
             }
         }
         impl<const I: usize, const O: usize, A> FloatLeaves for FusedLinear<I, O, $e, Cpu, A> {
-            fn visit_float_bits(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
-                self.weight.visit_float_bits(visit) && self.bias.visit_float_bits(visit)
+            fn visit_floats(&self, visit: &mut dyn FnMut(FloatSlice<'_>) -> bool) -> bool {
+                self.weight.visit_floats(visit) && self.bias.visit_floats(visit)
             }
             fn visit_floats_mut(&mut self, visit: &mut dyn FnMut(FloatSliceMut<'_>)) {
                 self.weight.visit_floats_mut(visit);
