@@ -1,5 +1,6 @@
 //! Packing of operand blocks into the micro-panels a micro-kernel reads: `mr` rows of A or `nr`
-//! columns of B per panel, k-major, zero-padded. Safe Rust; the layouts with one contiguous
+//! columns of B per panel, k-major, zero-padded (where the panels of one product lie and which
+//! thread packs which: `packs.rs`). Safe Rust; the layouts with one contiguous
 //! direction (every operand of a Linear layer) copy or scatter along it without per-element
 //! index arithmetic.
 
@@ -15,6 +16,8 @@ pub(crate) trait PackElem: Copy + Default {
 }
 
 impl PackElem for u16 {}
+
+impl PackElem for u32 {}
 
 impl PackElem for f32 {
     fn pack_k_contiguous(panel: &mut [f32], at: &Lines<'_, f32>, width: usize) -> bool {

@@ -393,6 +393,18 @@ fn any_thread_count_gives_the_same_bits_as_one() {
 }
 
 #[test]
+fn long_products_are_packed_in_groups_of_whole_k_blocks() {
+    // the shapes the bit-for-bit tests use to cover more than one group
+    assert_eq!(driver::k_group(256, 32 + 704, 3200), 2816);
+    // bf16: two values of k to an element, so half the lines count
+    assert_eq!(driver::k_group(256, 88 / 2, 50_000), 47_616);
+    // a short product in one group; a huge one still a whole k block at a time
+    assert_eq!(driver::k_group(256, 1024 + 1024, 1024), 1024);
+    assert_eq!(driver::k_group(256, 1024 + 1024, 100), 256);
+    assert_eq!(driver::k_group(256, 1 << 20, 5000), 256);
+}
+
+#[test]
 fn the_grid_covers_every_element_once_and_splits_large_products() {
     for (m, n) in [
         (1, 1),
@@ -899,6 +911,8 @@ fn bf16_gemm_matches_the_scalar_model_bit_for_bit_and_f64_within_its_bound() {
         (37, 70, 300, 1),
         (16, 40, 513, 3),
         (150, 300, 100, 2),
+        // packed in two groups of k blocks
+        (24, 40, 50_000, 2),
     ] {
         let (av, bv) = (f32s(m * k, 51), f32s(k * n, 52));
         let init = values(m * n, 53);
@@ -968,6 +982,8 @@ fn the_calibrated_candidates_compute_the_same_bits() {
         (6, 16, 1),
         (130, 33, 600),
         (150, 300, 100),
+        // packed in two groups of k blocks (the strided AVX2 path packs per block)
+        (32, 700, 3200),
     ] {
         let (a, b) = (values(m * k, 71), values(k * n, 72));
         let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
