@@ -609,28 +609,46 @@ fn overwriting_c_gives_plus_zero_as_zeroing_and_adding_does() {
 
 #[test]
 fn packing_a_k_contiguous_operand_matches_the_definition() {
-    // B stored transposed (k contiguous, as Wᵀ): panels of 16 columns take the AVX transpose,
-    // the last, partial one the generic loop; kc with and without a remainder of 8
-    let (k, n) = (300, 45);
+    // B stored transposed (k contiguous, as Wᵀ): full panels of 8, 16 or 32 columns (the kernels'
+    // widths) take the AVX transpose, the last, partial one the generic loop; kc with and without
+    // a remainder of 8. A with k contiguous (row-major) packs the same way.
+    let (k, n) = (300, 75);
     let w = values(n * k, 41); // W: n x k row-major; B = Wᵀ, B(p, j) = w[j * k + p]
     let src = pack::Src {
         data: &w[..],
         rs: 1,
         cs: k,
     };
-    for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
-        for (jc, nc) in [(0usize, 45usize), (16, 16), (3, 40)] {
-            let mut got = vec![f32::NAN; nc.div_ceil(16) * 16 * kc];
-            pack::pack_b(&mut got, src, (pc, kc), (jc, nc), 16);
-            for (idx, v) in got.iter().enumerate() {
-                let (jp, p, j) = (idx / (16 * kc), idx % (16 * kc) / 16, idx % 16);
-                let col = jp * 16 + j;
-                let want = if col < nc {
-                    w[(jc + col) * k + pc + p]
-                } else {
-                    0.0
-                };
-                assert_eq!(v.to_bits(), want.to_bits(), "kc {kc} nc {nc} at {idx}");
+    let a = pack::Src {
+        data: &w[..],
+        rs: k,
+        cs: 1,
+    };
+    for width in [8, 16, 32] {
+        for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
+            for (jc, nc) in [(0usize, 75usize), (16, 16), (3, 40), (0, 64)] {
+                let mut got = vec![f32::NAN; nc.div_ceil(width) * width * kc];
+                pack::pack_b(&mut got, src, (pc, kc), (jc, nc), width);
+                let mut got_a = vec![f32::NAN; got.len()];
+                pack::pack_a(&mut got_a, a, (jc, nc), (pc, kc), width);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    got_a.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                for (idx, v) in got.iter().enumerate() {
+                    let (jp, p, j) = (idx / (width * kc), idx % (width * kc) / width, idx % width);
+                    let col = jp * width + j;
+                    let want = if col < nc {
+                        w[(jc + col) * k + pc + p]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "width {width} kc {kc} nc {nc} at {idx}"
+                    );
+                }
             }
         }
     }
