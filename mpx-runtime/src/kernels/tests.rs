@@ -762,6 +762,46 @@ fn bf16_bits_with(n: usize, seed: u64, one_in: u64) -> Vec<u32> {
 }
 
 #[test]
+fn bf16_pairs_round_every_value_as_the_scalar_definition() {
+    // f32 patterns around every bf16 rounding case: bf16 patterns (specials, subnormals, NaNs
+    // with payloads) with low halves that are ties, exact, or arbitrary
+    let hi = bf16_bits(4096, 81);
+    let lo = bf16_bits(4096, 82);
+    let vals: Vec<f32> = hi
+        .iter()
+        .zip(&lo)
+        .enumerate()
+        .map(|(i, (&h, &l))| {
+            let low = match i % 4 {
+                0 => 0x8000,
+                1 => 0,
+                2 => 0x7fff,
+                _ => l,
+            };
+            f32::from_bits((h << 16) | low)
+        })
+        .collect();
+    for width in [8, 32, 6] {
+        for kc in [1, 2, 7, 64] {
+            for panel in vals.chunks_exact(width * kc).take(4) {
+                let mut got = vec![u32::MAX; kc.div_ceil(2) * width];
+                bf16::to_pairs(panel, kc, width, &mut got);
+                for (idx, &w) in got.iter().enumerate() {
+                    let (q, l) = (idx / width, idx % width);
+                    let even = bf16::bf16_bits(panel[2 * q * width + l]);
+                    let odd = if 2 * q + 1 < kc {
+                        bf16::bf16_bits(panel[(2 * q + 1) * width + l])
+                    } else {
+                        0
+                    };
+                    assert_eq!(w, even | (odd << 16), "width {width} kc {kc} at {idx}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn vdpbf16ps_matches_its_scalar_model_bit_for_bit() {
     if !KernelPath::Avx512Bf16.is_supported() {
         println!("skipped: this CPU lacks AVX512-BF16 (the path is not used here)");
