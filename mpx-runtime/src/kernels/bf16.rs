@@ -30,54 +30,56 @@
 //! flushing differ from them. [`bf16_error_bound`](super::bf16_error_bound) computes it.
 
 use super::pack::{Src, pack_a, pack_b};
-use super::tile::{Out, split};
+use super::packs::Part;
+use super::tile::Micro;
 
 /// Rows and columns of a micro-tile (two zmm of 16 f32 per row): the AVX-512 f32 kernel's, whose
 /// end (adding the sums into `C`) this path shares.
 pub(crate) use super::avx512::{MR, NR};
 /// Values of k per block (even: blocks start on a pair).
 pub(crate) const KC: usize = 256;
-const MC: usize = 64;
-const NC: usize = 512;
 
-/// `C = A·B` (`C += A·B` unless `zero`) with `A` and `B` in f32 storage, rounded to bf16 while
-/// packing.
-///
-/// # Safety (for callers)
-/// The CPU must support AVX-512 F and AVX512-BF16 ([`KernelPath::Avx512Bf16`](super::KernelPath)
-/// is supported).
-pub(crate) unsafe fn run(
-    (m, n, kd): (usize, usize, usize),
-    a: Src<'_, f32>,
-    b: Src<'_, f32>,
-    (c, zero): (&mut [f32], bool),
-    threads: usize,
-) {
-    split((m, n, kd), (MR, NR), c, threads, &|out, rows, cols| {
-        BUFFERS.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut buf) => block(kd, a, b, (out, zero), rows, cols, &mut buf),
-            Err(_) => block(kd, a, b, (out, zero), rows, cols, &mut Buffers::default()),
-        });
-    });
-}
-
-/// Packing buffers of one thread: f32 panels, then the same as bf16 pairs.
-#[derive(Default)]
-struct Buffers {
-    a32: Vec<f32>,
-    b32: Vec<f32>,
-    a: Vec<u32>,
-    b: Vec<u32>,
+/// The micro-kernel on packed bf16 pairs, with the driver's blocking (k blocks of [`KC`]); the
+/// driver packs the operands with [`pack`], two values of k to a word, and hands the kernel the
+/// number of pairs.
+pub(crate) fn micro() -> Micro<u32> {
+    Micro {
+        kc: KC,
+        ..Micro::new(MR, NR, kernel)
+    }
 }
 
 thread_local! {
-    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+    /// One packed part in f32, before it is rounded to pairs (per thread).
+    static STAGE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Packs `part` of `a` or `b` (f32 storage) as bf16 pairs into `dst`: packed in f32 first, then
+/// rounded ([`to_pairs`]).
+pub(crate) fn pack(dst: &mut [u32], a: Src<'_, f32>, b: Src<'_, f32>, part: Part) {
+    let go = |stage: &mut Vec<f32>, dst: &mut [u32]| {
+        let (lines, kc, width) = match part {
+            Part::A((_, mc), (_, kc)) => (mc, kc, MR),
+            Part::B((_, kc), (_, nc)) => (nc, kc, NR),
+        };
+        let panels = lines.div_ceil(width);
+        stage.resize(panels * width * kc, 0.0);
+        match part {
+            Part::A(rows, ks) => pack_a(stage, a, rows, ks, MR),
+            Part::B(ks, cols) => pack_b(stage, b, ks, cols, NR),
+        }
+        panels_to_pairs(stage, panels, (kc, width), dst);
+    };
+    STAGE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut stage) => go(&mut stage, dst),
+        Err(_) => go(&mut Vec::new(), dst),
+    });
 }
 
 /// `x` rounded to bf16 (nearest, ties to even; a NaN quieted): the bits of
 /// [`round_to_bf16`](crate::precision::round_to_bf16), as the 16-bit pattern.
 #[inline(always)]
-fn bf16_bits(x: f32) -> u32 {
+pub(super) fn bf16_bits(x: f32) -> u32 {
     let b = x.to_bits();
     if b & 0x7fff_ffff > 0x7f80_0000 {
         (b | 0x0040_0000) >> 16
@@ -103,8 +105,15 @@ fn panels_to_pairs(packed: &[f32], panels: usize, (kc, width): (usize, usize), p
 /// A k-major f32 panel of `width` lines (`panel[p * width + l]`, `kc` values of k) rounded to
 /// bf16 pairs (`pairs[q * width + l]`, low half `p = 2q`), the last pair zero-padded when `kc` is
 /// odd. The rounding happens here, on the packed panel, so the operand itself is read in place
-/// (no rounded copy of it).
-fn to_pairs(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
+/// (no rounded copy of it). With AVX-512 F (always there on this path), 16 lines at a time
+/// ([`to_pairs_avx512`]); the scalar loop below is the definition it computes.
+pub(super) fn to_pairs(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512 F was detected.
+        unsafe { to_pairs_avx512(panel, kc, width, pairs) };
+        return;
+    }
     let q_count = kc.div_ceil(2);
     let hi = bf16_bits;
     for q in 0..q_count {
@@ -123,72 +132,61 @@ fn to_pairs(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
     }
 }
 
-/// One block of `C` (rows `r0..r1`, columns `c0..c1`, starting on micro-tile boundaries) over the
-/// whole inner dimension, in the BLIS loop order (see the driver's `block`).
-#[allow(clippy::too_many_arguments)]
-fn block(
-    kd: usize,
-    a: Src<'_, f32>,
-    b: Src<'_, f32>,
-    (out, zero): (Out, bool),
-    (r0, r1): (usize, usize),
-    (c0, c1): (usize, usize),
-    buf: &mut Buffers,
-) {
-    if zero {
-        for r in r0..r1 {
-            // SAFETY: row `r`, columns `c0..c1` lie in this thread's block; no other reference
-            // to them is alive.
-            let row = unsafe { out.segment(r, c0, c1 - c0) };
-            row.fill(0.0);
+/// [`to_pairs`] on 16 lines at a time: the same bits as [`bf16_bits`] per value (the rounding
+/// done in integer lanes, NaNs quieted the same way), two values of k to a word.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn to_pairs_avx512(panel: &[f32], kc: usize, width: usize, pairs: &mut [u32]) {
+    use std::arch::x86_64::{
+        _mm512_mask_storeu_epi32, _mm512_maskz_loadu_epi32, _mm512_or_si512, _mm512_setzero_si512,
+        _mm512_slli_epi32,
+    };
+    for q in 0..kc.div_ceil(2) {
+        for l0 in (0..width).step_by(16) {
+            let n = (width - l0).min(16);
+            let mask = u16::MAX >> (16 - n);
+            let even = &panel[2 * q * width + l0..][..n];
+            // SAFETY: the lanes in `mask` are the `n` values of `even`; the others are not read.
+            let e = unsafe { _mm512_maskz_loadu_epi32(mask, even.as_ptr().cast()) };
+            let o = if 2 * q + 1 < kc {
+                let odd = &panel[(2 * q + 1) * width + l0..][..n];
+                // SAFETY: as above, for `odd`.
+                unsafe { _mm512_maskz_loadu_epi32(mask, odd.as_ptr().cast()) }
+            } else {
+                // the padding: +0.0, whose bf16 bits are 0
+                _mm512_setzero_si512()
+            };
+            let words = _mm512_or_si512(round_lanes(e), _mm512_slli_epi32::<16>(round_lanes(o)));
+            let dst = &mut pairs[q * width + l0..][..n];
+            // SAFETY: the lanes in `mask` are the `n` words of `dst`; the others are not written.
+            unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), mask, words) };
         }
     }
-    let pairs = KC / 2;
-    buf.a32.resize(MC.div_ceil(MR) * MR * KC, 0.0);
-    buf.b32.resize(NC.div_ceil(NR) * NR * KC, 0.0);
-    buf.a.resize(MC.div_ceil(MR) * MR * pairs, 0);
-    buf.b.resize(NC.div_ceil(NR) * NR * pairs, 0);
-    // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds
-    let mut tmp = [-0.0f32; MR * NR];
-    for pc in (0..kd).step_by(KC) {
-        let kc = KC.min(kd - pc);
-        let kq = kc.div_ceil(2);
-        for jc in (c0..c1).step_by(NC) {
-            let nc = NC.min(c1 - jc);
-            pack_b(&mut buf.b32, b, (pc, kc), (jc, nc), NR);
-            panels_to_pairs(&buf.b32, nc.div_ceil(NR), (kc, NR), &mut buf.b);
-            for ic in (r0..r1).step_by(MC) {
-                let mc = MC.min(r1 - ic);
-                pack_a(&mut buf.a32, a, (ic, mc), (pc, kc), MR);
-                panels_to_pairs(&buf.a32, mc.div_ceil(MR), (kc, MR), &mut buf.a);
-                for jp in 0..nc.div_ceil(NR) {
-                    let (col, cols) = (jc + jp * NR, NR.min(nc - jp * NR));
-                    let bp = &buf.b[jp * NR * kq..(jp + 1) * NR * kq];
-                    for ip in 0..mc.div_ceil(MR) {
-                        let (row, rows) = (ic + ip * MR, MR.min(mc - ip * MR));
-                        let ap = &buf.a[ip * MR * kq..(ip + 1) * MR * kq];
-                        if rows == MR && cols == NR {
-                            let ct = out.tile(row, col, MR, NR);
-                            // SAFETY: the caller of `run` guarantees the CPU features; the tile
-                            // lies inside C (`Out::tile` asserts it) and inside this thread's
-                            // block, which no other thread touches.
-                            unsafe { kernel(kq, ap, bp, ct, out.ld) };
-                        } else {
-                            tmp.fill(-0.0);
-                            // SAFETY: as above; `tmp` holds MR x NR values with row stride NR.
-                            unsafe { kernel(kq, ap, bp, tmp.as_mut_ptr(), NR) };
-                            for (r, t) in tmp.chunks_exact(NR).take(rows).enumerate() {
-                                // SAFETY: row `row + r`, columns `col..col + cols` lie in this
-                                // thread's block; no other reference to them is alive.
-                                let dst = unsafe { out.segment(row + r, col, cols) };
-                                dst.iter_mut().zip(t).for_each(|(d, s)| *d += *s);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
+}
+
+/// [`bf16_bits`] on 16 lanes of f32 bits.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn round_lanes(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::{
+        _mm512_add_epi32, _mm512_and_si512, _mm512_cmpgt_epu32_mask, _mm512_mask_blend_epi32,
+        _mm512_or_si512, _mm512_set1_epi32, _mm512_srli_epi32,
+    };
+    let nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(v, _mm512_set1_epi32(0x7fff_ffff)),
+        _mm512_set1_epi32(0x7f80_0000),
+    );
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+        _mm512_add_epi32(v, _mm512_set1_epi32(0x7fff)),
+        lsb,
+    ));
+    let quiet = _mm512_srli_epi32::<16>(_mm512_or_si512(v, _mm512_set1_epi32(0x0040_0000)));
+    _mm512_mask_blend_epi32(nan, rounded, quiet)
 }
 
 /// `C[8 x 32] += Σ_q Apairs[q]ᵀ · Bpairs[q]` over `pairs` pairs of k, one `vdpbf16ps` per row

@@ -25,8 +25,9 @@
 //!
 //! # Threads
 //! A large product (at least 2^21 multiply-adds) runs on all the machine's hardware threads
-//! ([`available_threads`]): it is cut into blocks of the output that the calling thread and the
-//! helper threads of a small persistent pool (started on first use) claim one at a time. Each
+//! ([`available_threads`]): the calling thread and the helper threads of a small persistent pool
+//! (started on first use) pack its operands once, together, then claim blocks of the output one
+//! at a time. Each
 //! output element is computed by the same instructions in the same order whatever the thread
 //! count, so results are bit-identical. [`with_threads`] forces the count for the current thread
 //! (tests and benchmarks). (dfdx 0.13's CPU matmul also uses all cores, through rayon.)
@@ -76,7 +77,8 @@
 //! were detected; the AVX2 one reads tiles of A and B through pointers and strides, in place or
 //! packed, whose ranges `strided.rs` checks against the operand slices), the AVX transpose that packs f32 panels with k
 //! contiguous (`transpose.rs`), the peak-throughput loops, the driver's shared view of the output
-//! through which threads write disjoint blocks of it, and the pool's hand-off of a borrowed task
+//! through which threads write disjoint blocks of it, the shared view of the packed operands
+//! whose parts the threads fill before any block reads them (`packs.rs`), and the pool's hand-off of a borrowed task
 //! to its helper threads (`pool.rs`). Every `unsafe` block holds one unsafe operation and says
 //! why it is sound (`// SAFETY:`; clippy's `undocumented_unsafe_blocks` and
 //! `multiple_unsafe_ops_per_block` check it). The rest of packing and the element-wise passes are
@@ -103,6 +105,7 @@ mod fp16;
 mod isa;
 mod mat;
 mod pack;
+mod packs;
 mod path;
 mod peak;
 mod pool;

@@ -1,10 +1,11 @@
 //! Packing of operand blocks into the micro-panels a micro-kernel reads: `mr` rows of A or `nr`
-//! columns of B per panel, k-major, zero-padded. Safe Rust; the layouts with one contiguous
+//! columns of B per panel, k-major, zero-padded (where the panels of one product lie and which
+//! thread packs which: `packs.rs`). Safe Rust; the layouts with one contiguous
 //! direction (every operand of a Linear layer) copy or scatter along it without per-element
 //! index arithmetic.
 
-/// A value type the packing loops move. f32 panels of 16 lines with k contiguous are transposed
-/// with AVX where the CPU has it ([`transpose`](super::transpose)).
+/// A value type the packing loops move. f32 panels of a multiple of 8 lines with k contiguous
+/// are transposed with AVX where the CPU has it ([`transpose`](super::transpose)).
 pub(crate) trait PackElem: Copy + Default {
     /// Packs a full panel of `width` lines with k contiguous (`ks = 1`) with a faster routine
     /// than the generic loop, if this type has one for this width; returns whether it did.
@@ -16,9 +17,11 @@ pub(crate) trait PackElem: Copy + Default {
 
 impl PackElem for u16 {}
 
+impl PackElem for u32 {}
+
 impl PackElem for f32 {
     fn pack_k_contiguous(panel: &mut [f32], at: &Lines<'_, f32>, width: usize) -> bool {
-        width == 16 && super::transpose::lines16(panel, at.data, at.l0, (at.pc, at.kc), at.ls)
+        super::transpose::lines(panel, at.data, (at.l0, width), (at.pc, at.kc), at.ls)
     }
 }
 

@@ -393,6 +393,18 @@ fn any_thread_count_gives_the_same_bits_as_one() {
 }
 
 #[test]
+fn long_products_are_packed_in_groups_of_whole_k_blocks() {
+    // the shapes the bit-for-bit tests use to cover more than one group
+    assert_eq!(driver::k_group(256, 32 + 704, 3200), 2816);
+    // bf16: two values of k to an element, so half the lines count
+    assert_eq!(driver::k_group(256, 88 / 2, 50_000), 47_616);
+    // a short product in one group; a huge one still a whole k block at a time
+    assert_eq!(driver::k_group(256, 1024 + 1024, 1024), 1024);
+    assert_eq!(driver::k_group(256, 1024 + 1024, 100), 256);
+    assert_eq!(driver::k_group(256, 1 << 20, 5000), 256);
+}
+
+#[test]
 fn the_grid_covers_every_element_once_and_splits_large_products() {
     for (m, n) in [
         (1, 1),
@@ -597,28 +609,46 @@ fn overwriting_c_gives_plus_zero_as_zeroing_and_adding_does() {
 
 #[test]
 fn packing_a_k_contiguous_operand_matches_the_definition() {
-    // B stored transposed (k contiguous, as Wᵀ): panels of 16 columns take the AVX transpose,
-    // the last, partial one the generic loop; kc with and without a remainder of 8
-    let (k, n) = (300, 45);
+    // B stored transposed (k contiguous, as Wᵀ): full panels of 8, 16 or 32 columns (the kernels'
+    // widths) take the AVX transpose, the last, partial one the generic loop; kc with and without
+    // a remainder of 8. A with k contiguous (row-major) packs the same way.
+    let (k, n) = (300, 75);
     let w = values(n * k, 41); // W: n x k row-major; B = Wᵀ, B(p, j) = w[j * k + p]
     let src = pack::Src {
         data: &w[..],
         rs: 1,
         cs: k,
     };
-    for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
-        for (jc, nc) in [(0usize, 45usize), (16, 16), (3, 40)] {
-            let mut got = vec![f32::NAN; nc.div_ceil(16) * 16 * kc];
-            pack::pack_b(&mut got, src, (pc, kc), (jc, nc), 16);
-            for (idx, v) in got.iter().enumerate() {
-                let (jp, p, j) = (idx / (16 * kc), idx % (16 * kc) / 16, idx % 16);
-                let col = jp * 16 + j;
-                let want = if col < nc {
-                    w[(jc + col) * k + pc + p]
-                } else {
-                    0.0
-                };
-                assert_eq!(v.to_bits(), want.to_bits(), "kc {kc} nc {nc} at {idx}");
+    let a = pack::Src {
+        data: &w[..],
+        rs: k,
+        cs: 1,
+    };
+    for width in [8, 16, 32] {
+        for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
+            for (jc, nc) in [(0usize, 75usize), (16, 16), (3, 40), (0, 64)] {
+                let mut got = vec![f32::NAN; nc.div_ceil(width) * width * kc];
+                pack::pack_b(&mut got, src, (pc, kc), (jc, nc), width);
+                let mut got_a = vec![f32::NAN; got.len()];
+                pack::pack_a(&mut got_a, a, (jc, nc), (pc, kc), width);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    got_a.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                for (idx, v) in got.iter().enumerate() {
+                    let (jp, p, j) = (idx / (width * kc), idx % (width * kc) / width, idx % width);
+                    let col = jp * width + j;
+                    let want = if col < nc {
+                        w[(jc + col) * k + pc + p]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "width {width} kc {kc} nc {nc} at {idx}"
+                    );
+                }
             }
         }
     }
@@ -729,6 +759,46 @@ fn bf16_bits_with(n: usize, seed: u64, one_in: u64) -> Vec<u32> {
             }
         })
         .collect()
+}
+
+#[test]
+fn bf16_pairs_round_every_value_as_the_scalar_definition() {
+    // f32 patterns around every bf16 rounding case: bf16 patterns (specials, subnormals, NaNs
+    // with payloads) with low halves that are ties, exact, or arbitrary
+    let hi = bf16_bits(4096, 81);
+    let lo = bf16_bits(4096, 82);
+    let vals: Vec<f32> = hi
+        .iter()
+        .zip(&lo)
+        .enumerate()
+        .map(|(i, (&h, &l))| {
+            let low = match i % 4 {
+                0 => 0x8000,
+                1 => 0,
+                2 => 0x7fff,
+                _ => l,
+            };
+            f32::from_bits((h << 16) | low)
+        })
+        .collect();
+    for width in [8, 32, 6] {
+        for kc in [1, 2, 7, 64] {
+            for panel in vals.chunks_exact(width * kc).take(4) {
+                let mut got = vec![u32::MAX; kc.div_ceil(2) * width];
+                bf16::to_pairs(panel, kc, width, &mut got);
+                for (idx, &w) in got.iter().enumerate() {
+                    let (q, l) = (idx / width, idx % width);
+                    let even = bf16::bf16_bits(panel[2 * q * width + l]);
+                    let odd = if 2 * q + 1 < kc {
+                        bf16::bf16_bits(panel[(2 * q + 1) * width + l])
+                    } else {
+                        0
+                    };
+                    assert_eq!(w, even | (odd << 16), "width {width} kc {kc} at {idx}");
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -899,6 +969,8 @@ fn bf16_gemm_matches_the_scalar_model_bit_for_bit_and_f64_within_its_bound() {
         (37, 70, 300, 1),
         (16, 40, 513, 3),
         (150, 300, 100, 2),
+        // packed in two groups of k blocks
+        (24, 40, 50_000, 2),
     ] {
         let (av, bv) = (f32s(m * k, 51), f32s(k * n, 52));
         let init = values(m * n, 53);
@@ -968,6 +1040,8 @@ fn the_calibrated_candidates_compute_the_same_bits() {
         (6, 16, 1),
         (130, 33, 600),
         (150, 300, 100),
+        // packed in two groups of k blocks (the strided AVX2 path packs per block)
+        (32, 700, 3200),
     ] {
         let (a, b) = (values(m * k, 71), values(k * n, 72));
         let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();

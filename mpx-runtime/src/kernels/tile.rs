@@ -3,6 +3,7 @@
 //! buffers each thread keeps. Below both, so neither imports the other for these.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pack::PackElem;
 use super::pool;
@@ -46,7 +47,7 @@ impl<T> Micro<T> {
 pub(crate) const PAR_MIN_WORK: usize = 1 << 21;
 
 /// Blocks per thread a split product aims at: more than one, so a thread slowed by other work
-/// on the machine hands blocks to the others; few, since each block packs its own operands.
+/// on the machine hands blocks to the others.
 const BLOCKS_PER_THREAD: usize = 3;
 
 /// How a product is cut into blocks of `C`: `mb x nb` (multiples of the micro-tile, the last ones
@@ -63,8 +64,8 @@ pub(crate) struct Grid {
 
 impl Grid {
     /// The grid for `threads` threads: one block for one thread; else about
-    /// [`BLOCKS_PER_THREAD`] blocks per thread, cut along columns first (a column block packs
-    /// only its own part of B), blocks no narrower than 8 micro-tiles either way (so a product
+    /// [`BLOCKS_PER_THREAD`] blocks per thread, cut along columns first (a column block reads
+    /// only its own part of the packed B), blocks no narrower than 8 micro-tiles either way (so a product
     /// splits only if it is at least 16 micro-tiles tall or wide).
     pub(crate) fn new(m: usize, n: usize, mr: usize, nr: usize, threads: usize) -> Self {
         let (mb, nb) = if threads <= 1 {
@@ -155,28 +156,65 @@ impl Out {
     }
 }
 
-/// Cuts `C` into the [`Grid`] of `threads` threads (one below [`PAR_MIN_WORK`]) and runs
-/// `task(out, rows, cols)` for each block on the calling thread and helpers of the pool.
-#[allow(clippy::type_complexity)]
-pub(crate) fn split(
-    (m, n, kd): (usize, usize, usize),
-    (mr, nr): (usize, usize),
-    c: &mut [f32],
-    threads: usize,
-    task: &(dyn Fn(Out, (usize, usize), (usize, usize)) + Sync),
-) {
-    let threads = if m.saturating_mul(n).saturating_mul(kd) < PAR_MIN_WORK {
+/// Work that must be done before any block of `C` is computed: `tasks` numbered pieces (the
+/// packing of the operands into [`PackView`]s), which the threads of a split product claim
+/// before the blocks, so each operand is packed once, shared, whatever the thread count.
+#[derive(Clone, Copy)]
+pub(crate) struct Prologue<'a> {
+    pub(crate) tasks: usize,
+    pub(crate) run: &'a (dyn Fn(usize) + Sync),
+}
+
+impl Prologue<'_> {
+    /// No work before the blocks.
+    pub(crate) fn none() -> Self {
+        Prologue {
+            tasks: 0,
+            run: &|_| {},
+        }
+    }
+}
+
+/// The threads a product of `m x n x kd` multiply-adds runs on: one below [`PAR_MIN_WORK`], else
+/// `threads`.
+pub(crate) fn threads_for((m, n, kd): (usize, usize, usize), threads: usize) -> usize {
+    if m.saturating_mul(n).saturating_mul(kd) < PAR_MIN_WORK {
         1
     } else {
         threads.max(1)
-    };
+    }
+}
+
+/// Runs `pre`'s tasks, then cuts `C` (`m x n`) into the [`Grid`] of `threads` threads and runs
+/// `task(out, rows, cols)` for each block, on the calling thread and helpers of the pool. Every
+/// task of `pre` is done before any block starts (a thread that claims a block while another
+/// still packs waits for it).
+#[allow(clippy::type_complexity)]
+pub(crate) fn split(
+    (m, n): (usize, usize),
+    (mr, nr): (usize, usize),
+    c: &mut [f32],
+    threads: usize,
+    pre: Prologue<'_>,
+    task: &(dyn Fn(Out, (usize, usize), (usize, usize)) + Sync),
+) {
     let grid = Grid::new(m, n, mr, nr, threads);
     let out = Out::new(c, m, n);
+    let done = AtomicUsize::new(0);
     let each = |t: usize| {
-        let (rows, cols) = grid.block(t);
+        if t < pre.tasks {
+            (pre.run)(t);
+            done.fetch_add(1, Ordering::Release);
+            return;
+        }
+        // every task of `pre` was claimed before this block: wait for those still running
+        while done.load(Ordering::Acquire) < pre.tasks {
+            std::thread::yield_now();
+        }
+        let (rows, cols) = grid.block(t - pre.tasks);
         task(out, rows, cols);
     };
-    pool::for_each_block(grid.blocks(), threads - 1, &each);
+    pool::for_each_block(pre.tasks + grid.blocks(), threads - 1, &each);
 }
 
 /// Packing buffers of one thread.
@@ -200,6 +238,7 @@ pub(crate) trait Packed: PackElem + 'static {
 thread_local! {
     static PACK_F32: RefCell<Buffers<f32>> = RefCell::new(Buffers::default());
     static PACK_U16: RefCell<Buffers<u16>> = RefCell::new(Buffers::default());
+    static PACK_U32: RefCell<Buffers<u32>> = RefCell::new(Buffers::default());
 }
 
 macro_rules! packed {
@@ -217,3 +256,4 @@ macro_rules! packed {
 }
 packed!(f32, PACK_F32);
 packed!(u16, PACK_U16);
+packed!(u32, PACK_U32);

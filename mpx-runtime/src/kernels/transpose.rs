@@ -1,27 +1,30 @@
 //! An AVX transpose for packing f32 operands stored with k contiguous (the weight `Wᵀ` of a
-//! Linear layer's forward product): 16 lines of 8 values become 8 rows of a 16-wide panel with
-//! two 8 x 8 register transposes instead of 128 scalar moves. The values are moved, not
+//! Linear layer's forward product, the activations `X` as A): each group of 8 lines of 8 values
+//! becomes 8 rows of 8 of the panel with one 8 x 8 register transpose instead of 64 scalar moves,
+//! for panels of any width that is a multiple of 8 (the AVX2 kernel's 16, the AVX-512 kernel's 8
+//! and 32). The values are moved, not
 //! computed: the panel is the same as the scalar loop's (the tests compare them).
 
-/// Writes `panel[p * 16 + l] = data[(l0 + l) * ls + pc + p]` for `l < 16`, `p < kc` and returns
-/// true, when the CPU has AVX; returns false (writing nothing) otherwise.
-pub(crate) fn lines16(
+/// Writes `panel[p * w + l] = data[(l0 + l) * ls + pc + p]` for `l < w`, `p < kc` and returns
+/// true, when `w` is a positive multiple of 8 and the CPU has AVX; returns false (writing
+/// nothing) otherwise.
+pub(crate) fn lines(
     panel: &mut [f32],
     data: &[f32],
-    l0: usize,
+    (l0, w): (usize, usize),
     (pc, kc): (usize, usize),
     ls: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx") {
-        assert!(panel.len() >= 16 * kc);
-        assert!(kc == 0 || (l0 + 15) * ls + pc + kc <= data.len());
-        // SAFETY: AVX was detected; every read is `(l0 + l) * ls + pc + p` with `l < 16`,
-        // `p < kc` (inside `data`, asserted above) and every write `p * 16 + l` (inside `panel`).
-        unsafe { x86::lines16(panel, data, l0, pc, kc, ls) };
+    if w > 0 && w.is_multiple_of(8) && std::is_x86_feature_detected!("avx") {
+        assert!(panel.len() >= w * kc);
+        assert!(kc == 0 || (l0 + w - 1) * ls + pc + kc <= data.len());
+        // SAFETY: AVX was detected; every read is `(l0 + l) * ls + pc + p` with `l < w`,
+        // `p < kc` (inside `data`, asserted above) and every write `p * w + l` (inside `panel`).
+        unsafe { x86::lines(panel, data, (l0, w), pc, kc, ls) };
         return true;
     }
-    let _ = (panel, data, l0, pc, kc, ls);
+    let _ = (panel, data, l0, w, pc, kc, ls);
     false
 }
 
@@ -33,13 +36,13 @@ mod x86 {
     };
 
     /// # Safety
-    /// The CPU must support AVX; the reads and writes named in [`lines16`](super::lines16) must
-    /// lie inside `data` and `panel`.
+    /// The CPU must support AVX; `w` is a multiple of 8; the reads and writes named in
+    /// [`lines`](super::lines) must lie inside `data` and `panel`.
     #[target_feature(enable = "avx")]
-    pub(super) unsafe fn lines16(
+    pub(super) unsafe fn lines(
         panel: &mut [f32],
         data: &[f32],
-        l0: usize,
+        (l0, w): (usize, usize),
         pc: usize,
         kc: usize,
         ls: usize,
@@ -47,28 +50,28 @@ mod x86 {
         let (src, dst) = (data.as_ptr(), panel.as_mut_ptr());
         let full = kc - kc % 8;
         for q in (0..full).step_by(8) {
-            for half in 0..2 {
+            for g in 0..w / 8 {
                 let r: [__m256; 8] = std::array::from_fn(|i| {
-                    let at = src.wrapping_add((l0 + half * 8 + i) * ls + pc + q);
-                    // SAFETY: values `p = q..q + 8 <= full <= kc` of line `half * 8 + i < 16`:
+                    let at = src.wrapping_add((l0 + g * 8 + i) * ls + pc + q);
+                    // SAFETY: values `p = q..q + 8 <= full <= kc` of line `g * 8 + i < w`:
                     // inside `data` by the caller's contract.
                     unsafe { _mm256_loadu_ps(at) }
                 });
                 let t = transpose8(r);
                 for (p, v) in t.iter().enumerate() {
-                    let at = dst.wrapping_add((q + p) * 16 + half * 8);
-                    // SAFETY: `(q + p) * 16 + half * 8 + 8 <= 16 * kc`: inside `panel`.
+                    let at = dst.wrapping_add((q + p) * w + g * 8);
+                    // SAFETY: `(q + p) * w + g * 8 + 8 <= w * kc`: inside `panel`.
                     unsafe { _mm256_storeu_ps(at, *v) };
                 }
             }
         }
         for p in full..kc {
-            for l in 0..16 {
+            for l in 0..w {
                 let from = src.wrapping_add((l0 + l) * ls + pc + p);
-                // SAFETY: value `p < kc` of line `l < 16`: inside `data` by the contract.
+                // SAFETY: value `p < kc` of line `l < w`: inside `data` by the contract.
                 let x = unsafe { *from };
-                // SAFETY: `p * 16 + l < 16 * kc`: inside `panel`.
-                unsafe { *dst.wrapping_add(p * 16 + l) = x };
+                // SAFETY: `p * w + l < w * kc`: inside `panel`.
+                unsafe { *dst.wrapping_add(p * w + l) = x };
             }
         }
     }
