@@ -292,9 +292,11 @@ pub(super) fn k_group(kc: usize, lines: usize, kd: usize) -> usize {
     (blocks * kc).min(kd.next_multiple_of(kc))
 }
 
-/// The most values of A and B packed at once per product (8 MiB of f32): the whole of every
-/// product of an MLP of 1024 units at batch 256, so it is packed in one go.
-const PACK_VALUES: usize = 1 << 21;
+/// The most values of A and B packed at once per product (4 MiB of f32, kept between products):
+/// the whole of most products of an MLP of 1024 units at batch 256, two k groups for the
+/// 1024 x 1024 layer. Twice this packs every such product in one go but keeps 4 MiB more, which
+/// put the mixed step's process peak above dfdx's f32 step (`bench_step`, row c').
+const PACK_VALUES: usize = 1 << 20;
 
 /// Rows of A or columns of B one packing task packs (rounded up to whole panels): small, equal
 /// tasks, so that the threads finish packing together.
