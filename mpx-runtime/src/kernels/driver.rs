@@ -255,8 +255,17 @@ fn run_packed<S: Packed + Send + Sync>(
     let (mp, np) = (m.next_multiple_of(k.mr), n.next_multiple_of(k.nr));
     let group = k_group(k.kc, (mp + np).div_ceil(per), kd);
     S::with_buffers(|buf| {
-        buf.a.resize(Packs::<S>::len(mp, group, per), S::default());
-        buf.b.resize(Packs::<S>::len(np, group, per), S::default());
+        // grown, never shrunk: products of other sizes do not zero the buffers again each call
+        let (la, lb) = (
+            Packs::<S>::len(mp, group, per),
+            Packs::<S>::len(np, group, per),
+        );
+        if buf.a.len() < la {
+            buf.a.resize(la, S::default());
+        }
+        if buf.b.len() < lb {
+            buf.b.resize(lb, S::default());
+        }
         for k0 in (0..kd).step_by(group) {
             let packs = Packs {
                 kc: k.kc,
@@ -269,7 +278,10 @@ fn run_packed<S: Packed + Send + Sync>(
                 nr: k.nr,
                 per,
                 mn: (m, n),
-                view: (PackView::new(&mut buf.a), PackView::new(&mut buf.b)),
+                view: (
+                    PackView::new(&mut buf.a[..la]),
+                    PackView::new(&mut buf.b[..lb]),
+                ),
             };
             let pre = Prologue {
                 tasks: packs.tasks(),
