@@ -15,8 +15,11 @@
 //! than the `Cpu` needs kernels of its own for the two gradient primitives: mpx compiles them
 //! with NVRTC at first use, as dfdx does its own (`step/device/cuda.rs`).
 
+use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
+use dfdx::nn::tensor_collection::{RecursiveWalker, TensorOptions, TensorVisitor, ViewTensorRef};
 use dfdx::optim::OptimizerUpdateError;
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Gradients, HasErr, Tensor};
@@ -24,7 +27,8 @@ use dfdx::tensor_ops::Device;
 
 use super::direct::{Direct, ScopeGuard};
 use super::error::StepError;
-use super::layout::{MasterSlot, WorkingCopy};
+use super::layout::{MasterSlot, WorkingCopy, master_layout};
+use super::workspace::{AnyFn, StateFn, Workspace};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
 use crate::precision::Precision;
@@ -68,12 +72,12 @@ pub trait MixedDevice<H: Precision>:
 impl<H: Precision, D: Device<f32> + Device<H::Elem> + private::Primitives<H>> MixedDevice<H> for D {}
 
 pub(crate) mod private {
+    use super::FullWorking;
     use super::{
         Arc, CastScratch, Device, Direct, FullOp, Gradients, HalfOp, MasterModel, MasterSlot,
         OptimizerUpdateError, Precision, ScopeGuard, SeedOp, Shape, StepError, Tensor, WorkingCopy,
     };
-    use crate::step::full::FullWorking;
-    use crate::step::working::ErasedWorking;
+    use crate::step::workspace::ErasedWorking;
     use dfdx::nn::tensor_collection::TensorCollection;
     use dfdx::shapes::Rank0;
     use dfdx::tensor::TensorToArray;
@@ -208,6 +212,127 @@ pub(crate) mod private {
     }
 }
 
+// ---- a master run in f32 on itself ------------------------------------------------------------
+// A master whose forward pass runs in f32, on the master itself: what `#[mixed_step]` falls
+// back to when the half working copy's forward pass cannot be type-checked (a model whose type
+// is a generic parameter of the `impl`, whose bounds the attribute on the method cannot see).
+// The step keeps the scaler's bookkeeping (one update per backward, skip on non-finite
+// gradients, the iteration's scale adjustment) and reports that it ran in f32
+// ([`StepReport::precision`](super::StepReport::precision)).
+
+/// The gradient slots of an f32-run master on device `D` (checked as precision `H`'s device
+/// checks), and whether a forward pass ran since the last backward.
+pub struct FullWorking<H: Precision, D: MixedDevice<H>> {
+    master: Arc<[MasterSlot<D>]>,
+    used: bool,
+    marker: PhantomData<fn() -> H>,
+}
+
+impl<H: Precision, D: MixedDevice<H>> FullWorking<H, D> {
+    pub(crate) fn new<M: MasterModel<D>>(master: &M) -> Result<Self, StepError> {
+        Ok(Self {
+            master: master_layout::<D, M>(master)
+                .map_err(D::step_error)?
+                .slots
+                .into(),
+            used: false,
+            marker: PhantomData,
+        })
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>> Workspace for FullWorking<H, D> {
+    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
+        if !self.used || !grads.is::<Gradients<f32, D>>() {
+            return Ok(None);
+        }
+        self.used = false;
+        self.check(grads).map(Some)
+    }
+
+    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
+        match grads.downcast_mut::<Gradients<f32, D>>() {
+            Some(grads) => check_all::<H, D>(&self.master, grads),
+            None => Ok(true),
+        }
+    }
+
+    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
+        f(&[])
+    }
+
+    fn mark_used(&mut self) -> bool {
+        self.used = true;
+        true
+    }
+
+    fn in_f32(&self) -> bool {
+        true
+    }
+
+    #[cfg(feature = "mpi")]
+    fn master_slots(&self) -> &[MasterSlot] {
+        let any: &dyn Any = &self.master;
+        any.downcast_ref::<Arc<[MasterSlot]>>()
+            .map_or(&[], |s| &s[..])
+    }
+
+    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
+        f(self)
+    }
+}
+
+/// Whether the master's gradients in `grads` are all finite (on the device; one verdict).
+pub(super) fn check_all<H: Precision, D: MixedDevice<H>>(
+    slots: &[MasterSlot<D>],
+    grads: &mut Gradients<f32, D>,
+) -> Result<bool, StepError> {
+    let mut finite = D::Finite::default();
+    for slot in slots {
+        D::check(slot, grads, &mut finite)?;
+    }
+    D::verdict(finite)
+}
+
+// ---- the working copy of an identity precision ------------------------------------------------
+
+/// The working copy of an [`IDENTITY`](Precision::IDENTITY) precision: the master's own
+/// tensors (same ids, shared buffers, nothing copied).
+pub(super) fn share<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
+    master: &M,
+) -> Result<WorkingCopy<H, M, D>, StepError> {
+    M::iter_tensors(&mut RecursiveWalker {
+        m: master,
+        f: &mut Share::<H>(std::marker::PhantomData),
+    })
+    .map_err(D::step_error)?
+    .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
+}
+
+/// Rebuilds a module from clones of its tensors (shared buffers). For a precision whose element
+/// is not `f32` it falls back to a converting copy.
+struct Share<H>(std::marker::PhantomData<H>);
+
+impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for Share<H> {
+    type Viewer = ViewTensorRef;
+    type Err = D::Err;
+    type E2 = H::Elem;
+    type D2 = D;
+
+    fn visit<S: Shape>(
+        &mut self,
+        _opts: TensorOptions<S, f32, D>,
+        t: &Tensor<S, f32, D>,
+    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
+        let mut shared = Some(t.clone());
+        let any: &mut dyn std::any::Any = &mut shared;
+        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, D>>>() {
+            return Ok(same.take());
+        }
+        D::to_half(t).map(Some)
+    }
+}
+
 // ---- the Cpu: host slices -----------------------------------------------------------------------
 
 mod cpu {
@@ -222,15 +347,15 @@ mod cpu {
 
     use super::private::Primitives;
     use super::{FullOp, HalfOp, SeedOp};
+    use super::{FullWorking, share};
     use crate::boundary::MasterModel;
     use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
     use crate::finite::{add_scaled_checked, all_finite_f32};
     use crate::precision::Precision;
     use crate::step::direct::{Direct, ScopeGuard, all_zero};
     use crate::step::error::StepError;
-    use crate::step::full::FullWorking;
-    use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch, share};
-    use crate::step::working::ErasedWorking;
+    use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch};
+    use crate::step::workspace::ErasedWorking;
 
     impl<H: Precision> Primitives<H> for Cpu
     where

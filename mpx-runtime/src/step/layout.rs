@@ -8,10 +8,8 @@ use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::device::MixedDevice;
 use super::error::StepError;
 use crate::boundary::MasterModel;
-use crate::precision::Precision;
 
 /// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
 /// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
@@ -313,43 +311,6 @@ fn tensor_id<S: Shape, D: Device<f32>>(t: &Tensor<S, f32, D>) -> Option<u64> {
     };
     let _ = write!(d, "{t:?}");
     d.id
-}
-
-/// The working copy of an [`IDENTITY`](Precision::IDENTITY) precision: the master's own
-/// tensors (same ids, shared buffers, nothing copied).
-pub(super) fn share<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
-    master: &M,
-) -> Result<WorkingCopy<H, M, D>, StepError> {
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut Share::<H>(std::marker::PhantomData),
-    })
-    .map_err(D::step_error)?
-    .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
-}
-
-/// Rebuilds a module from clones of its tensors (shared buffers). For a precision whose element
-/// is not `f32` it falls back to a converting copy.
-struct Share<H>(std::marker::PhantomData<H>);
-
-impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for Share<H> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = H::Elem;
-    type D2 = D;
-
-    fn visit<S: Shape>(
-        &mut self,
-        _opts: TensorOptions<S, f32, D>,
-        t: &Tensor<S, f32, D>,
-    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
-        let mut shared = Some(t.clone());
-        let any: &mut dyn std::any::Any = &mut shared;
-        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, D>>>() {
-            return Ok(same.take());
-        }
-        D::to_half(t).map(Some)
-    }
 }
 
 pub(super) fn count_mismatch(expected: usize, found: usize) -> StepError {

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::error::StepError;
 #[cfg(feature = "mpi")]
 use super::layout::MasterSlot;
-use super::working::{AnyFn, StateFn, Workspace};
+use super::workspace::{AnyFn, StateFn, Workspace};
 
 type Shared = Rc<RefCell<Box<dyn Workspace>>>;
 
@@ -117,7 +117,7 @@ impl Workspace for Local {
 mod tests {
     use super::*;
     use crate::precision::f16;
-    use crate::step::full::FullWorking;
+    use crate::step::device::FullWorking;
     use dfdx::prelude::*;
 
     fn table_len() -> usize {

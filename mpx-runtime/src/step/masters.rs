@@ -12,7 +12,7 @@
 
 use super::error::StepError;
 use super::layout::Identity;
-use super::working::ErasedWorking;
+use super::workspace::ErasedWorking;
 use crate::boundary::MasterModel;
 use dfdx::tensor_ops::Device;
 

@@ -49,7 +49,6 @@ mod clip;
 mod device;
 pub(crate) mod direct;
 mod error;
-mod full;
 mod function;
 mod half_region;
 mod layout;
@@ -62,6 +61,7 @@ mod outcome;
 mod report;
 mod scaler;
 mod working;
+mod workspace;
 
 pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};

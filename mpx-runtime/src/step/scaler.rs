@@ -917,7 +917,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     }
 
     /// Registers a forward pass of `master` run in f32 on the master itself (see
-    /// [`super::full`]), so that the backward pass and the update judge its gradients.
+    /// [`super::device::FullWorking`]), so that the backward pass and the update judge its gradients.
     pub(crate) fn forward_full<M, D>(&mut self, master: &M) -> Result<(), StepError>
     where
         D: MixedDevice<H>,
@@ -926,7 +926,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
         let i = self
             .masters
             .find_or_insert::<D, M>(master, D::step_error, |m| {
-                Ok(D::hold_full(super::full::FullWorking::<H, D>::new(m)?))
+                Ok(D::hold_full(super::device::FullWorking::<H, D>::new(m)?))
             })?;
         if self.masters.get_mut(i).working.mark_used() {
             Ok(())

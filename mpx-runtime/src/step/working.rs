@@ -10,7 +10,7 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, Gradients, Tensor};
 
-use super::device::MixedDevice;
+use super::device::{MixedDevice, check_all};
 use super::direct::Direct;
 use super::error::StepError;
 use super::half_region::Stash;
@@ -18,56 +18,10 @@ use super::layout::{
     EachTensor, MasterSlot, WorkingCopy, count_mismatch, each_tensor, len_mismatch, master_layout,
 };
 use super::mapped::HalfLayers;
+use super::workspace::{AnyFn, ErasedWorking, StateFn, Workspace};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
 use crate::precision::Precision;
-
-/// Reads a workspace's non-parameter state.
-pub(crate) type StateFn<'a> = dyn FnMut(&[Vec<f32>]) -> Result<(), StepError> + 'a;
-
-/// Gets a workspace's typed form back.
-pub(crate) type AnyFn<'a> = dyn FnMut(&mut dyn Any) -> Result<(), StepError> + 'a;
-
-/// What the scaler does with a master's workspace without knowing the model's type (nor its
-/// device: the gradients come as `dyn Any`, a `Gradients<f32, D>` of the master's device `D`).
-pub trait Workspace: Any {
-    /// Moves every finished backward's half gradients into `grads` (the master's f32
-    /// gradients, keyed by its tensors), unscaled, and checks the master's gradients for
-    /// finiteness on the way. Returns `None` when no backward reached this working copy since
-    /// the last call (or `grads` are another device's), else whether all were finite.
-    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError>;
-    /// Whether the master's gradients in `grads` are all finite (a slot `grads` lacks is
-    /// allocated as zeros).
-    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError>;
-    /// Hands `f` the working copy's non-parameter tensors (batch-norm statistics) after the
-    /// last backward pass, widened to f32, in the master's visit order.
-    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError>;
-    /// Marks an f32-run master's forward pass (see [`super::full`]); `false` for a half
-    /// working copy, which is not run that way.
-    fn mark_used(&mut self) -> bool {
-        false
-    }
-    /// Whether the master's forward passes run in f32 on the master itself.
-    fn in_f32(&self) -> bool {
-        false
-    }
-    /// Whether the working copy is made of mpx's layers ([`super::HalfLayers`]).
-    fn mapped(&self) -> bool {
-        false
-    }
-    /// Hands `f` the workspace, as `Any`, to get the typed workspace back.
-    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError>;
-    /// The master's gradient slots, one per trainable tensor in visit order (what the
-    /// data-parallel all-reduce packs).
-    #[cfg(feature = "mpi")]
-    fn master_slots(&self) -> &[MasterSlot];
-}
-
-/// A workspace the scaler can hold: `Send + Sync`, so the scaler is (a workspace that is not,
-/// one on dfdx's `Cuda` device, is held through [`super::local`]).
-pub trait ErasedWorking: Workspace + Send + Sync {}
-
-impl<T: Workspace + Send + Sync> ErasedWorking for T {}
 
 /// A working copy the scaler can keep for a master on device `D`: on the `Cpu` any `Send +
 /// Sync` module (so that the scaler is `Send + Sync`); on `Cuda` any module (dfdx's `Cuda`
@@ -373,18 +327,6 @@ where
         any.downcast_ref::<Arc<[MasterSlot]>>()
             .map_or(&[], |s| &s[..])
     }
-}
-
-/// Whether the master's gradients in `grads` are all finite (on the device; one verdict).
-pub(super) fn check_all<H: Precision, D: MixedDevice<H>>(
-    slots: &[MasterSlot<D>],
-    grads: &mut Gradients<f32, D>,
-) -> Result<bool, StepError> {
-    let mut finite = D::Finite::default();
-    for slot in slots {
-        D::check(slot, grads, &mut finite)?;
-    }
-    D::verdict(finite)
 }
 
 /// Walks the working copy: each trainable tensor's half gradients (from every finished

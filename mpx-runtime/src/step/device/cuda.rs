@@ -28,16 +28,16 @@ use dfdx::tensor_ops::{Backward, ReshapeTo, SumTo, TryMul};
 
 use super::private::Primitives;
 use super::{FullOp, HalfOp, SeedOp};
+use super::{FullWorking, share};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
 use crate::precision::{AMP, Precision, f16};
 use crate::region::{Flat, Leaves, RegionDevice, RegionError, Traced32};
 use crate::step::direct::{Direct, ScopeGuard};
 use crate::step::error::StepError;
-use crate::step::full::FullWorking;
-use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch, share};
+use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch};
 use crate::step::local::Local;
-use crate::step::working::ErasedWorking;
+use crate::step::workspace::ErasedWorking;
 
 /// The module name the kernels are loaded under.
 const MODULE: &str = "mpx_step";
