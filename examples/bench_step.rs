@@ -201,6 +201,16 @@ where
         let out = self
             .scaler
             .forward(&self.model, self.x.trace(grads), |m, x| m.forward(x));
+        self.finish(t0, out)
+    }
+
+    /// The rest of a step after its forward pass (started at `t0`): loss, backward, update and
+    /// zeroing, timed as [`step`](Self::step) says.
+    fn finish(
+        &mut self,
+        t0: Instant,
+        out: Tensor<Rank2<B, 10>, f32, Cpu, OwnedTape<f32, Cpu>>,
+    ) -> (Duration, Duration, Duration) {
         let t1 = Instant::now();
         let mut grads = self
             .scaler
@@ -227,17 +237,7 @@ macro_rules! step_mapped {
                 let out = self
                     .scaler
                     .forward_mapped(&self.model, self.x.trace(grads), |m, x| m.forward(x));
-                let t1 = Instant::now();
-                let mut grads = self
-                    .scaler
-                    .backward(cross_entropy_with_logits_loss(out, self.y.clone()));
-                let t2 = Instant::now();
-                self.scaler
-                    .update(&mut self.model, &mut self.opt, &grads)
-                    .expect("update");
-                self.scaler.zero_grads(&self.model, &mut grads);
-                self.grads = Some(grads);
-                (t1 - t0, t2 - t1, t2.elapsed())
+                self.finish(t0, out)
             }
         }
     )*};

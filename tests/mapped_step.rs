@@ -294,50 +294,27 @@ fn a_master_runs_through_one_kind_of_working_copy() {
 
 // ---- which working copy `#[mixed_step]` picks ---------------------------------------------------
 
-#[mixed_step(scaling = scaler)]
-fn train_mlp(
-    model: &mut Model,
-    opt: &mut Adam<Model, f32, Cpu>,
-    x: &X,
-    y: &Y,
-    scaler: &mut GradScaler,
-) {
-    let grads = model.alloc_grads();
-    let out = model.forward(x.trace(grads));
-    let loss = mse_loss(out, y.clone());
-    let grads = loss.backward();
-    opt.update(model, &grads).unwrap();
+/// The same plain dfdx step, with `#[mixed_step]`, for each concrete model type: the autoref
+/// ladder picks the working copy from the type.
+macro_rules! concrete_steps {
+    ($($name:ident: $model:ty),+ $(,)?) => {$(
+        #[mixed_step(scaling = scaler)]
+        fn $name(
+            model: &mut $model,
+            opt: &mut Adam<$model, f32, Cpu>,
+            x: &X,
+            y: &Y,
+            scaler: &mut GradScaler,
+        ) {
+            let grads = model.alloc_grads();
+            let out = model.forward(x.trace(grads));
+            let loss = mse_loss(out, y.clone());
+            let grads = loss.backward();
+            opt.update(model, &grads).unwrap();
+        }
+    )+};
 }
-
-#[mixed_step(scaling = scaler)]
-fn train_normed(
-    model: &mut NormedModel,
-    opt: &mut Adam<NormedModel, f32, Cpu>,
-    x: &X,
-    y: &Y,
-    scaler: &mut GradScaler,
-) {
-    let grads = model.alloc_grads();
-    let out = model.forward(x.trace(grads));
-    let loss = mse_loss(out, y.clone());
-    let grads = loss.backward();
-    opt.update(model, &grads).unwrap();
-}
-
-#[mixed_step(scaling = scaler)]
-fn train_gated(
-    model: &mut Gated,
-    opt: &mut Adam<Gated, f32, Cpu>,
-    x: &X,
-    y: &Y,
-    scaler: &mut GradScaler,
-) {
-    let grads = model.alloc_grads();
-    let out = model.forward(x.trace(grads));
-    let loss = mse_loss(out, y.clone());
-    let grads = loss.backward();
-    opt.update(model, &grads).unwrap();
-}
+concrete_steps!(train_mlp: Model, train_normed: NormedModel, train_gated: Gated);
 
 struct Agent<M: BuildOnDevice<Cpu, f32>> {
     model: M::Built,

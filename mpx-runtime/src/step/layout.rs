@@ -193,6 +193,28 @@ where
     adapter.failed.map_or(Ok(()), Err)
 }
 
+/// The device of `m`'s first tensor, in visit order (`None` for a module without tensors).
+pub(crate) fn first_device<E, D, M>(m: &M) -> Result<Option<D>, D::Err>
+where
+    E: Dtype,
+    D: Device<E>,
+    M: TensorCollection<E, D>,
+{
+    struct First<D>(Option<D>);
+    impl<E: Dtype, D: Device<E>> EachTensor<E, D> for First<D> {
+        type Error = D::Err;
+        fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, E, D>) -> Result<(), D::Err> {
+            if self.0.is_none() {
+                self.0 = Some(t.device().clone());
+            }
+            Ok(())
+        }
+    }
+    let mut first = First(None);
+    each_tensor(m, &mut first, std::convert::identity)?;
+    Ok(first.0)
+}
+
 /// Walks `master` once and records its [`Layout`].
 pub(super) fn master_layout<D: SlotDevice, M: MasterModel<D>>(
     master: &M,

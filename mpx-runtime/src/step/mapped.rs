@@ -34,6 +34,7 @@ use dfdx::tensor::Cpu;
 use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
+use super::layout::first_device;
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_by_position};
 use crate::precision::{AMP, Precision, f16};
@@ -385,7 +386,8 @@ where
 {
     let mut half = match half {
         Some(half) => half,
-        None => M::Working::try_build(&Cpu::default())?,
+        // on the master's device (its random state: dropout), as the plain working copy is
+        None => M::Working::try_build(&first_device::<f32, Cpu, M>(master)?.unwrap_or_default())?,
     };
     cast_by_position::<H, f32, M, M::Working>(master, &mut half, scratch)?;
     master.copy_scalars(&mut half);

@@ -12,7 +12,7 @@ use dfdx::tensor::{AsArray, Cpu, Gradients, HasErr, OwnedTape, Tensor};
 use super::device::MixedDevice;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput, Region};
-use super::layout::{EachTensor, WorkingCopy, WriteState, each_tensor};
+use super::layout::{WorkingCopy, WriteState, first_device};
 use super::mapped::HalfLayers;
 use super::masters::Masters;
 use super::outcome::{SkipReason, UpdateOutcome};
@@ -981,21 +981,8 @@ fn write_state<D: dfdx::tensor_ops::Device<f32>, M: MasterModel<D>>(
 fn master_device<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
     master: &M,
 ) -> Result<D, StepError> {
-    use dfdx::shapes::Shape;
-    struct First<D>(Option<D>);
-    impl<D: dfdx::tensor_ops::Device<f32>> EachTensor<f32, D> for First<D> {
-        type Error = StepError;
-        fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, f32, D>) -> Result<(), StepError> {
-            if self.0.is_none() {
-                self.0 = Some(t.device().clone());
-            }
-            Ok(())
-        }
-    }
-    let mut first = First(None);
-    each_tensor(master, &mut first, D::step_error)?;
-    first
-        .0
+    first_device::<f32, D, M>(master)
+        .map_err(D::step_error)?
         .or_else(D::fallback_device)
         .ok_or_else(|| StepError::WorkspaceMismatch {
             expected: "a master model with at least one tensor (its device is the step's)".into(),
