@@ -5,8 +5,9 @@
 //! row runs on the one engine, a `GradScaler` driven by its methods (what `#[mixed_step]` expands
 //! to), with the gradients allocated once and reused across steps as a plain dfdx loop does.
 //! Row a runs the dfdx MLP as `#[mixed_step]` does, on the working copy made of mpx's fused
-//! layers (`GradScaler::forward_mapped`), as do rows c, c' (memory) and d (`AMP<f16>`); row a0
-//! on dfdx's own layers in f16 (`GradScaler::forward`, the working copy before the mapping).
+//! layers (`GradScaler::forward_mapped`), as do rows c, c' (memory), d (`AMP<f16>`) and e
+//! (emulated bf16: mpx's f32 layers running in bf16); row a0 on dfdx's own layers in f16
+//! (`GradScaler::forward`, the working copy before the mapping).
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -242,7 +243,7 @@ macro_rules! step_mapped {
         }
     )*};
 }
-step_mapped!(f16, AMP<f16>);
+step_mapped!(f16, AMP<f16>, bf16);
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -433,7 +434,7 @@ fn main() {
         a_half.run(per_round, keep, || half.step());
         a_mapped.run(per_round, keep, || mapped.step_mapped());
         a_amp.run(per_round, keep, || amp.step_mapped());
-        a_bf.run(per_round, keep, || bf.step());
+        a_bf.run(per_round, keep, || bf.step_mapped());
         a_mpx_half.run(per_round, keep, || {
             let before = gemm_nanos();
             let r = mpx_half.step();
@@ -470,7 +471,7 @@ fn main() {
     println!("| row | what is measured | target | measured |");
     println!("|---|---|---|---|");
     println!(
-        "| a | mixed f16 step time / f32 step time (`#[mixed_step]`'s choice: dfdx's `Linear`s as mpx's, `forward_mapped`) | - | {:.2} ({t_mapped:.1} ms / {t_plain:.1} ms) |",
+        "| a | mixed f16 step time / f32 step time (`#[mixed_step]`'s choice: dfdx's `Linear`s as mpx's, `forward_mapped`) | <= 0.8 | {:.2} ({t_mapped:.1} ms / {t_plain:.1} ms) |",
         t_mapped / t_plain
     );
     println!(
@@ -504,11 +505,11 @@ fn main() {
         t_amp / t_plain
     );
     println!(
-        "| e | emulated bf16 step time / f32 step time | - | {:.2} ({t_bf:.1} ms) |",
+        "| e | emulated bf16 step time (as row a) / f32 step time | - | {:.2} ({t_bf:.1} ms) |",
         t_bf / t_plain
     );
     println!(
-        "| f | mixed f16 step, MLP of mpx's fused layers / dfdx f32 step | <= 0.5 | {:.2} ({t_mpx_half:.1} ms / {t_plain:.1} ms) |",
+        "| f | mixed f16 step, MLP of mpx's fused layers / dfdx f32 step | <= 0.6 | {:.2} ({t_mpx_half:.1} ms / {t_plain:.1} ms) |",
         t_mpx_half / t_plain
     );
     println!(
@@ -516,7 +517,7 @@ fn main() {
         t_mpx_half1 / t_plain
     );
     println!(
-        "| g | same, emulated bf16 / dfdx f32 step | <= 1.0 | {:.2} ({t_mpx_bf:.1} ms) |",
+        "| g | same, emulated bf16 / dfdx f32 step | <= 0.45 with AVX512-BF16, else about row f | {:.2} ({t_mpx_bf:.1} ms) |",
         t_mpx_bf / t_plain
     );
     println!(
@@ -571,7 +572,11 @@ fn main() {
     );
     row("a0: mixed f16, dfdx layers", &mut a_half, t_half);
     row("d: mixed AMP<f16>, mapped to mpx layers", &mut a_amp, t_amp);
-    row("mixed emulated bf16", &mut a_bf, t_bf);
+    row(
+        "e: mixed emulated bf16, mapped to mpx layers",
+        &mut a_bf,
+        t_bf,
+    );
     row("f: mixed f16, mpx layers", &mut a_mpx_half, t_mpx_half);
     row(
         "g: mixed emulated bf16, mpx layers",

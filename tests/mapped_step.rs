@@ -9,7 +9,7 @@
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::precision::f16;
+use mpx::precision::{DType, Precision, bf16, f16};
 use mpx::scaling::StaticLossScale;
 use mpx::step::{GradScaler, StepError};
 
@@ -58,12 +58,17 @@ type Y = Tensor<Rank2<7, 5>, f32, Cpu>;
 
 /// `got` within `2^-7` of the largest magnitude of `want`, entry by entry.
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_close_to(what, got, want, 128.0);
+}
+
+/// `got` within `1 / parts` of the largest magnitude of `want`, entry by entry.
+fn assert_close_to(what: &str, got: &[f32], want: &[f32], parts: f32) {
     assert_eq!(got.len(), want.len(), "{what}");
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     assert!(scale > 0.0, "{what}: all zero");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
-            (g - w).abs() <= scale / 128.0,
+            (g - w).abs() <= scale / parts,
             "{what}[{i}]: {g} vs {w} (largest {scale})"
         );
     }
@@ -105,13 +110,20 @@ fn the_mapped_forward_and_gradients_match_the_f32_step() {
     assert_eq!(at, want.len());
 }
 
-/// `M`'s mapped forward pass (`forward_mut`: batch norm and dropout in training mode) and its
-/// gradients within `2^-7` of the largest f32 value, and its batch-norm statistics (written back
-/// on the applied update) too.
-fn mapped_matches_f32<M>(what: &str, set: impl Fn(&mut M::Built))
+/// The traced input of the mapped forward passes, in `H`.
+type HalfIn<H> =
+    Tensor<Rank2<7, 12>, <H as Precision>::Elem, Cpu, OwnedTape<<H as Precision>::Elem, Cpu>>;
+
+/// `M`'s mapped forward pass in `H` (`forward_mut`: batch norm and dropout in training mode) and
+/// its gradients within `2^-7` (f16) or `2^-5` (emulated bf16, whose unit roundoff `2^-8` is 8
+/// times f16's) of the largest f32 value, and its batch-norm statistics (written back on the
+/// applied update) too.
+fn mapped_matches_f32<H, M>(what: &str, set: impl Fn(&mut M::Built))
 where
+    H: Precision,
+    Cpu: mpx::step::MixedDevice<H>,
     M: BuildOnDevice<Cpu, f32>,
-    M::Built: mpx::step::HalfLayers<f16>
+    M::Built: mpx::step::HalfLayers<H>
         + ModuleMut<
             Tensor<Rank2<7, 12>, f32, Cpu, OwnedTape<f32, Cpu>>,
             Output = Tensor<Rank2<7, 5>, f32, Cpu, OwnedTape<f32, Cpu>>,
@@ -119,11 +131,18 @@ where
         + Send
         + Sync
         + 'static,
-    <M::Built as mpx::step::HalfLayers<f16>>::Working: ModuleMut<
-            Tensor<Rank2<7, 12>, f16, Cpu, OwnedTape<f16, Cpu>>,
-            Output = Tensor<Rank2<7, 5>, f16, Cpu, OwnedTape<f16, Cpu>>,
-        >,
+    <M::Built as mpx::step::HalfLayers<H>>::Working:
+        ModuleMut<HalfIn<H>, Output = Tensor<Rank2<7, 5>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>>,
+    Tensor<Rank2<7, 12>, f32, Cpu, OwnedTape<f32, Cpu>>: mpx::step::HalfInput<H, Half = HalfIn<H>>,
+    Tensor<Rank2<7, 5>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>:
+        mpx::step::HalfOutput<H, Full = Tensor<Rank2<7, 5>, f32, Cpu, OwnedTape<f32, Cpu>>>,
 {
+    let what = format!("{what} in {}", H::DTYPE.name());
+    let parts = if H::DTYPE == DType::BFloat16 {
+        32.0
+    } else {
+        128.0
+    };
     let dev = Cpu::seed_from_u64(11);
     let mut model = dev.build_module::<M, f32>();
     set(&mut model);
@@ -135,18 +154,24 @@ where
     let want_out = out32.as_vec();
     let g32 = mse_loss(out32, y.clone()).backward();
 
-    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).unwrap());
     let out16 = scaler
         .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| {
             m.forward_mut(x)
         })
         .unwrap();
-    assert_close(&format!("{what}: output"), &out16.as_vec(), &want_out);
+    assert_close_to(
+        &format!("{what}: output"),
+        &out16.as_vec(),
+        &want_out,
+        parts,
+    );
     let g16 = scaler.backward(mse_loss(out16, y));
-    assert_close(
+    assert_close_to(
         &format!("{what}: gradients"),
         &param_grads(&model, &g16).concat(),
         &param_grads(&model, &g32).concat(),
+        parts,
     );
     // one SGD step each: every tensor (batch-norm statistics included, which the mapped
     // forward pass updated in its working copy) as the f32 step left it
@@ -160,10 +185,11 @@ where
     assert!(scaler.last_step().unwrap().mpx_layers, "{what}");
     let mut opt32 = dfdx::optim::Sgd::new(&model32, dfdx::optim::SgdConfig::default());
     opt32.update(&mut model32, &g32).unwrap();
-    assert_close(
+    assert_close_to(
         &format!("{what}: after the update"),
         &params(&model),
         &params(&model32),
+        parts,
     );
 }
 
@@ -171,43 +197,48 @@ where
 /// copy: the same forward pass and gradients as the f32 step, to f16 accuracy.
 #[test]
 fn each_mapped_module_matches_the_f32_step() {
-    mapped_matches_f32::<(Linear<12, 24>, BatchNorm1D<24>, ReLU, Linear<24, 5>)>(
-        "batch norm",
-        |_| {},
-    );
-    mapped_matches_f32::<(Linear<12, 24>, ReLU, Dropout, Linear<24, 5>)>("dropout", |m| {
-        m.2.p = 0.0
-    });
-    mapped_matches_f32::<(
-        Linear<12, 24>,
-        Sigmoid,
-        DropoutOneIn<1000000>,
-        Linear<24, 5>,
-    )>("dropout one in", |_| {});
-    mapped_matches_f32::<GeneralizedResidual<(Linear<12, 5>, Tanh), Linear<12, 5>>>(
-        "generalized residual",
-        |_| {},
-    );
-    mapped_matches_f32::<(
-        SplitInto<(Linear<12, 5>, Linear<12, 5>)>,
-        AddInto<(Tanh, Sigmoid)>,
-    )>("split into, add into", |_| {});
-    mapped_matches_f32::<(Linear<12, 24>, ReLU, Linear<24, 24>, ReLU, Linear<24, 5>)>(
-        "linear and relu fused",
-        |_| {},
-    );
-    mapped_matches_f32::<(Linear<12, 24>, Softmax, Linear<24, 5>, LogSoftmax)>(
-        "softmax, log-softmax in f32",
-        |_| {},
-    );
-    mapped_matches_f32::<(Linear<12, 24>, Tanh, Exp, Linear<24, 5>, Sigmoid, Ln)>(
-        "exp, ln in f32",
-        |_| {},
-    );
-    mapped_matches_f32::<(UnbiasedLinear<12, 24>, LeakyReLU<f32>, Linear<24, 5>)>(
-        "unbiased linear, leaky relu",
-        |m| m.1 = LeakyReLU(0.2),
-    );
+    macro_rules! each {
+        ($($h:ty),*) => {$(
+        mapped_matches_f32::<$h, (Linear<12, 24>, BatchNorm1D<24>, ReLU, Linear<24, 5>)>(
+            "batch norm",
+            |_| {},
+        );
+        mapped_matches_f32::<$h, (Linear<12, 24>, ReLU, Dropout, Linear<24, 5>)>("dropout", |m| {
+            m.2.p = 0.0
+        });
+        mapped_matches_f32::<$h, (
+            Linear<12, 24>,
+            Sigmoid,
+            DropoutOneIn<1000000>,
+            Linear<24, 5>,
+        )>("dropout one in", |_| {});
+        mapped_matches_f32::<$h, GeneralizedResidual<(Linear<12, 5>, Tanh), Linear<12, 5>>>(
+            "generalized residual",
+            |_| {},
+        );
+        mapped_matches_f32::<$h, (
+            SplitInto<(Linear<12, 5>, Linear<12, 5>)>,
+            AddInto<(Tanh, Sigmoid)>,
+        )>("split into, add into", |_| {});
+        mapped_matches_f32::<$h, (Linear<12, 24>, ReLU, Linear<24, 24>, ReLU, Linear<24, 5>)>(
+            "linear and relu fused",
+            |_| {},
+        );
+        mapped_matches_f32::<$h, (Linear<12, 24>, Softmax, Linear<24, 5>, LogSoftmax)>(
+            "softmax, log-softmax in f32",
+            |_| {},
+        );
+        mapped_matches_f32::<$h, (Linear<12, 24>, Tanh, Exp, Linear<24, 5>, Sigmoid, Ln)>(
+            "exp, ln in f32",
+            |_| {},
+        );
+        mapped_matches_f32::<$h, (UnbiasedLinear<12, 24>, LeakyReLU<f32>, Linear<24, 5>)>(
+            "unbiased linear, leaky relu",
+            |m| m.1 = LeakyReLU(0.2),
+        );
+        )*};
+    }
+    each!(f16, bf16);
 }
 
 /// dfdx's encoder-decoder `Transformer` (so its decoder blocks) on mpx's layers: the output and
@@ -297,14 +328,14 @@ fn a_master_runs_through_one_kind_of_working_copy() {
 /// The same plain dfdx step, with `#[mixed_step]`, for each concrete model type: the autoref
 /// ladder picks the working copy from the type.
 macro_rules! concrete_steps {
-    ($($name:ident: $model:ty),+ $(,)?) => {$(
+    ($($name:ident: $model:ty $(=> $h:ty)?),+ $(,)?) => {$(
         #[mixed_step(scaling = scaler)]
         fn $name(
             model: &mut $model,
             opt: &mut Adam<$model, f32, Cpu>,
             x: &X,
             y: &Y,
-            scaler: &mut GradScaler,
+            scaler: &mut GradScaler$(<$h>)?,
         ) {
             let grads = model.alloc_grads();
             let out = model.forward(x.trace(grads));
@@ -314,7 +345,12 @@ macro_rules! concrete_steps {
         }
     )+};
 }
-concrete_steps!(train_mlp: Model, train_normed: NormedModel, train_gated: Gated);
+concrete_steps!(
+    train_mlp: Model,
+    train_normed: NormedModel,
+    train_gated: Gated,
+    train_mlp_bf16: Model => bf16,
+);
 
 struct Agent<M: BuildOnDevice<Cpu, f32>> {
     model: M::Built,
@@ -352,6 +388,15 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
     assert_eq!(r.precision, "float16");
+
+    // and in emulated bf16
+    let mut mlp = dev.build_module::<Mlp, f32>();
+    let mut opt = Adam::new(&mlp, AdamConfig::default());
+    let mut scaler = GradScaler::<bf16>::default();
+    train_mlp_bf16(&mut mlp, &mut opt, &x, &y, &mut scaler);
+    let r = scaler.last_step().unwrap();
+    assert!(r.is_applied() && r.mpx_layers, "{r:?}");
+    assert_eq!(r.precision, "bfloat16");
 
     // a LayerNorm1D maps to mpx's
     let mut normed = dev.build_module::<Normed, f32>();
@@ -565,4 +610,42 @@ fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
         "worst relative gradient error {worst} (bound {})",
         48.0 * U16
     );
+}
+
+/// In emulated bf16 the mapped working copy is mpx's layers of f32 elements, which the step's
+/// forward pass runs in bf16: a `Linear`'s output holds bf16 values. In an f32 region inside the
+/// pass, the same layer runs in f32 again, and after the pass too.
+#[test]
+fn emulated_bf16_runs_the_mapped_layers_in_bf16_and_regions_in_f32() {
+    use mpx::region::FullPrecision;
+    let dev = Cpu::seed_from_u64(5);
+    let model = dev.build_module::<(Linear<12, 24>, ReLU, Linear<24, 5>), f32>();
+    let x: X = dev.sample_normal();
+    let is_bf16 = |v: &[f32]| v.iter().all(|x| x.to_bits() & 0xffff == 0);
+    let mut scaler = GradScaler::<bf16, _>::new(StaticLossScale::new(1.0).unwrap());
+    let (mut inside, mut in_region) = (vec![], vec![]);
+    let out = scaler
+        .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| {
+            let xv = x.retaped::<NoneTape>();
+            inside = m.0.forward(xv.clone()).as_vec();
+            let _ = FullPrecision::<bf16>::run(xv, |x32| {
+                let y = m.0.forward(x32);
+                in_region = y.as_vec();
+                y
+            });
+            m.forward(x)
+        })
+        .unwrap();
+    assert!(out.as_vec().iter().all(|v| v.is_finite()));
+    assert!(
+        is_bf16(&inside),
+        "the step's forward pass runs the layer in bf16"
+    );
+    assert!(
+        !is_bf16(&in_region),
+        "an f32 region inside it runs the layer in f32"
+    );
+    // after the pass: f32 again
+    let layer = dev.build_module::<mpx::nn::builders::Linear<12, 24>, f32>();
+    assert!(!is_bf16(&layer.forward(x).as_vec()));
 }

@@ -590,19 +590,37 @@ fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
     assert_eq!(params(&master), params(&fresh));
 }
 
-/// In emulated bf16 (`forward_in::<bf16, _>` on f32 tensors) the fused layer rounds its output and
-/// its gradients to bf16, as a layer of bf16 storage would: each is the f32 result (the same layer
-/// run in f32, within the f32 bound) rounded once to bf16, so within a bf16 rounding (`2^-8`
-/// relative) of it, and holds bf16 values only.
+/// In emulated bf16 (`forward_in::<bf16, _>` on f32 tensors) the fused layer multiplies bf16
+/// operands, as autocast does (on `vdpbf16ps` where the CPU has it), and rounds its output and
+/// its gradients to bf16, as a layer of bf16 storage would. On operands that are bf16 values
+/// already, each result is the f32 result (the same layer run in f32, within the f32 bound)
+/// rounded once to bf16, so within a bf16 rounding (`2^-8` relative) of it, and holds bf16
+/// values only. Operands that are not bf16 values are rounded to bf16 first: the same bits as
+/// rounding them beforehand.
 #[test]
 fn emulated_bf16_rounds_output_and_gradients_to_bf16() {
+    use mpx::cast::Cast;
     use mpx::nn::ForwardIn;
-    use mpx::precision::bf16;
+    use mpx::precision::{bf16, round_to_bf16};
     let dev = Cpu::seed_from_u64(21);
     let l = dev.build_module::<nn::builders::LinearReLU<I, O>, f32>();
-    let x: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let rounded = |t: &Tensor<Rank2<B, I>, f32, Cpu>| {
+        let v = t.as_vec();
+        let mut r = vec![0.0; v.len()];
+        round_to_bf16(&v, &mut r);
+        dev.tensor_from_vec(r, *t.shape())
+    };
+    let x_raw: Tensor<Rank2<B, I>, f32, Cpu> = dev.sample_normal();
+    let x = rounded(&x_raw);
     let c: Tensor<Rank2<B, O>, f32, Cpu> = dev.sample_normal();
-    let run = |bf: bool| {
+    let c = {
+        let v = c.as_vec();
+        let mut r = vec![0.0; v.len()];
+        round_to_bf16(&v, &mut r);
+        dev.tensor_from_vec(r, (Const::<B>, Const::<O>))
+    };
+    let l = Cast::<bf16>::cast(&l);
+    let run = |bf: bool, l: &nn::LinearReLU<I, O, f32, Cpu>, x: &Tensor<Rank2<B, I>, f32, Cpu>| {
         let y = if bf {
             l.forward_in::<bf16, _>(x.leaky_trace())
         } else {
@@ -612,11 +630,17 @@ fn emulated_bf16_rounds_output_and_gradients_to_bf16() {
         let g = (y * c.clone()).sum().backward();
         [
             out,
-            g.get(&x).as_vec(),
+            g.get(x).as_vec(),
             g.get(&l.weight).as_vec(),
             g.get(&l.bias).as_vec(),
         ]
     };
+    // an unrounded input: rounded to bf16 by the layer, the same bits
+    assert!(
+        run(true, &l, &x_raw) == run(true, &l, &x),
+        "an unrounded input changes the bf16 run"
+    );
+    let run = |bf| run(bf, &l, &x);
     let (bf, f) = (run(true), run(false));
     for (i, (a, b)) in bf.iter().zip(&f).enumerate() {
         assert!(

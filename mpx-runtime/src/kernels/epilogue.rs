@@ -189,6 +189,15 @@ pub(crate) fn relu_mask_bias_grad_f32(
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512 F was detected; `check_rows` checked that `dy` is whole rows of
+        // `cols > 0` values and that the mask has `dy.len()` bits.
+        unsafe {
+            super::relu_grad::mask_bias_grad_f32_avx512(dy, mask.map(|m| &m.bits[..]), bias_grad);
+        }
+        return Ok(());
+    }
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
         if let Some(m) = mask {
             m.apply(r * cols, drow, 0.0);

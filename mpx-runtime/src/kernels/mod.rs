@@ -110,6 +110,7 @@ mod path;
 mod peak;
 mod pool;
 mod portable;
+mod relu_grad;
 mod strided;
 mod threads;
 mod tile;

@@ -55,7 +55,7 @@ fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
     rows: usize,
     dst: &mut [E],
 ) -> Result<(), KernelError> {
-    with_weight_grad(dz, x, rows, |dw| {
+    with_weight_grad::<P, E, _>(dz, x, rows, |dw| {
         add_f32_into(dw, E::floats_mut(dst))?;
         round_in_place::<P>(dst);
         Ok(())
@@ -65,7 +65,7 @@ fn write_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
 /// Computes `dZᵀ·X` (f32 sums, `O x I`) into a pooled buffer and hands it to `use_dw`:
 /// [`write_weight_grad`] rounds it into a gradient of the layer's dtype, a linked layer adds it
 /// to the master's f32 gradient ([`crate::step::direct`]).
-fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
+fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
     dz: &[E],
     x: &[E],
     rows: usize,
@@ -84,8 +84,8 @@ fn with_weight_grad<E: Precision<Elem = E> + Dtype, R>(
     }
     let mut dw = scratch::take::<f32>(o * i);
     gemm(
-        MatRef::row_major(E::floats(dz), rows, o)?.t(),
-        MatRef::row_major(E::floats(x), rows, i)?,
+        MatRef::row_major(P::floats(dz), rows, o)?.t(),
+        MatRef::row_major(P::floats(x), rows, i)?,
         &mut dw,
         false,
     )?;
@@ -137,8 +137,8 @@ where
         let r = xc.len() / I;
         let acc = &mut acc[..r * O];
         gemm(
-            MatRef::row_major(E::floats(xc), r, I).map_err(shape_err)?,
-            MatRef::row_major(E::floats(&wv), O, I)
+            MatRef::row_major(P::floats(xc), r, I).map_err(shape_err)?,
+            MatRef::row_major(P::floats(&wv), O, I)
                 .map_err(shape_err)?
                 .t(),
             acc,
@@ -173,7 +173,7 @@ where
             drop(x);
             if let Some(link) = &link {
                 link.add_bias_grad(&db)?;
-                with_weight_grad(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                with_weight_grad::<P, E, _>(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
                     .map_err(shape_err)??;
             } else {
                 let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
@@ -209,8 +209,8 @@ fn input_grad<
         let r = dzc.len() / O;
         let dx = &mut dx[..r * I];
         gemm(
-            MatRef::row_major(E::floats(dzc), r, O).map_err(shape_err)?,
-            MatRef::row_major(E::floats(wv), O, I).map_err(shape_err)?,
+            MatRef::row_major(P::floats(dzc), r, O).map_err(shape_err)?,
+            MatRef::row_major(P::floats(wv), O, I).map_err(shape_err)?,
             dx,
             false,
         )

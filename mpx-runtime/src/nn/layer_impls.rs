@@ -3,24 +3,56 @@
 //! ([`build_on_device!`]) and, for a layer made of other layers, `TensorCollection`
 //! ([`module_collection!`]).
 
-/// Implements dfdx's `Module` (in the element type as the precision: f32, f16 or `AMP<f16>`) and
-/// `NonMutableModule` for an `mpx::nn` layer, by way of its [`MixedModule`] impls.
+/// Implements dfdx's `Module` and `NonMutableModule` for an `mpx::nn` layer, by way of its
+/// [`MixedModule`] impls: in the element type as the precision (f16, `AMP<f16>`), and for f32
+/// elements in f32, or in emulated bf16 inside an emulated-bf16 step's forward pass
+/// ([`crate::precision::emulation`]). `native_module!(Name[const A, ..]; T, ..)` for a layer
+/// with type parameters after its device.
 macro_rules! native_module {
-    ($name:ident [$(const $c:ident),*]) => {
-        impl<$(const $c: usize,)* E: $crate::precision::Precision<Elem = E> + dfdx::shapes::Dtype, X> dfdx::nn::Module<X>
-            for $name<$($c,)* E, dfdx::tensor::Cpu>
-        where
-            Self: $crate::nn::MixedModule<E, X>,
+    ($name:ident [$(const $c:ident),*] $(; $($t:ident),*)?) => {
+        $crate::nn::layer_impls::native_module!(@f32 $name [$(const $c),*] [$($($t),*)?]);
+        $crate::nn::layer_impls::native_module!(@half half::f16; $name [$(const $c),*] [$($($t),*)?]);
+        $crate::nn::layer_impls::native_module!(
+            @half dfdx::dtypes::AMP<half::f16>; $name [$(const $c),*] [$($($t),*)?]
+        );
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E> $($(, $t)*)?>
+            dfdx::nn::NonMutableModule for $name<$($c,)* E, D $($(, $t)*)?>
         {
-            type Output = <Self as $crate::nn::MixedModule<E, X>>::Output;
+        }
+    };
+    (@f32 $name:ident [$(const $c:ident),*] [$($t:ident),*]) => {
+        impl<$(const $c: usize,)* $($t,)* X> dfdx::nn::Module<X>
+            for $name<$($c,)* f32, dfdx::tensor::Cpu $(, $t)*>
+        where
+            Self: $crate::nn::MixedModule<f32, X>
+                + $crate::nn::MixedModule<
+                    half::bf16,
+                    X,
+                    Output = <Self as $crate::nn::MixedModule<f32, X>>::Output,
+                >,
+        {
+            type Output = <Self as $crate::nn::MixedModule<f32, X>>::Output;
             type Error = dfdx::tensor::CpuError;
             fn try_forward(&self, x: X) -> Result<Self::Output, dfdx::tensor::CpuError> {
-                $crate::nn::MixedModule::<E, X>::try_mixed_forward(self, x)
+                if $crate::precision::emulation::f32_runs_as_bf16() {
+                    $crate::nn::MixedModule::<half::bf16, X>::try_mixed_forward(self, x)
+                } else {
+                    $crate::nn::MixedModule::<f32, X>::try_mixed_forward(self, x)
+                }
             }
         }
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            dfdx::nn::NonMutableModule for $name<$($c,)* E, D>
+    };
+    (@half $e:ty; $name:ident [$(const $c:ident),*] [$($t:ident),*]) => {
+        impl<$(const $c: usize,)* $($t,)* X> dfdx::nn::Module<X>
+            for $name<$($c,)* $e, dfdx::tensor::Cpu $(, $t)*>
+        where
+            Self: $crate::nn::MixedModule<$e, X>,
         {
+            type Output = <Self as $crate::nn::MixedModule<$e, X>>::Output;
+            type Error = dfdx::tensor::CpuError;
+            fn try_forward(&self, x: X) -> Result<Self::Output, dfdx::tensor::CpuError> {
+                $crate::nn::MixedModule::<$e, X>::try_mixed_forward(self, x)
+            }
         }
     };
 }

@@ -34,7 +34,7 @@ use std::fmt::Debug;
 use dfdx::nn::modules::Linear as DfdxLinear;
 use dfdx::nn::modules::ReLU as DfdxReLU;
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::nn::{BuildModule, BuildOnDevice, Module, NonMutableModule};
+use dfdx::nn::{BuildModule, BuildOnDevice};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
@@ -42,6 +42,7 @@ use dfdx::tensor_ops::Device;
 use super::convert::{Dfdx, IntoLayers, Mpx};
 use super::dfdx_linear::linear_params;
 use super::fused_linear::fused_linear;
+use super::layer_impls::native_module;
 use super::mixed::MixedModule;
 use crate::cast::{Cast, FloatLeaves};
 pub use crate::kernels::{Activation, KernelError};
@@ -270,11 +271,6 @@ macro_rules! build {
 build!(Linear, act::Identity);
 build!(LinearReLU, act::ReLU);
 
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> NonMutableModule
-    for FusedLinear<I, O, E, D, A>
-{
-}
-
 impl<const I: usize, const O: usize, E: Dtype, D: Device<E>, A: FusedActivation>
     TensorCollection<E, D> for FusedLinear<I, O, E, D, A>
 where
@@ -445,15 +441,4 @@ mixed_forward!();
 mixed_forward!(B);
 mixed_forward!(B, S);
 
-/// dfdx's `Module`: the forward pass in the element type as the precision.
-impl<const I: usize, const O: usize, E, A, X> Module<X> for FusedLinear<I, O, E, Cpu, A>
-where
-    E: Precision<Elem = E> + Dtype,
-    Self: MixedModule<E, X>,
-{
-    type Output = <Self as MixedModule<E, X>>::Output;
-    type Error = CpuError;
-    fn try_forward(&self, x: X) -> Result<Self::Output, CpuError> {
-        MixedModule::<E, X>::try_mixed_forward(self, x)
-    }
-}
+native_module!(FusedLinear[const I, const O]; A);

@@ -11,8 +11,10 @@ use crate::precision::Precision;
 ///
 /// `P` matters beyond the element type for emulated [`bf16`](crate::precision::bf16): its
 /// tensors are f32, and only `P` says that region outputs and gradients are rounded to bf16.
-/// Each `mpx::nn` layer also implements dfdx's `Module`, which runs in its element type `E` as the
-/// precision (`E: Precision<Elem = E> + Dtype`: f32, f16 or `AMP<f16>`).
+/// Each `mpx::nn` layer also implements dfdx's `Module`, which runs in its element type as the
+/// precision (f16 or `AMP<f16>`), and for f32 elements in f32, or in emulated bf16 inside the
+/// forward pass of a mixed step in emulated bf16 (which says so for its thread; an f32 region
+/// inside it says f32 again).
 ///
 /// # Examples
 /// ```

@@ -41,6 +41,7 @@
 
 pub(crate) mod convert;
 mod dtype;
+pub(crate) mod emulation;
 mod impls;
 mod slices;
 mod views;

@@ -37,7 +37,7 @@ use super::error::StepError;
 use super::layout::first_device;
 use crate::boundary::MasterModel;
 use crate::cast::{CastScratch, cast_by_position};
-use crate::precision::{AMP, Precision, f16};
+use crate::precision::{AMP, Precision, bf16, f16};
 
 /// A master model whose working copy in precision `H` can be built from mpx's fused layers:
 /// - dfdx's `Linear<I, O>` becomes mpx's fused [`FusedLinear`](crate::nn::FusedLinear) in
@@ -66,9 +66,11 @@ use crate::precision::{AMP, Precision, f16};
 /// flags (the cast goes by position), and takes the same inputs (`(S, M)` and `(B, S, M)`
 /// sequences, attention's `(q, k, v)` tuples).
 ///
-/// Implemented for `H` = [`f16`](struct@f16) and [`AMP<f16>`] only (emulated bf16 and f32 run on
-/// dfdx's fast f32 kernels already). A model with any other layer does not implement it and
-/// keeps the plain working copy ([`WorkingCopy`](super::WorkingCopy)).
+/// Implemented for `H` = [`f16`](struct@f16), [`AMP<f16>`] and emulated [`bf16`](struct@bf16).
+/// In emulated bf16 the working copy is mpx's layers of f32 elements, which the step's forward
+/// pass runs in bf16 (products of bf16 operands, on `vdpbf16ps` where the CPU has AVX512-BF16;
+/// outputs and gradients rounded to bf16). A model with any other layer does not implement it
+/// and keeps the plain working copy ([`WorkingCopy`](super::WorkingCopy)).
 ///
 /// # Examples
 /// ```
@@ -220,7 +222,7 @@ macro_rules! activations {
     )*};
 }
 
-layers!(f16, AMP<f16>);
+layers!(f16, AMP<f16>, bf16);
 
 /// dfdx's layers with an `mpx::nn` counterpart that visits the same tensors in the same order
 /// (same shapes, same trainable flags, the same scalars): `LayerNorm1D`, `MultiHeadAttention`
@@ -281,7 +283,7 @@ macro_rules! transformer_layers {
     )*};
 }
 
-transformer_layers!(f16, AMP<f16>);
+transformer_layers!(f16, AMP<f16>, bf16);
 
 /// A stack maps layer by layer (dfdx's `TransformerEncoder` is a `Repeated` of blocks).
 impl<H: Precision, T: HalfLayers<H>, const N: usize> HalfLayers<H> for Repeated<T, N>

@@ -1021,8 +1021,10 @@ where
     let x = input.enter(&mut region).map_err(D::step_error)?;
     // mpx's fused layers of the working copy find their master tensors in this scope
     let scope = D::enter_scope(&*half, direct.as_ref())?;
+    // and those of f32 elements run in emulated bf16 when `H` is
+    let emulation = crate::precision::emulation::emulate::<H>();
     let y = f(half, x);
-    drop(scope);
+    drop((emulation, scope));
     let out = y.leave(&mut region).map_err(D::step_error)?;
     // Unused (no traced input): kept for the next forward pass, where the working copy keeps its
     // tensors; a rebuilt one (`Cuda`) gets buffers of its own.

@@ -1,0 +1,110 @@
+//! The f32 backward epilogue's rows with SIMD: `ReLU`'s mask applied to `dY` from its bits, and
+//! the bias gradient's column sums, in one pass. The scalar loop in
+//! [`relu_mask_bias_grad_f32`](super::epilogue::relu_mask_bias_grad_f32) is the definition:
+//! every column is summed row by row in the same order, so the results are the same bits.
+
+/// The 16 mask bits of elements `i..i + 16` (bits past the mask's end read as clear).
+#[cfg(target_arch = "x86_64")]
+fn bits16(bits: &[u64], i: usize) -> u16 {
+    let (word, off) = (i / 64, i % 64);
+    let lo = bits.get(word).map_or(0, |w| w >> off);
+    let hi = if off > 48 {
+        bits.get(word + 1).map_or(0, |w| w << (64 - off))
+    } else {
+        0
+    };
+    // the low 16 bits: the mask of these 16 elements
+    #[allow(clippy::cast_possible_truncation)]
+    let m = (lo | hi) as u16;
+    m
+}
+
+/// `dy` (whole rows of `bias_grad.len()`, not empty) zeroed where `mask`'s bit is clear, then
+/// summed by column into `bias_grad`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F. (Any lengths are sound: rows are `bias_grad.len()` values, a
+/// shorter last row is summed as far as it goes, and missing mask bits read as clear.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn mask_bias_grad_f32_avx512(
+    dy: &mut [f32],
+    mask: Option<&[u64]>,
+    bias_grad: &mut [f32],
+) {
+    use std::arch::x86_64::{_mm512_add_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps};
+    let cols = bias_grad.len();
+    for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
+        for (k, (d, g)) in row.chunks_mut(16).zip(bias_grad.chunks_mut(16)).enumerate() {
+            let j = 16 * k;
+            // the lanes of this chunk (16, or fewer at the row's end)
+            let lanes: u16 = u16::MAX >> (16 - d.len());
+            let keep = mask.map_or(lanes, |m| lanes & bits16(m, r * cols + j));
+            // SAFETY: only the lanes set in `keep` are read, and `keep` is within `lanes`: the
+            // `d.len()` values of `d`.
+            let v = unsafe { _mm512_maskz_loadu_ps(keep, d.as_ptr()) };
+            // SAFETY: the `d.len()` lanes of `lanes` are `d`'s values.
+            unsafe { _mm512_mask_storeu_ps(d.as_mut_ptr(), lanes, v) };
+            // SAFETY: `g` has the same length as `d` (a row's chunk and its columns' sums).
+            let old = unsafe { _mm512_maskz_loadu_ps(lanes, g.as_ptr()) };
+            let sum = _mm512_add_ps(old, v);
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(g.as_mut_ptr(), lanes, sum) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::epilogue::{ReluMask, relu_mask_bias_grad_f32};
+
+    /// The scalar definition: mask, then column sums row by row.
+    fn scalar(dy: &mut [f32], y: Option<&[f32]>, bias_grad: &mut [f32]) {
+        let cols = bias_grad.len();
+        for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
+            for (c, v) in row.iter_mut().enumerate() {
+                if y.is_some_and(|y| y[r * cols + c] <= 0.0) {
+                    *v = 0.0;
+                }
+                bias_grad[c] += *v;
+            }
+        }
+    }
+
+    #[test]
+    fn the_simd_rows_are_the_scalar_bits() {
+        #[cfg(target_arch = "x86_64")]
+        let simd = std::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        if !simd {
+            eprintln!("skipped: this CPU has no AVX-512 F (the portable loop ran instead)");
+        }
+        for cols in [1usize, 7, 15, 16, 17, 33, 64, 100, 1024] {
+            for rows in [1usize, 3, 5] {
+                let n = rows * cols;
+                #[allow(clippy::cast_precision_loss)]
+                let dy0: Vec<f32> = (0..n)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                    .collect();
+                #[allow(clippy::cast_precision_loss)]
+                let y: Vec<f32> = (0..n).map(|i| ((i * 13 % 29) as f32) - 14.0).collect();
+                for masked in [false, true] {
+                    let mask = masked.then(|| ReluMask::from_f32(&y));
+                    let (mut want, mut gw) = (dy0.clone(), vec![0.5f32; cols]);
+                    scalar(&mut want, masked.then_some(&y[..]), &mut gw);
+                    // the dispatching entry point (SIMD where the CPU has it)
+                    let (mut got, mut gg) = (dy0.clone(), vec![0.5f32; cols]);
+                    relu_mask_bias_grad_f32(&mut got, mask.as_ref(), &mut gg).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "dy, {rows}x{cols}, mask {masked}");
+                    assert_eq!(
+                        bits(&gg),
+                        bits(&gw),
+                        "bias grad, {rows}x{cols}, mask {masked}"
+                    );
+                }
+            }
+        }
+    }
+}
