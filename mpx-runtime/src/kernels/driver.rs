@@ -1,4 +1,5 @@
-//! The blocked GEMM driver: operand preparation (widening, bf16 rounding), the loops around a
+//! The blocked GEMM driver: operand preparation (f16 widened while packing on the AVX-512
+//! kernels, and into a whole f32 copy for the AVX2 and portable ones; bf16 rounding), the loops around a
 //! micro-kernel, and the split of large products over threads. Packing lives in
 //! [`pack`](super::pack), the block loop of the strided AVX2 kernel (operands read in place or
 //! packed) in [`strided`]; the micro-kernels are the only `unsafe` calls, plus the shared view of
@@ -26,7 +27,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 use super::mat::MatRef;
 use super::pack::{Src, pack_a, pack_b};
@@ -107,6 +108,30 @@ pub(crate) fn gemm_threads<'a>(
         run_packed(&bf16::micro(), 2, (m, n, k), &pack, (c, zero), threads);
         return Ok(());
     }
+    let dims = (m, n, k);
+    if matches!(
+        path,
+        KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16 | KernelPath::Avx512
+    ) && let (FloatSlice::F16(av), FloatSlice::F16(bv)) = (a.values(), b.values())
+    {
+        // f16 operands on the f32 kernel: widened while packing, read in place
+        let bits = |v: &'a [f16]| -> &'a [u16] { v.reinterpret_cast() };
+        let (a, b) = (
+            Src {
+                data: bits(av),
+                rs: a.row_stride(),
+                cs: a.col_stride(),
+            },
+            Src {
+                data: bits(bv),
+                rs: b.row_stride(),
+                cs: b.col_stride(),
+            },
+        );
+        let pack = |dst: &mut [f32], part| pack_widened(dst, a, b, part);
+        run_packed(&avx512::micro(), 1, dims, &pack, (c, zero), threads);
+        return Ok(());
+    }
     with_wide(|[wa, wb]| {
         let a = Src {
             data: prepared(&a, wa),
@@ -118,7 +143,6 @@ pub(crate) fn gemm_threads<'a>(
             rs: b.row_stride(),
             cs: b.col_stride(),
         };
-        let dims = (m, n, k);
         match path {
             KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16 | KernelPath::Avx512 => {
                 run(&avx512::micro(), dims, a, b, (c, zero), threads);
@@ -199,6 +223,35 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
             buf
         }
     }
+}
+
+thread_local! {
+    /// One packed part of an f16 operand, before it is widened (per thread).
+    static STAGE_F16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel: packed as f16 first, then
+/// the panels widened to f32 in one SIMD pass (the layout is the same, so this is the packing of
+/// the widened operand, without widening the whole operand beforehand).
+fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
+    let go = |stage: &mut Vec<u16>, dst: &mut [f32]| {
+        let (lines, kc, width) = match part {
+            Part::A((_, mc), (_, kc)) => (mc, kc, avx512::MR),
+            Part::B((_, kc), (_, nc)) => (nc, kc, avx512::NR),
+        };
+        let len = lines.div_ceil(width) * width * kc;
+        stage.resize(len, 0);
+        match part {
+            Part::A(rows, ks) => pack_a(stage, a, rows, ks, avx512::MR),
+            Part::B(ks, cols) => pack_b(stage, b, ks, cols, avx512::NR),
+        }
+        let halves: &[f16] = stage[..len].reinterpret_cast();
+        crate::precision::convert::widen_f16(halves, &mut dst[..len]);
+    };
+    STAGE_F16.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut stage) => go(&mut stage, dst),
+        Err(_) => go(&mut Vec::new(), dst),
+    });
 }
 
 /// Nanoseconds spent in [`gemm_on`] (all threads, since the process started).

@@ -3,7 +3,7 @@
 use dfdx::dtypes::AMP;
 use half::{bf16, f16};
 
-use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, round_to_bf16, sized};
+use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, sized};
 use super::{DType, FloatSlice, FloatSliceMut, HalfPrecision, Precision, sealed};
 
 impl sealed::Sealed for f32 {
@@ -94,10 +94,10 @@ impl Precision for bf16 {
     const DTYPE: DType = DType::BFloat16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [f32]) {
-        round_to_bf16(src, dst);
+        super::convert::round_bf16(src, dst);
     }
     fn widen(src: &[f32], dst: &mut [f32]) {
-        round_to_bf16(src, dst);
+        super::convert::round_bf16(src, dst);
     }
     fn floats(values: &[f32]) -> FloatSlice<'_> {
         FloatSlice::Bf16(values)
