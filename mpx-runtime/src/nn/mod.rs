@@ -52,7 +52,7 @@ pub(crate) mod linear;
 mod linked_relu;
 mod mha;
 mod mixed;
-mod scratch;
+pub(crate) mod scratch;
 mod sublayer;
 pub mod vit;
 

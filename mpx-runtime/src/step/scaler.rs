@@ -1023,6 +1023,7 @@ where
     let scope = D::enter_scope(&*half, direct.as_ref())?;
     // and those of f32 elements run in emulated bf16 when `H` is
     let emulation = crate::precision::emulation::emulate::<H>();
+    crate::nn::scratch::keep_freed_memory();
     let y = f(half, x);
     drop((emulation, scope));
     let out = y.leave(&mut region).map_err(D::step_error)?;
