@@ -114,6 +114,11 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// A scaler with the given loss scale (`DynamicLossScale`, `StaticLossScale` or
     /// `NoOpLossScale`). Buffers are allocated on the first forward pass.
     ///
+    /// The first scaler of a process also allocates a 16 MiB block and frees it at once, without
+    /// writing to it, so that glibc's `malloc` keeps freed memory below that size for reuse
+    /// instead of returning it to the system: the tensors a step hands to dfdx, which dfdx frees,
+    /// then do not fault their pages in again every step (see `nn/scratch.rs`).
+    ///
     /// # Examples
     /// ```
     /// use mpx_runtime::precision::bf16;
@@ -123,6 +128,7 @@ impl<H: Precision, L: LossScale> GradScaler<H, L> {
     /// assert_eq!(scaler.loss_scale(), 1.0);
     /// ```
     pub fn new(scaling: L) -> Self {
+        crate::nn::scratch::keep_freed_memory();
         Self {
             scaling,
             masters: Masters::default(),
@@ -1023,6 +1029,7 @@ where
     let scope = D::enter_scope(&*half, direct.as_ref())?;
     // and those of f32 elements run in emulated bf16 when `H` is
     let emulation = crate::precision::emulation::emulate::<H>();
+    // (done by `new` already, unless this scaler was made another way)
     crate::nn::scratch::keep_freed_memory();
     let y = f(half, x);
     drop((emulation, scope));
