@@ -263,19 +263,36 @@ fn a_dfdx_transformer_with_its_decoder_maps_and_matches_the_f32_step() {
     let want_out = out32.as_vec();
     let g32 = mse_loss(out32, y.clone()).backward();
 
-    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
-    let out16 = scaler
-        .try_forward_mapped(&model, (src.trace(model.alloc_grads()), tgt), |m, x| {
-            m.forward(x)
-        })
-        .unwrap();
-    assert_close("transformer output", &out16.as_vec(), &want_out);
-    let g16 = scaler.backward(mse_loss(out16, y));
-    assert_close(
-        "transformer gradients",
-        &param_grads(&model, &g16).concat(),
-        &param_grads(&model, &g32).concat(),
-    );
+    // f16 within 2^-7 of the largest f32 value, emulated bf16 (8 times f16's unit roundoff)
+    // within 2^-5
+    macro_rules! mapped {
+        ($h:ty, $parts:expr) => {{
+            let mut scaler = GradScaler::<$h, _>::new(StaticLossScale::new(1024.0).unwrap());
+            let out = scaler
+                .try_forward_mapped(
+                    &model,
+                    (src.trace(model.alloc_grads()), tgt.clone()),
+                    |m, x| m.forward(x),
+                )
+                .unwrap();
+            let what = <$h as Precision>::DTYPE.name();
+            assert_close_to(
+                &format!("transformer output, {what}"),
+                &out.as_vec(),
+                &want_out,
+                $parts,
+            );
+            let g = scaler.backward(mse_loss(out, y.clone()));
+            assert_close_to(
+                &format!("transformer gradients, {what}"),
+                &param_grads(&model, &g).concat(),
+                &param_grads(&model, &g32).concat(),
+                $parts,
+            );
+        }};
+    }
+    mapped!(f16, 128.0);
+    mapped!(bf16, 32.0);
 }
 
 #[test]

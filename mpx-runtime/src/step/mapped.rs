@@ -556,6 +556,7 @@ mod tests {
     fn each_mapped_layer_visits_dfdxs_tensors_in_order() {
         check_all::<f16>();
         check_all::<AMP<f16>>();
+        check_all::<bf16>();
     }
 
     #[test]
