@@ -99,7 +99,9 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
 ///
 /// - Forward: one GEMM (f32 sums) per `ROW_CHUNK` rows, then one pass adding the bias, applying
 ///   the activation and rounding to the element type; for emulated bf16 (f32 storage) the output
-///   is then rounded to bf16.
+///   is then rounded to bf16. Every GEMM sees its operands as `P` holds them (`P::floats`):
+///   emulated bf16's f32 values as bf16 operands (rounded while packing, multiplied with
+///   `vdpbf16ps` where the CPU has AVX512-BF16), f16 as f16.
 /// - Backward: `ReLU`'s mask and the bias-gradient sums in one pass over a copy of `dY`; inside a
 ///   [`GradScaler`](crate::step::GradScaler) forward pass (a [`Link`](crate::step::direct)),
 ///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
