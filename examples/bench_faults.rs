@@ -1,25 +1,30 @@
 //! Page faults per training step of mpx's fused layers (issue 17, item 3), counted by the kernel
 //! for this process (minor faults, field 10 of `/proc/self/stat`; Linux only) over the steps
 //! after a warm-up:
-//! - bench_step's row f: MLP 512-1024-1024-10 of `mpx::nn::{LinearReLU, Linear}`, batch 256;
+//! - bench_step's rows f and g: MLP 512-1024-1024-10 of `mpx::nn::{LinearReLU, Linear}`, batch
+//!   256, in f16 and in emulated bf16;
+//! - bench_step's rows a and e: the same MLP of dfdx's `Linear` and `ReLU`, on the working copy
+//!   `#[mixed_step]` gives it (mpx's layers, `GradScaler::forward_mapped`), in f16 and bf16;
 //! - the ViT of `examples/vit.rs` (`mpx::nn::vit::Vit`, 16 tokens of width 32, 2 encoder blocks)
-//!   on random 8x8 images, batch 32.
+//!   on random 8x8 images, batch 32, in f16.
 //!
-//! Both train with Adam and a `GradScaler<f16>` (what `#[mixed_step]` expands to).
+//! All train with Adam and a `GradScaler` (what `#[mixed_step]` expands to).
 //!
 //! ```text
 //! cargo run --release --example bench_faults [-- STEPS]
 //! ```
 //!
 //! A fault is the first touch of a fresh 4 KiB page: a step that allocates a large buffer anew
-//! (and frees it after) pays one per page it writes, unless the allocator kept the pages. glibc's
-//! malloc adapts its mmap threshold to the largest block freed, so a process that runs one model
-//! may keep them; `MALLOC_MMAP_THRESHOLD_=131072` fixes the threshold at glibc's starting value
-//! (as in a process whose allocations vary), which shows the allocations per step.
+//! (and frees it after) pays one per page it writes, unless the allocator kept the pages. The
+//! fused ops pool their own buffers; the tensors a step hands to dfdx (a layer's output, the half
+//! batch) are dfdx's to free, and the first `GradScaler` of a process raises glibc's mmap and
+//! trim thresholds (one 16 MiB block allocated and freed) so that malloc keeps them for reuse.
+//! `MALLOC_MMAP_THRESHOLD_=131072` fixes the threshold at glibc's starting value, which turns that
+//! off and shows what a step allocates above it.
 
 use dfdx::{optim::*, prelude::*};
 use mpx::nn;
-use mpx::precision::f16;
+use mpx::precision::{Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
 use mpx::step::GradScaler;
 
@@ -27,6 +32,14 @@ type Mlp = (
     nn::builders::LinearReLU<512, 1024>,
     nn::builders::LinearReLU<1024, 1024>,
     nn::builders::Linear<1024, 10>,
+);
+/// The same MLP of dfdx's layers.
+type DfdxMlp = (
+    Linear<512, 1024>,
+    ReLU,
+    Linear<1024, 1024>,
+    ReLU,
+    Linear<1024, 10>,
 );
 /// The ViT of `examples/vit.rs`: 8x8 images in 2x2 patches, width 32, 4 heads, feed-forward 64,
 /// 2 blocks, 10 classes.
@@ -66,7 +79,7 @@ fn labels<const B: usize>(dev: &Cpu) -> Tensor<Rank2<B, 10>, f32, Cpu> {
     dev.tensor_from_vec(y, (Const, Const))
 }
 
-fn scaler() -> GradScaler<f16, DynamicLossScale> {
+fn scaler<H: Precision>() -> GradScaler<H, DynamicLossScale> {
     let scaling = DynamicLossScale::builder()
         .initial(65536.0)
         .build()
@@ -74,17 +87,18 @@ fn scaler() -> GradScaler<f16, DynamicLossScale> {
     GradScaler::new(scaling)
 }
 
-/// The faults per step of training `$model` on `$x`, `$y` (a macro: the model types differ).
+/// The faults per step of training `$model` on `$x`, `$y` in `$h` with the scaler's `$forward`
+/// (`forward`, or `forward_mapped` for a model of dfdx's layers) (a macro: the types differ).
 macro_rules! train {
-    ($steps:expr, $model:expr, $x:expr, $y:expr) => {{
+    ($steps:expr, $h:ty, $forward:ident, $model:expr, $x:expr, $y:expr) => {{
         let mut model = $model;
         let mut opt = Adam::new(&model, AdamConfig::default());
-        let mut scaler = scaler();
+        let mut scaler = scaler::<$h>();
         let (x, y) = ($x, $y);
         let mut grads = Some(model.alloc_grads());
         per_step($steps, || {
             let g = grads.take().expect("gradients present");
-            let out = scaler.forward(&model, x.clone().traced(g), |m, x| m.forward(x));
+            let out = scaler.$forward(&model, x.clone().traced(g), |m, x| m.forward(x));
             let mut g = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
             scaler.update(&mut model, &mut opt, &g).expect("update");
             model.zero_grads(&mut g);
@@ -106,19 +120,63 @@ fn main() {
         None => println!("{what}: no /proc/self/stat, page faults not counted"),
     };
     let x: Tensor<Rank2<256, 512>, f32, Cpu> = dev.sample_normal();
-    let mlp = train!(
-        steps,
+    let (mpx_mlp, dfdx_mlp) = (
         dev.build_module::<Mlp, f32>(),
-        x,
-        labels::<256>(&dev)
+        dev.build_module::<DfdxMlp, f32>(),
     );
-    report(
-        "row f (MLP 512-1024-1024-10 of mpx's fused layers, batch 256, GradScaler<f16>)",
-        mlp,
-    );
+    for (row, faults) in [
+        (
+            "row f (MLP 512-1024-1024-10 of mpx's fused layers, batch 256, GradScaler<f16>)",
+            train!(
+                steps,
+                f16,
+                forward,
+                mpx_mlp.clone(),
+                x.clone(),
+                labels::<256>(&dev)
+            ),
+        ),
+        (
+            "row g (the same, GradScaler<bf16>, emulated)",
+            train!(
+                steps,
+                bf16,
+                forward,
+                mpx_mlp,
+                x.clone(),
+                labels::<256>(&dev)
+            ),
+        ),
+        (
+            "row a (the MLP of dfdx's layers on mpx's, forward_mapped, GradScaler<f16>)",
+            train!(
+                steps,
+                f16,
+                forward_mapped,
+                dfdx_mlp.clone(),
+                x.clone(),
+                labels::<256>(&dev)
+            ),
+        ),
+        (
+            "row e (the same, GradScaler<bf16>, emulated)",
+            train!(
+                steps,
+                bf16,
+                forward_mapped,
+                dfdx_mlp,
+                x,
+                labels::<256>(&dev)
+            ),
+        ),
+    ] {
+        report(row, faults);
+    }
     let images: Tensor<Rank2<32, 64>, f32, Cpu> = dev.sample_uniform();
     let vit = train!(
         steps,
+        f16,
+        forward,
         dev.build_module::<Vit, f32>(),
         images,
         labels::<32>(&dev)

@@ -245,14 +245,6 @@ macro_rules! step_mapped {
 }
 step_mapped!(f16, AMP<f16>, bf16);
 
-/// The process's minor page faults so far (field 10 of `/proc/self/stat`), where there is one.
-fn minor_faults() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // the fields after the command name, which is in parentheses and may hold spaces
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    rest.split(' ').nth(7)?.parse().ok()
-}
-
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -459,47 +451,6 @@ fn main() {
         .expect("1 thread is valid");
     }
 
-    // page faults per step, after the rounds above (Linux: /proc/self/stat)
-    let faults = |step: &mut dyn FnMut()| {
-        let before = minor_faults()?;
-        for _ in 0..20 {
-            step();
-        }
-        Some((minor_faults()? - before) as f64 / 20.0)
-    };
-    let fault_rows = [
-        (
-            "plain f32 (dfdx)",
-            faults(&mut || {
-                let _ = plain.step();
-            }),
-        ),
-        (
-            "a: dfdx's layers, mapped, f16",
-            faults(&mut || {
-                let _ = mapped.step_mapped();
-            }),
-        ),
-        (
-            "e: dfdx's layers, mapped, bf16",
-            faults(&mut || {
-                let _ = bf.step_mapped();
-            }),
-        ),
-        (
-            "f: mpx's layers, f16",
-            faults(&mut || {
-                let _ = mpx_half.step();
-            }),
-        ),
-        (
-            "g: mpx's layers, bf16",
-            faults(&mut || {
-                let _ = mpx_bf.step();
-            }),
-        ),
-    ];
-
     let t_plain = Acc::med(&mut a_plain.total);
     let t_mach = Acc::med(&mut a_mach.total);
     let t_half = Acc::med(&mut a_half.total);
@@ -633,15 +584,6 @@ fn main() {
         t_mpx_bf,
     );
     row("h: plain f32, mpx layers", &mut a_mpx_plain, t_mpx_plain);
-    println!("\nMinor page faults per step (mean of 20 steps after the timed rounds; Linux):\n");
-    println!("| step | page faults |");
-    println!("|---|---|");
-    for (name, f) in fault_rows {
-        println!(
-            "| {name} | {} |",
-            f.map_or("-".to_string(), |f| format!("{f:.1}"))
-        );
-    }
     let fb = Acc::med(&mut a_mpx_half.fwd_bwd);
     println!(
         "\nRow f's forward+backward ({fb:.2} ms, a `GradScaler` step: the master cast and the batch rounding are inside it; its layers write their weight gradients straight into the master's, so there is no transfer): matmul (time inside mpx's GEMM calls during the step) {t_gemm:.2} ms; the rest ({:.2} ms) is element-wise work (bias, activation, mask, casts), copies, dfdx's tape and the loss. Optimizer: {:.2} ms.",
