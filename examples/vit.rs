@@ -23,9 +23,9 @@
 //! (projections, feed-forward, patch embedding, head) is one op with f32 sums rounded once to the
 //! half type; all heads' `softmax(q·kᵀ/√d)·v` is one op with the scores and the softmax in f32;
 //! each residual add is fused into the layer norm after it, whose statistics run in f32. In f32
-//! they run dfdx's own ops. The mixed runs call
-//! `forward_in::<H, _>` (which emulated bf16 needs: its tensors are f32, and only `H` says where
-//! to round to bf16).
+//! they run dfdx's own ops. The mixed runs call `forward_in::<H, _>`, which names the
+//! precision (emulated bf16's tensors are f32; inside a `GradScaler<bf16>` forward pass a plain
+//! `forward` runs the layers in bf16 too, but the evaluation pass outside it needs `H` named).
 
 #[path = "../tests/common/digits.rs"]
 mod digits;
