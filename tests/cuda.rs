@@ -3,9 +3,7 @@
 //! mixed step with a plain f32 dfdx step on the same device, or with itself.
 #![cfg(feature = "cuda")]
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::{optim::*, prelude::*};
 use mpx::precision::{AMP, Precision, f16};
 use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
@@ -16,31 +14,8 @@ type Model = <Mlp as BuildOnDevice<Cuda, f32>>::Built;
 type X = Tensor<Rank2<32, 16>, f32, Cuda>;
 type Y = Tensor<Rank2<32, 4>, f32, Cuda>;
 
-/// Every float of a model on the device, read back to the host, as bits.
-fn bits<M: TensorCollection<f32, Cuda>>(m: &M) -> Vec<u32> {
-    struct Read(Vec<u32>);
-    impl TensorVisitor<f32, Cuda> for Read {
-        type Viewer = ViewTensorRef;
-        type Err = CudaError;
-        type E2 = f32;
-        type D2 = Cuda;
-        fn visit<S: Shape>(
-            &mut self,
-            _: TensorOptions<S, f32, Cuda>,
-            t: &Tensor<S, f32, Cuda>,
-        ) -> Result<Option<Tensor<S, f32, Cuda>>, CudaError> {
-            self.0.extend(t.as_vec().iter().map(|v| v.to_bits()));
-            Ok(None)
-        }
-    }
-    let mut r = Read(Vec::new());
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut r }).expect("reading a model");
-    r.0
-}
-
-fn values(m: &Model) -> Vec<f32> {
-    bits(m).into_iter().map(f32::from_bits).collect()
-}
+mod common;
+use common::params::{value_bits as bits, values};
 
 /// A learnable batch: the label is the quadrant of the first two inputs.
 fn batch(dev: &Cuda) -> (X, Y) {

@@ -1,10 +1,10 @@
 //! A converted step does not fault memory in every step: its buffers are pooled (`mpx::nn`'s
-//! scratch pool) or, for the tensors it hands to dfdx and dfdx frees (a layer's output, the batch
-//! in half precision), left to an allocator told to keep freed memory for reuse (see
-//! `bench_step`'s page-fault table for the layout where glibc otherwise returned them each step).
-//! Counted with the process's minor page faults (`/proc/self/stat`, Linux, glibc). This binary
-//! has no test harness (`harness = false`): it runs on the main thread, whose heap (glibc's main
-//! arena) is where a program's training loop runs, with nothing else beside it.
+//! scratch pool), and the tensors it hands to dfdx, which dfdx frees (a layer's output, the batch
+//! in half precision), are kept for reuse by the allocator, which the first `GradScaler` of a
+//! process tells to keep freed memory. Counted with the process's minor page faults
+//! (`/proc/self/stat`, Linux, glibc). This binary has no test harness (`harness = false`): it
+//! runs on the main thread of a fresh process (glibc's main arena, where a training loop runs),
+//! with nothing else beside it.
 
 #![cfg_attr(
     not(all(target_os = "linux", target_env = "gnu")),
@@ -65,14 +65,50 @@ fn main() {
     println!("skipped: page faults are counted from /proc/self/stat, with glibc's malloc");
 }
 
+/// Faults per round of `n` rounds (after one unmeasured round) of allocating eight 1 MiB buffers,
+/// writing them and freeing them all: what a step's output tensors do. glibc raises its mmap
+/// threshold to 1 MiB at the first free, but then trims the heap's free top back to the system
+/// whenever it passes twice that, so each round faults its pages in again, unless it was told
+/// to keep more.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn churn(n: u64) -> u64 {
+    let round = |i: u64| {
+        let bufs: Vec<Vec<f32>> = (0..8)
+            .map(|_| {
+                #[allow(clippy::cast_precision_loss)]
+                let v = vec![i as f32 + 1.0; 1 << 18];
+                v
+            })
+            .collect();
+        std::hint::black_box(&bufs);
+    };
+    round(0);
+    let before = minor_faults();
+    for i in 0..n {
+        round(i);
+    }
+    (minor_faults() - before) / n
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn main() {
+    // A fresh process: glibc gives such buffers back to the system each round, until a scaler
+    // makes it keep freed memory (nothing else here frees a large block before that).
+    let fresh = churn(8);
+    let s16 = GradScaler::<f16>::default();
+    let kept = churn(8);
+    assert!(fresh >= 64, "{fresh} faults per round before any scaler");
+    assert!(kept <= 8, "{kept} faults per round after a scaler was made");
+    println!(
+        "a scaler makes the allocator keep freed memory: ok ({fresh} faults per round of 8 MiB before, {kept} after)"
+    );
+
     let dev = Cpu::seed_from_u64(9);
     let x: X = dev.sample_normal();
     let y: Y = dev.sample_normal::<Rank2<256, 10>>().softmax::<Axis<1>>();
     let mut model = dev.build_module::<Mlp, f32>();
     let mut opt = Adam::new(&model, AdamConfig::default());
-    let (mut s16, mut sbf) = (GradScaler::<f16>::default(), GradScaler::<bf16>::default());
+    let (mut s16, mut sbf) = (s16, GradScaler::<bf16>::default());
     // the gradients allocated once and reused, as a loop that cares about allocations does
     // (allocating model-sized gradients each step happens to keep freed memory in glibc too)
     let mut grads = Some(model.alloc_grads());

@@ -6,19 +6,19 @@ use dfdx::nn::tensor_collection::{
 };
 use dfdx::prelude::*;
 
-/// Every float of `m`, in visit order (trainable and not).
-pub fn values<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<f32> {
+/// Every float of `m`, in visit order (trainable and not), read back to the host from any device.
+pub fn values<D: Device<f32>, M: TensorCollection<f32, D>>(m: &M) -> Vec<f32> {
     struct Read(Vec<f32>);
-    impl TensorVisitor<f32, Cpu> for Read {
+    impl<D: Device<f32>> TensorVisitor<f32, D> for Read {
         type Viewer = ViewTensorRef;
-        type Err = CpuError;
+        type Err = D::Err;
         type E2 = f32;
-        type D2 = Cpu;
+        type D2 = D;
         fn visit<S: Shape>(
             &mut self,
-            _: TensorOptions<S, f32, Cpu>,
-            t: &Tensor<S, f32, Cpu>,
-        ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+            _: TensorOptions<S, f32, D>,
+            t: &Tensor<S, f32, D>,
+        ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
             self.0.extend(t.as_vec());
             Ok(None)
         }
@@ -54,6 +54,6 @@ pub fn load<M: TensorCollection<f32, Cpu>>(to: &mut M, from: &[f32]) {
 }
 
 /// [`values`] as bit patterns, for bit-for-bit comparisons.
-pub fn value_bits<M: TensorCollection<f32, Cpu>>(m: &M) -> Vec<u32> {
+pub fn value_bits<D: Device<f32>, M: TensorCollection<f32, D>>(m: &M) -> Vec<u32> {
     super::bits::bits(&values(m))
 }

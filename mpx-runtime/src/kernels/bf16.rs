@@ -29,8 +29,8 @@
 //! operands with one more rounding per k block; only the order inside a pair (odd first) and the
 //! flushing differ from them. [`bf16_error_bound`](super::bf16_error_bound) computes it.
 
-use super::pack::{Src, pack_a, pack_b};
-use super::packs::Part;
+use super::pack::Src;
+use super::packs::{Part, pack_staged};
 use super::tile::Micro;
 
 /// Rows and columns of a micro-tile (two zmm of 16 f32 per row): the AVX-512 f32 kernel's, whose
@@ -57,22 +57,8 @@ thread_local! {
 /// Packs `part` of `a` or `b` (f32 storage) as bf16 pairs into `dst`: packed in f32 first, then
 /// rounded ([`to_pairs`]).
 pub(crate) fn pack(dst: &mut [u32], a: Src<'_, f32>, b: Src<'_, f32>, part: Part) {
-    let go = |stage: &mut Vec<f32>, dst: &mut [u32]| {
-        let (lines, kc, width) = match part {
-            Part::A((_, mc), (_, kc)) => (mc, kc, MR),
-            Part::B((_, kc), (_, nc)) => (nc, kc, NR),
-        };
-        let panels = lines.div_ceil(width);
-        stage.resize(panels * width * kc, 0.0);
-        match part {
-            Part::A(rows, ks) => pack_a(stage, a, rows, ks, MR),
-            Part::B(ks, cols) => pack_b(stage, b, ks, cols, NR),
-        }
-        panels_to_pairs(stage, panels, (kc, width), dst);
-    };
-    STAGE.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut stage) => go(&mut stage, dst),
-        Err(_) => go(&mut Vec::new(), dst),
+    pack_staged(&STAGE, (a, b), part, (MR, NR), |packed, panels, shape| {
+        panels_to_pairs(packed, panels, shape, dst);
     });
 }
 

@@ -31,7 +31,7 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 use super::mat::MatRef;
 use super::pack::{Src, pack_a, pack_b};
-use super::packs::{PackView, Packs, Part};
+use super::packs::{PackView, Packs, Part, pack_staged};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
@@ -234,24 +234,16 @@ thread_local! {
 /// the panels widened to f32 in one SIMD pass (the layout is the same, so this is the packing of
 /// the widened operand, without widening the whole operand beforehand).
 fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
-    let go = |stage: &mut Vec<u16>, dst: &mut [f32]| {
-        let (lines, kc, width) = match part {
-            Part::A((_, mc), (_, kc)) => (mc, kc, avx512::MR),
-            Part::B((_, kc), (_, nc)) => (nc, kc, avx512::NR),
-        };
-        let len = lines.div_ceil(width) * width * kc;
-        stage.resize(len, 0);
-        match part {
-            Part::A(rows, ks) => pack_a(stage, a, rows, ks, avx512::MR),
-            Part::B(ks, cols) => pack_b(stage, b, ks, cols, avx512::NR),
-        }
-        let halves: &[f16] = stage[..len].reinterpret_cast();
-        crate::precision::convert::widen_f16(halves, &mut dst[..len]);
-    };
-    STAGE_F16.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut stage) => go(&mut stage, dst),
-        Err(_) => go(&mut Vec::new(), dst),
-    });
+    pack_staged(
+        &STAGE_F16,
+        (a, b),
+        part,
+        (avx512::MR, avx512::NR),
+        |packed, _, _| {
+            let halves: &[f16] = packed.reinterpret_cast();
+            crate::precision::convert::widen_f16(halves, &mut dst[..halves.len()]);
+        },
+    );
 }
 
 /// Nanoseconds spent in [`gemm_on`] (all threads, since the process started).

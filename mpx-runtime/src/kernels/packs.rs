@@ -8,12 +8,51 @@
 //! re-packed A's rows). The panels are the ones the per-block packing wrote, so the micro-kernels
 //! see the same values in the same order: not a bit of any result changes.
 
+use std::cell::RefCell;
+use std::thread::LocalKey;
+
+use super::pack::{PackElem, Src, pack_a, pack_b};
+
 /// A part of an operand one packing task writes: rows `(ic, mc)` of A over k `(pc, kc)`, or k
 /// `(pc, kc)` of B over columns `(jc, nc)` (the argument order of `pack_a` and `pack_b`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Part {
     A((usize, usize), (usize, usize)),
     B((usize, usize), (usize, usize)),
+}
+
+/// Packs `part` of `a` or `b` as their own type into `stage` (this thread's buffer of that type,
+/// grown as needed; a fresh one if re-entered), then hands `finish` the packed panels, their
+/// count, their k length and their width: the packing of a path whose kernel reads another type
+/// than the operand's (f16 widened to f32, f32 rounded to bf16 pairs). The layout is
+/// `pack_a`'s / `pack_b`'s, so `finish` converts panel by panel.
+pub(crate) fn pack_staged<S: PackElem>(
+    stage: &'static LocalKey<RefCell<Vec<S>>>,
+    (a, b): (Src<'_, S>, Src<'_, S>),
+    part: Part,
+    (mr, nr): (usize, usize),
+    finish: impl FnOnce(&[S], usize, (usize, usize)),
+) {
+    let go = |stage: &mut Vec<S>| {
+        let (lines, kc, width) = match part {
+            Part::A((_, mc), (_, kc)) => (mc, kc, mr),
+            Part::B((_, kc), (_, nc)) => (nc, kc, nr),
+        };
+        let panels = lines.div_ceil(width);
+        let len = panels * width * kc;
+        if stage.len() < len {
+            stage.resize(len, S::default());
+        }
+        match part {
+            Part::A(rows, ks) => pack_a(&mut stage[..len], a, rows, ks, mr),
+            Part::B(ks, cols) => pack_b(&mut stage[..len], b, ks, cols, nr),
+        }
+        finish(&stage[..len], panels, (kc, width));
+    };
+    stage.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut stage) => go(&mut stage),
+        Err(_) => go(&mut Vec::new()),
+    });
 }
 
 /// The packed panels of one group of k blocks `ks` of an `m x n` product: per k block `pc`, A's

@@ -1029,8 +1029,6 @@ where
     let scope = D::enter_scope(&*half, direct.as_ref())?;
     // and those of f32 elements run in emulated bf16 when `H` is
     let emulation = crate::precision::emulation::emulate::<H>();
-    // (done by `new` already, unless this scaler was made another way)
-    crate::nn::scratch::keep_freed_memory();
     let y = f(half, x);
     drop((emulation, scope));
     let out = y.leave(&mut region).map_err(D::step_error)?;

@@ -156,9 +156,23 @@ fn kernel(dev: &Arc<CudaDevice>, name: &str) -> Result<CudaFunction, CudaError> 
         )))
 }
 
-/// The f16 or the f32 kernel of a family, for elements of `size` bytes.
-fn pick(size: usize, f16_name: &'static str, f32_name: &'static str) -> &'static str {
-    if size == 2 { f16_name } else { f32_name }
+/// The kernel of a family (`[f16 name, f32 name]`) for elements of type `E`, on `dev`, with the
+/// element count `n` of its two slices (`lens`) and its launch configuration: a length mismatch is
+/// an error. What every launch below does before its `unsafe` call.
+fn launcher<E>(
+    dev: &Arc<CudaDevice>,
+    (n, other): (usize, usize),
+    [f16_name, f32_name]: [&'static str; 2],
+) -> Result<(CudaFunction, LaunchConfig, usize), CudaError> {
+    if other != n {
+        return Err(mismatch());
+    }
+    let name = if std::mem::size_of::<E>() == 2 {
+        f16_name
+    } else {
+        f32_name
+    };
+    Ok((kernel(dev, name)?, config(n), n))
 }
 
 /// One thread per element, as dfdx launches its own elementwise kernels.
@@ -192,23 +206,18 @@ fn unscale_add<E: DeviceRepr>(
     inv: f32,
     flag: &mut Flag,
 ) -> Result<(), CudaError> {
-    let n = dst.len();
-    if src.len() != n {
-        return Err(mismatch());
-    }
     let dev = dst.device();
-    let name = pick(
-        std::mem::size_of::<E>(),
-        "mpx_unscale_add_f16",
-        "mpx_unscale_add_f32",
-    );
-    let f = kernel(&dev, name)?;
+    let (f, cfg, n) = launcher::<E>(
+        &dev,
+        (dst.len(), src.len()),
+        ["mpx_unscale_add_f16", "mpx_unscale_add_f32"],
+    )?;
     let flag = flag.get(&dev)?;
     // SAFETY: the kernel reads and writes `n` elements of `src` and of `dst` (both `n` long,
     // checked above) and writes the one element of `flag`; the argument types are its
     // parameters' (`size_t`, 16- or 32-bit elements as picked by size, `float`, `float*`,
     // `unsigned int*`).
-    unsafe { f.launch(config(n), (n, src, inv, dst, flag)) }?;
+    unsafe { f.launch(cfg, (n, src, inv, dst, flag)) }?;
     Ok(())
 }
 
@@ -218,20 +227,14 @@ fn add_widened<E: DeviceRepr>(
     dst: &mut CudaSlice<f32>,
     inv: f32,
 ) -> Result<(), CudaError> {
-    let n = dst.len();
-    if src.len() != n {
-        return Err(mismatch());
-    }
-    let dev = dst.device();
-    let name = pick(
-        std::mem::size_of::<E>(),
-        "mpx_add_widened_f16",
-        "mpx_add_widened_f32",
-    );
-    let f = kernel(&dev, name)?;
+    let (f, cfg, n) = launcher::<E>(
+        &dst.device(),
+        (dst.len(), src.len()),
+        ["mpx_add_widened_f16", "mpx_add_widened_f32"],
+    )?;
     // SAFETY: the kernel reads `n` elements of `src` and reads and writes `n` of `dst` (both `n`
     // long, checked above); the argument types are its parameters'.
-    unsafe { f.launch(config(n), (n, src, inv, dst)) }?;
+    unsafe { f.launch(cfg, (n, src, inv, dst)) }?;
     Ok(())
 }
 
@@ -241,31 +244,27 @@ fn seed<E: DeviceRepr>(
     dst: &mut CudaSlice<E>,
     scale: f32,
 ) -> Result<(), CudaError> {
-    let n = g.len();
-    if dst.len() != n {
-        return Err(mismatch());
-    }
-    let dev = g.device();
-    let name = pick(std::mem::size_of::<E>(), "mpx_seed_f16", "mpx_seed_f32");
-    let f = kernel(&dev, name)?;
+    let (f, cfg, n) = launcher::<E>(
+        &g.device(),
+        (g.len(), dst.len()),
+        ["mpx_seed_f16", "mpx_seed_f32"],
+    )?;
     // SAFETY: the kernel reads `n` elements of `g` and reads and writes `n` of `dst` (both `n`
     // long, checked above); the argument types are its parameters'.
-    unsafe { f.launch(config(n), (n, g, scale, dst)) }?;
+    unsafe { f.launch(cfg, (n, g, scale, dst)) }?;
     Ok(())
 }
 
 /// `dst = round(src)`.
 fn assign<E: DeviceRepr>(src: &CudaSlice<f32>, dst: &mut CudaSlice<E>) -> Result<(), CudaError> {
-    let n = src.len();
-    if dst.len() != n {
-        return Err(mismatch());
-    }
-    let dev = src.device();
-    let name = pick(std::mem::size_of::<E>(), "mpx_assign_f16", "mpx_assign_f32");
-    let f = kernel(&dev, name)?;
+    let (f, cfg, n) = launcher::<E>(
+        &src.device(),
+        (src.len(), dst.len()),
+        ["mpx_assign_f16", "mpx_assign_f32"],
+    )?;
     // SAFETY: the kernel reads `n` elements of `src` and writes `n` of `dst` (both `n` long,
     // checked above); the argument types are its parameters'.
-    unsafe { f.launch(config(n), (n, src, dst)) }?;
+    unsafe { f.launch(cfg, (n, src, dst)) }?;
     Ok(())
 }
 
