@@ -13,6 +13,7 @@ use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
+use crate::kernels::zip_parts;
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
 
 /// A gradient buffer (dfdx's private CPU vector) as a slice. Written outside any `Cpu: Device<E>`
@@ -72,7 +73,10 @@ pub(crate) fn write_tensor_from_f32<P: Precision, S: Shape>(
         return;
     }
     let buf = P::scratch(tmp32, tmp16, src.len());
-    P::round(src, buf);
+    zip_parts(buf, src, &|b, s| {
+        P::round(s, b);
+        true
+    });
     t.copy_from(buf);
 }
 

@@ -386,8 +386,9 @@ fn run_strided(
 
 /// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
 /// over the k blocks of `packs`, in the BLIS loop order: k blocks, column blocks, row blocks,
-/// micro-tiles, reading the panels the prologue packed; with `zero`, the block of C is zeroed
-/// first.
+/// micro-tiles, reading the panels the prologue packed. With `zero`, C's old values are not
+/// read: each tile is cleared just before its first k block (in cache, where a pass over the
+/// whole block first would write it out to memory and read it back).
 fn block<T>(
     k: &Micro<T>,
     packs: &Packs<T>,
@@ -396,13 +397,6 @@ fn block<T>(
     (c0, c1): (usize, usize),
 ) {
     let (mr, nr) = (k.mr, k.nr);
-    if zero {
-        for r in r0..r1 {
-            // SAFETY: row `r`, columns `c0..c1` lie in this thread's block; no other reference
-            // to them is alive.
-            unsafe { out.segment(r, c0, c1 - c0) }.fill(0.0);
-        }
-    }
     // SAFETY: blocks run only after every task of the prologue, the only writer, is done.
     let pa = unsafe { packs.view.0.all() };
     // SAFETY: as above.
@@ -414,6 +408,7 @@ fn block<T>(
         // values of k in this block, and elements of a panel's line (pairs for bf16)
         let kq = k.kc.min(packs.ks.1 - pc).div_ceil(packs.per);
         let (pa, pb) = (packs.a_block(pa, pc), packs.b_block(pb, pc));
+        let clear = zero && pc == packs.ks.0;
         for jc in (c0..c1).step_by(k.nc) {
             let nc = k.nc.min(c1 - jc);
             for ic in (r0..r1).step_by(k.mc) {
@@ -425,6 +420,13 @@ fn block<T>(
                         let (row, rows) = (ic + ip * mr, mr.min(mc - ip * mr));
                         let ap = &pa[row * kq..(row + mr) * kq];
                         if rows == mr && cols == nr {
+                            if clear {
+                                for r in row..row + mr {
+                                    // SAFETY: row `r`, columns `col..col + nr` lie in this
+                                    // thread's block; no other reference to them is alive.
+                                    unsafe { out.segment(r, col, nr) }.fill(0.0);
+                                }
+                            }
                             let ct = out.tile(row, col, mr, nr);
                             // SAFETY: `k` is built only after `check` accepted its path; the tile
                             // lies inside C (`Out::tile` asserts it) and inside this thread's
@@ -438,7 +440,11 @@ fn block<T>(
                                 // SAFETY: row `row + r`, columns `col..col + cols` lie in this
                                 // thread's block; no other reference to them is alive.
                                 let dst = unsafe { out.segment(row + r, col, cols) };
-                                dst.iter_mut().zip(t).for_each(|(d, s)| *d += *s);
+                                if clear {
+                                    dst.copy_from_slice(&t[..cols]);
+                                } else {
+                                    dst.iter_mut().zip(t).for_each(|(d, s)| *d += *s);
+                                }
                             }
                         }
                     }

@@ -80,6 +80,46 @@ pub(crate) fn bias_act_into(
     Ok(())
 }
 
+/// Whether an f16 `ReLU` output (as bits) passes: `1 <= b <= 0x7c00`.
+fn f16_pass(b: u16) -> bool {
+    b.wrapping_sub(1) < 0x7c00
+}
+
+/// Whether an f32 `ReLU` output passes: `y > 0`.
+fn f32_pass(y: f32) -> bool {
+    y > 0.0
+}
+
+/// One word of the mask: bit `b` for value `b` of `c` (at most 64 values).
+fn word<T: Copy>(c: &[T], pass: impl Fn(T) -> bool) -> u64 {
+    c.iter()
+        .enumerate()
+        .fold(0u64, |w, (b, &v)| w | (u64::from(pass(v)) << b))
+}
+
+/// The SIMD loops the mask has, as detected on this CPU.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Simd {
+    /// AVX-512 F and BW.
+    Avx512,
+    /// AVX2.
+    Avx2,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Simd {
+    fn present(self) -> bool {
+        match self {
+            Simd::Avx512 => {
+                std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+            }
+            Simd::Avx2 => std::is_x86_feature_detected!("avx2"),
+        }
+    }
+}
+
 /// `ReLU`'s derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
@@ -93,25 +133,112 @@ impl ReluMask {
     /// The mask of `ReLU` outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
     pub(crate) fn from_f16(y: &[f16]) -> Self {
         let yb: &[u16] = y.reinterpret_cast();
-        Self::from_values(yb, |&b| b.wrapping_sub(1) < 0x7c00)
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Simd::Avx512.present() {
+                // SAFETY: AVX-512 F and BW were detected.
+                return Self::with_words(yb, f16_pass, |y, w| unsafe {
+                    super::relu_mask::f16_words_avx512(y, w);
+                });
+            }
+            if Simd::Avx2.present() {
+                // SAFETY: AVX2 was detected.
+                return Self::with_words(yb, f16_pass, |y, w| unsafe {
+                    super::relu_mask::f16_words_avx2(y, w);
+                });
+            }
+        }
+        Self::from_values(yb, f16_pass)
     }
 
     /// The mask of `ReLU` outputs `y` in f32: `y > 0`.
     pub(crate) fn from_f32(y: &[f32]) -> Self {
-        Self::from_values(y, |&v| v > 0.0)
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Simd::Avx512.present() {
+                // SAFETY: AVX-512 F was detected.
+                return Self::with_words(y, f32_pass, |y, w| unsafe {
+                    super::relu_mask::f32_words_avx512(y, w);
+                });
+            }
+            if Simd::Avx2.present() {
+                // SAFETY: AVX2 was detected.
+                return Self::with_words(y, f32_pass, |y, w| unsafe {
+                    super::relu_mask::f32_words_avx2(y, w);
+                });
+            }
+        }
+        Self::from_values(y, f32_pass)
     }
 
-    /// One bit per value, 64 values per word (branch-free, so the compiler vectorises it).
-    fn from_values<T>(y: &[T], pass: impl Fn(&T) -> bool) -> Self {
-        let bits = y
-            .chunks(64)
-            .map(|c| {
-                c.iter()
-                    .enumerate()
-                    .fold(0u64, |w, (b, v)| w | (u64::from(pass(v)) << b))
-            })
-            .collect();
+    /// One bit per value, 64 values per word: the definition, and what a CPU without AVX2 runs.
+    fn from_values<T: Copy>(y: &[T], pass: impl Fn(T) -> bool) -> Self {
+        let bits = y.chunks(64).map(|c| word(c, &pass)).collect();
         Self { bits, len: y.len() }
+    }
+
+    /// The words of `y`'s whole 64-value chunks from `words` (a SIMD loop), the last partial
+    /// word from the definition.
+    fn with_words<T: Copy>(
+        y: &[T],
+        pass: impl Fn(T) -> bool,
+        words: impl FnOnce(&[T], &mut Vec<u64>),
+    ) -> Self {
+        let mut bits = Vec::with_capacity(y.len().div_ceil(64));
+        words(y, &mut bits);
+        let rest = y.chunks_exact(64).remainder();
+        if !rest.is_empty() {
+            bits.push(word(rest, &pass));
+        }
+        Self { bits, len: y.len() }
+    }
+
+    /// The masks of `y` (f32) and `yh` (f16) from every path this CPU has, named: the
+    /// definition first. A path the CPU lacks is said to be skipped.
+    #[cfg(test)]
+    pub(crate) fn each_path(y: &[f32], yh: &[f16]) -> Vec<(&'static str, Self, Self)> {
+        let yb: &[u16] = yh.reinterpret_cast();
+        let mut all = vec![(
+            "portable",
+            Self::from_values(y, f32_pass),
+            Self::from_values(yb, f16_pass),
+        )];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Simd::Avx2.present() {
+                all.push((
+                    "avx2",
+                    // SAFETY: AVX2 was detected.
+                    Self::with_words(y, f32_pass, |y, w| unsafe {
+                        super::relu_mask::f32_words_avx2(y, w);
+                    }),
+                    // SAFETY: AVX2 was detected.
+                    Self::with_words(yb, f16_pass, |y, w| unsafe {
+                        super::relu_mask::f16_words_avx2(y, w);
+                    }),
+                ));
+            } else {
+                eprintln!("skipped: this CPU has no AVX2 (the mask's AVX2 loop is untested here)");
+            }
+            if Simd::Avx512.present() {
+                all.push((
+                    "avx512",
+                    // SAFETY: AVX-512 F was detected.
+                    Self::with_words(y, f32_pass, |y, w| unsafe {
+                        super::relu_mask::f32_words_avx512(y, w);
+                    }),
+                    // SAFETY: AVX-512 F and BW were detected.
+                    Self::with_words(yb, f16_pass, |y, w| unsafe {
+                        super::relu_mask::f16_words_avx512(y, w);
+                    }),
+                ));
+            } else {
+                eprintln!(
+                    "skipped: this CPU has no AVX-512 F and BW (the mask's AVX-512 loop is untested here)"
+                );
+            }
+        }
+        all
     }
 
     /// Number of elements.
@@ -163,6 +290,22 @@ pub(crate) fn relu_mask_bias_grad_f16(
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+    {
+        // SAFETY: AVX-512 F, BW and VL were detected; `check_rows` checked the rows and the
+        // mask's length.
+        unsafe {
+            super::relu_grad::mask_bias_grad_f16_avx512(
+                dy.reinterpret_cast_mut(),
+                mask.map(|m| &m.bits[..]),
+                bias_grad,
+            );
+        }
+        return Ok(());
+    }
     // widened 256 values at a time into a stack buffer: no allocation per call
     let mut buf = [0.0f32; 256];
     for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {

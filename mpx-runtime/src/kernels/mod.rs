@@ -111,6 +111,7 @@ mod peak;
 mod pool;
 mod portable;
 mod relu_grad;
+mod relu_mask;
 mod strided;
 mod threads;
 mod tile;
@@ -127,6 +128,7 @@ pub use mat::MatRef;
 pub(crate) use path::gemm;
 pub use path::{Calibration, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
+pub(crate) use pool::{every_part, zip_parts};
 pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path

@@ -6,8 +6,8 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 /// One posted job: blocks `0..total` of a borrowed task.
 struct Job {
@@ -45,9 +45,75 @@ impl Job {
     }
 }
 
-/// The helpers' job queues, one per helper thread, started on first use.
-fn helpers() -> &'static Mutex<Vec<Sender<Arc<Job>>>> {
-    static HELPERS: OnceLock<Mutex<Vec<Sender<Arc<Job>>>>> = OnceLock::new();
+/// How long a helper that finished a job keeps watching for the next one before it sleeps. The
+/// products of one training step follow each other within this (the serial work between them is
+/// short), so the caller hands them over without a wake-up system call and the helper starts at
+/// once; a helper idle for longer sleeps and costs nothing.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// One helper thread's mailbox: the latest job posted to it.
+#[derive(Default)]
+struct Helper {
+    slot: Mutex<Mailbox>,
+    wake: Condvar,
+    /// Whether `slot` holds a job: what the spinning helper watches without taking the lock.
+    posted: AtomicBool,
+}
+
+#[derive(Default)]
+struct Mailbox {
+    job: Option<Arc<Job>>,
+    /// The helper waits on `wake` (only then does a post notify it).
+    asleep: bool,
+}
+
+impl Helper {
+    fn lock(&self) -> MutexGuard<'_, Mailbox> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Leaves `job` for the helper (replacing one it has not taken: that job's caller runs its
+    /// blocks itself), waking the helper if it sleeps.
+    fn post(&self, job: &Arc<Job>) {
+        let asleep = {
+            let mut m = self.lock();
+            m.job = Some(Arc::clone(job));
+            self.posted.store(true, Ordering::Release);
+            m.asleep
+        };
+        if asleep {
+            self.wake.notify_one();
+        }
+    }
+
+    /// The helper thread's loop: watch for a job for [`SPIN`], else sleep until one is posted;
+    /// take it and work on it.
+    fn run(&self) {
+        loop {
+            let since = Instant::now();
+            while !self.posted.load(Ordering::Acquire) && since.elapsed() < SPIN {
+                std::hint::spin_loop();
+            }
+            let job = {
+                let mut m = self.lock();
+                while m.job.is_none() {
+                    m.asleep = true;
+                    m = self.wake.wait(m).unwrap_or_else(PoisonError::into_inner);
+                    m.asleep = false;
+                }
+                self.posted.store(false, Ordering::Relaxed);
+                m.job.take()
+            };
+            if let Some(job) = job {
+                job.work();
+            }
+        }
+    }
+}
+
+/// The helper threads, started on first use.
+fn helpers() -> &'static Mutex<Vec<Arc<Helper>>> {
+    static HELPERS: OnceLock<Mutex<Vec<Arc<Helper>>>> = OnceLock::new();
     HELPERS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
@@ -129,26 +195,102 @@ pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) +
 /// Hands `job` to `extra` helpers, starting helpers that do not exist yet. A helper that cannot
 /// be started or reached is skipped: the caller runs every block left.
 fn post(job: &Arc<Job>, extra: usize) {
-    let mut senders = match helpers().lock() {
-        Ok(s) => s,
-        Err(poisoned) => poisoned.into_inner(),
-    };
-    while senders.len() < extra {
-        let (tx, rx) = channel::<Arc<Job>>();
+    let mut all = helpers().lock().unwrap_or_else(PoisonError::into_inner);
+    while all.len() < extra {
+        let helper = Arc::new(Helper::default());
+        let mine = Arc::clone(&helper);
         let started = std::thread::Builder::new()
-            .name(format!("mpx-gemm-{}", senders.len() + 1))
-            .spawn(move || {
-                for job in rx {
-                    job.work();
-                }
-            });
+            .name(format!("mpx-gemm-{}", all.len() + 1))
+            .spawn(move || mine.run());
         if started.is_err() {
             break;
         }
-        senders.push(tx);
+        all.push(helper);
     }
-    for tx in senders.iter().take(extra) {
-        // a helper that is gone leaves its share to the others
-        let _ = tx.send(Arc::clone(job));
+    for helper in all.iter().take(extra) {
+        helper.post(job);
+    }
+}
+
+/// Element passes shorter than this run on the calling thread only (waking a helper costs more
+/// than it saves).
+const PAR_MIN_VALUES: usize = 1 << 17;
+
+/// Runs `part` on matching parts of `dst` and `src` (cut at the same offsets, in multiples of 64
+/// values), one part per thread that [`max_threads`](super::max_threads) allows, on the calling
+/// thread and helpers of the pool; a short pass runs whole on the calling thread. Returns whether
+/// every call returned `true`. For element-wise passes over a model's worth of values (a
+/// gradient's unscaled sum, a master's rounding), whose result does not depend on the cut.
+///
+/// # Panics
+/// If the lengths differ.
+pub(crate) fn zip_parts<A: Send, B: Sync>(
+    dst: &mut [A],
+    src: &[B],
+    part: &(dyn Fn(&mut [A], &[B]) -> bool + Sync),
+) -> bool {
+    assert_eq!(dst.len(), src.len(), "zip_parts: lengths differ");
+    let threads = if dst.len() < PAR_MIN_VALUES {
+        1
+    } else {
+        super::max_threads()
+    };
+    if threads <= 1 {
+        return part(dst, src);
+    }
+    let each = dst.len().div_ceil(threads).next_multiple_of(64);
+    let parts: Vec<Mutex<(&mut [A], &[B])>> = dst
+        .chunks_mut(each)
+        .zip(src.chunks(each))
+        .map(Mutex::new)
+        .collect();
+    let all = AtomicBool::new(true);
+    for_each_block(parts.len(), threads - 1, &|t| {
+        // each part is claimed by one block only: the lock is never contended
+        let mut p = parts[t].lock().unwrap_or_else(PoisonError::into_inner);
+        let (d, s) = &mut *p;
+        if !part(d, s) {
+            all.store(false, Ordering::Relaxed);
+        }
+    });
+    all.load(Ordering::Relaxed)
+}
+
+/// [`zip_parts`] over one slice, read only: whether `part` returned `true` for every part.
+pub(crate) fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync)) -> bool {
+    // a slice of `()` to pair with: zero-sized, so nothing is allocated
+    let mut units = vec![(); src.len()];
+    zip_parts(&mut units, src, &|_, s| part(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{every_part, zip_parts};
+
+    #[test]
+    fn zip_parts_covers_every_value_once_and_folds_the_results() {
+        for n in [0usize, 1, 63, 65, (1 << 17) - 1, 1 << 17, (1 << 18) + 77] {
+            let src: Vec<u32> = (0..n).map(|i| u32::try_from(i).unwrap()).collect();
+            let mut dst = vec![0u64; n];
+            let ok = zip_parts(&mut dst, &src, &|d, s| {
+                d.iter_mut()
+                    .zip(s)
+                    .for_each(|(d, s)| *d += u64::from(*s) + 1);
+                true
+            });
+            assert!(ok);
+            assert!(
+                dst.iter().enumerate().all(|(i, &v)| v == i as u64 + 1),
+                "n = {n}"
+            );
+            // one part failing (the one holding 999) makes the whole fail
+            let failed = zip_parts(&mut dst, &src, &|_, s| !s.contains(&999));
+            assert_eq!(failed, n <= 999, "n = {n}");
+            assert_eq!(
+                every_part(&src, &|s| !s.contains(&999)),
+                n <= 999,
+                "n = {n}"
+            );
+        }
     }
 }

@@ -1,7 +1,7 @@
-//! The f32 backward epilogue's rows with SIMD: `ReLU`'s mask applied to `dY` from its bits, and
-//! the bias gradient's column sums, in one pass. The scalar loop in
-//! [`relu_mask_bias_grad_f32`](super::epilogue::relu_mask_bias_grad_f32) is the definition:
-//! every column is summed row by row in the same order, so the results are the same bits.
+//! The backward epilogue's rows with SIMD, for f32 and f16 `dY`: `ReLU`'s mask applied to `dY`
+//! from its bits, and the bias gradient's column sums, in one pass. The scalar loops in
+//! [`epilogue`](super::epilogue) are the definition: every column is summed row by row in the
+//! same order, so the results are the same bits.
 
 /// The 16 mask bits of elements `i..i + 16` (bits past the mask's end read as clear).
 #[cfg(target_arch = "x86_64")]
@@ -54,9 +54,48 @@ pub(super) unsafe fn mask_bias_grad_f32_avx512(
     }
 }
 
+/// [`mask_bias_grad_f32_avx512`] for f16 `dy`: masked in place, widened exactly to f32 and
+/// summed by column.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL. (Any lengths are sound, as for the f32 function.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn mask_bias_grad_f16_avx512(
+    dy: &mut [u16],
+    mask: Option<&[u64]>,
+    bias_grad: &mut [f32],
+) {
+    use std::arch::x86_64::{
+        _mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16, _mm512_add_ps, _mm512_cvtph_ps,
+        _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
+    };
+    let cols = bias_grad.len();
+    for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
+        for (k, (d, g)) in row.chunks_mut(16).zip(bias_grad.chunks_mut(16)).enumerate() {
+            let j = 16 * k;
+            let lanes: u16 = u16::MAX >> (16 - d.len());
+            let keep = mask.map_or(lanes, |m| lanes & bits16(m, r * cols + j));
+            // SAFETY: only the lanes set in `keep` (within `lanes`, the `d.len()` values of
+            // `d`) are read; the others read as +0.0.
+            let h = unsafe { _mm256_maskz_loadu_epi16(keep, d.as_ptr().cast()) };
+            // SAFETY: the `d.len()` lanes of `lanes` are `d`'s values.
+            unsafe { _mm256_mask_storeu_epi16(d.as_mut_ptr().cast(), lanes, h) };
+            let v = _mm512_cvtph_ps(h);
+            // SAFETY: `g` has the same length as `d`.
+            let old = unsafe { _mm512_maskz_loadu_ps(lanes, g.as_ptr()) };
+            let sum = _mm512_add_ps(old, v);
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(g.as_mut_ptr(), lanes, sum) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::epilogue::{ReluMask, relu_mask_bias_grad_f32};
+    use half::f16;
+
+    use super::super::epilogue::{ReluMask, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32};
 
     /// The scalar definition: mask, then column sums row by row.
     fn scalar(dy: &mut [f32], y: Option<&[f32]>, bias_grad: &mut [f32]) {
@@ -103,6 +142,48 @@ mod tests {
                         bits(&gw),
                         "bias grad, {rows}x{cols}, mask {masked}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_simd_f16_rows_are_the_scalar_bits() {
+        #[cfg(target_arch = "x86_64")]
+        let simd =
+            std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vl");
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        if !simd {
+            eprintln!("skipped: this CPU has no AVX-512 BW and VL (the portable loop ran instead)");
+        }
+        for cols in [1usize, 7, 15, 16, 17, 33, 64, 100, 1024] {
+            for rows in [1usize, 3, 5] {
+                let n = rows * cols;
+                #[allow(clippy::cast_precision_loss)]
+                let dy0: Vec<f16> = (0..n)
+                    .map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) / 7.0))
+                    .collect();
+                #[allow(clippy::cast_precision_loss)]
+                let y: Vec<f16> = (0..n)
+                    .map(|i| f16::from_f32(((i * 13 % 29) as f32) - 14.0))
+                    .collect();
+                for masked in [false, true] {
+                    // the scalar definition: mask, widen, column sums row by row
+                    let (mut want, mut gw) = (dy0.clone(), vec![0.5f32; cols]);
+                    for (i, v) in want.iter_mut().enumerate() {
+                        if masked && y[i] <= f16::ZERO {
+                            *v = f16::ZERO;
+                        }
+                        gw[i % cols] += v.to_f32();
+                    }
+                    let mask = masked.then(|| ReluMask::from_f16(&y));
+                    let (mut got, mut gg) = (dy0.clone(), vec![0.5f32; cols]);
+                    relu_mask_bias_grad_f16(&mut got, mask.as_ref(), &mut gg).unwrap();
+                    let hb = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(hb(&got), hb(&want), "dy, {rows}x{cols}, mask {masked}");
+                    assert_eq!(fb(&gg), fb(&gw), "bias grad, {rows}x{cols}, mask {masked}");
                 }
             }
         }

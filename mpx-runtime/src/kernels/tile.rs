@@ -48,7 +48,7 @@ pub(crate) const PAR_MIN_WORK: usize = 1 << 21;
 
 /// Blocks per thread a split product aims at: more than one, so a thread slowed by other work
 /// on the machine hands blocks to the others.
-const BLOCKS_PER_THREAD: usize = 3;
+const BLOCKS_PER_THREAD: usize = 6;
 
 /// How a product is cut into blocks of `C`: `mb x nb` (multiples of the micro-tile, the last ones
 /// shorter), numbered row block by row block.

@@ -44,7 +44,9 @@ pub(crate) fn keep_freed_memory() {
 /// `n` values of type `T` from the pool (returned to it on drop). The values are stale: the
 /// caller overwrites them.
 pub(crate) struct Buf<T: Copy + Default + Send + 'static> {
+    /// Initialised up to its capacity (see [`take`]); the buffer is its first `n` values.
     values: Vec<T>,
+    n: usize,
 }
 
 /// A buffer of `n` values (see [`Buf`]): the pool's best fit of element type `T` (the smallest
@@ -72,9 +74,15 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     let mut values = found
         .and_then(|b| b.downcast::<Vec<T>>().ok())
         .map_or_else(Vec::new, |b| *b);
-    // Shrinks the length only (the capacity stays); grows by writing the new tail once.
-    values.resize(n, T::default());
-    Buf { values }
+    // A pooled vector stays initialised up to its capacity, so a buffer taken for fewer values
+    // and then for more again writes nothing: only growth writes its new tail, once.
+    if values.len() < n {
+        // exact: a doubled capacity would hold (and write) up to twice what is asked
+        values.reserve_exact(n - values.len());
+        values.resize(n, T::default());
+        values.resize(values.capacity(), T::default());
+    }
+    Buf { values, n }
 }
 
 /// Frees the buffers mpx's fused layers keep between steps (their operand copies and work
@@ -110,13 +118,13 @@ pub(crate) fn take_zeroed<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T
 impl<T: Copy + Default + Send + 'static> Deref for Buf<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        &self.values
+        &self.values[..self.n]
     }
 }
 
 impl<T: Copy + Default + Send + 'static> DerefMut for Buf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        &mut self.values
+        &mut self.values[..self.n]
     }
 }
 
@@ -156,6 +164,23 @@ mod tests {
         drop(again);
         let zeroed = take_zeroed::<A>(5);
         assert_eq!(&zeroed[..], &[A(0); 5]);
+    }
+
+    #[test]
+    fn a_shorter_take_does_not_make_the_next_longer_one_write_its_tail() {
+        // element type of its own (see above)
+        #[derive(Clone, Copy, Default, PartialEq, Debug)]
+        struct C(u16);
+        let n = 50_021;
+        let mut first = take::<C>(n);
+        first.fill(C(7));
+        let at = first.as_ptr();
+        drop(first);
+        drop(take::<C>(n / 3));
+        let again = take::<C>(n);
+        assert_eq!(again.as_ptr(), at);
+        // stale values, as documented: nothing rewrote the tail the short take left out
+        assert!(again.iter().all(|&v| v == C(7)));
     }
 
     #[test]

@@ -34,6 +34,7 @@ use dfdx::tensor_ops::Device;
 
 use super::layout::{EachTensor, MasterSlot, each_tensor};
 use crate::finite::add_scaled_checked;
+use crate::kernels::{every_part, zip_parts};
 use crate::precision::FloatSlice;
 
 /// The state a scaler's workspace shares with the linked layers of its forward passes.
@@ -117,7 +118,8 @@ impl Direct {
             return Err(CpuError::WrongNumElements);
         }
         let dst = master.slice(grads)?;
-        s.finite &= add_scaled_checked(dst, values, s.inv);
+        let inv = s.inv;
+        s.finite &= zip_parts(dst, values, &|d, v| add_scaled_checked(d, v, inv));
         if let Some(w) = s.written.get_mut(slot) {
             *w = true;
         }
@@ -218,13 +220,14 @@ pub(crate) fn link<W, B>(weight: &W, bias: &B) -> Option<Link> {
     })
 }
 
-/// Whether every bit of a gradient is zero (nothing was added to it).
+/// Whether every bit of a gradient is zero (nothing was added to it), read on the pool's
+/// threads for a long gradient.
 pub(crate) fn all_zero(values: FloatSlice<'_>) -> bool {
     match values {
         FloatSlice::F32(v) | FloatSlice::Bf16(v) => {
-            v.iter().fold(0, |acc, x| acc | x.to_bits()) == 0
+            every_part(v, &|p| p.iter().fold(0, |acc, x| acc | x.to_bits()) == 0)
         }
-        FloatSlice::F16(v) => v.iter().fold(0, |acc, x| acc | x.to_bits()) == 0,
+        FloatSlice::F16(v) => every_part(v, &|p| p.iter().fold(0, |acc, x| acc | x.to_bits()) == 0),
     }
 }
 
