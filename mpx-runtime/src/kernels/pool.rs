@@ -3,6 +3,13 @@
 //! works through blocks too. The caller waits only for blocks that were actually claimed, so a
 //! helper that is slow to wake (a busy neighbour on the machine) costs nothing: it finds no
 //! block left and touches nothing.
+//!
+//! A helper that finished a job watches its mailbox for [`SPIN`] before it sleeps, so the
+//! products of a training step, which follow each other closely, reach it without a wake-up
+//! system call. Measured on `bench_step --serve` (2-core Zen 4 EPYC, lock-step A/B, 30 rounds):
+//! the f16 step 0.96x and the emulated-bf16 step 0.95x of the time with a sleeping helper woken
+//! through a channel for every product. The cost is up to 200 µs of one core's time after the
+//! last product of a burst.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -265,7 +272,32 @@ pub(crate) fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync
 
 #[cfg(test)]
 mod tests {
-    use super::{every_part, zip_parts};
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::{every_part, for_each_block, zip_parts};
+
+    #[test]
+    fn jobs_posted_from_several_threads_at_once_each_run_every_block_once() {
+        // four callers share the helpers' mailboxes: a job replaced before a helper took it is
+        // run by its own caller, never lost or run twice
+        std::thread::scope(|s| {
+            for caller in 0..4u32 {
+                s.spawn(move || {
+                    for round in 0..200u32 {
+                        let total = 1 + ((caller * 7 + round) % 13) as usize;
+                        let hits: Vec<AtomicU32> = (0..total).map(|_| AtomicU32::new(0)).collect();
+                        for_each_block(total, 3, &|t| {
+                            hits[t].fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert!(
+                            hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                            "caller {caller}, round {round}"
+                        );
+                    }
+                });
+            }
+        });
+    }
 
     #[test]
     fn zip_parts_covers_every_value_once_and_folds_the_results() {

@@ -102,6 +102,13 @@ const IN_PLACE_SMALL: usize = 4096;
 /// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
 /// over the whole inner dimension, in the BLIS loop order: k blocks, column blocks (B), row
 /// blocks (A), micro-tiles. With `zero`, the block of `C` is overwritten.
+/// Makes `v` at least `n` long (the values are stale: the packing overwrites what it uses).
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block(
     t: &Tiles,
@@ -115,8 +122,10 @@ pub(crate) fn block(
     packing: Packing,
 ) {
     let (mr, nr) = (t.mr, t.nr);
-    buf.a.resize(t.mc.div_ceil(mr) * mr * t.kc, 0.0);
-    buf.b.resize(t.nc.div_ceil(nr) * nr * t.kc, 0.0);
+    // grown, never shrunk: the packed driver shares these buffers, and a shrink here made its
+    // next product grow (and zero) megabytes again
+    grow(&mut buf.a, t.mc.div_ceil(mr) * mr * t.kc);
+    grow(&mut buf.b, t.nc.div_ceil(nr) * nr * t.kc);
     // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds
     let mut tmp = [-0.0f32; MAX_TILE];
     let tmp = &mut tmp[..mr * nr];
@@ -138,7 +147,7 @@ pub(crate) fn block(
             } else if !nc.is_multiple_of(nr) {
                 // the edge panel alone, zero-padded
                 let col = jc + nc - nc % nr;
-                buf.edge_b.resize(nr * kc, 0.0);
+                grow(&mut buf.edge_b, nr * kc);
                 pack_b(&mut buf.edge_b, b, (pc, kc), (col, nc % nr), nr);
             }
             for ic in (r0..r1).step_by(t.mc) {
@@ -156,7 +165,7 @@ pub(crate) fn block(
                 } else if !mc.is_multiple_of(mr) {
                     // the edge tile alone, zero-padded
                     let row = ic + mc - mc % mr;
-                    buf.edge_a.resize(mr * kc, 0.0);
+                    grow(&mut buf.edge_a, mr * kc);
                     pack_a(&mut buf.edge_a, a, (row, mc % mr), (pc, kc), mr);
                 }
                 for jp in 0..nc.div_ceil(nr) {
