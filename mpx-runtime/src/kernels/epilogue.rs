@@ -8,6 +8,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::KernelError;
+use super::relu_mask::{MaskValue, Simd, word};
 use crate::precision::FloatSliceMut;
 
 /// The activation fused after a Linear layer's GEMM.
@@ -80,46 +81,6 @@ pub(crate) fn bias_act_into(
     Ok(())
 }
 
-/// Whether an f16 `ReLU` output (as bits) passes: `1 <= b <= 0x7c00`.
-fn f16_pass(b: u16) -> bool {
-    b.wrapping_sub(1) < 0x7c00
-}
-
-/// Whether an f32 `ReLU` output passes: `y > 0`.
-fn f32_pass(y: f32) -> bool {
-    y > 0.0
-}
-
-/// One word of the mask: bit `b` for value `b` of `c` (at most 64 values).
-fn word<T: Copy>(c: &[T], pass: impl Fn(T) -> bool) -> u64 {
-    c.iter()
-        .enumerate()
-        .fold(0u64, |w, (b, &v)| w | (u64::from(pass(v)) << b))
-}
-
-/// The SIMD loops the mask has, as detected on this CPU.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-enum Simd {
-    /// AVX-512 F and BW.
-    Avx512,
-    /// AVX2.
-    Avx2,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Simd {
-    fn present(self) -> bool {
-        match self {
-            Simd::Avx512 => {
-                std::is_x86_feature_detected!("avx512f")
-                    && std::is_x86_feature_detected!("avx512bw")
-            }
-            Simd::Avx2 => std::is_x86_feature_detected!("avx2"),
-        }
-    }
-}
-
 /// `ReLU`'s derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
@@ -132,109 +93,55 @@ pub(crate) struct ReluMask {
 impl ReluMask {
     /// The mask of `ReLU` outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
     pub(crate) fn from_f16(y: &[f16]) -> Self {
-        let yb: &[u16] = y.reinterpret_cast();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Simd::Avx512.present() {
-                // SAFETY: AVX-512 F and BW were detected.
-                return Self::with_words(yb, f16_pass, |y, w| unsafe {
-                    super::relu_mask::f16_words_avx512(y, w);
-                });
-            }
-            if Simd::Avx2.present() {
-                // SAFETY: AVX2 was detected.
-                return Self::with_words(yb, f16_pass, |y, w| unsafe {
-                    super::relu_mask::f16_words_avx2(y, w);
-                });
-            }
-        }
-        Self::from_values(yb, f16_pass)
+        Self::from_values::<u16>(y.reinterpret_cast())
     }
 
     /// The mask of `ReLU` outputs `y` in f32: `y > 0`.
     pub(crate) fn from_f32(y: &[f32]) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Simd::Avx512.present() {
-                // SAFETY: AVX-512 F was detected.
-                return Self::with_words(y, f32_pass, |y, w| unsafe {
-                    super::relu_mask::f32_words_avx512(y, w);
-                });
-            }
-            if Simd::Avx2.present() {
-                // SAFETY: AVX2 was detected.
-                return Self::with_words(y, f32_pass, |y, w| unsafe {
-                    super::relu_mask::f32_words_avx2(y, w);
-                });
-            }
-        }
-        Self::from_values(y, f32_pass)
+        Self::from_values(y)
     }
 
-    /// One bit per value, 64 values per word: the definition, and what a CPU without AVX2 runs.
-    fn from_values<T: Copy>(y: &[T], pass: impl Fn(T) -> bool) -> Self {
-        let bits = y.chunks(64).map(|c| word(c, &pass)).collect();
-        Self { bits, len: y.len() }
+    /// The mask on the widest SIMD loop this CPU has, else the scalar definition.
+    fn from_values<T: MaskValue>(y: &[T]) -> Self {
+        Self::on(Simd::ALL.into_iter().find(|s| s.present()), y)
     }
 
-    /// The words of `y`'s whole 64-value chunks from `words` (a SIMD loop), the last partial
-    /// word from the definition.
-    fn with_words<T: Copy>(
-        y: &[T],
-        pass: impl Fn(T) -> bool,
-        words: impl FnOnce(&[T], &mut Vec<u64>),
-    ) -> Self {
+    /// The mask of `y` made on `simd` (`None`, or a path this CPU lacks: the scalar definition,
+    /// one bit per value); the last partial word always from the definition.
+    fn on<T: MaskValue>(simd: Option<Simd>, y: &[T]) -> Self {
         let mut bits = Vec::with_capacity(y.len().div_ceil(64));
-        words(y, &mut bits);
-        let rest = y.chunks_exact(64).remainder();
-        if !rest.is_empty() {
-            bits.push(word(rest, &pass));
-        }
+        let rest = match simd.filter(|s| s.present()) {
+            Some(s) => {
+                // SAFETY: the CPU has `s`'s features (checked just above).
+                unsafe { T::words(s, y, &mut bits) };
+                y.chunks_exact(64).remainder()
+            }
+            None => y,
+        };
+        bits.extend(rest.chunks(64).map(word));
         Self { bits, len: y.len() }
     }
 
-    /// The masks of `y` (f32) and `yh` (f16) from every path this CPU has, named: the
-    /// definition first. A path the CPU lacks is said to be skipped.
+    /// The masks of `y` (f32) and `yh` (f16) from the definition and from every SIMD loop this
+    /// CPU has, named; a loop the CPU lacks is said to be skipped.
     #[cfg(test)]
-    pub(crate) fn each_path(y: &[f32], yh: &[f16]) -> Vec<(&'static str, Self, Self)> {
+    pub(crate) fn each_path(y: &[f32], yh: &[f16]) -> Vec<(String, Self, Self)> {
         let yb: &[u16] = yh.reinterpret_cast();
         let mut all = vec![(
-            "portable",
-            Self::from_values(y, f32_pass),
-            Self::from_values(yb, f16_pass),
+            "portable".to_string(),
+            Self::on(None, y),
+            Self::on(None, yb),
         )];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Simd::Avx2.present() {
+        for s in Simd::ALL {
+            if s.present() {
                 all.push((
-                    "avx2",
-                    // SAFETY: AVX2 was detected.
-                    Self::with_words(y, f32_pass, |y, w| unsafe {
-                        super::relu_mask::f32_words_avx2(y, w);
-                    }),
-                    // SAFETY: AVX2 was detected.
-                    Self::with_words(yb, f16_pass, |y, w| unsafe {
-                        super::relu_mask::f16_words_avx2(y, w);
-                    }),
-                ));
-            } else {
-                eprintln!("skipped: this CPU has no AVX2 (the mask's AVX2 loop is untested here)");
-            }
-            if Simd::Avx512.present() {
-                all.push((
-                    "avx512",
-                    // SAFETY: AVX-512 F was detected.
-                    Self::with_words(y, f32_pass, |y, w| unsafe {
-                        super::relu_mask::f32_words_avx512(y, w);
-                    }),
-                    // SAFETY: AVX-512 F and BW were detected.
-                    Self::with_words(yb, f16_pass, |y, w| unsafe {
-                        super::relu_mask::f16_words_avx512(y, w);
-                    }),
+                    format!("{s:?}"),
+                    Self::on(Some(s), y),
+                    Self::on(Some(s), yb),
                 ));
             } else {
                 eprintln!(
-                    "skipped: this CPU has no AVX-512 F and BW (the mask's AVX-512 loop is untested here)"
+                    "skipped: this CPU lacks {s:?} (the mask's loop for it is untested here)"
                 );
             }
         }

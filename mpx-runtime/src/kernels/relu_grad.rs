@@ -97,15 +97,82 @@ mod tests {
 
     use super::super::epilogue::{ReluMask, relu_mask_bias_grad_f16, relu_mask_bias_grad_f32};
 
-    /// The scalar definition: mask, then column sums row by row.
-    fn scalar(dy: &mut [f32], y: Option<&[f32]>, bias_grad: &mut [f32]) {
-        let cols = bias_grad.len();
-        for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
-            for (c, v) in row.iter_mut().enumerate() {
-                if y.is_some_and(|y| y[r * cols + c] <= 0.0) {
-                    *v = 0.0;
+    /// A gradient element of the epilogue: f32 or f16, and the entry point that takes it.
+    trait Grad: Copy {
+        fn of(v: f32) -> Self;
+        fn wide(self) -> f32;
+        fn bits(self) -> u32;
+        fn mask(y: &[Self]) -> ReluMask;
+        /// The dispatching entry point (SIMD where the CPU has it).
+        fn run(dy: &mut [Self], mask: Option<&ReluMask>, bias_grad: &mut [f32]);
+    }
+
+    impl Grad for f32 {
+        fn of(v: f32) -> Self {
+            v
+        }
+        fn wide(self) -> f32 {
+            self
+        }
+        fn bits(self) -> u32 {
+            self.to_bits()
+        }
+        fn mask(y: &[Self]) -> ReluMask {
+            ReluMask::from_f32(y)
+        }
+        fn run(dy: &mut [Self], mask: Option<&ReluMask>, bias_grad: &mut [f32]) {
+            relu_mask_bias_grad_f32(dy, mask, bias_grad).unwrap();
+        }
+    }
+
+    impl Grad for f16 {
+        fn of(v: f32) -> Self {
+            f16::from_f32(v)
+        }
+        fn wide(self) -> f32 {
+            self.to_f32()
+        }
+        fn bits(self) -> u32 {
+            u32::from(self.to_bits())
+        }
+        fn mask(y: &[Self]) -> ReluMask {
+            ReluMask::from_f16(y)
+        }
+        fn run(dy: &mut [Self], mask: Option<&ReluMask>, bias_grad: &mut [f32]) {
+            relu_mask_bias_grad_f16(dy, mask, bias_grad).unwrap();
+        }
+    }
+
+    /// The entry point against the scalar definition (mask, widen, column sums row by row), bit
+    /// for bit, over row widths around the 16-lane chunks, with and without a mask.
+    fn rows_are_the_scalar_bits<T: Grad>() {
+        for cols in [1usize, 7, 15, 16, 17, 33, 64, 100, 1024] {
+            for rows in [1usize, 3, 5] {
+                let n = rows * cols;
+                #[allow(clippy::cast_precision_loss)]
+                let dy0: Vec<T> = (0..n)
+                    .map(|i| T::of(((i * 37 % 101) as f32 - 50.0) / 7.0))
+                    .collect();
+                #[allow(clippy::cast_precision_loss)]
+                let y: Vec<T> = (0..n)
+                    .map(|i| T::of(((i * 13 % 29) as f32) - 14.0))
+                    .collect();
+                for masked in [false, true] {
+                    let (mut want, mut gw) = (dy0.clone(), vec![0.5f32; cols]);
+                    for (i, v) in want.iter_mut().enumerate() {
+                        if masked && y[i].wide() <= 0.0 {
+                            *v = T::of(0.0);
+                        }
+                        gw[i % cols] += v.wide();
+                    }
+                    let mask = masked.then(|| T::mask(&y));
+                    let (mut got, mut gg) = (dy0.clone(), vec![0.5f32; cols]);
+                    T::run(&mut got, mask.as_ref(), &mut gg);
+                    let tb = |v: &[T]| v.iter().map(|x| x.bits()).collect::<Vec<_>>();
+                    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(tb(&got), tb(&want), "dy, {rows}x{cols}, mask {masked}");
+                    assert_eq!(fb(&gg), fb(&gw), "bias grad, {rows}x{cols}, mask {masked}");
                 }
-                bias_grad[c] += *v;
             }
         }
     }
@@ -119,32 +186,7 @@ mod tests {
         if !simd {
             eprintln!("skipped: this CPU has no AVX-512 F (the portable loop ran instead)");
         }
-        for cols in [1usize, 7, 15, 16, 17, 33, 64, 100, 1024] {
-            for rows in [1usize, 3, 5] {
-                let n = rows * cols;
-                #[allow(clippy::cast_precision_loss)]
-                let dy0: Vec<f32> = (0..n)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
-                    .collect();
-                #[allow(clippy::cast_precision_loss)]
-                let y: Vec<f32> = (0..n).map(|i| ((i * 13 % 29) as f32) - 14.0).collect();
-                for masked in [false, true] {
-                    let mask = masked.then(|| ReluMask::from_f32(&y));
-                    let (mut want, mut gw) = (dy0.clone(), vec![0.5f32; cols]);
-                    scalar(&mut want, masked.then_some(&y[..]), &mut gw);
-                    // the dispatching entry point (SIMD where the CPU has it)
-                    let (mut got, mut gg) = (dy0.clone(), vec![0.5f32; cols]);
-                    relu_mask_bias_grad_f32(&mut got, mask.as_ref(), &mut gg).unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&got), bits(&want), "dy, {rows}x{cols}, mask {masked}");
-                    assert_eq!(
-                        bits(&gg),
-                        bits(&gw),
-                        "bias grad, {rows}x{cols}, mask {masked}"
-                    );
-                }
-            }
-        }
+        rows_are_the_scalar_bits::<f32>();
     }
 
     #[test]
@@ -157,35 +199,6 @@ mod tests {
         if !simd {
             eprintln!("skipped: this CPU has no AVX-512 BW and VL (the portable loop ran instead)");
         }
-        for cols in [1usize, 7, 15, 16, 17, 33, 64, 100, 1024] {
-            for rows in [1usize, 3, 5] {
-                let n = rows * cols;
-                #[allow(clippy::cast_precision_loss)]
-                let dy0: Vec<f16> = (0..n)
-                    .map(|i| f16::from_f32(((i * 37 % 101) as f32 - 50.0) / 7.0))
-                    .collect();
-                #[allow(clippy::cast_precision_loss)]
-                let y: Vec<f16> = (0..n)
-                    .map(|i| f16::from_f32(((i * 13 % 29) as f32) - 14.0))
-                    .collect();
-                for masked in [false, true] {
-                    // the scalar definition: mask, widen, column sums row by row
-                    let (mut want, mut gw) = (dy0.clone(), vec![0.5f32; cols]);
-                    for (i, v) in want.iter_mut().enumerate() {
-                        if masked && y[i] <= f16::ZERO {
-                            *v = f16::ZERO;
-                        }
-                        gw[i % cols] += v.to_f32();
-                    }
-                    let mask = masked.then(|| ReluMask::from_f16(&y));
-                    let (mut got, mut gg) = (dy0.clone(), vec![0.5f32; cols]);
-                    relu_mask_bias_grad_f16(&mut got, mask.as_ref(), &mut gg).unwrap();
-                    let hb = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(hb(&got), hb(&want), "dy, {rows}x{cols}, mask {masked}");
-                    assert_eq!(fb(&gg), fb(&gw), "bias grad, {rows}x{cols}, mask {masked}");
-                }
-            }
-        }
+        rows_are_the_scalar_bits::<f16>();
     }
 }

@@ -1,10 +1,106 @@
 //! `ReLU`'s mask bits from its outputs, 64 values per word, with SIMD compares: one `vpcmpuw` /
 //! `vcmpps` mask (AVX-512) or one `vpmovmskb` / `vmovmskps` (AVX2) per vector, where the portable
-//! loop shifts one bit in per value. The portable loop in
-//! [`ReluMask`](super::epilogue::ReluMask) is the definition; the SIMD words are the same bits.
+//! loop shifts one bit in per value. That loop ([`word`], on [`MaskValue::passes`]) is the
+//! definition; the SIMD words are the same bits.
 //!
-//! Each function here fills `out` with the words of the whole 64-value chunks of `y` and leaves
-//! the remainder (fewer than 64 values) to the caller.
+//! Each loop fills `out` with the words of the whole 64-value chunks of `y` and leaves the
+//! remainder (fewer than 64 values) to the caller.
+
+/// The SIMD loops of the mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Simd {
+    /// AVX-512 F and BW.
+    Avx512,
+    /// AVX2.
+    Avx2,
+}
+
+impl Simd {
+    /// The loops, widest first.
+    pub(super) const ALL: [Simd; 2] = [Simd::Avx512, Simd::Avx2];
+
+    /// Whether this CPU has the loop's instructions.
+    pub(super) fn present(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Simd::Avx512 => {
+                    std::is_x86_feature_detected!("avx512f")
+                        && std::is_x86_feature_detected!("avx512bw")
+                }
+                Simd::Avx2 => std::is_x86_feature_detected!("avx2"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = self;
+            false
+        }
+    }
+}
+
+/// A value a mask is made from: its test (the definition) and its SIMD loops.
+pub(super) trait MaskValue: Copy {
+    /// Whether a `ReLU` output passes (`y > 0`).
+    fn passes(self) -> bool;
+
+    /// Fills `out` with the words of `y`'s whole 64-value chunks on `simd`.
+    ///
+    /// # Safety
+    /// The CPU must have `simd`'s instructions ([`Simd::present`]).
+    unsafe fn words(simd: Simd, y: &[Self], out: &mut Vec<u64>);
+}
+
+/// f16 outputs, as bits: `1 <= b <= 0x7c00` passes (positive, not zero, up to +inf; NaN fails).
+impl MaskValue for u16 {
+    fn passes(self) -> bool {
+        self.wrapping_sub(1) < 0x7c00
+    }
+
+    unsafe fn words(simd: Simd, y: &[u16], out: &mut Vec<u64>) {
+        #[cfg(target_arch = "x86_64")]
+        match simd {
+            // SAFETY: the caller's contract: the CPU has the loop's instructions.
+            Simd::Avx512 => unsafe { f16_words_avx512(y, out) },
+            // SAFETY: as above.
+            Simd::Avx2 => unsafe { f16_words_avx2(y, out) },
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (simd, y, out);
+            unreachable!("no SIMD loop is present off x86-64")
+        }
+    }
+}
+
+/// f32 outputs: `y > 0` passes (NaN fails).
+impl MaskValue for f32 {
+    fn passes(self) -> bool {
+        self > 0.0
+    }
+
+    unsafe fn words(simd: Simd, y: &[f32], out: &mut Vec<u64>) {
+        #[cfg(target_arch = "x86_64")]
+        match simd {
+            // SAFETY: the caller's contract: the CPU has the loop's instructions.
+            Simd::Avx512 => unsafe { f32_words_avx512(y, out) },
+            // SAFETY: as above.
+            Simd::Avx2 => unsafe { f32_words_avx2(y, out) },
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (simd, y, out);
+            unreachable!("no SIMD loop is present off x86-64")
+        }
+    }
+}
+
+/// One word of a mask, the definition: bit `b` set when value `b` of `c` (at most 64) passes.
+pub(super) fn word<T: MaskValue>(c: &[T]) -> u64 {
+    c.iter()
+        .enumerate()
+        .fold(0u64, |w, (b, &v)| w | (u64::from(v.passes()) << b))
+}
 
 /// f16 outputs (as bits) that pass: `1 <= b <= 0x7c00` (positive, not zero, up to +inf; NaN fails).
 ///
@@ -12,7 +108,7 @@
 /// The CPU must have AVX-512 F and BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn f16_words_avx512(y: &[u16], out: &mut Vec<u64>) {
+unsafe fn f16_words_avx512(y: &[u16], out: &mut Vec<u64>) {
     use std::arch::x86_64::{
         _mm512_cmplt_epu16_mask, _mm512_loadu_si512, _mm512_set1_epi16, _mm512_sub_epi16,
     };
@@ -36,7 +132,7 @@ pub(super) unsafe fn f16_words_avx512(y: &[u16], out: &mut Vec<u64>) {
 /// The CPU must have AVX-512 F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn f32_words_avx512(y: &[f32], out: &mut Vec<u64>) {
+unsafe fn f32_words_avx512(y: &[f32], out: &mut Vec<u64>) {
     use std::arch::x86_64::{_CMP_GT_OQ, _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_setzero_ps};
     let zero = _mm512_setzero_ps();
     for c in y.chunks_exact(64) {
@@ -57,7 +153,7 @@ pub(super) unsafe fn f32_words_avx512(y: &[f32], out: &mut Vec<u64>) {
 /// The CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn f16_words_avx2(y: &[u16], out: &mut Vec<u64>) {
+unsafe fn f16_words_avx2(y: &[u16], out: &mut Vec<u64>) {
     use std::arch::x86_64::{
         __m256i, _mm256_and_si256, _mm256_cmpgt_epi16, _mm256_loadu_si256, _mm256_movemask_epi8,
         _mm256_packs_epi16, _mm256_permute4x64_epi64, _mm256_set1_epi16, _mm256_sub_epi16,
@@ -98,7 +194,7 @@ pub(super) unsafe fn f16_words_avx2(y: &[u16], out: &mut Vec<u64>) {
 /// The CPU must have AVX (part of AVX2).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn f32_words_avx2(y: &[f32], out: &mut Vec<u64>) {
+unsafe fn f32_words_avx2(y: &[f32], out: &mut Vec<u64>) {
     use std::arch::x86_64::{
         _CMP_GT_OQ, _mm256_cmp_ps, _mm256_loadu_ps, _mm256_movemask_ps, _mm256_setzero_ps,
     };
