@@ -15,6 +15,8 @@
 
 #[path = "common/measure.rs"]
 mod measure;
+#[path = "common/tokens.rs"]
+mod tokens;
 
 use clap::Parser;
 use dfdx::optim::{Adam, AdamConfig};
@@ -201,17 +203,7 @@ mod transformer {
     }
 
     pub fn data(dev: &Cuda) -> (Tokens, Labels) {
-        let tokens = dev.tensor_from_vec(
-            super::measure::uniform(BATCH * SEQ)
-                .map(|u| ((u + 0.5) * VOCAB as f32) as usize % VOCAB)
-                .collect(),
-            (Const, Const),
-        );
-        let mut onehot = vec![0.0f32; BATCH * CLASSES];
-        for i in 0..BATCH {
-            onehot[i * CLASSES + i % CLASSES] = 1.0;
-        }
-        (tokens, dev.tensor_from_vec(onehot, (Const, Const)))
+        super::tokens::batch::<BATCH, SEQ, VOCAB, CLASSES, _>(dev)
     }
 }
 

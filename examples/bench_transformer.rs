@@ -7,6 +7,8 @@
 
 #[path = "common/measure.rs"]
 mod measure;
+#[path = "common/tokens.rs"]
+mod tokens;
 
 use clap::Parser;
 use dfdx::optim::{Adam, AdamConfig};
@@ -83,17 +85,7 @@ fn main() {
     let args = Args::parse();
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Classifier, f32>();
-    let tokens: Tokens = dev.tensor_from_vec(
-        measure::uniform(BATCH * SEQ)
-            .map(|u| ((u + 0.5) * VOCAB as f32) as usize % VOCAB)
-            .collect(),
-        (Const, Const),
-    );
-    let mut onehot = vec![0.0f32; BATCH * CLASSES];
-    for i in 0..BATCH {
-        onehot[i * CLASSES + i % CLASSES] = 1.0;
-    }
-    let labels: Labels = dev.tensor_from_vec(onehot, (Const, Const));
+    let (tokens, labels): (Tokens, Labels) = tokens::batch::<BATCH, SEQ, VOCAB, CLASSES, _>(&dev);
     let adam = |m: &Model| {
         Adam::new(
             m,
