@@ -35,7 +35,7 @@ use super::packs::{PackView, Packs, Part, pack_staged};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
-use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable};
+use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, transpose};
 use crate::precision::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
@@ -230,10 +230,43 @@ thread_local! {
     static STAGE_F16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel: packed as f16 first, then
-/// the panels widened to f32 in one SIMD pass (the layout is the same, so this is the packing of
-/// the widened operand, without widening the whole operand beforehand).
-fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
+/// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel. Full panels of an operand
+/// stored with k contiguous (`X` as A, `Wᵀ` as B) are transposed and widened in one pass
+/// ([`transpose::lines_f16`]). The other panels (lines contiguous, where the f16 copy is as fast;
+/// a last, partial panel) are packed as f16 first, then widened in one SIMD pass (the layout is the same, so either way this is the packing of the widened operand,
+/// without widening the whole operand beforehand).
+pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
+    // B's columns are the lines of its panels, as A's rows are (see `pack_b`)
+    let (src, (l0, lines), (pc, kc), width) = match part {
+        Part::A(rows, ks) => (a, rows, ks, avx512::MR),
+        Part::B(ks, cols) => (
+            Src {
+                data: b.data,
+                rs: b.cs,
+                cs: b.rs,
+            },
+            cols,
+            ks,
+            avx512::NR,
+        ),
+    };
+    let mut done = 0;
+    while done < lines / width {
+        let panel = &mut dst[done * width * kc..(done + 1) * width * kc];
+        let at = (l0 + done * width, width);
+        if src.cs != 1 || !transpose::lines_f16(panel, src.data, at, (pc, kc), src.rs) {
+            break;
+        }
+        done += 1;
+    }
+    if done * width == lines {
+        return;
+    }
+    let rest = (l0 + done * width, lines - done * width);
+    let part = match part {
+        Part::A(_, ks) => Part::A(rest, ks),
+        Part::B(ks, _) => Part::B(ks, rest),
+    };
     pack_staged(
         &STAGE_F16,
         (a, b),
@@ -241,6 +274,7 @@ fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
         (avx512::MR, avx512::NR),
         |packed, _, _| {
             let halves: &[f16] = packed.reinterpret_cast();
+            let dst = &mut dst[done * width * kc..];
             crate::precision::convert::widen_f16(halves, &mut dst[..halves.len()]);
         },
     );

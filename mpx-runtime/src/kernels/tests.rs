@@ -656,6 +656,70 @@ fn packing_a_k_contiguous_operand_matches_the_definition() {
     }
 }
 
+#[test]
+fn f16_operands_pack_widened_in_one_pass_as_packed_then_widened() {
+    // Random f16 bits: NaNs (signalling and quiet), infinities, subnormals and both zeros among
+    // them. The definition: the f16 panel `pack_a` writes, each value widened on its own.
+    let (k, lines) = (300, 75);
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let bits: Vec<u16> = (0..k * lines)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as u16
+        })
+        .collect();
+    if !crate::precision::convert::has_f16c() {
+        println!("skipped: this CPU lacks F16C (the one-pass widening is not used here)");
+    }
+    let stored = [
+        // k contiguous (X as A, Wᵀ as B): the one-pass transpose for full panels
+        pack::Src {
+            data: &bits[..],
+            rs: k,
+            cs: 1,
+        },
+        // lines contiguous: the f16 copy, then the widening pass
+        pack::Src {
+            data: &bits[..],
+            rs: 1,
+            cs: lines,
+        },
+    ];
+    let (mr, nr) = (avx512::MR, avx512::NR);
+    for src in stored {
+        let bt = pack::Src {
+            data: src.data,
+            rs: src.cs,
+            cs: src.rs,
+        };
+        for (pc, kc) in [(0, 1), (3, 7), (8, 8), (5, 13), (0, 256), (44, 256)] {
+            for (l0, n) in [(0usize, 75usize), (16, 16), (3, 40), (0, 64), (8, 9)] {
+                for (part, width) in [
+                    (packs::Part::A((l0, n), (pc, kc)), mr),
+                    (packs::Part::B((pc, kc), (l0, n)), nr),
+                ] {
+                    let len = n.div_ceil(width) * width * kc;
+                    let mut got = vec![f32::NAN; len];
+                    driver::pack_widened(&mut got, src, bt, part);
+                    let mut want = vec![0u16; len];
+                    pack::pack_a(&mut want, src, (l0, n), (pc, kc), width);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            f16::from_bits(*w).to_f32().to_bits(),
+                            "{part:?} (rs {}, cs {}) at {i}",
+                            src.rs,
+                            src.cs
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A scalar model of `vdpbf16ps` and of the AVX512-BF16 GEMM built on it, from the instruction's
 /// definition (see [`bf16`](super::bf16)): independent of the kernel's code.
 mod bf16_model {

@@ -1,13 +1,14 @@
-//! An AVX transpose for packing f32 operands stored with k contiguous (the weight `Wᵀ` of a
-//! Linear layer's forward product, the activations `X` as A): each group of 8 lines of 8 values
-//! becomes 8 rows of 8 of the panel with one 8 x 8 register transpose instead of 64 scalar moves,
-//! for panels of any width that is a multiple of 8 (the AVX2 kernel's 16, the AVX-512 kernel's 8
-//! and 32). The values are moved, not
-//! computed: the panel is the same as the scalar loop's (the tests compare them).
+//! An AVX transpose for packing operands stored with k contiguous (the weight `Wᵀ` of a Linear
+//! layer's forward product, the activations `X` as A): each group of 8 lines of 8 values becomes
+//! 8 rows of 8 of the panel with one 8 x 8 register transpose instead of 64 scalar moves, for
+//! panels of any width that is a multiple of 8 (the AVX2 kernel's 16, the AVX-512 kernel's 8 and
+//! 32). f32 values are moved; f16 values are widened to f32 on the way (F16C), so an f16 operand
+//! packs for the f32 kernels in one pass. The panels are the same as the scalar loop's (the
+//! tests compare them).
 
 /// Writes `panel[p * w + l] = data[(l0 + l) * ls + pc + p]` for `l < w`, `p < kc` and returns
-/// true, when `w` is a positive multiple of 8 and the CPU has AVX; returns false (writing
-/// nothing) otherwise.
+/// true, when `w` is a positive multiple of 8 and the CPU has AVX and F16C; returns false
+/// (writing nothing) otherwise.
 pub(crate) fn lines(
     panel: &mut [f32],
     data: &[f32],
@@ -16,65 +17,124 @@ pub(crate) fn lines(
     ls: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if w > 0 && w.is_multiple_of(8) && std::is_x86_feature_detected!("avx") {
-        assert!(panel.len() >= w * kc);
-        assert!(kc == 0 || (l0 + w - 1) * ls + pc + kc <= data.len());
-        // SAFETY: AVX was detected; every read is `(l0 + l) * ls + pc + p` with `l < w`,
-        // `p < kc` (inside `data`, asserted above) and every write `p * w + l` (inside `panel`).
-        unsafe { x86::lines(panel, data, (l0, w), pc, kc, ls) };
+    if fits(panel.len(), data.len(), (l0, w), (pc, kc), ls) {
+        // SAFETY: AVX and F16C were detected; every read is `(l0 + l) * ls + pc + p` with
+        // `l < w`, `p < kc` (inside `data`, checked by `fits`) and every write `p * w + l`
+        // (inside `panel`).
+        unsafe { x86::lines_f32(panel, data, (l0, w), pc, kc, ls) };
         return true;
     }
     let _ = (panel, data, l0, w, pc, kc, ls);
     false
 }
 
+/// [`lines`] for f16 values (as bits), widened to f32: `panel[p * w + l]` is
+/// `data[(l0 + l) * ls + pc + p]` as an f32 (exact). Returns false, writing nothing, where
+/// [`lines`] would.
+pub(crate) fn lines_f16(
+    panel: &mut [f32],
+    data: &[u16],
+    (l0, w): (usize, usize),
+    (pc, kc): (usize, usize),
+    ls: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if fits(panel.len(), data.len(), (l0, w), (pc, kc), ls) {
+        // SAFETY: as in `lines`.
+        unsafe { x86::lines_f16(panel, data, (l0, w), pc, kc, ls) };
+        return true;
+    }
+    let _ = (panel, data, l0, w, pc, kc, ls);
+    false
+}
+
+/// Whether the transpose runs here (AVX and F16C, `w` a positive multiple of 8), after checking
+/// that the panel holds `w x kc` values and every line read lies inside the data (a panic
+/// otherwise: the packing loops never ask for more).
 #[cfg(target_arch = "x86_64")]
+fn fits(
+    panel: usize,
+    data: usize,
+    (l0, w): (usize, usize),
+    (pc, kc): (usize, usize),
+    ls: usize,
+) -> bool {
+    if w == 0 || !w.is_multiple_of(8) || !crate::precision::convert::has_f16c() {
+        return false;
+    }
+    assert!(panel >= w * kc);
+    assert!(kc == 0 || (l0 + w - 1) * ls + pc + kc <= data);
+    true
+}
+
+// `_mm_loadu_si128` takes an `__m128i` pointer but reads it unaligned: the cast from `u16` is sound.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::cast_ptr_alignment)]
 mod x86 {
     use std::arch::x86_64::{
-        __m256, _mm256_loadu_ps, _mm256_permute2f128_ps, _mm256_shuffle_ps, _mm256_storeu_ps,
-        _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+        __m128i, __m256, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_loadu_ps, _mm256_permute2f128_ps,
+        _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
     };
 
-    /// # Safety
-    /// The CPU must support AVX; `w` is a multiple of 8; the reads and writes named in
-    /// [`lines`](super::lines) must lie inside `data` and `panel`.
-    #[target_feature(enable = "avx")]
-    pub(super) unsafe fn lines(
-        panel: &mut [f32],
-        data: &[f32],
-        (l0, w): (usize, usize),
-        pc: usize,
-        kc: usize,
-        ls: usize,
-    ) {
-        let (src, dst) = (data.as_ptr(), panel.as_mut_ptr());
-        let full = kc - kc % 8;
-        for q in (0..full).step_by(8) {
-            for g in 0..w / 8 {
-                let r: [__m256; 8] = std::array::from_fn(|i| {
-                    let at = src.wrapping_add((l0 + g * 8 + i) * ls + pc + q);
-                    // SAFETY: values `p = q..q + 8 <= full <= kc` of line `g * 8 + i < w`:
-                    // inside `data` by the caller's contract.
-                    unsafe { _mm256_loadu_ps(at) }
-                });
-                let t = transpose8(r);
-                for (p, v) in t.iter().enumerate() {
-                    let at = dst.wrapping_add((q + p) * w + g * 8);
-                    // SAFETY: `(q + p) * w + g * 8 + 8 <= w * kc`: inside `panel`.
-                    unsafe { _mm256_storeu_ps(at, *v) };
+    /// The loop of [`lines`](super::lines) for one value type: `$load` reads 8 values as f32,
+    /// `$one` converts one.
+    macro_rules! lines_of {
+        ($name:ident, $t:ty, $load:expr, $one:expr) => {
+            /// # Safety
+            /// The CPU must support AVX and F16C; `w` is a multiple of 8; the reads and writes
+            /// named in [`lines`](super::lines) must lie inside `data` and `panel`.
+            #[target_feature(enable = "avx,f16c")]
+            pub(super) unsafe fn $name(
+                panel: &mut [f32],
+                data: &[$t],
+                (l0, w): (usize, usize),
+                pc: usize,
+                kc: usize,
+                ls: usize,
+            ) {
+                let (src, dst) = (data.as_ptr(), panel.as_mut_ptr());
+                let full = kc - kc % 8;
+                for q in (0..full).step_by(8) {
+                    for g in 0..w / 8 {
+                        let r: [__m256; 8] = std::array::from_fn(|i| {
+                            let at = src.wrapping_add((l0 + g * 8 + i) * ls + pc + q);
+                            // SAFETY: values `p = q..q + 8 <= full <= kc` of line
+                            // `g * 8 + i < w`: inside `data` by the caller's contract.
+                            unsafe { $load(at) }
+                        });
+                        let t = transpose8(r);
+                        for (p, v) in t.iter().enumerate() {
+                            let at = dst.wrapping_add((q + p) * w + g * 8);
+                            // SAFETY: `(q + p) * w + g * 8 + 8 <= w * kc`: inside `panel`.
+                            unsafe { _mm256_storeu_ps(at, *v) };
+                        }
+                    }
+                }
+                for p in full..kc {
+                    for l in 0..w {
+                        let from = src.wrapping_add((l0 + l) * ls + pc + p);
+                        // SAFETY: value `p < kc` of line `l < w`: inside `data` by the contract.
+                        let x = unsafe { *from };
+                        // SAFETY: `p * w + l < w * kc`: inside `panel`.
+                        unsafe { *dst.wrapping_add(p * w + l) = $one(x) };
+                    }
                 }
             }
-        }
-        for p in full..kc {
-            for l in 0..w {
-                let from = src.wrapping_add((l0 + l) * ls + pc + p);
-                // SAFETY: value `p < kc` of line `l < w`: inside `data` by the contract.
-                let x = unsafe { *from };
-                // SAFETY: `p * w + l < w * kc`: inside `panel`.
-                unsafe { *dst.wrapping_add(p * w + l) = x };
-            }
-        }
+        };
     }
+
+    lines_of!(
+        lines_f32,
+        f32,
+        |at: *const f32| _mm256_loadu_ps(at),
+        |x: f32| x
+    );
+    lines_of!(
+        lines_f16,
+        u16,
+        |at: *const u16| _mm256_cvtph_ps(_mm_loadu_si128(at.cast::<__m128i>())),
+        |x: u16| half::f16::from_bits(x).to_f32()
+    );
 
     /// Rows `r[i]` to columns: `out[p][i] = r[i][p]`.
     #[inline]

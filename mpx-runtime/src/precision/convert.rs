@@ -36,7 +36,7 @@ fn dispatch<S, D>(
 
 /// Whether the CPU converts with F16C (and AVX, for the 256-bit registers); detected once.
 #[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
+pub(crate) fn has_f16c() -> bool {
     use std::sync::OnceLock;
     static F16C: OnceLock<bool> = OnceLock::new();
     *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
@@ -52,7 +52,7 @@ fn has_avx2() -> bool {
 
 /// No F16C off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-fn has_f16c() -> bool {
+pub(crate) fn has_f16c() -> bool {
     false
 }
 
