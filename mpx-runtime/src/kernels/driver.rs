@@ -18,7 +18,7 @@
 //! with the same micro-tile grid as the one-thread run, so every output element sees the same
 //! operations: results are bit-identical for any thread count.
 //!
-//! Measured on the 9 products of the MLP step (a 2-core Zen 4 EPYC, 2 threads, medians of 8
+//! Measured on the 9 products of the MLP step (a 2-core Zen 5 EPYC, 2 threads, medians of 8
 //! interleaved runs of 15 rounds): 7.68 -> 7.11 ms in f32 on [`KernelPath::Avx512`], 7.44 ->
 //! 6.72 ms with f16 operands, 6.39 -> 4.77 ms in bf16 on [`KernelPath::Avx512Bf16`]; with the
 //! other core busy compiling, 14.3 -> 12.4 ms in f32 and 12.0 -> 8.7 ms in bf16.

@@ -75,7 +75,7 @@
 //! AVX2 after detecting them (`convert.rs`), and
 //! `mx/block.rs` calls its row loops compiled for AVX2 after detecting it. Here: the SIMD micro-kernels (each runs only after its features
 //! were detected; the AVX2 one reads tiles of A and B through pointers and strides, in place or
-//! packed, whose ranges `strided.rs` checks against the operand slices), the AVX transpose that packs f32 panels with k
+//! packed, whose ranges `strided.rs` checks against the operand slices), the AVX transpose that packs f32 and f16 panels with k
 //! contiguous (`transpose.rs`), the peak-throughput loops, the driver's shared view of the output
 //! through which threads write disjoint blocks of it, the shared view of the packed operands
 //! whose parts the threads fill before any block reads them (`packs.rs`), and the pool's hand-off of a borrowed task

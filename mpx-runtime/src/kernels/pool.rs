@@ -6,7 +6,7 @@
 //!
 //! A helper that finished a job watches its mailbox for [`SPIN`] before it sleeps, so the
 //! products of a training step, which follow each other closely, reach it without a wake-up
-//! system call. Measured on `bench_step --serve` (2-core Zen 4 EPYC, lock-step A/B, 30 rounds):
+//! system call. Measured on `bench_step --serve` (2-core Zen 5 EPYC, lock-step A/B, 30 rounds):
 //! the f16 step 0.96x and the emulated-bf16 step 0.95x of the time with a sleeping helper woken
 //! through a channel for every product. The cost is up to 200 µs of one core's time after the
 //! last product of a burst.
