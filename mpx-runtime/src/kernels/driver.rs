@@ -232,7 +232,7 @@ thread_local! {
 
 /// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel. Full panels of an operand
 /// stored with k contiguous (`X` as A, `Wᵀ` as B) are transposed and widened in one pass
-/// ([`transpose::lines_f16`]). The other panels (lines contiguous, where the f16 copy is as fast;
+/// ([`transpose::lines`]). The other panels (lines contiguous, where the f16 copy is as fast;
 /// a last, partial panel) are packed as f16 first, then widened in one SIMD pass (the layout is the same, so either way this is the packing of the widened operand,
 /// without widening the whole operand beforehand).
 pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
@@ -254,7 +254,7 @@ pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, pa
     while done < lines / width {
         let panel = &mut dst[done * width * kc..(done + 1) * width * kc];
         let at = (l0 + done * width, width);
-        if src.cs != 1 || !transpose::lines_f16(panel, src.data, at, (pc, kc), src.rs) {
+        if src.cs != 1 || !transpose::lines(panel, src.data, at, (pc, kc), src.rs) {
             break;
         }
         done += 1;

@@ -6,12 +6,33 @@
 //! packs for the f32 kernels in one pass. The panels are the same as the scalar loop's (the
 //! tests compare them).
 
-/// Writes `panel[p * w + l] = data[(l0 + l) * ls + pc + p]` for `l < w`, `p < kc` and returns
-/// true, when `w` is a positive multiple of 8 and the CPU has AVX and F16C; returns false
+/// The AVX/F16C loop of [`lines`] for values of type `T`: `(panel, data, (l0, w), pc, kc, ls)`.
+#[cfg(target_arch = "x86_64")]
+type Loop<T> = unsafe fn(&mut [f32], &[T], (usize, usize), usize, usize, usize);
+
+/// A value type [`lines`] reads: f32, moved as it is, or f16 as its bits, widened to f32 (exact).
+pub(crate) trait TransposeElem: Sized {
+    /// The loop for this type.
+    #[cfg(target_arch = "x86_64")]
+    const RUN: Loop<Self>;
+}
+
+impl TransposeElem for f32 {
+    #[cfg(target_arch = "x86_64")]
+    const RUN: Loop<f32> = x86::lines_f32;
+}
+
+impl TransposeElem for u16 {
+    #[cfg(target_arch = "x86_64")]
+    const RUN: Loop<u16> = x86::lines_f16;
+}
+
+/// Writes `panel[p * w + l] = data[(l0 + l) * ls + pc + p]` (as f32) for `l < w`, `p < kc` and
+/// returns true, when `w` is a positive multiple of 8 and the CPU has AVX and F16C; returns false
 /// (writing nothing) otherwise.
-pub(crate) fn lines(
+pub(crate) fn lines<T: TransposeElem>(
     panel: &mut [f32],
-    data: &[f32],
+    data: &[T],
     (l0, w): (usize, usize),
     (pc, kc): (usize, usize),
     ls: usize,
@@ -21,27 +42,7 @@ pub(crate) fn lines(
         // SAFETY: AVX and F16C were detected; every read is `(l0 + l) * ls + pc + p` with
         // `l < w`, `p < kc` (inside `data`, checked by `fits`) and every write `p * w + l`
         // (inside `panel`).
-        unsafe { x86::lines_f32(panel, data, (l0, w), pc, kc, ls) };
-        return true;
-    }
-    let _ = (panel, data, l0, w, pc, kc, ls);
-    false
-}
-
-/// [`lines`] for f16 values (as bits), widened to f32: `panel[p * w + l]` is
-/// `data[(l0 + l) * ls + pc + p]` as an f32 (exact). Returns false, writing nothing, where
-/// [`lines`] would.
-pub(crate) fn lines_f16(
-    panel: &mut [f32],
-    data: &[u16],
-    (l0, w): (usize, usize),
-    (pc, kc): (usize, usize),
-    ls: usize,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if fits(panel.len(), data.len(), (l0, w), (pc, kc), ls) {
-        // SAFETY: as in `lines`.
-        unsafe { x86::lines_f16(panel, data, (l0, w), pc, kc, ls) };
+        unsafe { T::RUN(panel, data, (l0, w), pc, kc, ls) };
         return true;
     }
     let _ = (panel, data, l0, w, pc, kc, ls);
