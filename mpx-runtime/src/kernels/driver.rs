@@ -230,11 +230,11 @@ thread_local! {
     static STAGE_F16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel. Full panels of an operand
-/// stored with k contiguous (`X` as A, `Wᵀ` as B) are transposed and widened in one pass
-/// ([`transpose::lines`]). The other panels (lines contiguous, where the f16 copy is as fast;
-/// a last, partial panel) are packed as f16 first, then widened in one SIMD pass (the layout is the same, so either way this is the packing of the widened operand,
-/// without widening the whole operand beforehand).
+/// Packs `part` of `a` or `b` (f16 bits) for the AVX-512 f32 kernel, without widening the whole
+/// operand beforehand. Full panels of an operand stored with k contiguous (`X` as A, `Wᵀ` as B)
+/// are transposed and widened in one pass ([`transpose::lines`]). The other panels (lines
+/// contiguous, where the f16 copy is as fast; a last, partial panel) are packed as f16 first,
+/// then widened in one SIMD pass: the layout is the same either way.
 pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, part: Part) {
     // B's columns are the lines of its panels, as A's rows are (see `pack_b`)
     let (src, (l0, lines), (pc, kc), width) = match part {
@@ -250,11 +250,13 @@ pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, pa
             avx512::NR,
         ),
     };
+    // full panels in one pass where k is contiguous and the CPU has the transpose
     let mut done = 0;
-    while done < lines / width {
+    let full = if src.cs == 1 { lines / width } else { 0 };
+    while done < full {
         let panel = &mut dst[done * width * kc..(done + 1) * width * kc];
         let at = (l0 + done * width, width);
-        if src.cs != 1 || !transpose::lines(panel, src.data, at, (pc, kc), src.rs) {
+        if !transpose::lines(panel, src.data, at, (pc, kc), src.rs) {
             break;
         }
         done += 1;

@@ -19,6 +19,30 @@ fn bits16(bits: &[u64], i: usize) -> u16 {
     m
 }
 
+/// The lanes of a chunk of `len` values (at most 16) starting at element `at`, and those of them
+/// the mask keeps (all without a mask).
+#[cfg(target_arch = "x86_64")]
+fn lanes(len: usize, mask: Option<&[u64]>, at: usize) -> (u16, u16) {
+    let lanes: u16 = u16::MAX >> (16 - len);
+    (lanes, mask.map_or(lanes, |m| lanes & bits16(m, at)))
+}
+
+/// `g += v` on `lanes`: a chunk's values added into its columns' sums.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `lanes` covers at most `g.len()` lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_to_sums(g: &mut [f32], lanes: u16, v: std::arch::x86_64::__m512) {
+    use std::arch::x86_64::{_mm512_add_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps};
+    // SAFETY: the lanes set in `lanes` are `g`'s values (the caller's contract).
+    let old = unsafe { _mm512_maskz_loadu_ps(lanes, g.as_ptr()) };
+    let sum = _mm512_add_ps(old, v);
+    // SAFETY: as above.
+    unsafe { _mm512_mask_storeu_ps(g.as_mut_ptr(), lanes, sum) };
+}
+
 /// `dy` (whole rows of `bias_grad.len()`, not empty) zeroed where `mask`'s bit is clear, then
 /// summed by column into `bias_grad`.
 ///
@@ -32,24 +56,19 @@ pub(super) unsafe fn mask_bias_grad_f32_avx512(
     mask: Option<&[u64]>,
     bias_grad: &mut [f32],
 ) {
-    use std::arch::x86_64::{_mm512_add_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps};
+    use std::arch::x86_64::{_mm512_mask_storeu_ps, _mm512_maskz_loadu_ps};
     let cols = bias_grad.len();
     for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
         for (k, (d, g)) in row.chunks_mut(16).zip(bias_grad.chunks_mut(16)).enumerate() {
-            let j = 16 * k;
             // the lanes of this chunk (16, or fewer at the row's end)
-            let lanes: u16 = u16::MAX >> (16 - d.len());
-            let keep = mask.map_or(lanes, |m| lanes & bits16(m, r * cols + j));
+            let (lanes, keep) = lanes(d.len(), mask, r * cols + 16 * k);
             // SAFETY: only the lanes set in `keep` are read, and `keep` is within `lanes`: the
             // `d.len()` values of `d`.
             let v = unsafe { _mm512_maskz_loadu_ps(keep, d.as_ptr()) };
             // SAFETY: the `d.len()` lanes of `lanes` are `d`'s values.
             unsafe { _mm512_mask_storeu_ps(d.as_mut_ptr(), lanes, v) };
             // SAFETY: `g` has the same length as `d` (a row's chunk and its columns' sums).
-            let old = unsafe { _mm512_maskz_loadu_ps(lanes, g.as_ptr()) };
-            let sum = _mm512_add_ps(old, v);
-            // SAFETY: as above.
-            unsafe { _mm512_mask_storeu_ps(g.as_mut_ptr(), lanes, sum) };
+            unsafe { add_to_sums(g, lanes, v) };
         }
     }
 }
@@ -66,16 +85,11 @@ pub(super) unsafe fn mask_bias_grad_f16_avx512(
     mask: Option<&[u64]>,
     bias_grad: &mut [f32],
 ) {
-    use std::arch::x86_64::{
-        _mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16, _mm512_add_ps, _mm512_cvtph_ps,
-        _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
-    };
+    use std::arch::x86_64::{_mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16, _mm512_cvtph_ps};
     let cols = bias_grad.len();
     for (r, row) in dy.chunks_exact_mut(cols).enumerate() {
         for (k, (d, g)) in row.chunks_mut(16).zip(bias_grad.chunks_mut(16)).enumerate() {
-            let j = 16 * k;
-            let lanes: u16 = u16::MAX >> (16 - d.len());
-            let keep = mask.map_or(lanes, |m| lanes & bits16(m, r * cols + j));
+            let (lanes, keep) = lanes(d.len(), mask, r * cols + 16 * k);
             // SAFETY: only the lanes set in `keep` (within `lanes`, the `d.len()` values of
             // `d`) are read; the others read as +0.0.
             let h = unsafe { _mm256_maskz_loadu_epi16(keep, d.as_ptr().cast()) };
@@ -83,10 +97,7 @@ pub(super) unsafe fn mask_bias_grad_f16_avx512(
             unsafe { _mm256_mask_storeu_epi16(d.as_mut_ptr().cast(), lanes, h) };
             let v = _mm512_cvtph_ps(h);
             // SAFETY: `g` has the same length as `d`.
-            let old = unsafe { _mm512_maskz_loadu_ps(lanes, g.as_ptr()) };
-            let sum = _mm512_add_ps(old, v);
-            // SAFETY: as above.
-            unsafe { _mm512_mask_storeu_ps(g.as_mut_ptr(), lanes, sum) };
+            unsafe { add_to_sums(g, lanes, v) };
         }
     }
 }
