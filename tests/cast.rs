@@ -432,3 +432,57 @@ fn cast_module_into_allocates_no_buffers_after_the_first_call() {
     let want: Vec<f32> = work.2.bias.as_vec().iter().map(|h| h.to_f32()).collect();
     assert_eq!(wide.2.bias.as_vec(), want);
 }
+
+/// Two tensors long enough to be read on the pool's threads (at least 65,536 values each), with
+/// short ones between them, read during the walk.
+type Long = (Linear<512, 160>, ReLU, Linear<160, 512>, Linear<512, 3>);
+
+#[test]
+fn long_tensors_read_on_several_threads_cast_as_a_fresh_cast_and_allocate_no_buffers() {
+    let dev = Cpu::default();
+    let mut master = dev.build_module::<Long, f32>();
+    let mut work = cast_module::<f16, f32, _>(&master);
+    let mut wide = dev.build_module::<Long, f32>();
+    let mut scratch = CastScratch::new();
+    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
+    // an optimizer's step, then the per-step casts
+    master.0.weight = master.0.weight.clone() * 3.0;
+    master.2.weight = master.2.weight.clone() - 0.25;
+    let before = heap::allocated_here();
+    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
+    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
+    let per_call = (heap::allocated_here() - before) / 2;
+    // a boxed read per long tensor and the list of them: well below the smallest long tensor's
+    // buffer (65,536 values)
+    assert!(per_call < 4096, "{per_call} bytes allocated per call");
+    let fresh = cast_module::<f16, f32, _>(&master);
+    assert_eq!(
+        f16_bits(&work.0.weight.as_vec()),
+        f16_bits(&fresh.0.weight.as_vec())
+    );
+    assert_eq!(
+        f16_bits(&work.2.weight.as_vec()),
+        f16_bits(&fresh.2.weight.as_vec())
+    );
+    assert_eq!(
+        f16_bits(&work.2.bias.as_vec()),
+        f16_bits(&fresh.2.bias.as_vec())
+    );
+    assert_eq!(
+        f16_bits(&work.3.weight.as_vec()),
+        f16_bits(&fresh.3.weight.as_vec())
+    );
+    // and back to f32, exactly
+    let widened = |v: Vec<f16>| -> Vec<f32> { v.iter().map(|h| h.to_f32()).collect() };
+    assert_eq!(wide.0.weight.as_vec(), widened(work.0.weight.as_vec()));
+    assert_eq!(wide.2.weight.as_vec(), widened(work.2.weight.as_vec()));
+    // the master's tensors are not left shared by the reads: written in place, not copied first
+    let before = heap::allocated_here();
+    master.2.weight.fill_with_zeros();
+    let copied = heap::allocated_here() - before;
+    assert!(
+        copied < 4096,
+        "{copied} bytes allocated to write a master tensor"
+    );
+}

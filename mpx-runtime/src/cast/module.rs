@@ -13,6 +13,7 @@ use dfdx::tensor_ops::Device;
 use super::FloatSliceMut;
 use super::leaf::{cast_tensor, with_scratch};
 use super::tensor_io::{read_tensor_bits, read_tensor_f32, update_tensor, write_tensor_from_f32};
+use crate::kernels::each_range;
 use crate::precision::{FloatSlice, Precision, f16};
 
 /// Why a module cast failed.
@@ -175,11 +176,23 @@ where
 
 // ---- in-place casts --------------------------------------------------------------------------
 
+/// A long source tensor's read into its part of `CastScratch::flat`. It holds the tensor itself
+/// (shared, not copied), boxed so that tensors of every shape can be read on the pool's threads
+/// once the walk has listed them all.
+type Read = Box<dyn Fn(&mut [f32]) + Send + Sync>;
+
+/// Tensors shorter than this are read during the walk, on the calling thread; longer ones after
+/// it, on the pool's threads, one tensor each (dfdx copies a tensor out only whole).
+const READ_APART: usize = 1 << 16;
+
+/// Walks the source: each tensor's length goes to `s.lens`; a short tensor's values are read
+/// into `s.flat` at once, a long one's read is listed in `reads` with its range of `s.flat`.
 struct Gather<'a> {
     s: &'a mut CastScratch,
-    /// Values of `s.flat` written so far (`flat` keeps its length across calls, so that it is
-    /// not zeroed again each time).
+    /// Values of `s.flat` taken so far (`flat` keeps its length across calls, so that it is not
+    /// zeroed again each time).
     filled: usize,
+    reads: Vec<((usize, usize), Read)>,
 }
 
 impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for Gather<'_>
@@ -201,7 +214,15 @@ where
         if self.s.flat.len() < end {
             self.s.flat.resize(end, 0.0);
         }
-        read_tensor_f32(t, &mut self.s.flat[start..end], &mut self.s.tmp16);
+        if n < READ_APART {
+            read_tensor_f32(t, &mut self.s.flat[start..end], &mut self.s.tmp16);
+        } else {
+            let t = t.clone();
+            self.reads.push((
+                (start, n),
+                Box::new(move |dst| with_scratch(|_, tmp16| read_tensor_f32(&t, dst, tmp16))),
+            ));
+        }
         self.filled = end;
         self.s.lens.push((n, opts.do_gradient_update));
         Ok(None)
@@ -253,9 +274,11 @@ where
 /// of `src` cast to precision `P`, without allocating new tensors: the step's `cast_to_half_precision`.
 ///
 /// The source is gathered into `scratch` as f32 in visit order, then the destination is walked
-/// and each tensor overwritten with its converted chunk (`copy_from`). After the first call with a
-/// given model no buffer is allocated: dfdx's own walk over a tuple module formats each field's
-/// name (a few bytes), nothing else. If someone else still holds a clone of a destination tensor,
+/// and each tensor overwritten with its converted chunk (`copy_from`). dfdx copies a tensor out
+/// only whole, on one thread, so tensors of 65,536 values or more are copied out after the walk,
+/// several at once on the GEMM's threads. After the first call with a given model no buffer is
+/// allocated: dfdx's own walk over a tuple module formats each field's name (a few bytes), and
+/// each long tensor takes a small handle for its copy (about a hundred bytes), nothing else. If someone else still holds a clone of a destination tensor,
 /// dfdx's copy-on-write copies that one tensor. The reverse direction (half copy into an f32
 /// model) is the same call with `P = f32`.
 ///
@@ -310,13 +333,22 @@ where
     Cpu: Device<E> + Device<P::Elem>,
 {
     scratch.lens.clear();
+    let mut gather = Gather {
+        s: scratch,
+        filled: 0,
+        reads: Vec::new(),
+    };
     M::iter_tensors(&mut RecursiveWalker {
         m: src,
-        f: &mut Gather {
-            s: scratch,
-            filled: 0,
-        },
+        f: &mut gather,
     })?;
+    let reads = gather.reads;
+    if !reads.is_empty() {
+        let ranges: Vec<(usize, usize)> = reads.iter().map(|&(range, _)| range).collect();
+        each_range(&mut scratch.flat, &ranges, &|i, part| (reads[i].1)(part));
+    }
+    // the source's tensors are no longer shared (a shared tensor is copied when next written)
+    drop(reads);
     let mut scatter = Scatter::<P> {
         s: scratch,
         index: 0,

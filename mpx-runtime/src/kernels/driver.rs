@@ -35,7 +35,7 @@ use super::packs::{PackView, Packs, Part, pack_staged};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
-use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, transpose};
+use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, transpose, zip_parts};
 use crate::precision::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
@@ -207,19 +207,26 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
-/// conversion) and bf16 operands rounded into `buf`.
+/// conversion) and bf16 operands rounded into `buf`, a long operand in parts on the pool's
+/// threads ([`zip_parts`]).
 fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     let n = m.needed().expect("checked by `check`");
     match m.values() {
         FloatSlice::F32(v) => &v[..n],
         FloatSlice::F16(v) => {
             let buf = grown(buf, n);
-            crate::precision::convert::widen_f16(&v[..n], buf);
+            zip_parts(buf, &v[..n], &|d, s| {
+                crate::precision::convert::widen_f16(s, d);
+                true
+            });
             buf
         }
         FloatSlice::Bf16(v) => {
             let buf = grown(buf, n);
-            crate::precision::convert::round_bf16(&v[..n], buf);
+            zip_parts(buf, &v[..n], &|d, s| {
+                crate::precision::convert::round_bf16(s, d);
+                true
+            });
             buf
         }
     }
