@@ -278,9 +278,9 @@ where
 /// only whole, on one thread, so tensors of 65,536 values or more are copied out after the walk,
 /// several at once on the GEMM's threads. After the first call with a given model no buffer is
 /// allocated: dfdx's own walk over a tuple module formats each field's name (a few bytes), and
-/// each long tensor takes a small handle for its copy (about a hundred bytes), nothing else. If someone else still holds a clone of a destination tensor,
-/// dfdx's copy-on-write copies that one tensor. The reverse direction (half copy into an f32
-/// model) is the same call with `P = f32`.
+/// each long tensor takes a small handle for its copy (about a hundred bytes), nothing else. If
+/// someone else still holds a clone of a destination tensor, dfdx's copy-on-write copies that one
+/// tensor. The reverse direction (half copy into an f32 model) is the same call with `P = f32`.
 ///
 /// # Errors
 /// [`CastError::LengthMismatch`] when a tensor of `dst` has a different element count than the
