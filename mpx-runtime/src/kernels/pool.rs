@@ -296,9 +296,7 @@ pub(crate) fn each_range<A: Send>(
             parts.push((i, Mutex::new(part)));
         }
     }
-    parts.sort_by_key(|(_, part)| {
-        std::cmp::Reverse(part.lock().unwrap_or_else(PoisonError::into_inner).len())
-    });
+    parts.sort_by_key(|&(i, _)| std::cmp::Reverse(ranges[i].1));
     for_each_block(parts.len(), threads - 1, &|t| {
         let (i, part) = &parts[t];
         // each part is claimed by one block only: the lock is never contended
