@@ -594,3 +594,55 @@ fn a_model_of_mpx_layers_trains_through_the_attribute() {
     );
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 30);
 }
+
+/// One step of `model` on a batch traced by `trace`; returns the batch's gradient when the
+/// gradients kept it.
+fn traced_step(
+    model: &mut MpxModel,
+    x: &X,
+    y: &Y,
+    trace: impl FnOnce(&X, &MpxModel) -> Tensor<Rank2<8, 4>, f32, Cpu, OwnedTape<f32, Cpu>>,
+    keeps_input: bool,
+) -> Option<Vec<f32>> {
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
+    let mut opt = Sgd::new(
+        model,
+        SgdConfig {
+            lr: 0.1,
+            momentum: None,
+            weight_decay: None,
+        },
+    );
+    let out = scaler.forward(model, trace(x, model), |m, x| m.forward(x));
+    let grads = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+    let gx = keeps_input.then(|| grads.get(x).as_vec());
+    scaler.update(model, &mut opt, &grads).unwrap();
+    gx
+}
+
+#[test]
+fn the_batchs_gradient_is_computed_where_it_can_be_read_and_the_master_learns_the_same_either_way()
+{
+    let dev = Cpu::seed_from_u64(12);
+    let plain = dev.build_module::<Mlp, f32>();
+    let init: MpxModel = ((plain.0.clone(), ReLU).into(), plain.2.clone().into());
+    let (x, y) = batch(&dev, 1);
+    // The reference: dfdx's f32 gradient of the same loss with respect to the batch.
+    let out = plain.forward(x.leaky_trace());
+    let g32 = cross_entropy_with_logits_loss(out, y.clone())
+        .backward()
+        .get(&x)
+        .as_vec();
+    let (mut kept, mut dropped) = (init.clone(), init.clone());
+    // A leaky tape keeps every gradient: the batch's is computed, in f16, unscaled.
+    let gx = traced_step(&mut kept, &x, &y, |x, _| x.leaky_trace(), true).unwrap();
+    let top = g32.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(top > 0.0);
+    for (a, b) in gx.iter().zip(&g32) {
+        assert!((a - b).abs() <= 1e-2 * top, "{gx:?} vs {g32:?}");
+    }
+    // `alloc_grads` keeps only the model's: the batch's is left out, and the step is the same.
+    traced_step(&mut dropped, &x, &y, |x, m| x.trace(m.alloc_grads()), false);
+    assert_eq!(value_bits(&dropped), value_bits(&kept));
+    assert_ne!(value_bits(&kept), value_bits(&init));
+}

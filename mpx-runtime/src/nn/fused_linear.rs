@@ -185,9 +185,14 @@ where
                 write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
             }
             drop((db, xv));
+            let gx = grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?);
+            if crate::step::unread::is_unread(gx) {
+                // a mixed step's batch whose gradient nothing reads
+                return Ok(());
+            }
             let wv = read(&w);
             drop(w);
-            input_grad::<P, E, I, O>(&dz, &wv, grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?))
+            input_grad::<P, E, I, O>(&dz, &wv, gx)
         });
     }
     Ok(y.put_tape(tape))

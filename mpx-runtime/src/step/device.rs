@@ -126,6 +126,25 @@ pub(crate) mod private {
             y: &Tensor<S, H::Elem, Self, T>,
         ) -> Result<Tensor<S, f32, Self>, Self::Err>;
 
+        /// Whether the gradient of `x32`, the f32 input traced on `tape`, can be read once the
+        /// backward has run ([`unread`](crate::step::unread)); `Some` op marking its half copy
+        /// `x`'s gradient unread when it cannot. Returns the tape, its gradients unchanged.
+        ///
+        /// # Errors
+        /// A device error.
+        #[allow(clippy::type_complexity)]
+        fn unread_input<S: Shape>(
+            x: &Tensor<S, H::Elem, Self>,
+            x32: &Tensor<S, f32, Self>,
+            tape: dfdx::tensor::OwnedTape<f32, Self>,
+        ) -> Result<
+            (
+                dfdx::tensor::OwnedTape<f32, Self>,
+                Option<HalfOp<H::Elem, Self>>,
+            ),
+            Self::Err,
+        >;
+
         /// The ops that carry a traced input's half gradient (`x`, inside the region) back to
         /// its f32 gradient (`x32`), unscaled with `inv`.
         fn input_bridge<S: Shape>(
@@ -342,7 +361,7 @@ mod cpu {
     use dfdx::nn::tensor_collection::TensorCollection;
     use dfdx::optim::OptimizerUpdateError;
     use dfdx::shapes::{HasShape, Shape};
-    use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor, TensorFromVec};
+    use dfdx::tensor::{Cpu, CpuError, Gradients, OwnedTape, Tensor, TensorFromVec};
     use dfdx::tensor_ops::{Device, ReshapeTo};
 
     use super::private::Primitives;
@@ -355,6 +374,7 @@ mod cpu {
     use crate::step::direct::{Direct, ScopeGuard, all_zero};
     use crate::step::error::StepError;
     use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch};
+    use crate::step::unread;
     use crate::step::workspace::ErasedWorking;
 
     impl<H: Precision> Primitives<H> for Cpu
@@ -406,6 +426,17 @@ mod cpu {
             let mut full = vec![0.0f32; n];
             H::widen(&half, &mut full);
             y.device().try_tensor_from_vec(full, *y.shape())
+        }
+
+        fn unread_input<S: Shape>(
+            x: &Tensor<S, H::Elem, Cpu>,
+            x32: &Tensor<S, f32, Cpu>,
+            tape: OwnedTape<f32, Cpu>,
+        ) -> Result<(OwnedTape<f32, Cpu>, Option<HalfOp<H::Elem, Cpu>>), CpuError> {
+            let (tape, read) = unread::read_after_backward(x32, tape)?;
+            let mark: Option<HalfOp<H::Elem, Cpu>> =
+                (!read).then(|| Box::new(unread::mark(x)) as _);
+            Ok((tape, mark))
         }
 
         fn input_bridge<S: Shape>(

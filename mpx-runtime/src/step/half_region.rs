@@ -12,7 +12,8 @@
 //! f32 code never sees scaled values), rounds it to the half type, runs the half graph's
 //! backward, hands the working copy's half gradients to the step (which unscales them into the
 //! master's f32 gradients), and adds the input's gradient, unscaled, to the f32 graph, so a
-//! forward staged over several calls chains correctly.
+//! forward staged over several calls chains correctly. An input whose f32 gradient nothing can
+//! read (a batch traced with the model's `alloc_grads`) gets none: see [`unread`](super::unread).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -38,6 +39,9 @@ pub struct Region<H: Precision, D: MixedDevice<H> = Cpu> {
     outer: Option<OwnedTape<f32, D>>,
     /// Adds the inputs' captured half gradients to the f32 graph.
     writers: Vec<FullOp<D>>,
+    /// Mark the half gradients of inputs whose f32 gradient nothing reads
+    /// ([`unread`](super::unread)).
+    marks: Vec<HalfOp<H::Elem, D>>,
     /// The merged half tape of the traced outputs.
     inner: Option<OwnedTape<H::Elem, D>>,
     /// One per traced output.
@@ -65,6 +69,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             pool: Some(pool),
             outer: None,
             writers: Vec::new(),
+            marks: Vec::new(),
             inner: None,
             seeds: Vec::new(),
             scale,
@@ -114,14 +119,19 @@ impl<H: Precision, D: MixedDevice<H>, S: Shape> HalfInput<H, D>
     type Half = Tensor<S, H::Elem, D, OwnedTape<H::Elem, D>>;
     fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
         let (x32, tape) = self.split_tape();
-        region.merge_outer(tape);
         let x = D::to_half(&x32)?;
+        let (tape, unread) = D::unread_input(&x, &x32, tape)?;
+        region.merge_outer(tape);
         let mut inner = region.inner_tape()?;
-        // Added before the forward pass, so it runs after every op that uses the input: it
-        // captures the input's (scaled, half) gradient for the f32 graph.
-        let (capture, writer) = D::input_bridge(&x, &x32, region.inv);
-        inner.add_backward_op(capture);
-        region.writers.push(writer);
+        if let Some(mark) = unread {
+            region.marks.push(mark);
+        } else {
+            // Added before the forward pass, so it runs after every op that uses the input:
+            // it captures the input's (scaled, half) gradient for the f32 graph.
+            let (capture, writer) = D::input_bridge(&x, &x32, region.inv);
+            inner.add_backward_op(capture);
+            region.writers.push(writer);
+        }
         Ok(x.put_tape(inner))
     }
 }
@@ -201,6 +211,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         };
         let seeds = std::mem::take(&mut self.seeds);
         let writers = std::mem::take(&mut self.writers);
+        let marks = std::mem::take(&mut self.marks);
         let (stash, dev, direct) = (
             Arc::clone(&self.stash),
             self.dev.clone(),
@@ -212,7 +223,11 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             for seed in seeds {
                 applies.push(seed(g32)?);
             }
+            // Added last, so it runs first: the marks before any op that uses an input.
             inner.add_backward_op(move |g: &mut Gradients<H::Elem, D>| {
+                for mark in marks {
+                    mark(g)?;
+                }
                 for apply in applies {
                     apply(g)?;
                 }
@@ -223,7 +238,9 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             if let Some(d) = &direct {
                 D::lend(d, g32);
             }
+            let marked = super::unread::Marks::begin();
             let half_grads = anchor.put_tape(inner).try_backward();
+            drop(marked);
             if let Some(d) = &direct {
                 D::restore(d, g32);
             }

@@ -60,6 +60,7 @@ mod masters;
 mod outcome;
 mod report;
 mod scaler;
+pub(crate) mod unread;
 mod working;
 mod workspace;
 

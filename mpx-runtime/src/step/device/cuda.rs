@@ -328,6 +328,15 @@ macro_rules! on_cuda {
                 y.retaped::<NoneTape>().try_to_dtype()
             }
 
+            fn unread_input<S: Shape>(
+                _: &Tensor<S, <$h as Precision>::Elem, Cuda>,
+                _: &Tensor<S, f32, Cuda>,
+                tape: OwnedTape<f32, Cuda>,
+            ) -> Result<(OwnedTape<f32, Cuda>, Option<HalfOp<<$h as Precision>::Elem, Cuda>>), CudaError> {
+                // mpx's fused layers are the `Cpu`'s: the input's gradient is always computed
+                Ok((tape, None))
+            }
+
             fn input_bridge<S: Shape>(
                 x: &Tensor<S, <$h as Precision>::Elem, Cuda>,
                 x32: &Tensor<S, f32, Cuda>,
