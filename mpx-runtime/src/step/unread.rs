@@ -36,8 +36,8 @@ use dfdx::tensor_ops::Backward;
 
 use crate::cast::grad_slice;
 
-/// The bits written into the input's gradient while probing: a NaN no arithmetic produces,
-/// and never the value of a freshly allocated gradient (zero).
+/// The bits written into the input's gradient while probing: any value but that of a freshly
+/// allocated gradient (zero) tells the two apart; a NaN with its own payload, for reading.
 const MARK: u32 = 0x7fc0_5a17;
 
 thread_local! {
