@@ -39,16 +39,43 @@ impl Simd {
     }
 }
 
+/// The SIMD loop of one element type on one [`Simd`]: fills `out` with the words of `y`'s whole
+/// 64-value chunks. Unsafe: the CPU must have the loop's instructions.
+#[cfg(target_arch = "x86_64")]
+type WordsFn<T> = unsafe fn(&[T], &mut Vec<u64>);
+
 /// A value a mask is made from: its test (the definition) and its SIMD loops.
 pub(super) trait MaskValue: Copy {
     /// Whether a `ReLU` output passes (`y > 0`).
     fn passes(self) -> bool;
 
+    /// The AVX-512 loop.
+    #[cfg(target_arch = "x86_64")]
+    const AVX512: WordsFn<Self>;
+    /// The AVX2 loop.
+    #[cfg(target_arch = "x86_64")]
+    const AVX2: WordsFn<Self>;
+
     /// Fills `out` with the words of `y`'s whole 64-value chunks on `simd`.
     ///
     /// # Safety
     /// The CPU must have `simd`'s instructions ([`Simd::present`]).
-    unsafe fn words(simd: Simd, y: &[Self], out: &mut Vec<u64>);
+    unsafe fn words(simd: Simd, y: &[Self], out: &mut Vec<u64>) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let run = match simd {
+                Simd::Avx512 => Self::AVX512,
+                Simd::Avx2 => Self::AVX2,
+            };
+            // SAFETY: the caller's contract: the CPU has the loop's instructions.
+            unsafe { run(y, out) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (simd, y, out);
+            unreachable!("no SIMD loop is present off x86-64")
+        }
+    }
 }
 
 /// f16 outputs, as bits: `1 <= b <= 0x7c00` passes (positive, not zero, up to +inf; NaN fails).
@@ -56,21 +83,10 @@ impl MaskValue for u16 {
     fn passes(self) -> bool {
         self.wrapping_sub(1) < 0x7c00
     }
-
-    unsafe fn words(simd: Simd, y: &[u16], out: &mut Vec<u64>) {
-        #[cfg(target_arch = "x86_64")]
-        match simd {
-            // SAFETY: the caller's contract: the CPU has the loop's instructions.
-            Simd::Avx512 => unsafe { f16_words_avx512(y, out) },
-            // SAFETY: as above.
-            Simd::Avx2 => unsafe { f16_words_avx2(y, out) },
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (simd, y, out);
-            unreachable!("no SIMD loop is present off x86-64")
-        }
-    }
+    #[cfg(target_arch = "x86_64")]
+    const AVX512: WordsFn<u16> = f16_words_avx512;
+    #[cfg(target_arch = "x86_64")]
+    const AVX2: WordsFn<u16> = f16_words_avx2;
 }
 
 /// f32 outputs: `y > 0` passes (NaN fails).
@@ -78,21 +94,10 @@ impl MaskValue for f32 {
     fn passes(self) -> bool {
         self > 0.0
     }
-
-    unsafe fn words(simd: Simd, y: &[f32], out: &mut Vec<u64>) {
-        #[cfg(target_arch = "x86_64")]
-        match simd {
-            // SAFETY: the caller's contract: the CPU has the loop's instructions.
-            Simd::Avx512 => unsafe { f32_words_avx512(y, out) },
-            // SAFETY: as above.
-            Simd::Avx2 => unsafe { f32_words_avx2(y, out) },
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (simd, y, out);
-            unreachable!("no SIMD loop is present off x86-64")
-        }
-    }
+    #[cfg(target_arch = "x86_64")]
+    const AVX512: WordsFn<f32> = f32_words_avx512;
+    #[cfg(target_arch = "x86_64")]
+    const AVX2: WordsFn<f32> = f32_words_avx2;
 }
 
 /// One word of a mask, the definition: bit `b` set when value `b` of `c` (at most 64) passes.

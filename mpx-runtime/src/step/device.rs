@@ -37,6 +37,10 @@ use crate::precision::Precision;
 pub(crate) type HalfOp<E, D> =
     Box<dyn FnOnce(&mut Gradients<E, D>) -> Result<(), <D as HasErr>::Err>>;
 
+/// A traced input's f32 tape, given back, and the op that marks its half gradient unread when
+/// nothing can read its f32 gradient ([`Primitives::unread_input`](private::Primitives::unread_input)).
+pub(crate) type Unread<E, D> = (dfdx::tensor::OwnedTape<f32, D>, Option<HalfOp<E, D>>);
+
 /// Adds what a half backward op captured to the f32 graph's gradients.
 pub(crate) type FullOp<D> = Box<dyn Fn(&mut Gradients<f32, D>) -> Result<(), <D as HasErr>::Err>>;
 
@@ -75,7 +79,8 @@ pub(crate) mod private {
     use super::FullWorking;
     use super::{
         Arc, CastScratch, Device, Direct, FullOp, Gradients, HalfOp, MasterModel, MasterSlot,
-        OptimizerUpdateError, Precision, ScopeGuard, SeedOp, Shape, StepError, Tensor, WorkingCopy,
+        OptimizerUpdateError, Precision, ScopeGuard, SeedOp, Shape, StepError, Tensor, Unread,
+        WorkingCopy,
     };
     use crate::step::workspace::ErasedWorking;
     use dfdx::nn::tensor_collection::TensorCollection;
@@ -132,18 +137,11 @@ pub(crate) mod private {
         ///
         /// # Errors
         /// A device error.
-        #[allow(clippy::type_complexity)]
         fn unread_input<S: Shape>(
             x: &Tensor<S, H::Elem, Self>,
             x32: &Tensor<S, f32, Self>,
             tape: dfdx::tensor::OwnedTape<f32, Self>,
-        ) -> Result<
-            (
-                dfdx::tensor::OwnedTape<f32, Self>,
-                Option<HalfOp<H::Elem, Self>>,
-            ),
-            Self::Err,
-        >;
+        ) -> Result<Unread<H::Elem, Self>, Self::Err>;
 
         /// The ops that carry a traced input's half gradient (`x`, inside the region) back to
         /// its f32 gradient (`x32`), unscaled with `inv`.
@@ -365,7 +363,7 @@ mod cpu {
     use dfdx::tensor_ops::{Device, ReshapeTo};
 
     use super::private::Primitives;
-    use super::{FullOp, HalfOp, SeedOp};
+    use super::{FullOp, HalfOp, SeedOp, Unread};
     use super::{FullWorking, share};
     use crate::boundary::MasterModel;
     use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
@@ -432,7 +430,7 @@ mod cpu {
             x: &Tensor<S, H::Elem, Cpu>,
             x32: &Tensor<S, f32, Cpu>,
             tape: OwnedTape<f32, Cpu>,
-        ) -> Result<(OwnedTape<f32, Cpu>, Option<HalfOp<H::Elem, Cpu>>), CpuError> {
+        ) -> Result<Unread<H::Elem, Cpu>, CpuError> {
             let (tape, read) = unread::read_after_backward(x32, tape)?;
             let mark: Option<HalfOp<H::Elem, Cpu>> =
                 (!read).then(|| Box::new(unread::mark(x)) as _);

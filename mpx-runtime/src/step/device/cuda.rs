@@ -27,7 +27,7 @@ use dfdx::tensor::{
 use dfdx::tensor_ops::{Backward, ReshapeTo, SumTo, TryMul};
 
 use super::private::Primitives;
-use super::{FullOp, HalfOp, SeedOp};
+use super::{FullOp, HalfOp, SeedOp, Unread};
 use super::{FullWorking, share};
 use crate::boundary::MasterModel;
 use crate::cast::CastScratch;
@@ -332,7 +332,7 @@ macro_rules! on_cuda {
                 _: &Tensor<S, <$h as Precision>::Elem, Cuda>,
                 _: &Tensor<S, f32, Cuda>,
                 tape: OwnedTape<f32, Cuda>,
-            ) -> Result<(OwnedTape<f32, Cuda>, Option<HalfOp<<$h as Precision>::Elem, Cuda>>), CudaError> {
+            ) -> Result<Unread<<$h as Precision>::Elem, Cuda>, CudaError> {
                 // mpx's fused layers are the `Cpu`'s: the input's gradient is always computed
                 Ok((tape, None))
             }
