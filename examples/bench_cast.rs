@@ -1,7 +1,6 @@
-//! Benchmark of casting a model to half precision: dfdx's element-wise `to_dtype`, mpx's
-//! `cast_module` (fresh module, slice conversions) and `cast_module_into` (rewrites the working
-//! copy in place, no new buffers), both directions, next to a memcpy of the same f32 bytes, all
-//! measured in the same run.
+//! Benchmark of casting a model to half precision: dfdx's element-wise `to_dtype` and mpx's
+//! `cast_module` (slice conversions), to f16, to bf16 and back to f32, next to a memcpy of the
+//! same f32 bytes, all measured in the same run.
 //!
 //! Run: `cargo run --release --example bench_cast` (optionally `-- --quick` for fewer rounds).
 //!
@@ -11,7 +10,7 @@
 use std::hint::black_box;
 
 use dfdx::prelude::*;
-use mpx::cast::{CastScratch, cast_module, cast_module_into};
+use mpx::cast::cast_module;
 use mpx::precision::{bf16, f16};
 
 #[path = "common/measure.rs"]
@@ -30,21 +29,16 @@ fn main() {
     let dev = Cpu::default();
     let master = dev.build_module::<Mlp, f32>();
     let params = master.num_trainable_params();
-    let mut work = cast_module::<f16, f32, _>(&master);
-    let mut work_bf16 = cast_module::<bf16, f32, _>(&master);
-    let mut wide = dev.build_module::<Mlp, f32>();
     let source_h = cast_module::<f16, f32, _>(&master);
-    let (mut s1, mut s2, mut s3) = (CastScratch::new(), CastScratch::new(), CastScratch::new());
     let src: Vec<f32> = vec![0.5; params];
     let mut dst: Vec<f32> = vec![0.0; params];
 
     let names = [
         "memcpy of the f32 bytes",
         "dfdx to_dtype::<f16> (element-wise)",
-        "cast_module::<f16> (fresh module)",
-        "cast_module_into::<f16> (in place)",
-        "cast_module_into::<bf16> (in place, emulated)",
-        "cast_module_into::<f32> from f16 (in place)",
+        "cast_module::<f16>",
+        "cast_module::<bf16>",
+        "cast_module::<f32> from f16",
     ];
     let times = measure(
         rounds,
@@ -60,17 +54,10 @@ fn main() {
                 black_box(cast_module::<f16, f32, _>(&master));
             },
             &mut || {
-                cast_module_into::<f16, f32, _>(&master, &mut work, &mut s1).expect("same model");
-                black_box(&work);
+                black_box(cast_module::<bf16, f32, _>(&master));
             },
             &mut || {
-                cast_module_into::<bf16, f32, _>(&master, &mut work_bf16, &mut s2)
-                    .expect("same model");
-                black_box(&work_bf16);
-            },
-            &mut || {
-                cast_module_into::<f32, f16, _>(&source_h, &mut wide, &mut s3).expect("same model");
-                black_box(&wide);
+                black_box(cast_module::<f32, f16, _>(&source_h));
             },
         ],
     );

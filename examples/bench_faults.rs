@@ -4,7 +4,7 @@
 //! - bench_step's rows f and g: MLP 512-1024-1024-10 of `mpx::nn::{LinearReLU, Linear}`, batch
 //!   256, in f16 and in emulated bf16;
 //! - bench_step's rows a and e: the same MLP of dfdx's `Linear` and `ReLU`, on the working copy
-//!   `#[mixed_step]` gives it (mpx's layers, `GradScaler::forward_mapped`), in f16 and bf16;
+//!   `#[mixed_step]` gives it (mpx's layers, `Mixed::mapped`), in f16 and bf16;
 //! - the ViT of `examples/vit.rs` (`mpx::nn::vit::Vit`, 16 tokens of width 32, 2 encoder blocks)
 //!   on random 8x8 images, batch 32, in f16.
 //!
@@ -17,8 +17,8 @@
 //! A fault is the first touch of a fresh 4 KiB page: a step that allocates a large buffer anew
 //! (and frees it after) pays one per page it writes, unless the allocator kept the pages. The
 //! fused ops pool their own buffers; the tensors a step hands to dfdx (a layer's output, the half
-//! batch) are dfdx's to free, and the first `GradScaler` of a process raises glibc's mmap and
-//! trim thresholds (one 16 MiB block allocated and freed) so that malloc keeps them for reuse.
+//! batch, the working copy) are dfdx's to free. glibc raises its mmap threshold by itself once a
+//! large block is freed, so that malloc keeps such blocks for reuse;
 //! `MALLOC_MMAP_THRESHOLD_=131072` fixes the threshold at glibc's starting value, which turns that
 //! off and shows what a step allocates above it.
 
@@ -26,7 +26,7 @@ use dfdx::{optim::*, prelude::*};
 use mpx::nn;
 use mpx::precision::{Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
-use mpx::step::GradScaler;
+use mpx::step::{GradScaler, Mixed};
 
 type Mlp = (
     nn::builders::LinearReLU<512, 1024>,
@@ -79,7 +79,10 @@ fn labels<const B: usize>(dev: &Cpu) -> Tensor<Rank2<B, 10>, f32, Cpu> {
     dev.tensor_from_vec(y, (Const, Const))
 }
 
-fn scaler<H: Precision>() -> GradScaler<H, DynamicLossScale> {
+fn scaler<H: Precision>() -> GradScaler<H, DynamicLossScale>
+where
+    Cpu: mpx::step::MixedDevice<H>,
+{
     let scaling = DynamicLossScale::builder()
         .initial(65536.0)
         .build()
@@ -87,19 +90,24 @@ fn scaler<H: Precision>() -> GradScaler<H, DynamicLossScale> {
     GradScaler::new(scaling)
 }
 
-/// The faults per step of training `$model` on `$x`, `$y` in `$h` with the scaler's `$forward`
-/// (`forward`, or `forward_mapped` for a model of dfdx's layers) (a macro: the types differ).
+/// The faults per step of training `$model` on `$x`, `$y` in `$h`, held as `Mixed::$kind`
+/// (`new`: its own layers in `$h`; `mapped`: mpx's, for a model of dfdx's layers) (a macro: the
+/// types differ).
 macro_rules! train {
-    ($steps:expr, $h:ty, $forward:ident, $model:expr, $x:expr, $y:expr) => {{
-        let mut model = $model;
-        let mut opt = Adam::new(&model, AdamConfig::default());
+    ($steps:expr, $h:ty, $kind:ident, $model:expr, $x:expr, $y:expr) => {{
+        let mut model = Mixed::$kind($model);
+        let mut opt = Adam::new(&*model, AdamConfig::default());
         let mut scaler = scaler::<$h>();
         let (x, y) = ($x, $y);
         let mut grads = Some(model.alloc_grads());
         per_step($steps, || {
             let g = grads.take().expect("gradients present");
-            let out = scaler.$forward(&model, x.clone().traced(g), |m, x| m.forward(x));
-            let mut g = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+            let out = scaler
+                .forward(&model, x.clone().traced(g), |m, x| m.forward(x))
+                .expect("forward");
+            let mut g = scaler
+                .backward(cross_entropy_with_logits_loss(out, y.clone()))
+                .expect("backward");
             scaler.update(&mut model, &mut opt, &g).expect("update");
             model.zero_grads(&mut g);
             grads = Some(g);
@@ -130,7 +138,7 @@ fn main() {
             train!(
                 steps,
                 f16,
-                forward,
+                mapped,
                 mpx_mlp.clone(),
                 x.clone(),
                 labels::<256>(&dev)
@@ -138,21 +146,14 @@ fn main() {
         ),
         (
             "row g (the same, GradScaler<bf16>, emulated)",
-            train!(
-                steps,
-                bf16,
-                forward,
-                mpx_mlp,
-                x.clone(),
-                labels::<256>(&dev)
-            ),
+            train!(steps, bf16, mapped, mpx_mlp, x.clone(), labels::<256>(&dev)),
         ),
         (
-            "row a (the MLP of dfdx's layers on mpx's, forward_mapped, GradScaler<f16>)",
+            "row a (the MLP of dfdx's layers on mpx's, Mixed::mapped, GradScaler<f16>)",
             train!(
                 steps,
                 f16,
-                forward_mapped,
+                mapped,
                 dfdx_mlp.clone(),
                 x.clone(),
                 labels::<256>(&dev)
@@ -160,14 +161,7 @@ fn main() {
         ),
         (
             "row e (the same, GradScaler<bf16>, emulated)",
-            train!(
-                steps,
-                bf16,
-                forward_mapped,
-                dfdx_mlp,
-                x,
-                labels::<256>(&dev)
-            ),
+            train!(steps, bf16, mapped, dfdx_mlp, x, labels::<256>(&dev)),
         ),
     ] {
         report(row, faults);
@@ -176,7 +170,7 @@ fn main() {
     let vit = train!(
         steps,
         f16,
-        forward,
+        mapped,
         dev.build_module::<Vit, f32>(),
         images,
         labels::<32>(&dev)

@@ -5,9 +5,9 @@
 //! row runs on the one engine, a `GradScaler` driven by its methods (what `#[mixed_step]` expands
 //! to), with the gradients allocated once and reused across steps as a plain dfdx loop does.
 //! Row a runs the dfdx MLP as `#[mixed_step]` does, on the working copy made of mpx's fused
-//! layers (`GradScaler::forward_mapped`), as do rows c, c' (memory), d (`AMP<f16>`) and e
-//! (emulated bf16: mpx's f32 layers running in bf16); row a0 on dfdx's own layers in f16
-//! (`GradScaler::forward`, the working copy before the mapping).
+//! layers (`Mixed::mapped`), as do rows c, c' (memory), d (`AMP<f16>`) and e (emulated bf16:
+//! mpx's f32 layers running in bf16); row a0 on dfdx's own layers in f16 (`Mixed::new`, the
+//! working copy before the mapping).
 //!
 //! ```text
 //! cargo run --release --example bench_step
@@ -34,7 +34,7 @@ use mpx::boundary::MasterModel;
 use mpx::nn;
 use mpx::precision::{AMP, Precision, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, StaticLossScale};
-use mpx::step::{GradScaler, WorkingCopy};
+use mpx::step::{Batch, GradScaler, Kind, Mapped, Mixed, MixedDevice, Plain};
 
 #[path = "../tests/common/heap.rs"]
 mod heap;
@@ -112,7 +112,7 @@ fn data<const B: usize>(
 }
 
 /// A plain dfdx f32 training loop (gradients reused through `alloc_grads`/`zero_grads`).
-struct Plain<const B: usize, M = Master> {
+struct F32Loop<const B: usize, M = Master> {
     model: M,
     opt: Adam<M, f32, Cpu>,
     grads: Option<Gradients<f32, Cpu>>,
@@ -120,7 +120,7 @@ struct Plain<const B: usize, M = Master> {
     y: Tensor<Rank2<B, 10>, f32, Cpu>,
 }
 
-impl<const B: usize, M> Plain<B, M>
+impl<const B: usize, M> F32Loop<B, M>
 where
     M: dfdx::nn::tensor_collection::TensorCollection<f32, Cpu>
         + Clone
@@ -155,12 +155,17 @@ where
     }
 }
 
-/// The mixed loop with working-copy precision `H`, as a user writes it: `#[mixed_step]`'s
-/// expansion, i.e. a [`GradScaler`] around the plain dfdx step (mpx's fused layers then write
-/// their weight gradients straight into the master's). The gradients are allocated once and
-/// reused; the batch is rounded to `H` inside the scaler's forward pass.
-struct Scaled<H: Precision, L: LossScale, const B: usize, M = MpxMaster> {
-    model: M,
+/// The mixed loop with working-copy precision `H`, as `#[mixed_step]` runs it: a
+/// [`GradScaler`] around the plain dfdx step, the model held as a [`Mixed`] of kind `K` ([`Plain`]:
+/// its own layers in `H`; [`Mapped`]: mpx's layers, whose fused linear layers write their weight
+/// gradients straight into the master's). The gradients are allocated once and reused; the
+/// batch is rounded to `H` inside the scaler's forward pass, and its own gradient, which nothing
+/// reads, left out ([`Batch`]).
+struct Scaled<H: Precision, L: LossScale, const B: usize, M = MpxMaster, K = Mapped>
+where
+    Cpu: MixedDevice<H>,
+{
+    model: Mixed<M, K>,
     opt: Adam<M, f32, Cpu>,
     scaler: GradScaler<H, L>,
     grads: Option<Gradients<f32, Cpu>>,
@@ -168,21 +173,18 @@ struct Scaled<H: Precision, L: LossScale, const B: usize, M = MpxMaster> {
     y: Tensor<Rank2<B, 10>, f32, Cpu>,
 }
 
-impl<H: Precision, L: LossScale, const B: usize, M> Scaled<H, L, B, M>
+impl<H: Precision, L: LossScale, const B: usize, M, K> Scaled<H, L, B, M, K>
 where
-    M: MasterModel + Clone + Send + Sync + 'static,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, M>: dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>
-        + Send
-        + Sync
-        + 'static
-        + Module<
+    M: MasterModel + Clone,
+    Cpu: MixedDevice<H>,
+    K: Kind<H, M, Cpu> + Default,
+    K::Copy: Module<
             Tensor<Rank2<B, 512>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             Output = Tensor<Rank2<B, 10>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
         >,
 {
     fn new(dev: &Cpu, init: &M, scaling: L) -> Self {
-        let model = init.clone();
+        let model = Mixed::with(init.clone(), K::default());
         let (x, y) = data::<B>(dev);
         Self {
             opt: adam(&model),
@@ -193,6 +195,7 @@ where
             y,
         }
     }
+
     /// One step; returns (forward, loss + backward, optimizer incl. zeroing) times, each timed
     /// from outside the scaler's call: the forward includes the master and batch casts, the
     /// backward the unscaling, the finiteness check and the gradients' move into the master's.
@@ -201,49 +204,22 @@ where
         let grads = self.grads.take().expect("gradients present");
         let out = self
             .scaler
-            .forward(&self.model, self.x.trace(grads), |m, x| m.forward(x));
-        self.finish(t0, out)
-    }
-
-    /// The rest of a step after its forward pass (started at `t0`): loss, backward, update and
-    /// zeroing, timed as [`step`](Self::step) says.
-    fn finish(
-        &mut self,
-        t0: Instant,
-        out: Tensor<Rank2<B, 10>, f32, Cpu, OwnedTape<f32, Cpu>>,
-    ) -> (Duration, Duration, Duration) {
+            .forward(&self.model, Batch(self.x.trace(grads)), |m, x| m.forward(x))
+            .expect("forward");
         let t1 = Instant::now();
         let mut grads = self
             .scaler
-            .backward(cross_entropy_with_logits_loss(out, self.y.clone()));
+            .backward(cross_entropy_with_logits_loss(out, self.y.clone()))
+            .expect("backward");
         let t2 = Instant::now();
         self.scaler
             .update(&mut self.model, &mut self.opt, &grads)
             .expect("update");
-        self.scaler.zero_grads(&self.model, &mut grads);
+        self.model.zero_grads(&mut grads);
         self.grads = Some(grads);
         (t1 - t0, t2 - t1, t2.elapsed())
     }
 }
-
-/// `step_mapped` for each precision the mapped working copy serves.
-macro_rules! step_mapped {
-    ($($h:ty),*) => {$(
-        impl<const B: usize> Scaled<$h, DynamicLossScale, B, Master> {
-            /// [`step`](Self::step) as `#[mixed_step]` runs it for this model of dfdx's `Linear` and
-            /// `ReLU`: on the working copy made of mpx's fused layers (`GradScaler::forward_mapped`).
-            fn step_mapped(&mut self) -> (Duration, Duration, Duration) {
-                let t0 = Instant::now();
-                let grads = self.grads.take().expect("gradients present");
-                let out = self
-                    .scaler
-                    .forward_mapped(&self.model, self.x.trace(grads), |m, x| m.forward(x));
-                self.finish(t0, out)
-            }
-        }
-    )*};
-}
-step_mapped!(f16, AMP<f16>, bf16);
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -293,7 +269,7 @@ fn serve(dev: &Cpu, init: &Master, dynamic: impl Fn() -> DynamicLossScale) {
     use std::io::{BufRead, Write};
     const B: usize = 256;
     let init_mpx = to_mpx(init);
-    let mut f32_step = Plain::<B>::new(dev, init);
+    let mut f32_step = F32Loop::<B>::new(dev, init);
     let mut f16_step = Scaled::<f16, _, B>::new(dev, &init_mpx, dynamic());
     let mut bf16_step = Scaled::<bf16, _, B>::new(dev, &init_mpx, dynamic());
     let mut dfdx_f16_step = Scaled::<f16, _, B, Master>::new(dev, init, dynamic());
@@ -319,7 +295,7 @@ fn serve(dev: &Cpu, init: &Master, dynamic: impl Fn() -> DynamicLossScale) {
                 "f32" => drop(f32_step.step()),
                 "f16" => drop(f16_step.step()),
                 "bf16" => drop(bf16_step.step()),
-                "dfdx-f16" => drop(dfdx_f16_step.step_mapped()),
+                "dfdx-f16" => drop(dfdx_f16_step.step()),
                 other => {
                     eprintln!("unknown configuration {other:?}; expected f32, f16, bf16, dfdx-f16");
                     return;
@@ -349,7 +325,7 @@ fn main() {
     // ---- memory, batch 4096 (first, so nothing else is resident) ----
     const BIG: usize = 4096;
     let mem_f32 = {
-        let mut p = Plain::<BIG>::new(&dev, &init);
+        let mut p = F32Loop::<BIG>::new(&dev, &init);
         p.step(); // Adam's moments are allocated on the first update
         measure_peak(|| {
             p.step();
@@ -357,9 +333,9 @@ fn main() {
     };
     let mem_f16 = {
         let mut m = Scaled::<f16, _, BIG, Master>::new(&dev, &init, dynamic());
-        m.step_mapped();
+        m.step();
         measure_peak(|| {
-            m.step_mapped();
+            m.step();
         })
     };
     let init_mpx = to_mpx(&init);
@@ -404,16 +380,16 @@ fn main() {
 
     // ---- time, batch 256 ----
     const B: usize = 256;
-    let mut plain = Plain::<B>::new(&dev, &init);
+    let mut plain = F32Loop::<B>::new(&dev, &init);
     let mut machinery =
-        Scaled::<f32, _, B, Master>::new(&dev, &init, StaticLossScale::new(1.0).unwrap());
-    let mut half = Scaled::<f16, _, B, Master>::new(&dev, &init, dynamic());
+        Scaled::<f32, _, B, Master, Plain>::new(&dev, &init, StaticLossScale::new(1.0).unwrap());
+    let mut half = Scaled::<f16, _, B, Master, Plain>::new(&dev, &init, dynamic());
     let mut mapped = Scaled::<f16, _, B, Master>::new(&dev, &init, dynamic());
     let mut amp = Scaled::<AMP<f16>, _, B, Master>::new(&dev, &init, dynamic());
     let mut bf = Scaled::<bf16, _, B, Master>::new(&dev, &init, dynamic());
     let mut mpx_half = Scaled::<f16, _, B>::new(&dev, &init_mpx, dynamic());
     let mut mpx_bf = Scaled::<bf16, _, B>::new(&dev, &init_mpx, dynamic());
-    let mut mpx_plain = Plain::<B, MpxMaster>::new(&dev, &init_mpx);
+    let mut mpx_plain = F32Loop::<B, MpxMaster>::new(&dev, &init_mpx);
     let (mut a_plain, mut a_mach, mut a_half, mut a_amp, mut a_bf, mut a_mapped): (
         Acc,
         Acc,
@@ -432,9 +408,9 @@ fn main() {
         a_plain.run(per_round, keep, || plain.step());
         a_mach.run(per_round, keep, || machinery.step());
         a_half.run(per_round, keep, || half.step());
-        a_mapped.run(per_round, keep, || mapped.step_mapped());
-        a_amp.run(per_round, keep, || amp.step_mapped());
-        a_bf.run(per_round, keep, || bf.step_mapped());
+        a_mapped.run(per_round, keep, || mapped.step());
+        a_amp.run(per_round, keep, || amp.step());
+        a_bf.run(per_round, keep, || bf.step());
         a_mpx_half.run(per_round, keep, || {
             let before = gemm_nanos();
             let r = mpx_half.step();
@@ -471,7 +447,7 @@ fn main() {
     println!("| row | what is measured | target | measured |");
     println!("|---|---|---|---|");
     println!(
-        "| a | mixed f16 step time / f32 step time (`#[mixed_step]`'s choice: dfdx's `Linear`s as mpx's, `forward_mapped`) | <= 0.8 | {:.2} ({t_mapped:.1} ms / {t_plain:.1} ms) |",
+        "| a | mixed f16 step time / f32 step time (`#[mixed_step]`'s choice: dfdx's `Linear`s as mpx's, `Mixed::mapped`) | <= 0.8 | {:.2} ({t_mapped:.1} ms / {t_plain:.1} ms) |",
         t_mapped / t_plain
     );
     println!(

@@ -127,13 +127,15 @@ fn main() {
         ms(times[1]),
         ms(times[1]) / ms(times[0]),
         s16.applied_steps() + s16.skipped_steps(),
-        s16.last_step().map_or("?", |r| r.precision)
+        s16.last_step()
+            .map_or("?".to_string(), |r| r.precision.to_string())
     );
     println!(
         "bf16 step {:8.3} ms  loss {lbf:.4}  x{:.2} of f32  ({} ran in {})",
         ms(times[2]),
         ms(times[2]) / ms(times[0]),
         sbf.applied_steps() + sbf.skipped_steps(),
-        sbf.last_step().map_or("?", |r| r.precision)
+        sbf.last_step()
+            .map_or("?".to_string(), |r| r.precision.to_string())
     );
 }

@@ -1,5 +1,5 @@
 //! What `#[mixed_step]` generates for `examples/mixed_step.rs`, written out by hand and compiled
-//! (pin-project's habit): the four role calls go through the `GradScaler`; every other line of
+//! (pin-project's habit): the three role calls go through the `GradScaler`; every other line of
 //! the loop is the user's; `require_master` checks at compile time that `model` is the f32
 //! master. `mpx-macros/src/expanded_examples.rs` checks that this file is still what the
 //! attribute generates. Generated code names the runtime as `::mpx::__private::mpx_runtime`.
@@ -9,7 +9,7 @@
 // `(&mut &mut forward(..)).__mpx_forward(..)` borrows on purpose: method probing finds the
 // working copy of mpx's layers (`ViaMapped`, on `&mut Forward`) first, the master's own layers
 // in half (`ViaHalf`, on `&mut &mut Forward`) next, and the f32 fallback (`ViaFull`, on
-// `Forward`) last.
+// `Forward`, which warns) last.
 #![allow(clippy::needless_borrow, clippy::mut_mut)]
 
 #[path = "../tests/common/digits.rs"]
@@ -39,39 +39,58 @@ fn train_epoch(
     // The generated calls are trait methods (so they auto-ref and auto-deref as the user's own
     // calls do), imported once at the top of the body.
     #[allow(unused_imports)]
-    use ::mpx::__private::mpx_runtime::step::__macro_support::{
-        ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _,
+    use ::mpx::__private::mpx_runtime::__private::{
+        ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _, ViaRejected as _,
     };
+    // The state of the step's masters (the verdict of each one's last backward pass), for
+    // this call.
+    let __mpx_masters = ::mpx::__private::mpx_runtime::__private::Masters::new();
     let mut grads = model.alloc_grads();
     let mut total_epoch_loss = 0.0;
     for (img, lbl) in batches {
-        // forward: on the half working copy of `model` (or, where its bounds cannot be
-        // checked, in f32 on `model` itself), the f32 batch in, the f32 logits out
+        // forward: on a half working copy of `model` built for this pass (or, where its bounds
+        // cannot be checked, in f32 on `model` itself, with a warning), the f32 batch in, the
+        // f32 logits out; the batch's own gradient is never read (`grads` come from
+        // `alloc_grads` and backward passes), so it is passed as a `Batch`
         let logits = {
-            let __mpx_input = img.trace(grads);
+            let __mpx_input = ::mpx::__private::mpx_runtime::step::Batch(img.trace(grads));
             let _ = ::mpx::__private::mpx_runtime::boundary::require_master((model).__mpx_master());
-            (&mut &mut ::mpx::__private::mpx_runtime::step::__macro_support::forward(
-                ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut()),
-                (model).__mpx_master_mut()
-            ))
-            .__mpx_forward(
+            (&mut &mut ::mpx::__private::mpx_runtime::__private::forward::<
+                _, _, _, _, _,
+                ::mpx::__private::mpx_runtime::__private::call::ForwardMut,
+                ::mpx::__private::mpx_runtime::__private::fallback::Warn
+            >(
+                ::mpx::__private::mpx_runtime::__private::scaler_of::<_, _>((scaler).__mpx_by_mut()),
+                &__mpx_masters,
+                (model).__mpx_master_mut(),
                 __mpx_input,
-                |__mpx_working, __mpx_x| __mpx_working.forward_mut(__mpx_x),
-            )
+            ))
+            .__mpx_forward(|__mpx_working, __mpx_x| __mpx_working.forward_mut(__mpx_x))
         };
         let loss = cross_entropy_with_logits_loss(logits, lbl.clone());
         total_epoch_loss += loss.array();
-        // backward: the half gradients come back unscaled into the f32 ones, checked
+        // backward: the half gradients come back unscaled into the f32 ones, then checked
         grads = {
             let __mpx_loss = loss;
-            ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
-                .backward_with(__mpx_loss, |__mpx_loss| __mpx_loss.backward())
+            ::mpx::__private::mpx_runtime::__private::backward(
+                ::mpx::__private::mpx_runtime::__private::scaler_of::<_, _>((scaler).__mpx_by_mut()),
+                __mpx_loss,
+                |__mpx_loss| __mpx_loss.backward()
+            )
         };
-        // update: the step's own `opt.update(model, &grads)`, run only on a finite verdict
+        // update: the step's own `opt.update(model, &grads)`, run only on a finite verdict; the
+        // whole has the type that call has
         {
-            let __mpx_grads = ::mpx::__private::mpx_runtime::step::__macro_support::shared(&grads);
-            let __mpx_begun = ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
-                .begin_update((model).__mpx_master_mut());
+            let __mpx_grads = ::mpx::__private::mpx_runtime::__private::shared(&grads);
+            // this update's site (its own static): the scale is adjusted once per iteration,
+            // read off the sites that update
+            static __MPX_SITE: u8 = 0;
+            let __mpx_begun = ::mpx::__private::mpx_runtime::__private::begin_update(
+                ::mpx::__private::mpx_runtime::__private::scaler_of::<_, _>((scaler).__mpx_by_mut()),
+                &__mpx_masters,
+                (model).__mpx_master_mut(),
+                &__MPX_SITE
+            );
             match __mpx_begun {
                 ::core::result::Result::Ok(__mpx_verdict) => {
                     let __mpx_ran = if __mpx_verdict.applies() {
@@ -79,16 +98,19 @@ fn train_epoch(
                     } else {
                         ::core::option::Option::None
                     };
-                    ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
-                        .end_update(__mpx_verdict, __mpx_ran)
+                    ::mpx::__private::mpx_runtime::__private::end_update(
+                        ::mpx::__private::mpx_runtime::__private::scaler_of::<_, _>((scaler).__mpx_by_mut()),
+                        __mpx_verdict,
+                        __mpx_ran
+                    )
                 }
-                ::core::result::Result::Err(__mpx_e) => ::core::result::Result::Err(__mpx_e),
+                ::core::result::Result::Err(__mpx_e) => {
+                    ::core::result::Result::Err(::core::convert::From::from(__mpx_e))
+                }
             }
         }
         .unwrap();
-        // zero_grads: as dfdx's, and the thrown-away gradients' verdict is forgotten
-        ::mpx::__private::mpx_runtime::step::scaler_of::<_, _>((scaler).__mpx_by_mut())
-            .zero_grads((model).__mpx_master(), &mut grads);
+        model.zero_grads(&mut grads);
     }
     total_epoch_loss / batches.len() as f32
 }

@@ -47,9 +47,7 @@ use mpx::cast::{Cast, cast_module, cast_to_half_precision};
 use mpx::nn::{ForwardIn, MixedModule};
 use mpx::precision::{HalfPrecision, Precision, bf16, f16};
 use mpx::scaling::DynamicLossScale;
-use mpx::step::{
-    GradScaler, UpdateOutcome, WorkingCopy, filter_value_and_grad_with_aux, optimizer_update,
-};
+use mpx::step::{Batch, GradScaler, Kind, Mapped, Mixed, MixedDevice, UpdateOutcome, WorkingCopy};
 
 use digits::{CLASSES, Digits, DigitsVit, FEATURES};
 use train::{RunResult, bar, correct, epoch_batches, say, test_accuracy};
@@ -210,6 +208,28 @@ where
 impl VitHalf for f16 {}
 impl VitHalf for bf16 {}
 
+/// The ViT's working copy in `H` (what [`Mapped`] builds from the master): a module from a
+/// traced batch in `H` to traced logits in `H`.
+trait VitStep<H: Precision>:
+    Module<
+        Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+        Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
+    >
+where
+    Cpu: Device<H::Elem>,
+{
+}
+
+impl<H: Precision, W> VitStep<H> for W
+where
+    Cpu: Device<H::Elem>,
+    W: Module<
+            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
+            Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
+        >,
+{
+}
+
 fn train_mixed<H>(
     name: &str,
     dev: &Cpu,
@@ -219,18 +239,14 @@ fn train_mixed<H>(
 ) -> Result<RunResult, Box<dyn Error>>
 where
     H: VitHalf,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
-        + MixedModule<
-            H,
-            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
-        > + MixedModule<H, Images<H::Elem>, Output = Logits<H::Elem, NoneTape>>,
+    Cpu: MixedDevice<H>,
+    Mapped: Kind<H, Master, Cpu, Copy: VitStep<H>>,
+    WorkingCopy<H, Master>: MixedModule<H, Images<H::Elem>, Output = Logits<H::Elem, NoneTape>>,
     Images<f32>: Cast<H, Output = Images<H::Elem>>,
 {
     let Plan { epochs, lr: _ } = plan;
-    let mut master = init.clone();
-    let mut opt = adam(&master, plan.lr);
+    let mut model = Mixed::mapped(init.clone());
+    let mut opt = adam(&model, plan.lr);
     // Starts at jmp's suggested 2^15 and grows after 200 finite steps in a row.
     let mut scaler = GradScaler::<H, _>::new(
         DynamicLossScale::builder()
@@ -239,6 +255,7 @@ where
             .build()?,
     )
     .with_max_consecutive_skips(50);
+    let mut grads = model.alloc_grads();
     let total = epochs * (d.train_len() / BATCH);
     let pb = bar(name, total);
     // The fused ops' buffers, kept across steps, count toward this run's peak: none are left
@@ -255,24 +272,21 @@ where
         for (x, y, labels) in &batches {
             opt.cfg.lr = plan.lr_at(steps as usize, total);
             let t = Instant::now();
-            let xh = cast_to_half_precision::<H, _>(x);
-            let (g, logits) = filter_value_and_grad_with_aux(
-                &master,
-                &mut scaler,
-                |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
-                |out| {
-                    let logits = out.retaped::<NoneTape>().array();
-                    (cross_entropy_with_logits_loss(out, y.clone()), logits)
-                },
-            )?;
-            let (loss, applied) = (g.loss, g.applied_scale);
-            let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g)?;
+            let applied = scaler.loss_scale();
+            let out =
+                scaler.forward(&model, Batch(x.clone().traced(grads)), |m, x| m.forward(x))?;
+            let logits = out.retaped::<NoneTape>().array();
+            let loss = cross_entropy_with_logits_loss(out, y.clone());
+            let loss_value = loss.array();
+            grads = scaler.backward(loss)?;
+            let outcome = scaler.update(&mut model, &mut opt, &grads)?;
+            model.zero_grads(&mut grads);
             let new = scaler.loss_scale();
             busy += t.elapsed();
             steps += 1;
             match outcome {
                 UpdateOutcome::Applied => {
-                    loss_sum += loss;
+                    loss_sum += loss_value;
                     finite_steps += 1;
                     hits += correct(&logits, labels);
                 }
@@ -309,7 +323,7 @@ where
     let peak_bytes = heap::peak() - baseline;
     pb.finish_and_clear();
     // Inference in the half precision too: a fresh cast of the trained master.
-    let half = cast_module::<H, f32, _>(&master);
+    let half = cast_module::<H, f32, _>(&*model);
     let test_acc = test_accuracy(d, BATCH, |px| {
         let out = half.forward_in::<H, _>(cast_to_half_precision::<H, _>(&image_tensor(dev, px)));
         widen_rows::<H>(&out)
@@ -367,34 +381,32 @@ fn mixed_stepper<'a, H>(
 ) -> Result<impl FnMut() + 'a, Box<dyn Error>>
 where
     H: VitHalf,
-    Cpu: Device<H::Elem>,
-    WorkingCopy<H, Master>: TensorCollection<H::Elem, Cpu>
-        + MixedModule<
-            H,
-            Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            Output = Logits<H::Elem, OwnedTape<H::Elem, Cpu>>,
-        >,
-    Images<f32>: Cast<H, Output = Images<H::Elem>>,
+    Cpu: MixedDevice<H>,
+    Mapped: Kind<H, Master, Cpu, Copy: VitStep<H>>,
 {
-    let mut master = init.clone();
-    let mut opt = adam(&master, lr);
+    let mut model = Mixed::mapped(init.clone());
+    let mut opt = adam(&model, lr);
     let mut scaler =
         GradScaler::<H, _>::new(DynamicLossScale::builder().initial(2f32.powi(15)).build()?);
+    let mut grads = Some(model.alloc_grads());
     let mut i = 0;
     Ok(move || {
         let (x, y, _) = &batches[i % batches.len()];
         i += 1;
-        let xh = cast_to_half_precision::<H, _>(x);
-        let g = filter_value_and_grad_with_aux(
-            &master,
-            &mut scaler,
-            |m, tape| m.forward_in::<H, _>(xh.put_tape(tape)),
-            |out| (cross_entropy_with_logits_loss(out, y.clone()), ()),
-        )
-        .expect("the loss scale is valid")
-        .0;
-        optimizer_update(&mut master, &mut opt, &mut scaler, &g)
+        let g = grads
+            .take()
+            .expect("gradients are put back after every step");
+        let out = scaler
+            .forward(&model, Batch(x.clone().traced(g)), |m, x| m.forward(x))
+            .expect("the working copy is built");
+        let mut g = scaler
+            .backward(cross_entropy_with_logits_loss(out, y.clone()))
+            .expect("the loss scale is valid");
+        scaler
+            .update(&mut model, &mut opt, &g)
             .expect("the optimizer belongs to this master");
+        model.zero_grads(&mut g);
+        grads = Some(g);
     })
 }
 
@@ -666,7 +678,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         "\nEach cell is measured with the counting allocator: the heap bytes an operation leaves allocated.\n\
          - weights: building the f32 model (f32), or casting the master to the working copy (f16, bf16);\n\
          - activations: one traced forward pass of a batch of {BATCH} (what its tape keeps for the backward pass, and the logits);\n\
-         - gradients: allocating the gradients of the weights; for the mixed runs those of the working copy plus the f32 ones of the master, as the step's workspace keeps both;\n\
+         - gradients: allocating the gradients of the weights; for the mixed runs those of the working copy plus the f32 ones of the master, as a mixed step fills both;\n\
          - master copy: building the f32 master (the f32 run trains its weights directly: none);\n\
          - optimizer state: the heap Adam's first update leaves (its two f32 moments per master parameter).\n\
          For scale: {params} parameters are {:.1} KiB in f32 and {:.1} KiB in f16; the heap cells add per-tensor bookkeeping (shared buffers, the gradients' hash map).\n\

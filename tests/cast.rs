@@ -1,10 +1,10 @@
-//! Casting trees: tensors, containers, modules (fresh and in place), the derive, and the laws
+//! Casting trees: tensors, containers, modules (every scalar setting carried), the derive, and the laws
 //! (integer leaves bit-identical, f16 -> f32 -> f16 identity, bf16 rounding = `half::bf16`).
 
 use dfdx::prelude::*;
 use mpx::cast::{
-    Cast, CastScratch, FloatLeaves, FloatSliceMut, cast_module, cast_module_into, cast_to_bf16,
-    cast_to_f16, cast_to_f32, cast_to_full_precision, cast_to_half_precision,
+    Cast, FloatLeaves, FloatSliceMut, cast_module, cast_to_bf16, cast_to_f16, cast_to_f32,
+    cast_to_full_precision, cast_to_half_precision,
 };
 use mpx::precision::{AMP, FloatSlice, f16};
 
@@ -12,7 +12,6 @@ type Mlp = (Linear<5, 7>, ReLU, Linear<7, 3>);
 
 mod common;
 use common::bits::f16_bits;
-use common::heap;
 
 #[test]
 fn f32_tensor_to_f16_matches_half_rounding_and_keeps_shape() {
@@ -101,34 +100,25 @@ fn module_cast_keeps_shapes_and_converts_values() {
     assert_eq!(f16_bits(&h.2.bias.as_vec()), want_b);
 }
 
+/// Every setting a module lists as a scalar (dropout's `p`, a norm's `epsilon` and `momentum`)
+/// reaches the cast as it is: dfdx's own `to_dtype` resets them to their defaults.
 #[test]
-fn module_cast_into_rewrites_existing_copy_both_directions() {
+fn a_module_cast_carries_every_scalar_setting() {
+    type Net = (Linear<4, 4>, Dropout, BatchNorm1D<4>, LayerNorm1D<4>);
     let dev = Cpu::default();
-    let mut master = dev.build_module::<Mlp, f32>();
-    let mut work = cast_module::<f16, f32, _>(&master);
-    let mut scratch = CastScratch::new();
-    // change the master as an optimizer would
-    master.0.weight = master.0.weight.clone() * 3.0;
-    master.2.bias = master.2.bias.clone() + 1.0;
-    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-    let fresh = cast_module::<f16, f32, _>(&master);
+    let mut m = dev.build_module::<Net, f32>();
+    m.1.p = 0.2;
+    m.2.epsilon = 1e-3;
+    m.2.momentum = 0.7;
+    m.3.epsilon = 1e-2;
+    let h = cast_module::<f16, f32, _>(&m);
     assert_eq!(
-        f16_bits(&work.0.weight.as_vec()),
-        f16_bits(&fresh.0.weight.as_vec())
+        (h.1.p, h.2.epsilon, h.2.momentum, h.3.epsilon),
+        (0.2, 1e-3, 0.7, 1e-2)
     );
-    assert_eq!(
-        f16_bits(&work.2.bias.as_vec()),
-        f16_bits(&fresh.2.bias.as_vec())
-    );
-    // a second call reuses the buffers
-    let cap = scratch.capacity_bytes();
-    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-    assert_eq!(scratch.capacity_bytes(), cap);
-    // reverse: half values widened into an f32 model (exact)
-    let mut wide = dev.build_module::<Mlp, f32>();
-    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    let want: Vec<f32> = work.0.weight.as_vec().iter().map(|h| h.to_f32()).collect();
-    assert_eq!(wide.0.weight.as_vec(), want);
+    // dfdx's own cast does not carry them: what this one is for
+    let d = m.to_dtype::<f16>();
+    assert_eq!((d.1.p, d.2.momentum), (0.5, 0.1));
 }
 
 #[test]
@@ -396,93 +386,4 @@ mod laws {
             prop_assert_eq!(f16_bits(&back.as_vec()), f16_bits(&vals));
         }
     }
-}
-
-// ---- allocation check for the per-step cast ---------------------------------------------------
-
-#[global_allocator]
-static ALLOC: heap::Counting = heap::Counting;
-
-type Wide = (Linear<64, 32>, ReLU, Linear<32, 16>);
-
-#[test]
-fn cast_module_into_allocates_no_buffers_after_the_first_call() {
-    let dev = Cpu::default();
-    let master = dev.build_module::<Wide, f32>();
-    let mut work = cast_module::<f16, f32, _>(&master);
-    let mut wide = dev.build_module::<Wide, f32>();
-    let mut scratch = CastScratch::new();
-    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    let before = heap::allocated_here();
-    for _ in 0..3 {
-        cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-        cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    }
-    let per_call = (heap::allocated_here() - before) / 6;
-    // dfdx's walk over a tuple formats each field's name ("0", "1", "2"): a few bytes. Any tensor
-    // buffer (the smallest here, a bias of 16 f16 values, is 32 bytes) would break this bound.
-    assert!(per_call < 16, "{per_call} bytes allocated per call");
-    // and the values are the fresh cast's
-    let fresh = cast_module::<f16, f32, _>(&master);
-    assert_eq!(
-        f16_bits(&work.0.weight.as_vec()),
-        f16_bits(&fresh.0.weight.as_vec())
-    );
-    let want: Vec<f32> = work.2.bias.as_vec().iter().map(|h| h.to_f32()).collect();
-    assert_eq!(wide.2.bias.as_vec(), want);
-}
-
-/// Two tensors long enough to be read on the pool's threads (at least 65,536 values each), with
-/// short ones between them, read during the walk.
-type Long = (Linear<512, 160>, ReLU, Linear<160, 512>, Linear<512, 3>);
-
-#[test]
-fn long_tensors_read_on_several_threads_cast_as_a_fresh_cast_and_allocate_no_buffers() {
-    let dev = Cpu::default();
-    let mut master = dev.build_module::<Long, f32>();
-    let mut work = cast_module::<f16, f32, _>(&master);
-    let mut wide = dev.build_module::<Long, f32>();
-    let mut scratch = CastScratch::new();
-    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    // an optimizer's step, then the per-step casts
-    master.0.weight = master.0.weight.clone() * 3.0;
-    master.2.weight = master.2.weight.clone() - 0.25;
-    let before = heap::allocated_here();
-    cast_module_into::<f16, f32, _>(&master, &mut work, &mut scratch).unwrap();
-    cast_module_into::<f32, f16, _>(&work, &mut wide, &mut scratch).unwrap();
-    let per_call = (heap::allocated_here() - before) / 2;
-    // a boxed read per long tensor and the list of them: well below the smallest long tensor's
-    // buffer (65,536 values)
-    assert!(per_call < 4096, "{per_call} bytes allocated per call");
-    let fresh = cast_module::<f16, f32, _>(&master);
-    assert_eq!(
-        f16_bits(&work.0.weight.as_vec()),
-        f16_bits(&fresh.0.weight.as_vec())
-    );
-    assert_eq!(
-        f16_bits(&work.2.weight.as_vec()),
-        f16_bits(&fresh.2.weight.as_vec())
-    );
-    assert_eq!(
-        f16_bits(&work.2.bias.as_vec()),
-        f16_bits(&fresh.2.bias.as_vec())
-    );
-    assert_eq!(
-        f16_bits(&work.3.weight.as_vec()),
-        f16_bits(&fresh.3.weight.as_vec())
-    );
-    // and back to f32, exactly
-    let widened = |v: Vec<f16>| -> Vec<f32> { v.iter().map(|h| h.to_f32()).collect() };
-    assert_eq!(wide.0.weight.as_vec(), widened(work.0.weight.as_vec()));
-    assert_eq!(wide.2.weight.as_vec(), widened(work.2.weight.as_vec()));
-    // the master's tensors are not left shared by the reads: written in place, not copied first
-    let before = heap::allocated_here();
-    master.2.weight.fill_with_zeros();
-    let copied = heap::allocated_here() - before;
-    assert!(
-        copied < 4096,
-        "{copied} bytes allocated to write a master tensor"
-    );
 }

@@ -61,10 +61,7 @@ fn device_errors_convert_into_cpu_error_as_themselves() {
 
 #[test]
 fn layout_errors_convert_into_cpu_error_as_wrong_num_elements() {
-    let mismatch = StepError::WorkspaceMismatch {
-        expected: "2 tensors".into(),
-        found: "3 tensors".into(),
-    };
+    let mismatch = StepError::MasterChanged { model: "Mlp" };
     assert!(matches!(
         CpuError::from(mismatch),
         CpuError::WrongNumElements

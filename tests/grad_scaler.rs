@@ -7,7 +7,9 @@ use dfdx::prelude::*;
 use mpx::mixed_step;
 use mpx::precision::f16;
 use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
-use mpx::step::{GradScaler, SkipReason, StepError, UpdateOutcome, clip_grad_norm, grad_norm};
+use mpx::step::{
+    Batch, GradScaler, Mixed, SkipReason, StepError, UpdateOutcome, clip_grad_norm, grad_norm,
+};
 
 mod common;
 
@@ -370,15 +372,17 @@ fn an_overflowing_scale_backs_off_and_skipped_steps_never_touch_the_master() {
 #[test]
 fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
     let dev = Cpu::seed_from_u64(8);
-    let mut model = dev.build_module::<Mlp, f32>();
-    let mut opt = Adam::new(&model, Default::default());
+    let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&*model, Default::default());
     let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale).with_max_consecutive_skips(2);
     let mut grads = model.alloc_grads();
     let x: X = dev.tensor([[f32::INFINITY; 4]; 8]);
-    let before = value_bits(&model);
+    let before = value_bits(&*model);
     for k in 1..=3u64 {
-        let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x));
-        grads = scaler.backward(out.square().mean());
+        let out = scaler
+            .forward(&model, x.trace(grads), |m, x| m.forward(x))
+            .unwrap();
+        grads = scaler.backward(out.square().mean()).unwrap();
         let r = scaler.update(&mut model, &mut opt, &grads);
         if k <= 2 {
             assert!(
@@ -404,8 +408,8 @@ fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
         }
         model.zero_grads(&mut grads);
     }
-    assert_eq!(value_bits(&model), before);
-    assert_eq!(grad_norm(&model, &mut grads).unwrap(), 0.0);
+    assert_eq!(value_bits(&*model), before);
+    assert_eq!(grad_norm(&*model, &mut grads).unwrap(), 0.0);
 }
 
 // ---- batch norm ---------------------------------------------------------------------------------
@@ -606,17 +610,27 @@ fn traced_step(
 ) -> Option<Vec<f32>> {
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
     let mut opt = Sgd::new(
-        model,
+        &*model,
         SgdConfig {
             lr: 0.1,
             momentum: None,
             weight_decay: None,
         },
     );
-    let out = scaler.forward(model, trace(x, model), |m, x| m.forward(x));
-    let grads = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+    let mut mixed = Mixed::new(model.clone());
+    let input = trace(x, model);
+    let out = if keeps_input {
+        scaler.forward(&mixed, input, |m, x| m.forward(x))
+    } else {
+        scaler.forward(&mixed, Batch(input), |m, x| m.forward(x))
+    }
+    .unwrap();
+    let grads = scaler
+        .backward(cross_entropy_with_logits_loss(out, y.clone()))
+        .unwrap();
     let gx = keeps_input.then(|| grads.get(x).as_vec());
-    scaler.update(model, &mut opt, &grads).unwrap();
+    scaler.update(&mut mixed, &mut opt, &grads).unwrap();
+    *model = mixed.into_inner();
     gx
 }
 

@@ -11,7 +11,7 @@ use dfdx::prelude::*;
 use mpx::mixed_step;
 use mpx::precision::{DType, Precision, bf16, f16};
 use mpx::scaling::StaticLossScale;
-use mpx::step::{GradScaler, StepError};
+use mpx::step::{GradScaler, Mapped, Mixed};
 
 mod common;
 use common::bits::bits;
@@ -86,11 +86,12 @@ fn the_mapped_forward_and_gradients_match_the_f32_step() {
     let g32 = mse_loss(out32, y.clone()).backward();
 
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let mapped = Mixed::mapped(model.clone());
     let out16 = scaler
-        .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+        .forward(&mapped, x.trace(model.alloc_grads()), |m, x| m.forward(x))
         .unwrap();
     assert_close("output", &out16.as_vec(), &want_out);
-    let g16 = scaler.backward(mse_loss(out16, y));
+    let g16 = scaler.backward(mse_loss(out16, y)).unwrap();
 
     let (want, got) = (
         param_grads(&model, &g32).concat(),
@@ -155,8 +156,9 @@ where
     let g32 = mse_loss(out32, y.clone()).backward();
 
     let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let mut model = Mixed::mapped(model);
     let out16 = scaler
-        .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| {
+        .forward(&model, x.trace(model.alloc_grads()), |m, x| {
             m.forward_mut(x)
         })
         .unwrap();
@@ -166,16 +168,16 @@ where
         &want_out,
         parts,
     );
-    let g16 = scaler.backward(mse_loss(out16, y));
+    let g16 = scaler.backward(mse_loss(out16, y)).unwrap();
     assert_close_to(
         &format!("{what}: gradients"),
-        &param_grads(&model, &g16).concat(),
-        &param_grads(&model, &g32).concat(),
+        &param_grads(&*model, &g16).concat(),
+        &param_grads(&*model, &g32).concat(),
         parts,
     );
     // one SGD step each: every tensor (batch-norm statistics included, which the mapped
     // forward pass updated in its working copy) as the f32 step left it
-    let mut opt = dfdx::optim::Sgd::new(&model, dfdx::optim::SgdConfig::default());
+    let mut opt = dfdx::optim::Sgd::new(&*model, dfdx::optim::SgdConfig::default());
     assert!(
         scaler
             .update(&mut model, &mut opt, &g16)
@@ -187,7 +189,7 @@ where
     opt32.update(&mut model32, &g32).unwrap();
     assert_close_to(
         &format!("{what}: after the update"),
-        &params(&model),
+        &params(&*model),
         &params(&model32),
         parts,
     );
@@ -268,9 +270,10 @@ fn a_dfdx_transformer_with_its_decoder_maps_and_matches_the_f32_step() {
     macro_rules! mapped {
         ($h:ty, $parts:expr) => {{
             let mut scaler = GradScaler::<$h, _>::new(StaticLossScale::new(1024.0).unwrap());
+            let mapped = Mixed::mapped(model.clone());
             let out = scaler
-                .try_forward_mapped(
-                    &model,
+                .forward(
+                    &mapped,
                     (src.trace(model.alloc_grads()), tgt.clone()),
                     |m, x| m.forward(x),
                 )
@@ -282,7 +285,7 @@ fn a_dfdx_transformer_with_its_decoder_maps_and_matches_the_f32_step() {
                 &want_out,
                 $parts,
             );
-            let g = scaler.backward(mse_loss(out, y.clone()));
+            let g = scaler.backward(mse_loss(out, y.clone())).unwrap();
             assert_close_to(
                 &format!("transformer gradients, {what}"),
                 &param_grads(&model, &g).concat(),
@@ -304,40 +307,27 @@ fn a_skipped_mapped_step_leaves_master_and_adam_untouched() {
     bad[3] = f32::NAN;
     let bad: X = dev.tensor_from_vec(bad, (Const, Const));
     let run = |with_skip: bool| {
-        let mut model = Cpu::seed_from_u64(6).build_module::<Mlp, f32>();
-        let mut opt = Adam::new(&model, AdamConfig::default());
+        let mut model = Mixed::mapped(Cpu::seed_from_u64(6).build_module::<Mlp, f32>());
+        let mut opt = Adam::new(&*model, AdamConfig::default());
         let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
-        let mut step = |model: &mut Model, x: &X| {
-            let out =
-                scaler.forward_mapped(&*model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
-            let grads = scaler.backward(mse_loss(out, y.clone()));
+        let mut step = |model: &mut Mixed<Model, Mapped>, x: &X| {
+            let out = scaler
+                .forward(&*model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+                .unwrap();
+            let grads = scaler.backward(mse_loss(out, y.clone())).unwrap();
             scaler.update(model, &mut opt, &grads).unwrap()
         };
         assert!(step(&mut model, &x).is_applied());
         if with_skip {
-            let before = params(&model);
+            let before = params(&*model);
             assert!(!step(&mut model, &bad).is_applied());
-            assert_eq!(bits(&params(&model)), bits(&before));
+            assert_eq!(bits(&params(&*model)), bits(&before));
         }
         // Adam's state too: the next applied step is the same as without the skip
         assert!(step(&mut model, &x).is_applied());
-        params(&model)
+        params(&*model)
     };
     assert_eq!(bits(&run(true)), bits(&run(false)));
-}
-
-#[test]
-fn a_master_runs_through_one_kind_of_working_copy() {
-    let dev = Cpu::default();
-    let model = dev.build_module::<Mlp, f32>();
-    let x: X = dev.sample_normal();
-    let mut scaler = GradScaler::<f16>::default();
-    let _ = scaler.forward(&model, x.leaky_trace(), |m, x| m.forward(x));
-    let e = scaler
-        .try_forward_mapped(&model, x.leaky_trace(), |m, x| m.forward(x))
-        .unwrap_err();
-    assert!(matches!(e, StepError::WorkspaceMismatch { .. }), "{e}");
-    assert!(e.to_string().contains("working copy"), "{e}");
 }
 
 // ---- which working copy `#[mixed_step]` picks ---------------------------------------------------
@@ -382,6 +372,7 @@ where
         >,
 {
     #[mixed_step(scaling = scaler)]
+    #[allow(deprecated)] // the f32 fallback, on purpose
     fn train(&mut self, x: &X, y: &Y, scaler: &mut GradScaler) {
         let grads = self.model.alloc_grads();
         let out = self.model.forward(x.trace(grads));
@@ -404,7 +395,7 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     train_mlp(&mut mlp, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
-    assert_eq!(r.precision, "float16");
+    assert_eq!(r.precision, DType::Float16);
 
     // and in emulated bf16
     let mut mlp = dev.build_module::<Mlp, f32>();
@@ -413,7 +404,7 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     train_mlp_bf16(&mut mlp, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
-    assert_eq!(r.precision, "bfloat16");
+    assert_eq!(r.precision, DType::BFloat16);
 
     // a LayerNorm1D maps to mpx's
     let mut normed = dev.build_module::<Normed, f32>();
@@ -422,7 +413,7 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     train_normed(&mut normed, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && r.mpx_layers, "{r:?}");
-    assert_eq!(r.precision, "float16");
+    assert_eq!(r.precision, DType::Float16);
 
     // a module of the user's own does not map: the master's own layers in f16
     let mut gated: Gated = (Gate { w: dev.ones() }, dev.build_module::<Mlp, f32>());
@@ -431,7 +422,7 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     train_gated(&mut gated, &mut opt, &x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && !r.mpx_layers, "{r:?}");
-    assert_eq!(r.precision, "float16");
+    assert_eq!(r.precision, DType::Float16);
 
     // a model generic through the impl: f32 on the master
     let model = dev.build_module::<Mlp, f32>();
@@ -441,7 +432,7 @@ fn mixed_step_picks_mpx_layers_then_the_half_copy_then_f32() {
     agent.train(&x, &y, &mut scaler);
     let r = scaler.last_step().unwrap();
     assert!(r.is_applied() && !r.mpx_layers, "{r:?}");
-    assert_eq!(r.precision, "float32");
+    assert_eq!(r.precision, DType::Float32);
 }
 
 // ---- a dfdx transformer classifier on mpx's layers ----------------------------------------------
@@ -550,7 +541,7 @@ fn a_dfdx_transformer_classifier_trains_on_mpx_layers_as_in_f32() {
         let l16 = tiny_f16_step(&mut m16, &mut o16, x.clone(), y.clone(), &mut scaler);
         let r = scaler.last_step().unwrap();
         assert!(r.is_applied() && r.mpx_layers, "step {step}: {r:?}");
-        assert_eq!(r.precision, "float16");
+        assert_eq!(r.precision, DType::Float16);
         assert!(
             (l16 - l32).abs() <= 0.01 * l32.abs(),
             "step {step}: loss {l16} in f16 vs {l32} in f32"
@@ -572,14 +563,17 @@ fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
     let g32 = cross_entropy_with_logits_loss(logits32, y.clone()).backward();
 
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+    let mapped = Mixed::mapped(model.clone());
     let logits16 = scaler
-        .try_forward_mapped(&model, x.traced(model.alloc_grads()), |m, x| {
+        .forward(&mapped, x.traced(model.alloc_grads()), |m, x| {
             let h = m.0.forward(x);
             let h = m.1.forward(h);
             m.2.forward(h.mean::<_, Axis<1>>())
         })
         .unwrap();
-    let g16 = scaler.backward(cross_entropy_with_logits_loss(logits16, y));
+    let g16 = scaler
+        .backward(cross_entropy_with_logits_loss(logits16, y))
+        .unwrap();
     assert!(scaler.last_step().is_none());
 
     // visit order: embedding, then the block (w_q, w_k, w_v, w_o: weight and bias each; norm1;
@@ -629,40 +623,31 @@ fn a_dfdx_transformer_classifiers_mapped_gradients_are_within_the_bound() {
     );
 }
 
-/// In emulated bf16 the mapped working copy is mpx's layers of f32 elements, which the step's
-/// forward pass runs in bf16: a `Linear`'s output holds bf16 values. In an f32 region inside the
-/// pass, the same layer runs in f32 again, and after the pass too.
+/// In emulated bf16 the mapped working copy is mpx's layers of f32 elements wrapped in
+/// `InBf16`, which runs them in bf16: a `Linear`'s output holds bf16 values. The layer inside the
+/// wrapper, and the same layer outside a step, run in f32.
 #[test]
-fn emulated_bf16_runs_the_mapped_layers_in_bf16_and_regions_in_f32() {
-    use mpx::region::FullPrecision;
+fn emulated_bf16_runs_the_mapped_layers_in_bf16() {
     let dev = Cpu::seed_from_u64(5);
-    let model = dev.build_module::<(Linear<12, 24>, ReLU, Linear<24, 5>), f32>();
+    let model = Mixed::mapped(dev.build_module::<(Linear<12, 24>, ReLU, Linear<24, 5>), f32>());
     let x: X = dev.sample_normal();
     let is_bf16 = |v: &[f32]| v.iter().all(|x| x.to_bits() & 0xffff == 0);
     let mut scaler = GradScaler::<bf16, _>::new(StaticLossScale::new(1.0).unwrap());
-    let (mut inside, mut in_region) = (vec![], vec![]);
+    let (mut wrapped, mut inner) = (vec![], vec![]);
     let out = scaler
-        .try_forward_mapped(&model, x.trace(model.alloc_grads()), |m, x| {
+        .forward(&model, x.trace(model.alloc_grads()), |m, x| {
             let xv = x.retaped::<NoneTape>();
-            inside = m.0.forward(xv.clone()).as_vec();
-            let _ = FullPrecision::<bf16>::run(xv, |x32| {
-                let y = m.0.forward(x32);
-                in_region = y.as_vec();
-                y
-            });
+            wrapped = m.0.forward(xv.clone()).as_vec();
+            inner = m.0.0.forward(xv).as_vec();
             m.forward(x)
         })
         .unwrap();
     assert!(out.as_vec().iter().all(|v| v.is_finite()));
+    assert!(is_bf16(&wrapped), "the working copy runs the layer in bf16");
     assert!(
-        is_bf16(&inside),
-        "the step's forward pass runs the layer in bf16"
+        !is_bf16(&inner),
+        "the layer of f32 elements inside it runs in f32"
     );
-    assert!(
-        !is_bf16(&in_region),
-        "an f32 region inside it runs the layer in f32"
-    );
-    // after the pass: f32 again
     let layer = dev.build_module::<mpx::nn::builders::Linear<12, 24>, f32>();
     assert!(!is_bf16(&layer.forward(x).as_vec()));
 }

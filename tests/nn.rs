@@ -138,12 +138,11 @@ mod vit_step {
     use super::common::digits::{CLASSES, Digits, FEATURES};
     use dfdx::optim::{Adam, AdamConfig};
     use dfdx::prelude::*;
-    use mpx::cast::{Cast, cast_tree};
     use mpx::nn::vit::Vit;
     use mpx::nn::{ForwardIn, MixedModule};
     use mpx::precision::f16;
     use mpx::scaling::{DynamicLossScale, StaticLossScale};
-    use mpx::step::{GradScaler, WorkingCopy, filter_value_and_grad, optimizer_update};
+    use mpx::step::{GradScaler, Mixed, MixedDevice, WorkingCopy};
 
     pub const BATCH: usize = 32;
     /// 8x8 digits in 4x4 patches: 4 tokens of 16 pixels, width 16, 2 heads, 2 blocks.
@@ -159,29 +158,27 @@ mod vit_step {
         y: &Y,
     ) -> (f32, Option<Vec<f32>>)
     where
-        Cpu: Device<H::Elem>,
+        Cpu: MixedDevice<H>,
         WorkingCopy<H, Model>: TensorCollection<H::Elem, Cpu>
             + MixedModule<
                 H,
                 Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
                 Output = Tensor<Rank2<BATCH, CLASSES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
-            > + Send
-            + Sync
-            + 'static,
-        X: Cast<H, Output = X<H::Elem>>,
+            >,
     {
         let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).expect("scale"));
-        let xh: X<H::Elem> = cast_tree::<H, _>(x);
-        let g = filter_value_and_grad(
-            master,
-            &mut scaler,
-            |m, tape| m.forward_in::<H, _>(xh.clone().put_tape(tape)),
-            |logits| cross_entropy_with_logits_loss(logits, y.clone()),
-        )
-        .expect("step");
-        let finite = g.is_finite();
-        let grads = super::param_grads::<f32, Model>(master, g.grads()).concat();
-        (g.loss, finite.then_some(grads))
+        let mixed = Mixed::new(master.clone());
+        let logits = scaler
+            .forward(&mixed, x.clone().trace(master.alloc_grads()), |m, x| {
+                m.forward_in::<H, _>(x)
+            })
+            .expect("step");
+        let loss = cross_entropy_with_logits_loss(logits, y.clone());
+        let value = loss.array();
+        let grads = scaler.backward(loss).expect("step");
+        let finite = mixed.grads_finite() == Some(true) && value.is_finite();
+        let grads = super::param_grads::<f32, Model>(master, &grads).concat();
+        (value, finite.then_some(grads))
     }
 
     pub fn data(dev: &Cpu) -> (Digits, X, Y) {
@@ -216,12 +213,12 @@ mod vit_step {
     }
 
     pub fn update(
-        master: &mut Model,
+        master: &mut Mixed<Model>,
         opt: &mut Adam<Model, f32, Cpu>,
         scaler: &mut GradScaler<f16, DynamicLossScale>,
-        g: &mpx::step::MixedGrads,
+        grads: &Gradients<f32, Cpu>,
     ) -> mpx::step::UpdateOutcome {
-        optimizer_update(master, opt, scaler, g).expect("update")
+        scaler.update(master, opt, grads).expect("update")
     }
 }
 
@@ -282,12 +279,11 @@ fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
 #[test]
 fn small_vit_trains_in_f16_with_skipped_steps_counted() {
     use common::params::values;
-    use mpx::precision::f16;
-    use mpx::step::filter_value_and_grad;
+    use mpx::step::Mixed;
     use vit_step::{BATCH, Model, adam, scale_of, scaler, update};
     let dev = Cpu::seed_from_u64(5);
     let (digits, _, _) = vit_step::data(&dev);
-    let mut master = dev.build_module::<Model, f32>();
+    let mut master = Mixed::new(dev.build_module::<Model, f32>());
     let mut opt = adam(&master);
     // 2^24 is far too large for f16 gradients: the first steps overflow and are skipped, the
     // scale halves each time until the gradients fit.
@@ -299,18 +295,16 @@ fn small_vit_trains_in_f16_with_skipped_steps_counted() {
     for s in 0..steps {
         let idx = &order[(s * BATCH) % (order.len() - BATCH)..][..BATCH];
         let (x, y) = digits.train_batch::<BATCH>(&dev, idx);
-        let xh = x.to_dtype::<f16>();
         let before = scale_of(&scaler);
-        let g = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, tape| m.forward(xh.put_tape(tape)),
-            |logits| cross_entropy_with_logits_loss(logits, y),
-        )
-        .expect("grads");
-        let finite = g.is_finite();
-        let loss = g.loss;
-        let outcome = update(&mut master, &mut opt, &mut scaler, &g);
+        let logits = scaler
+            .forward(&master, x.trace(master.alloc_grads()), |m, x| m.forward(x))
+            .expect("forward");
+        let loss = cross_entropy_with_logits_loss(logits, y);
+        let value = loss.array();
+        let grads = scaler.backward(loss).expect("grads");
+        let finite = master.grads_finite() == Some(true) && value.is_finite();
+        let loss = value;
+        let outcome = update(&mut master, &mut opt, &mut scaler, &grads);
         assert_eq!(outcome.is_applied(), finite);
         if finite {
             losses.push(loss);
@@ -318,7 +312,7 @@ fn small_vit_trains_in_f16_with_skipped_steps_counted() {
             skipped_seen += 1;
             assert_eq!(scale_of(&scaler), before / 2.0, "a skip halves the scale");
         }
-        assert!(values(&master).iter().all(|v| v.is_finite()), "step {s}");
+        assert!(values(&*master).iter().all(|v| v.is_finite()), "step {s}");
     }
     assert!(
         skipped_seen >= 1,

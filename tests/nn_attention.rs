@@ -376,10 +376,13 @@ fn encoder_block_dense_layers_take_the_direct_path_in_a_grad_scaler() {
     let x: Seq<f32> = f16_values(dev.sample_normal());
     let w: Seq<f32> = f16_values(dev.sample_normal());
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).expect("a valid scale"));
-    let out = scaler.forward(&master, x.clone().traced(master.alloc_grads()), |m, x| {
-        m.forward(x)
-    });
-    let g = scaler.backward((out * w.clone()).sum());
+    let mapped = mpx::step::Mixed::mapped(master.clone());
+    let out = scaler
+        .forward(&mapped, x.clone().traced(master.alloc_grads()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let g = scaler.backward((out * w.clone()).sum()).unwrap();
     let got = param_grads(&master, &g);
     // the reference: the f16 graph without a scaler
     let m16 = master.clone().to_dtype::<f16>();

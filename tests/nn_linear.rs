@@ -13,7 +13,7 @@ use mpx::__bench::{KernelPath, f32_error_bound, fp16_error_bound, with_path};
 use mpx::nn::{self, IntoLayers, Mpx};
 use mpx::precision::{AMP, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
-use mpx::step::{GradScaler, filter_value_and_grad, optimizer_update};
+use mpx::step::{GradScaler, Mapped, Mixed};
 
 const B: usize = 13;
 
@@ -304,13 +304,12 @@ where
             > + Send
             + Sync
             + 'static,
-    Tensor<Rank2<64, 16>, f32, Cpu>:
-        mpx::cast::Cast<H, Output = Tensor<Rank2<64, 16>, H::Elem, Cpu>>,
+    Cpu: mpx::step::MixedDevice<H>,
 {
     let dev = Cpu::seed_from_u64(11);
-    let mut master = dev.build_module::<MpxMlp, f32>();
+    let mut master = Mixed::new(dev.build_module::<MpxMlp, f32>());
     let mut opt = Adam::new(
-        &master,
+        &*master,
         AdamConfig {
             lr: 3e-3,
             ..Default::default()
@@ -322,20 +321,19 @@ where
     let x: Tensor<Rank2<64, 16>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
     let proj: Tensor<Rank2<16, 4>, f32, Cpu> = SampleTensor::<f32>::sample_normal(&dev);
     let y = (x.clone().matmul(proj) * 4.0).softmax::<Axis<1>>();
-    let xh = mpx::cast::cast_tree::<H, _>(&x);
     let mut first = None;
     let mut last = 0.0;
     for _ in 0..steps {
-        let g = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, t| m.forward(xh.clone().put_tape(t)),
-            |o| cross_entropy_with_logits_loss(o, y.clone()),
-        )
-        .unwrap();
-        first.get_or_insert(g.loss);
-        last = g.loss;
-        optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+        let out = scaler
+            .forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
+                m.forward(x)
+            })
+            .unwrap();
+        let loss = cross_entropy_with_logits_loss(out, y.clone());
+        first.get_or_insert(loss.array());
+        last = loss.array();
+        let grads = scaler.backward(loss).unwrap();
+        scaler.update(&mut master, &mut opt, &grads).unwrap();
     }
     (first.unwrap(), last)
 }
@@ -405,22 +403,22 @@ fn scaler_grads<L>(
     c: &Tensor<Rank2<B, O>, f32, Cpu>,
 ) -> [Vec<f64>; 3]
 where
-    L: mpx::boundary::MasterModel + Send + Sync + 'static + HasWeightBias,
-    mpx::step::WorkingCopy<f16, L>: dfdx::nn::tensor_collection::TensorCollection<f16, Cpu>
-        + Send
-        + Sync
-        + 'static
-        + Module<
+    L: mpx::step::HalfLayers<f16> + Clone + HasWeightBias,
+    L::Working: Module<
             Tensor<Rank2<B, I>, f16, Cpu, OwnedTape<f16, Cpu>>,
             Output = Tensor<Rank2<B, O>, f16, Cpu, OwnedTape<f16, Cpu>>,
         >,
 {
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
+    // the layer as a master whose working copy links it to the master's tensors
+    let mapped = Mixed::mapped(master.clone());
     // leaky, so that the input's gradient is kept too
-    let out = scaler.forward(master, x.clone().traced(Gradients::leaky()), |m, x| {
-        m.forward(x)
-    });
-    let g = scaler.backward((out * c.clone()).sum());
+    let out = scaler
+        .forward(&mapped, x.clone().traced(Gradients::leaky()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let g = scaler.backward((out * c.clone()).sum()).unwrap();
     let (w, b) = master.weight_bias();
     [vals(&g.get(w)), vals(&g.get(b)), vals(&g.get(x))]
 }
@@ -524,8 +522,11 @@ fn a_linked_layer_used_twice_or_beside_its_clone_loses_no_gradient() {
     };
     for (name, f) in [("twice", twice), ("beside its clone", beside_clone)] {
         let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
-        let out = scaler.forward(&l, x.clone().traced(l.alloc_grads()), f);
-        let g = scaler.backward((out * c.clone()).sum());
+        let mapped = Mixed::mapped(l.clone());
+        let out = scaler
+            .forward(&mapped, x.clone().traced(l.alloc_grads()), f)
+            .unwrap();
+        let g = scaler.backward((out * c.clone()).sum()).unwrap();
         for (what, got, want) in [
             ("dW", vals(&g.get(&l.weight)), &want.0),
             ("db", vals(&g.get(&l.bias)), &want.1),
@@ -558,8 +559,8 @@ fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
         ]
     }
     let dev = Cpu::seed_from_u64(23);
-    let mut master = dev.build_module::<MpxMlp, f32>();
-    let mut opt = Adam::new(&master, AdamConfig::default());
+    let mut master = Mixed::mapped(dev.build_module::<MpxMlp, f32>());
+    let mut opt = Adam::new(&*master, AdamConfig::default());
     let x: Tensor<Rank2<8, 16>, f32, Cpu> = dev.sample_normal();
     let y: Tensor<Rank2<8, 4>, f32, Cpu> = dev.sample_normal::<Rank2<8, 4>>().softmax::<Axis<1>>();
     let scaling = DynamicLossScale::builder()
@@ -568,23 +569,31 @@ fn an_overflow_in_a_linked_layer_skips_the_step_and_keeps_the_master() {
         .unwrap();
     let mut scaler = GradScaler::<f16, _>::new(scaling);
     let before = master.clone();
-    let out = scaler.forward(&master, x.clone().traced(master.alloc_grads()), |m, x| {
-        m.forward(x)
-    });
-    let grads = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+    let out = scaler
+        .forward(&master, x.clone().traced(master.alloc_grads()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let grads = scaler
+        .backward(cross_entropy_with_logits_loss(out, y.clone()))
+        .unwrap();
     let outcome = scaler.update(&mut master, &mut opt, &grads).unwrap();
     assert!(!outcome.is_applied(), "{outcome:?}");
     assert_eq!(params(&master), params(&before));
     assert_eq!(scaler.loss_scale(), 2f32.powi(39));
     // a scale that fits trains; the skipped step left Adam as a fresh one
-    let good_step = |m: &mut Master, opt: &mut Adam<Master, f32, Cpu>| {
+    let good_step = |m: &mut Mixed<Master, Mapped>, opt: &mut Adam<Master, f32, Cpu>| {
         let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(SCALE).unwrap());
-        let out = scaler.forward(&*m, x.clone().traced(m.alloc_grads()), |m, x| m.forward(x));
-        let grads = scaler.backward(cross_entropy_with_logits_loss(out, y.clone()));
+        let out = scaler
+            .forward(&*m, x.clone().traced(m.alloc_grads()), |m, x| m.forward(x))
+            .unwrap();
+        let grads = scaler
+            .backward(cross_entropy_with_logits_loss(out, y.clone()))
+            .unwrap();
         scaler.update(m, opt, &grads).unwrap().is_applied()
     };
     let mut fresh = before.clone();
-    let mut fresh_opt = Adam::new(&fresh, AdamConfig::default());
+    let mut fresh_opt = Adam::new(&*fresh, AdamConfig::default());
     assert!(good_step(&mut master, &mut opt) && good_step(&mut fresh, &mut fresh_opt));
     assert_ne!(params(&master), params(&before));
     assert_eq!(params(&master), params(&fresh));

@@ -8,7 +8,7 @@ use dfdx::prelude::*;
 use mpx::mixed_step;
 use mpx::precision::{bf16, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
-use mpx::step::{GradScaler, ScalerState, SkipReason, StepError, UpdateOutcome};
+use mpx::step::{GradScaler, Mixed, ScalerState, SkipReason, StepError, UpdateOutcome};
 
 mod common;
 use common::mlp::{Mlp, Model, X, Y, batch};
@@ -76,19 +76,21 @@ fn a_second_model_through_a_used_scaler_trains_as_with_its_own() {
 #[test]
 fn a_second_update_of_the_same_gradients_is_an_error_and_changes_nothing() {
     let dev = Cpu::seed_from_u64(2);
-    let mut model = dev.build_module::<Mlp, f32>();
+    let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
     let mut opt = sgd(&model);
     let mut scaler = GradScaler::<f16>::default();
     let (x, y) = batch(&dev, 0);
-    let out = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
-    let grads = scaler.backward(mse_loss(out, y));
+    let out = scaler
+        .forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+        .unwrap();
+    let grads = scaler.backward(mse_loss(out, y)).unwrap();
     assert!(
         scaler
             .update(&mut model, &mut opt, &grads)
             .unwrap()
             .is_applied()
     );
-    let once = value_bits(&model);
+    let once = value_bits(&*model);
     for _ in 0..2 {
         let err = scaler.update(&mut model, &mut opt, &grads).unwrap_err();
         assert!(matches!(err, StepError::NoBackward { .. }), "{err}");
@@ -97,24 +99,27 @@ fn a_second_update_of_the_same_gradients_is_an_error_and_changes_nothing() {
                 .contains("each update needs its own backward pass")
         );
     }
-    assert_eq!(value_bits(&model), once);
+    assert_eq!(value_bits(&*model), once);
     assert_eq!(scaler.applied_steps(), 1);
 }
 
 #[test]
 fn an_update_of_a_model_no_forward_pass_ran_is_an_error() {
     let dev = Cpu::seed_from_u64(3);
-    let model = dev.build_module::<Mlp, f32>();
-    let mut other = dev.build_module::<Mlp, f32>();
+    let model = Mixed::new(dev.build_module::<Mlp, f32>());
+    // a clone of the model: its own master, whatever its tensors share with the original
+    let mut other = model.clone();
     let mut opt = sgd(&other);
     let mut scaler = GradScaler::<f16>::default();
     let (x, y) = batch(&dev, 0);
-    let out = scaler.forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x));
-    let grads = scaler.backward(mse_loss(out, y));
-    let before = value_bits(&other);
+    let out = scaler
+        .forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+        .unwrap();
+    let grads = scaler.backward(mse_loss(out, y)).unwrap();
+    let before = value_bits(&*other);
     let err = scaler.update(&mut other, &mut opt, &grads).unwrap_err();
     assert!(matches!(err, StepError::UnknownMaster { .. }), "{err}");
-    assert_eq!(value_bits(&other), before);
+    assert_eq!(value_bits(&*other), before);
 }
 
 /// The f32 idiom of skipping a bad batch by hand: zero the gradients and return.
@@ -170,20 +175,24 @@ fn gradients_thrown_away_by_zero_grads_do_not_skip_the_next_batch() {
 #[test]
 fn two_masters_each_skip_on_their_own_gradients_and_the_scale_moves_once() {
     let dev = Cpu::seed_from_u64(5);
-    let mut actor = dev.build_module::<Mlp, f32>();
-    let mut critic = dev.build_module::<Mlp, f32>();
+    let mut actor = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut critic = Mixed::new(dev.build_module::<Mlp, f32>());
     let (mut oa, mut oc) = (sgd(&actor), sgd(&critic));
     let mut scaler =
         GradScaler::<f16>::new(DynamicLossScale::builder().initial(1024.0).build().unwrap());
     let (x, y) = batch(&dev, 1);
     let bad: X = dev.tensor([[f32::INFINITY; 4]; 8]);
-    let critic_before = value_bits(&critic);
-    let a = scaler.forward(&actor, x.trace(actor.alloc_grads()), |m, x| m.forward(x));
-    let c = scaler.forward(&critic, bad.trace(critic.alloc_grads()), |m, x| {
-        m.forward(x)
-    });
-    let ga = scaler.backward(mse_loss(a, y.clone()));
-    let gc = scaler.backward(mse_loss(c, y));
+    let critic_before = value_bits(&*critic);
+    let a = scaler
+        .forward(&actor, x.trace(actor.alloc_grads()), |m, x| m.forward(x))
+        .unwrap();
+    let c = scaler
+        .forward(&critic, bad.trace(critic.alloc_grads()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let ga = scaler.backward(mse_loss(a, y.clone())).unwrap();
+    let gc = scaler.backward(mse_loss(c, y)).unwrap();
     assert!(
         scaler
             .update(&mut actor, &mut oa, &ga)
@@ -197,7 +206,7 @@ fn two_masters_each_skip_on_their_own_gradients_and_the_scale_moves_once() {
             ..
         }
     ));
-    assert_eq!(value_bits(&critic), critic_before);
+    assert_eq!(value_bits(&*critic), critic_before);
     // one iteration with a skip: the scale backs off once, not once per master
     assert_eq!(scaler.loss_scale(), 512.0);
 }

@@ -4,10 +4,7 @@
 use dfdx::{optim::*, prelude::*};
 use mpx::precision::{AMP, bf16, f16};
 use mpx::scaling::{DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale};
-use mpx::step::{
-    GradScaler, SkipReason, StepError, UpdateOutcome, filter_grad, filter_value_and_grad,
-    filter_value_and_grad_with_aux, optimizer_update,
-};
+use mpx::step::{GradScaler, Mixed, SkipReason, StepError, UpdateOutcome};
 use proptest::prelude::*;
 
 mod common;
@@ -21,6 +18,22 @@ fn grad_bits(m: &MlpF32, g: &Gradients<f32, Cpu>) -> Vec<u32> {
     common::bits::bits(&common::grads::param_grads(m, g).concat())
 }
 
+/// mpx's `filter_value_and_grad(func, scaling)(model, batch)`, written with the scaler's two
+/// calls: the batch `$x` (f32) through `$master`'s forward pass, `$loss` on its f32 output;
+/// returns `(loss, gradients, grads_finite, applied scale)`.
+macro_rules! value_and_grad {
+    ($scaler:expr, $master:expr, $x:expr, |$m:ident, $xx:ident| $fwd:expr, |$o:ident| $loss:expr) => {{
+        let applied = $scaler.loss_scale();
+        let $o = $scaler
+            .forward(&$master, $x.trace($master.alloc_grads()), |$m, $xx| $fwd)
+            .unwrap();
+        let loss = $loss;
+        let value = loss.array();
+        let grads = $scaler.backward(loss).unwrap();
+        (value, grads, $master.grads_finite().unwrap(), applied)
+    }};
+}
+
 fn batch(dev: &Cpu) -> (Tensor<Rank2<5, 8>, f32, Cpu>, Tensor<Rank2<5, 4>, f32, Cpu>) {
     let x = dev.sample_normal();
     let y = dev.sample_normal::<Rank2<5, 4>>().softmax::<Axis<1>>();
@@ -32,13 +45,13 @@ fn batch(dev: &Cpu) -> (Tensor<Rank2<5, 8>, f32, Cpu>, Tensor<Rank2<5, 4>, f32, 
 #[test]
 fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
     let dev = Cpu::seed_from_u64(1);
-    let mut master = dev.build_module::<Mlp, f32>();
-    let mut plain = master.clone();
+    let mut master = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut plain = master.clone().into_inner();
     let cfg = AdamConfig {
         lr: 1e-2,
         ..Default::default()
     };
-    let mut opt = Adam::new(&master, cfg);
+    let mut opt = Adam::new(&*master, cfg);
     let mut opt_plain = Adam::new(&plain, cfg);
     let mut scaler = GradScaler::<f32, _>::new(StaticLossScale::new(1.0).unwrap());
     let mut plain_grads = plain.alloc_grads();
@@ -48,30 +61,27 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
         plain_grads = cross_entropy_with_logits_loss(out, y.clone()).backward();
         let plain_loss = cross_entropy_with_logits_loss(plain.forward(x.clone()), y.clone());
 
-        let g = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, tape| m.forward(x.clone().put_tape(tape)),
-            |out| cross_entropy_with_logits_loss(out, y.clone()),
-        )
-        .unwrap();
-        assert!(g.grads_finite, "step {step}");
+        let (loss, grads, finite, _) =
+            value_and_grad!(scaler, master, x.clone(), |m, x| m.forward(x), |out| {
+                cross_entropy_with_logits_loss(out, y.clone())
+            });
+        assert!(finite, "step {step}");
         assert_eq!(
-            g.loss.to_bits(),
+            loss.to_bits(),
             plain_loss.array().to_bits(),
             "loss, step {step}"
         );
         assert_eq!(
-            grad_bits(&master, g.grads()),
+            grad_bits(&master, &grads),
             grad_bits(&plain, &plain_grads),
             "gradients, step {step}"
         );
-        let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+        let outcome = scaler.update(&mut master, &mut opt, &grads).unwrap();
         assert_eq!(outcome, UpdateOutcome::Applied);
         opt_plain.update(&mut plain, &plain_grads).unwrap();
         plain.zero_grads(&mut plain_grads);
         assert_eq!(
-            value_bits(&master),
+            value_bits(&*master),
             value_bits(&plain),
             "parameters after step {step}"
         );
@@ -83,10 +93,9 @@ fn f32_working_copy_with_scale_one_is_bit_identical_to_plain_f32() {
 #[test]
 fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
     let dev = Cpu::seed_from_u64(2);
-    let master = dev.build_module::<Linear<4, 3>, f32>();
+    let master = Mixed::new(dev.build_module::<Linear<4, 3>, f32>());
     // Inputs exactly representable in f16, so only the gradient path rounds.
     let x32 = dev.tensor([[0.75f32, -1.25, 2.5, 0.3125]]);
-    let x16 = x32.clone().to_dtype::<f16>();
     let tiny = |out: Tensor<Rank2<1, 3>, f32, Cpu, OwnedTape<f32, Cpu>>| out.sum() * 1e-8;
 
     // f32 reference: plain dfdx.
@@ -96,30 +105,27 @@ fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
     assert!(w_ref.iter().all(|v| v.abs() > 2e-9 && v.abs() < 3e-8));
 
     let mut unscaled_scaler = GradScaler::<f16, _>::new(NoOpLossScale);
-    let unscaled = filter_grad(
-        &master,
-        &mut unscaled_scaler,
-        |m, t| m.forward(x16.clone().put_tape(t)),
-        tiny,
-    )
-    .unwrap();
-    assert!(unscaled.grads_finite);
-    let w0 = unscaled.grads().get(&master.weight).as_vec();
-    let b0 = unscaled.grads().get(&master.bias).as_vec();
+    let (_, unscaled, finite, _) = value_and_grad!(
+        unscaled_scaler,
+        master,
+        x32.clone(),
+        |m, x| m.forward(x),
+        |o| tiny(o)
+    );
+    assert!(finite);
+    let w0 = unscaled.get(&master.weight).as_vec();
+    let b0 = unscaled.get(&master.bias).as_vec();
     assert!(w0.iter().chain(&b0).all(|&v| v == 0.0), "{w0:?} {b0:?}");
 
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(65536.0).unwrap());
-    let scaled = filter_grad(
-        &master,
-        &mut scaler,
-        |m, t| m.forward(x16.clone().put_tape(t)),
-        tiny,
-    )
-    .unwrap();
-    assert!(scaled.grads_finite);
-    assert_eq!(scaled.applied_scale, 65536.0);
-    let w = scaled.grads().get(&master.weight).as_vec();
-    let b = scaled.grads().get(&master.bias).as_vec();
+    let (_, scaled, finite, applied) =
+        value_and_grad!(scaler, master, x32.clone(), |m, x| m.forward(x), |o| tiny(
+            o
+        ));
+    assert!(finite);
+    assert_eq!(applied, 65536.0);
+    let w = scaled.get(&master.weight).as_vec();
+    let b = scaled.get(&master.bias).as_vec();
     for (got, want) in w.iter().zip(&w_ref).chain(b.iter().zip(&b_ref)) {
         assert!(
             ((got - want) / want).abs() <= 1e-3,
@@ -133,10 +139,10 @@ fn tiny_gradients_vanish_in_f16_and_come_back_with_scale_2_pow_16() {
 #[test]
 fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
     let dev = Cpu::seed_from_u64(3);
-    let mut master = dev.build_module::<Mlp, f32>();
-    let initial = value_bits(&master);
+    let mut master = Mixed::new(dev.build_module::<Mlp, f32>());
+    let initial = value_bits(&*master);
     let mut opt = Sgd::new(
-        &master,
+        &*master,
         SgdConfig {
             lr: 0.1,
             momentum: None,
@@ -151,20 +157,15 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
             .unwrap(),
     );
     let (x, y) = batch(&dev);
-    let xh = x.clone().to_dtype::<f16>();
     let mut skipped = 0u64;
     let mut losses = vec![];
     for step in 0..60 {
-        let g = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, t| m.forward(xh.clone().put_tape(t)),
-            |o| cross_entropy_with_logits_loss(o, y.clone()),
-        )
-        .unwrap();
-        let (applied, finite, loss) = (g.applied_scale, g.grads_finite, g.loss);
+        let (loss, grads, finite, applied) =
+            value_and_grad!(scaler, master, x.clone(), |m, x| m.forward(x), |o| {
+                cross_entropy_with_logits_loss(o, y.clone())
+            });
         assert_eq!(applied, scaler.loss_scale(), "step {step}");
-        let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+        let outcome = scaler.update(&mut master, &mut opt, &grads).unwrap();
         // the scale is adjusted by the update: the report holds the one applied and the next
         let report = scaler.last_step().unwrap();
         assert_eq!(
@@ -178,7 +179,7 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
             skipped += 1;
             assert_eq!(new, applied / 2.0, "step {step}: the scale halves");
             assert_eq!(
-                value_bits(&master),
+                value_bits(&*master),
                 initial,
                 "step {step}: master unchanged"
             );
@@ -204,7 +205,7 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
         (scaler.skipped_steps(), scaler.applied_steps()),
         (skipped, 60 - skipped)
     );
-    assert_ne!(value_bits(&master), initial);
+    assert_ne!(value_bits(&*master), initial);
     // Soft targets: the loss is bounded below by their entropy, so "proceeds" means it falls.
     assert!(
         losses.windows(2).all(|w| w[1] < w[0]),
@@ -218,32 +219,26 @@ fn start_at_two_pow_30_skips_and_halves_until_the_scale_fits() {
 #[test]
 fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
     let dev = Cpu::seed_from_u64(4);
-    let mut master = dev.build_module::<Mlp, f32>();
-    let mut opt = Adam::new(&master, AdamConfig::default());
+    let mut master = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&*master, AdamConfig::default());
     let mut scaler =
         GradScaler::<f16, _>::new(DynamicLossScale::builder().initial(1024.0).build().unwrap())
             .with_max_consecutive_skips(2);
     let (x, y) = batch(&dev);
     let mut bad = x.as_vec();
     bad[7] = f32::NAN;
-    let bad = dev
-        .tensor_from_vec(bad, (Const::<5>, Const::<8>))
-        .to_dtype::<f16>();
-    let good = x.clone().to_dtype::<f16>();
-    let initial = value_bits(&master);
+    let bad = dev.tensor_from_vec(bad, (Const::<5>, Const::<8>));
+    let good = x.clone();
+    let initial = value_bits(&*master);
 
-    let mut run = |input: &Tensor<Rank2<5, 8>, f16, Cpu>,
-                   master: &mut MlpF32|
+    let mut run = |input: &Tensor<Rank2<5, 8>, f32, Cpu>,
+                   master: &mut Mixed<MlpF32>|
      -> (Result<UpdateOutcome, StepError>, f32) {
-        let g = filter_value_and_grad(
-            &*master,
-            &mut scaler,
-            |m, t| m.forward(input.clone().put_tape(t)),
-            |o| cross_entropy_with_logits_loss(o, y.clone()),
-        )
-        .unwrap();
-        let loss = g.loss;
-        (optimizer_update(master, &mut opt, &mut scaler, &g), loss)
+        let (loss, grads, _, _) =
+            value_and_grad!(scaler, *master, input.clone(), |m, x| m.forward(x), |o| {
+                cross_entropy_with_logits_loss(o, y.clone())
+            });
+        (scaler.update(master, &mut opt, &grads), loss)
     };
 
     for k in 1..=2u64 {
@@ -257,7 +252,7 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
                 total: k
             }
         );
-        assert_eq!(value_bits(&master), initial);
+        assert_eq!(value_bits(&*master), initial);
     }
     let (third, _) = run(&bad, &mut master);
     match third {
@@ -270,14 +265,14 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
         other => panic!("expected TooManySkips, got {other:?}"),
     }
     assert_eq!(
-        value_bits(&master),
+        value_bits(&*master),
         initial,
         "an error changes nothing either"
     );
     let (ok, loss) = run(&good, &mut master);
     assert_eq!(ok.unwrap(), UpdateOutcome::Applied);
     assert!(loss.is_finite());
-    assert_ne!(value_bits(&master), initial);
+    assert_ne!(value_bits(&*master), initial);
     assert_eq!(
         (
             scaler.skipped_steps(),
@@ -292,21 +287,21 @@ fn nan_batch_is_a_counted_skip_and_the_limit_is_an_error() {
 #[test]
 fn infinite_loss_is_skipped() {
     let dev = Cpu::seed_from_u64(5);
-    let mut master = dev.build_module::<Linear<2, 1>, f32>();
+    let mut master = Mixed::new(dev.build_module::<Linear<2, 1>, f32>());
     let before = master.weight.as_vec();
-    let mut opt = Sgd::new(&master, Default::default());
+    let mut opt = Sgd::new(&*master, Default::default());
     let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
-    let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
-    let g = filter_value_and_grad(
-        &master,
-        &mut scaler,
-        |m, t| m.forward(x.clone().put_tape(t)),
+    let x = dev.tensor([[1.0f32, 2.0]]);
+    let (loss, grads, finite, _) = value_and_grad!(
+        scaler,
+        master,
+        x.clone(),
+        |m, x| m.forward(x),
         // d/dout of (out * 0 + inf) is 0: finite gradients, infinite loss.
-        |o| (o * 0.0).sum() + f32::INFINITY,
-    )
-    .unwrap();
-    assert!(g.grads_finite && !g.loss_finite());
-    let outcome = optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+        |o| (o * 0.0).sum() + f32::INFINITY
+    );
+    assert!(finite && !loss.is_finite());
+    let outcome = scaler.update(&mut master, &mut opt, &grads).unwrap();
     assert!(matches!(
         outcome,
         UpdateOutcome::Skipped {
@@ -328,16 +323,13 @@ fn invalid_scale_is_an_error() {
         fn adjust(&mut self, _: bool) {}
     }
     let dev = Cpu::default();
-    let master = dev.build_module::<Linear<2, 1>, f32>();
-    let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
+    let master = Mixed::new(dev.build_module::<Linear<2, 1>, f32>());
+    let x = dev.tensor([[1.0f32, 2.0]]);
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         let mut scaler = GradScaler::<f16, _>::new(Broken(bad));
-        let r = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, t| m.forward(x.clone().put_tape(t)),
-            |o| o.sum(),
-        );
+        let r = scaler.forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
+            m.forward(x)
+        });
         match r {
             Err(e @ StepError::InvalidScale { .. }) => {
                 assert!(e.to_string().contains("finite and greater than 0"))
@@ -354,34 +346,22 @@ fn invalid_scale_is_an_error() {
 #[test]
 fn gradients_of_another_master_are_an_error() {
     let dev = Cpu::default();
-    let a = dev.build_module::<Linear<2, 1>, f32>();
-    let mut b = dev.build_module::<Linear<2, 1>, f32>();
+    let a = Mixed::new(dev.build_module::<Linear<2, 1>, f32>());
+    let mut b = Mixed::new(dev.build_module::<Linear<2, 1>, f32>());
     let b_before = b.weight.as_vec();
-    let mut opt = Sgd::new(&b, Default::default());
+    let mut opt = Sgd::new(&*b, Default::default());
     let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
-    let x = dev.tensor([[1.0f32, 2.0]]).to_dtype::<f16>();
-    let g = filter_value_and_grad(
-        &a,
-        &mut scaler,
-        |m, t| m.forward(x.clone().put_tape(t)),
-        |o| o.sum(),
-    )
-    .unwrap();
-    match optimizer_update(&mut b, &mut opt, &mut scaler, &g) {
+    let x = dev.tensor([[1.0f32, 2.0]]);
+    let (_, g, _, _) = value_and_grad!(scaler, a, x.clone(), |m, x| m.forward(x), |o| o.sum());
+    match scaler.update(&mut b, &mut opt, &g) {
         Err(e @ StepError::UnknownMaster { .. }) => {
             assert!(e.to_string().contains("no forward pass"), "{e}");
         }
         other => panic!("expected an unknown-master error, got {other:?}"),
     }
     // `b` runs its own step, but is handed `a`'s gradients.
-    let _ = filter_value_and_grad(
-        &b,
-        &mut scaler,
-        |m, t| m.forward(x.clone().put_tape(t)),
-        |o| o.sum(),
-    )
-    .unwrap();
-    match optimizer_update(&mut b, &mut opt, &mut scaler, &g) {
+    let _ = value_and_grad!(scaler, b, x.clone(), |m, x| m.forward(x), |o| o.sum());
+    match scaler.update(&mut b, &mut opt, &g) {
         Err(e @ StepError::Optimizer(_)) => {
             assert!(e.to_string().contains("unused"), "{e}");
         }
@@ -396,21 +376,17 @@ fn gradients_of_another_master_are_an_error() {
 fn batch_norm_running_statistics_reach_the_master() {
     type Bn = (Linear<4, 6>, BatchNorm1D<6>, ReLU, Linear<6, 2>);
     let dev = Cpu::seed_from_u64(6);
-    let mut master = dev.build_module::<Bn, f32>();
-    let mut reference = master.clone();
-    let mut opt = Sgd::new(&master, Default::default());
+    let mut master = Mixed::new(dev.build_module::<Bn, f32>());
+    let mut reference = master.clone().into_inner();
+    let mut opt = Sgd::new(&*master, Default::default());
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
     let x: Tensor<Rank2<8, 4>, f32, Cpu> = dev.sample_normal::<Rank2<8, 4>>() * 2.0 + 1.0;
-    let xh = x.clone().to_dtype::<f16>();
-    let g = filter_value_and_grad(
-        &master,
-        &mut scaler,
-        |m, t| m.forward_mut(xh.clone().put_tape(t)),
-        |o| o.square().mean(),
-    )
-    .unwrap();
-    assert!(g.grads_finite);
-    optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+    let (_, g, finite, _) =
+        value_and_grad!(scaler, master, x.clone(), |m, x| m.forward_mut(x), |o| o
+            .square()
+            .mean());
+    assert!(finite);
+    scaler.update(&mut master, &mut opt, &g).unwrap();
     let _ = reference.forward_mut(x.leaky_trace());
     let (mean, var) = (
         master.1.running_mean.as_vec(),
@@ -431,18 +407,13 @@ fn batch_norm_running_statistics_reach_the_master() {
     // A NaN batch: skipped, and the (NaN) statistics of the working copy are not copied back.
     let mut bad = x.as_vec();
     bad[0] = f32::NAN;
-    let bad = dev
-        .tensor_from_vec(bad, (Const::<8>, Const::<4>))
-        .to_dtype::<f16>();
-    let g = filter_value_and_grad(
-        &master,
-        &mut scaler,
-        |m, t| m.forward_mut(bad.clone().put_tape(t)),
-        |o| o.square().mean(),
-    )
-    .unwrap();
+    let bad = dev.tensor_from_vec(bad, (Const::<8>, Const::<4>));
+    let (_, g, _, _) = value_and_grad!(scaler, master, bad.clone(), |m, x| m.forward_mut(x), |o| o
+        .square()
+        .mean());
     assert!(
-        !optimizer_update(&mut master, &mut opt, &mut scaler, &g)
+        !scaler
+            .update(&mut master, &mut opt, &g)
             .unwrap()
             .is_applied()
     );
@@ -463,36 +434,30 @@ fn amp_and_emulated_bf16_working_copies_train() {
             > + dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu>,
     {
         let dev = Cpu::seed_from_u64(7);
-        let mut master = dev.build_module::<Mlp, f32>();
+        let mut master = Mixed::new(dev.build_module::<Mlp, f32>());
         let (x, y) = batch(&dev);
         let reference =
             cross_entropy_with_logits_loss(master.forward(x.leaky_trace()), y.clone()).backward();
-        let mut xh = vec![H::Elem::default(); 40];
-        H::round(&x.as_vec(), &mut xh);
-        let xh = dev.tensor_from_vec(xh, (Const::<5>, Const::<8>));
-        let mut opt = Sgd::new(&master, Default::default());
+        let mut opt = Sgd::new(&*master, Default::default());
         let mut scaler =
             GradScaler::<H, _>::new(DynamicLossScale::builder().initial(4096.0).build().unwrap());
         let mut losses = vec![];
         for step in 0..20 {
-            let g = filter_value_and_grad(
-                &master,
-                &mut scaler,
-                |m, t| m.forward(xh.clone().put_tape(t)),
-                |o| cross_entropy_with_logits_loss(o, y.clone()),
-            )
-            .unwrap();
-            assert!(g.grads_finite);
+            let (loss, grads, finite, _) =
+                value_and_grad!(scaler, master, x.clone(), |m, x| m.forward(x), |o| {
+                    cross_entropy_with_logits_loss(o, y.clone())
+                });
+            assert!(finite);
             if step == 0 {
-                let got = g.grads().get(&master.0.weight).as_vec();
+                let got = grads.get(&master.0.weight).as_vec();
                 let want = reference.get(&master.0.weight).as_vec();
                 let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() <= tolerance * max, "{} {a} vs {b}", H::DTYPE);
                 }
             }
-            losses.push(g.loss);
-            optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap();
+            losses.push(loss);
+            scaler.update(&mut master, &mut opt, &grads).unwrap();
         }
         assert!(losses[19] < losses[0], "{} {losses:?}", H::DTYPE);
     }
@@ -500,31 +465,6 @@ fn amp_and_emulated_bf16_working_copies_train() {
     // largest gradient.
     run::<AMP<f16>>(4e-3);
     run::<bf16>(3e-2);
-}
-
-/// The aux variant returns the loss function's extra value alongside the gradients.
-#[test]
-fn aux_value_comes_back() {
-    let dev = Cpu::seed_from_u64(8);
-    let master = dev.build_module::<Mlp, f32>();
-    let mut scaler = GradScaler::<f16, _>::new(NoOpLossScale);
-    let (x, y) = batch(&dev);
-    let xh = x.clone().to_dtype::<f16>();
-    let (g, logits) = filter_value_and_grad_with_aux(
-        &master,
-        &mut scaler,
-        |m, t| m.forward(xh.clone().put_tape(t)),
-        |o| {
-            let logits = o.retaped::<NoneTape>().array();
-            (cross_entropy_with_logits_loss(o, y.clone()), logits)
-        },
-    )
-    .unwrap();
-    let f32_logits = master.forward(x.clone()).array();
-    for (a, b) in logits.iter().flatten().zip(f32_logits.iter().flatten()) {
-        assert!((a - b).abs() < 2e-2, "{a} vs {b}");
-    }
-    assert!(g.loss.is_finite());
 }
 
 // ---- property test: injected inf/NaN never changes master or optimizer state ---------------
@@ -563,41 +503,37 @@ fn check_injection<O: Optimizer<MlpF32, Cpu, f32> + Clone>(
     scale: f32,
 ) -> Result<(), TestCaseError> {
     let dev = Cpu::seed_from_u64(seed);
-    let mut master = dev.build_module::<Mlp, f32>();
+    let mut master = Mixed::new(dev.build_module::<Mlp, f32>());
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(scale).unwrap());
     let (x, y) = batch(&dev);
-    let xh = x.clone().to_dtype::<f16>();
-    let mut step = |master: &mut MlpF32, opt: &mut O, inject: Option<(usize, f32)>| {
+    let mut step = |master: &mut Mixed<MlpF32>, opt: &mut O, inject: Option<(usize, f32)>| {
         let mut w = vec![1.0f32; 20];
         if let Some((p, v)) = inject {
             w[p] = v;
         }
         let w = dev.tensor_from_vec(w, (Const::<5>, Const::<4>));
-        let g = filter_value_and_grad(
-            &*master,
-            &mut scaler,
-            |m, t| m.forward(xh.clone().put_tape(t)),
-            |o| cross_entropy_with_logits_loss(o * w, y.clone()),
-        )
-        .unwrap();
-        let outcome = optimizer_update(master, opt, &mut scaler, &g).unwrap();
+        let (_, grads, _, _) =
+            value_and_grad!(scaler, *master, x.clone(), |m, x| m.forward(x), |o| {
+                cross_entropy_with_logits_loss(o * w, y.clone())
+            });
+        let outcome = scaler.update(master, opt, &grads).unwrap();
         // The finite step's gradients, for the twin.
-        (outcome, g.grads().clone())
+        (outcome, grads)
     };
     for _ in 0..warmup {
         prop_assert!(step(&mut master, &mut opt, None).0.is_applied());
     }
-    let mut twin = master.clone();
+    let mut twin = master.clone().into_inner();
     let mut twin_opt = opt.clone();
-    let before = value_bits(&master);
+    let before = value_bits(&*master);
     let (outcome, _) = step(&mut master, &mut opt, Some((pos, bad)));
     prop_assert!(!outcome.is_applied(), "{outcome:?}");
-    prop_assert_eq!(value_bits(&master), before.clone());
+    prop_assert_eq!(value_bits(&*master), before.clone());
     let (outcome, grads) = step(&mut master, &mut opt, None);
     prop_assert!(outcome.is_applied());
     twin_opt.update(&mut twin, &grads).unwrap();
-    prop_assert_ne!(value_bits(&master), before);
-    prop_assert_eq!(value_bits(&master), value_bits(&twin));
+    prop_assert_ne!(value_bits(&*master), before);
+    prop_assert_eq!(value_bits(&*master), value_bits(&twin));
     Ok(())
 }
 

@@ -21,7 +21,7 @@
 use dfdx::{optim::*, prelude::*};
 use mpx::precision::{bf16, round_to_bf16};
 use mpx::scaling::StaticLossScale;
-use mpx::step::{GradScaler, filter_value_and_grad_with_aux, optimizer_update};
+use mpx::step::{GradScaler, Mixed};
 use serde_json::Value;
 
 const TOL_ULPS: f32 = 1.0 / 128.0; // 2^-7
@@ -83,7 +83,7 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
             weight[o * I + i] = kernel[i * O + o];
         }
     }
-    let mut master = dev.build_module::<Linear<I, O>, f32>();
+    let mut master = Mixed::new(dev.build_module::<Linear<I, O>, f32>());
     master.weight.copy_from(&weight);
     master
         .bias
@@ -94,7 +94,7 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
     let y = dev.tensor_from_vec(bf16_round(&floats(&case["y"])), (n, Const::<O>));
 
     let mut opt = Sgd::new(
-        &master,
+        &*master,
         SgdConfig {
             lr: lr as f64,
             momentum: None,
@@ -102,16 +102,16 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
         },
     );
     let mut scaler = GradScaler::<bf16, _>::new(StaticLossScale::new(scale).unwrap());
-    let (g, pred) = filter_value_and_grad_with_aux(
-        &master,
-        &mut scaler,
-        |m, t| m.forward(x.clone().put_tape(t)),
-        |out| {
-            let pred = out.retaped::<NoneTape>().as_vec();
-            (mse_loss(out, y.clone()), pred)
-        },
-    )
-    .unwrap();
+    let applied_scale = scaler.loss_scale();
+    let out = scaler
+        .forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let pred = out.retaped::<NoneTape>().as_vec();
+    let loss = mse_loss(out, y.clone());
+    let loss_value = loss.array();
+    let grads = scaler.backward(loss).unwrap();
 
     // The forward pass: bf16 predictions within one bf16 ulp of the reference.
     let pred_ref = floats(&case["initial_pred_bf16"]);
@@ -123,16 +123,15 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
     }
     let loss_ref = floats(&case["initial_loss_bf16"])[0];
     assert!(
-        ((g.loss - loss_ref) / loss_ref).abs() <= TOL_ULPS,
-        "{name}: loss {} vs {loss_ref}",
-        g.loss
+        ((loss_value - loss_ref) / loss_ref).abs() <= TOL_ULPS,
+        "{name}: loss {loss_value} vs {loss_ref}"
     );
 
     // Gradients, unscaled with the applied scale.
-    assert!(g.grads_finite, "{name}");
-    assert_eq!(g.applied_scale, scale);
-    let gw = g.grads().get(&master.weight).as_vec();
-    let gb = g.grads().get(&master.bias).as_vec();
+    assert_eq!(master.grads_finite(), Some(true), "{name}");
+    assert_eq!(applied_scale, scale);
+    let gw = grads.get(&master.weight).as_vec();
+    let gb = grads.get(&master.bias).as_vec();
     let kernel_grads = floats(&case["grads"]["kernel"]);
     let bias_grads = floats(&case["grads"]["bias"]);
     let gmax = kernel_grads
@@ -167,7 +166,8 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
 
     // The SGD update of the f32 master.
     assert!(
-        optimizer_update(&mut master, &mut opt, &mut scaler, &g)
+        scaler
+            .update(&mut master, &mut opt, &grads)
             .unwrap()
             .is_applied()
     );
@@ -195,23 +195,20 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
     }
 
     // Final loss: the bf16 forward at the new parameters.
-    let (g, ()) = filter_value_and_grad_with_aux(
-        &master,
-        &mut scaler,
-        |m, t| m.forward(x.clone().put_tape(t)),
-        |out| (mse_loss(out, y.clone()), ()),
-    )
-    .unwrap();
+    let out = scaler
+        .forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
+            m.forward(x)
+        })
+        .unwrap();
+    let final_loss = mse_loss(out, y.clone()).array();
     let final_ref = floats(&case["final_loss"])[0];
     eprintln!(
-        "{name}: final loss {} vs {final_ref} (rel {:.2e})",
-        g.loss,
-        ((g.loss - final_ref) / final_ref).abs()
+        "{name}: final loss {final_loss} vs {final_ref} (rel {:.2e})",
+        ((final_loss - final_ref) / final_ref).abs()
     );
     assert!(
-        ((g.loss - final_ref) / final_ref).abs() <= TOL_ULPS,
-        "{name}: final loss {} vs {final_ref}",
-        g.loss
+        ((final_loss - final_ref) / final_ref).abs() <= TOL_ULPS,
+        "{name}: final loss {final_loss} vs {final_ref}"
     );
 }
 

@@ -9,11 +9,9 @@ use common::digits;
 
 use dfdx::{optim::*, prelude::*};
 use digits::{CLASSES, Digits, DigitsVit, FEATURES};
-use mpx::cast::cast_to_half_precision;
-use mpx::nn::ForwardIn;
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
-use mpx::step::{GradScaler, UpdateOutcome, filter_value_and_grad, optimizer_update};
+use mpx::step::{GradScaler, Mixed, UpdateOutcome};
 
 const BATCH: usize = 16;
 const STEPS: usize = 16;
@@ -51,8 +49,8 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     };
 
     // Mixed f16 run.
-    let mut master = init.clone();
-    let mut opt = Adam::new(&master, cfg);
+    let mut master = Mixed::mapped(init.clone());
+    let mut opt = Adam::new(&*master, cfg);
     let initial_scale = 2f32.powi(24);
     let mut scaler = GradScaler::<f16, _>::new(
         DynamicLossScale::builder()
@@ -64,23 +62,23 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     let mut applied = Vec::new(); // (step, loss) of each applied step
     let mut skipped = 0u64;
     for (step, (x, y)) in batches(&dev, &d).iter().enumerate() {
-        let before = values(&master);
-        let xh = cast_to_half_precision::<f16, _>(x);
-        let g = filter_value_and_grad(
-            &master,
-            &mut scaler,
-            |m, tape| m.forward_in::<f16, _>(xh.put_tape(tape)),
-            |out| cross_entropy_with_logits_loss(out, y.clone()),
-        )
-        .unwrap();
-        let loss = g.loss;
+        let before = values(&*master);
+        let out = scaler
+            .forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
+                m.forward(x)
+            })
+            .unwrap();
+        let loss = cross_entropy_with_logits_loss(out, y.clone());
+        let value = loss.array();
+        let grads = scaler.backward(loss).unwrap();
+        let loss = value;
         assert!(loss.is_finite(), "step {step}: the f32 loss is {loss}");
-        match optimizer_update(&mut master, &mut opt, &mut scaler, &g).unwrap() {
+        match scaler.update(&mut master, &mut opt, &grads).unwrap() {
             UpdateOutcome::Applied => applied.push((step, loss)),
-            UpdateOutcome::Skipped { .. } => {
+            _ => {
                 skipped += 1;
                 assert_eq!(
-                    values(&master),
+                    values(&*master),
                     before,
                     "step {step}: a skipped step changed the master"
                 );
@@ -93,7 +91,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     assert_eq!(scaler.applied_steps(), applied.len() as u64);
     assert!(scaler.loss_scale() < initial_scale, "the scale backed off");
     assert!(
-        values(&master).iter().all(|v| v.is_finite()),
+        values(&*master).iter().all(|v| v.is_finite()),
         "master finite"
     );
 

@@ -14,6 +14,9 @@
 //! | [`mx`] | OCP Microscaling (MX) block formats |
 //! | [`nn`] | mixed-ready layers (a fused `Linear`, layer norm, attention, transformer encoder, ViT) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes; internal, not a public API) |
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 pub mod boundary;
 pub mod cast;
 #[cfg(feature = "mpi")]

@@ -414,13 +414,17 @@ impl<E: Precision<Elem = E> + Dtype, D: RegionDevice<E> + Device<E>> TensorVisit
     ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
         D::widen_param(t, opts.do_gradient_update, self.leaves).map(Some)
     }
-}
 
-/// Runs the region's f32 code: `mpx::nn`'s f32 layers in it run in f32 even inside an emulated
-/// bf16 step ([`crate::precision::emulation`]).
-fn in_f32<R>(f: impl FnOnce() -> R) -> R {
-    let _f32 = crate::precision::emulation::emulate::<f32>();
-    f()
+    /// The f32 copy keeps every setting of the module (a norm's `epsilon`, dropout's `p`).
+    fn visit_scalar<N: num_traits::NumCast>(
+        &mut self,
+        opts: dfdx::nn::tensor_collection::ScalarOptions<N>,
+        value: &N,
+    ) -> Result<Option<N>, D::Err> {
+        Ok(Some(
+            crate::cast::copy_scalar(value).unwrap_or(opts.default),
+        ))
+    }
 }
 
 /// Runs computations in f32 inside a graph of half type `H`: see the [module docs](self).
@@ -483,7 +487,7 @@ impl<H: Precision> FullPrecision<H> {
     {
         let mut leaves = Leaves::new();
         let (x32, tape) = x.enter(&mut leaves)?;
-        let y32 = in_f32(|| f(x32));
+        let y32 = f(x32);
         <D as RegionDevice<H>>::bridge(leaves, tape, y32)
     }
 
@@ -563,7 +567,7 @@ impl<H: Precision> FullPrecision<H> {
         // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
         // return `None` for its own fields.
         let p32 = p32.ok_or(RegionError::NotRebuilt)?;
-        let y32 = in_f32(|| f(&p32, x32));
+        let y32 = f(&p32, x32);
         <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
     }
 }

@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 
 use super::ast::{Args, Half};
-use super::roles::{Traced, as_update, as_zero_grads, forward_path, is_backward, key};
+use super::roles::{Traced, as_update, forward_path, is_backward, key, unread_batch};
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
 
@@ -39,26 +39,43 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         .iter()
         .any(|m| super::generic::specialise(&mut f, m, &root, &concrete, cuda));
     let half = if generic { concrete } else { half };
-    annotate_local_scaler(&mut f, &plan.scaling, plan.half.map(half_of), &root);
+    annotate_local_scaler(&mut f, &plan.scaling, plan.half.map(half_of), &root, cuda);
+    let batches: Vec<String> = super::roles::Found::in_block(&f.block)
+        .forwards
+        .iter()
+        .map(|(m, _)| &m.args[0])
+        .filter(|a| unread_batch(a, &f, &plan.masters))
+        .map(|a| key(a))
+        .collect();
     let mut rewriter = Rewriter {
         masters: plan.masters.iter().map(|m| (key(m), m.clone())).collect(),
         traced: plan.traced,
         scaling: plan.scaling,
         half,
+        // `half = ..` written: obeyed or rejected, never an f32 fallback
+        strict: plan.half.is_some(),
+        batches,
         root,
-        cuda,
     };
     rewriter.visit_block_mut(&mut f.block);
     // The generated calls are methods of these traits (so that they auto-ref and auto-deref as
-    // the user's own calls do); imported once, at the top of the body, so that no generated
-    // call sits in a block of its own (a block would drop a lock guard's temporary too early).
+    // the user's own calls do), and the masters' state lives in one local of the step: both at
+    // the top of the body, so that no generated call sits in a block of its own (a block would
+    // drop a lock guard's temporary too early).
     let root = &rewriter.root;
     f.block.stmts.insert(
         0,
         syn::parse_quote!(
+            let __mpx_masters = #root::__private::Masters::new();
+        ),
+    );
+    f.block.stmts.insert(
+        0,
+        syn::parse_quote!(
             #[allow(unused_imports)]
-            use #root::step::__macro_support::{
+            use #root::__private::{
                 ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _,
+                ViaRejected as _,
             };
         ),
     );
@@ -119,6 +136,7 @@ fn annotate_local_scaler(
     scaling: &syn::Expr,
     half: Option<TokenStream>,
     root: &TokenStream,
+    cuda: bool,
 ) {
     let syn::Expr::Path(p) = super::roles::place(scaling) else {
         return;
@@ -127,10 +145,22 @@ fn annotate_local_scaler(
         return;
     };
     let h = half.unwrap_or_else(|| quote!(#root::precision::f16));
+    let (defaults, with_scale) = if cuda {
+        let cuda = quote!(#root::__dfdx::tensor::Cuda);
+        (
+            syn::parse_quote!(#root::step::GradScaler<#h, #root::scaling::DynamicLossScale, #cuda>),
+            syn::parse_quote!(#root::step::GradScaler<#h, _, #cuda>),
+        )
+    } else {
+        (
+            syn::parse_quote!(#root::step::GradScaler<#h>),
+            syn::parse_quote!(#root::step::GradScaler<#h, _>),
+        )
+    };
     Annotate {
         name,
-        defaults: syn::parse_quote!(#root::step::GradScaler<#h>),
-        with_scale: syn::parse_quote!(#root::step::GradScaler<#h, _>),
+        defaults,
+        with_scale,
     }
     .visit_block_mut(&mut f.block);
 }
@@ -172,12 +202,14 @@ fn scaler_half(ty: &syn::Type) -> Option<TokenStream> {
 struct Rewriter {
     root: TokenStream,
     half: TokenStream,
-    /// Whether the step runs on dfdx's `Cuda` device.
-    cuda: bool,
+    /// Whether `half = ..` was written (a forward pass that cannot run in it is an error).
+    strict: bool,
     scaling: syn::Expr,
     /// Each master's key and place.
     masters: Vec<(String, syn::Expr)>,
     traced: Traced,
+    /// The forward arguments (by key) whose gradient nothing can read: passed as `Batch`.
+    batches: Vec<String>,
 }
 
 /// What a method call is, decided on the call as the user wrote it; the index is the master's.
@@ -185,7 +217,6 @@ enum Role {
     Forward(usize, Vec<syn::Member>),
     Backward,
     Update(usize),
-    ZeroGrads(usize),
 }
 
 impl Rewriter {
@@ -202,9 +233,6 @@ impl Rewriter {
         }
         if is_backward(m) {
             return Some(Role::Backward);
-        }
-        if let Some((model, _)) = as_zero_grads(m) {
-            return self.master_of(model).map(Role::ZeroGrads);
         }
         if !self.traced.mentions(m.args.first()?) {
             return None;
@@ -223,7 +251,7 @@ impl Rewriter {
         let half = respan(self.half.clone(), span);
         let scaling = &self.scaling;
         quote_spanned!(span=>
-            #root::step::scaler_of::<#half, _>((#scaling).__mpx_by_mut())
+            #root::__private::scaler_of::<#half, _>((#scaling).__mpx_by_mut())
         )
     }
 
@@ -248,41 +276,56 @@ impl Rewriter {
             Role::Forward(i, path) => {
                 let master_ref = self.master(i, false);
                 // `forward_mut` needs the master mutably where it runs in f32 on the master.
-                let master_for_call = self.master(i, m.method.to_string().ends_with("_mut"));
+                let mutable = m.method.to_string().ends_with("_mut");
+                let master_for_call = self.master(i, mutable);
                 let method = &m.method;
                 let turbofish = &m.turbofish;
                 let arg = &m.args[0];
-                let input = quote_spanned!(arg.span()=> __mpx_input);
+                let input = if self.batches.contains(&key(arg)) {
+                    quote_spanned!(arg.span()=> #root::step::Batch(#arg))
+                } else {
+                    quote!(#arg)
+                };
                 // The master boundary first, at the model's tokens, so its message leads.
                 let span = self.masters[i].1.span();
                 let check_master = quote_spanned!(span=>
                     let _ = #root::boundary::require_master(#master_ref);
                 );
-                let start = if self.cuda {
-                    quote!(#root::step::__macro_support::forward_on::<#root::__dfdx::tensor::Cuda, _, _, _>)
-                } else {
-                    quote!(#root::step::__macro_support::forward)
+                let call = match (path.is_empty(), mutable) {
+                    (false, _) => quote!(#root::__private::call::Field),
+                    (true, false) => quote!(#root::__private::call::Forward),
+                    (true, true) => quote!(#root::__private::call::ForwardMut),
                 };
+                let fallback = if self.strict {
+                    quote!(#root::__private::fallback::Reject)
+                } else {
+                    quote!(#root::__private::fallback::Warn)
+                };
+                // spanned at the user's call: an f32 fallback's warning points there
+                let run = quote_spanned!(m.span()=> __mpx_forward);
                 quote!({
-                    let __mpx_input = #arg;
+                    let __mpx_input = #input;
                     #check_master
-                    (&mut &mut #start(#scaler, #master_for_call)).__mpx_forward(
-                        #input,
-                        |__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x),
-                    )
+                    (&mut &mut #root::__private::forward::<_, _, _, _, _, #call, #fallback>(
+                        #scaler,
+                        &__mpx_masters,
+                        #master_for_call,
+                        __mpx_input,
+                    ))
+                    .#run(|__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x))
                 })
             }
             Role::Backward => {
                 let loss = &m.receiver;
                 let method = &m.method;
                 let call = if m.method == "try_backward" {
-                    quote!(try_backward_with)
+                    quote!(try_backward)
                 } else {
-                    quote!(backward_with)
+                    quote!(backward)
                 };
                 quote!({
                     let __mpx_loss = #loss;
-                    #scaler.#call(__mpx_loss, |__mpx_loss| __mpx_loss.#method())
+                    #root::__private::#call(#scaler, __mpx_loss, |__mpx_loss| __mpx_loss.#method())
                 })
             }
             Role::Update(i) => {
@@ -291,12 +334,17 @@ impl Rewriter {
                 };
                 let method = &m.method;
                 let master_mut = self.master(i, true);
+                // the update's site (the once-per-iteration scale adjustment tells updates apart
+                // by it): a static of its own
+                let begin = quote!(#root::__private::begin_update);
                 // The step's own optimizer call runs as written (its model argument keeps
                 // Rust's auto-ref and auto-deref), between the scaler's two halves, each its own
-                // statement (a scaler behind a lock is locked once per half).
+                // statement (a scaler behind a lock is locked once per half); the expression has
+                // the type the step's own call has.
                 quote!({
-                    let __mpx_grads = #root::step::__macro_support::shared(#grads);
-                    let __mpx_begun = #scaler.begin_update(#master_mut);
+                    let __mpx_grads = #root::__private::shared(#grads);
+                    static __MPX_SITE: u8 = 0;
+                    let __mpx_begun = #begin(#scaler, &__mpx_masters, #master_mut, &__MPX_SITE);
                     match __mpx_begun {
                         ::core::result::Result::Ok(__mpx_verdict) => {
                             let __mpx_ran = if __mpx_verdict.applies() {
@@ -304,17 +352,13 @@ impl Rewriter {
                             } else {
                                 ::core::option::Option::None
                             };
-                            #scaler.end_update(__mpx_verdict, __mpx_ran)
+                            #root::__private::end_update(#scaler, __mpx_verdict, __mpx_ran)
                         }
-                        ::core::result::Result::Err(__mpx_e) => ::core::result::Result::Err(__mpx_e),
+                        ::core::result::Result::Err(__mpx_e) => {
+                            ::core::result::Result::Err(::core::convert::From::from(__mpx_e))
+                        }
                     }
                 })
-            }
-            Role::ZeroGrads(i) => {
-                let master_ref = self.master(i, false);
-                let method = &m.method;
-                let grads = &m.args[0];
-                quote!(#scaler.#method(#master_ref, #grads))
             }
         };
         syn::parse2(tokens).unwrap_or_else(|e| syn::Expr::Verbatim(e.to_compile_error()))

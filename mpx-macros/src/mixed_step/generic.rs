@@ -99,14 +99,15 @@ pub(crate) fn specialise(
     let Some(master_name) = mp.path.get_ident() else {
         return false;
     };
-    // The master parameter's type: `&mut M` with `M` a type parameter.
+    // The master parameter's type: `M`, `&mut M` or `&M` with `M` a type parameter.
     let master_ty = f.sig.inputs.iter().find_map(|a| match a {
         syn::FnArg::Typed(pt) if matches!(&*pt.pat, syn::Pat::Ident(pi) if pi.ident == *master_name) => {
-            match &*pt.ty {
-                syn::Type::Reference(r) => match &*r.elem {
-                    syn::Type::Path(p) => p.path.get_ident().cloned(),
-                    _ => None,
-                },
+            let ty = match &*pt.ty {
+                syn::Type::Reference(r) => &*r.elem,
+                other => other,
+            };
+            match ty {
+                syn::Type::Path(p) => p.path.get_ident().cloned(),
                 _ => None,
             }
         }
@@ -202,32 +203,16 @@ pub(crate) fn specialise(
     // The working copy's type written out with the element type itself: a where clause on
     // `To<<H as Precision>::Elem, Cpu>` would not be normalised to match the body's `To<f16, Cpu>`.
     let elem = elem_of(half, root);
-    // The device argument of `HalfInput` / `HalfOutput` (the `Cpu` is their default), and what
-    // the runtime needs to keep the working copy (on the `Cpu`: `Send + Sync`, so that the
-    // scaler is).
-    let (on, keep) = if cuda {
-        (quote!(, #device), quote!(#root::step::WorkspaceOn<#device>))
-    } else {
-        (
-            quote!(),
-            quote!(::core::marker::Send + ::core::marker::Sync + 'static),
-        )
-    };
+    // The device argument of `HalfInput` / `HalfOutput` (the `Cpu` is their default).
+    let on = if cuda { quote!(, #device) } else { quote!() };
     let wc = quote!(<#m as #dfdx::nn::tensor_collection::TensorCollection<f32, #device>>::To<#elem, #device>);
     // A concrete f32 tensor's half type is written out (rustc does not normalise
     // `<Tensor<..> as HalfInput<H>>::Half` inside a where clause to the body's type).
     let half_x = concrete_half(&x, &elem)
         .unwrap_or_else(|| quote!(<#x as #root::step::HalfInput<#half #on>>::Half));
-    // The master's own bounds go where the user declared it (one place for its bounds); a
-    // `Cuda` model is neither `Send` nor `Sync` (dfdx's `Cuda` device is not).
-    let mut extra: Vec<syn::TypeParamBound> = vec![
-        syn::parse_quote!(::core::marker::Send),
-        syn::parse_quote!(::core::marker::Sync),
-        syn::parse_quote!('static),
-    ];
-    if cuda {
-        extra.drain(..2);
-    }
+    // The master's own bound goes where the user declared it (one place for its bounds): the
+    // step keeps its masters' state by their type.
+    let extra: Vec<syn::TypeParamBound> = vec![syn::parse_quote!('static)];
     let mut placed = false;
     for p in &mut f.sig.generics.params {
         if let syn::GenericParam::Type(t) = p
@@ -247,7 +232,6 @@ pub(crate) fn specialise(
     }
     let preds: Vec<syn::WherePredicate> = vec![
         syn::parse_quote!(#wc: #dfdx::nn::tensor_collection::TensorCollection<#elem, #device>
-            + #keep
             + #dfdx::nn::#module<#half_x, Error = #device_error>),
         syn::parse_quote!(#x: #root::step::HalfInput<#half #on>),
         syn::parse_quote!(<#wc as #dfdx::nn::#module<#half_x>>::Output:
@@ -350,6 +334,7 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("scaler_of::<bf16,_>"), "{s}");
+        assert!(s.contains("M:ModuleMut<I::Traced,Error=::mpx::__private::mpx_runtime::__dfdx::tensor::CpuError>+TensorCollection<f32,::mpx::__private::mpx_runtime::__dfdx::tensor::Cpu>+'static"), "{s}");
     }
 
     #[test]
@@ -381,12 +366,6 @@ mod tests {
         let s = out.to_string().replace(' ', "");
         let cuda = "::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda";
         assert!(s.contains(&format!("->Result<(),{cuda}Error>")), "{s}");
-        assert!(
-            s.contains(&format!(
-                "::mpx::__private::mpx_runtime::step::WorkspaceOn<{cuda}>"
-            )),
-            "{s}"
-        );
         assert!(
             s.contains(&format!(
                 "HalfInput<::mpx::__private::mpx_runtime::precision::f16,{cuda}>"

@@ -68,38 +68,39 @@ mod tests {
         for want in [
             // the signature and return type are untouched
             "fntrain(model:&mutModel,opt:&mutAdam<Model,f32,Cpu>,data:Data,scaler:&mutGradScaler,){",
+            // the masters' state: one local of the step
+            "let__mpx_masters=::mpx::__private::mpx_runtime::__private::Masters::new();",
             "letmutgrads=model.alloc_grads();",
-            // forward: the working copy, the traced input as written, the master as held
-            "let__mpx_input=img.traced(grads);",
-            "__macro_support::forward(::mpx::__private::mpx_runtime::step::scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>((scaler).__mpx_by_mut()),(model).__mpx_master_mut())).__mpx_forward(__mpx_input,",
-            "|__mpx_working,__mpx_x|__mpx_working.forward_mut(__mpx_x)",
+            // forward: the traced input as written (a batch nothing reads the gradient of, as
+            // `grads` comes from `alloc_grads` and backward passes), the master as held
+            "let__mpx_input=::mpx::__private::mpx_runtime::step::Batch(img.traced(grads));",
+            "__private::forward::<_,_,_,_,_,::mpx::__private::mpx_runtime::__private::call::ForwardMut,::mpx::__private::mpx_runtime::__private::fallback::Reject>(::mpx::__private::mpx_runtime::__private::scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>((scaler).__mpx_by_mut()),&__mpx_masters,(model).__mpx_master_mut(),__mpx_input,))",
+            ".__mpx_forward(|__mpx_working,__mpx_x|__mpx_working.forward_mut(__mpx_x))",
             // the loss is plain f32 code
             "letloss=cross_entropy_with_logits_loss(logits,lbl);",
             "total+=loss.array();",
             // backward and update through the scaler; the user's unwrap stays
             "grads={let__mpx_loss=loss;",
-            ".backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.backward())}",
+            "__private::backward(::mpx::__private::mpx_runtime::__private::scaler_of",
+            "__mpx_loss,|__mpx_loss|__mpx_loss.backward())}",
             // the update: the scaler's two halves around the step's own call, as written
-            ".begin_update((model).__mpx_master_mut());",
+            "static__MPX_SITE:u8=0;",
+            "__private::begin_update(::mpx::__private::mpx_runtime::__private::scaler_of::<::mpx::__private::mpx_runtime::precision::f16,_>((scaler).__mpx_by_mut()),&__mpx_masters,(model).__mpx_master_mut(),&__MPX_SITE);",
             "::core::option::Option::Some((opt).update(model,__mpx_grads))",
-            ".end_update(__mpx_verdict,__mpx_ran)",
-            // zero_grads also forgets the thrown-away gradients' verdict
-            ".zero_grads((model).__mpx_master(),&mutgrads);",
+            "__private::end_update(::mpx::__private::mpx_runtime::__private::scaler_of",
+            ",__mpx_verdict,__mpx_ran)",
+            // zero_grads is dfdx's own
+            "model.zero_grads(&mutgrads);",
         ] {
             assert!(s.contains(want), "missing {want}\nin {s}");
         }
-        assert!(!s.contains("model.zero_grads"), "{s}");
     }
 
     #[test]
-    fn a_step_that_names_cuda_runs_its_forward_on_cuda() {
+    fn a_step_that_names_cuda_gets_a_cuda_scaler() {
         let cuda = quote!(
-            fn train(
-                model: &mut Model,
-                opt: &mut Adam<Model, f32, Cuda>,
-                data: Data,
-                scaler: &mut GradScaler,
-            ) {
+            fn train(model: &mut Model, opt: &mut Adam<Model, f32, Cuda>, data: Data) {
+                let mut scaler = GradScaler::default();
                 let mut grads = model.alloc_grads();
                 for (img, lbl) in data {
                     let logits = model.forward_mut(img.traced(grads));
@@ -112,14 +113,35 @@ mod tests {
         let out = super::expand(quote!(scaling = scaler, half = f16), cuda);
         assert!(messages(&out).is_empty(), "{out}");
         let s = flat(&out);
-        let on_cuda = "__macro_support::forward_on::<::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda,_,_,_>(";
+        let on_cuda = "letmutscaler:::mpx::__private::mpx_runtime::step::GradScaler<::mpx::__private::mpx_runtime::precision::f16,::mpx::__private::mpx_runtime::scaling::DynamicLossScale,::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda>=GradScaler::default();";
         assert!(s.contains(on_cuda), "{s}");
-        // the Cpu step keeps the Cpu's entry point
-        let s = flat(&super::expand(
-            quote!(scaling = scaler, half = f16),
-            mnist_loop(),
-        ));
-        assert!(!s.contains("forward_on"), "{s}");
+    }
+
+    #[test]
+    fn without_half_the_f32_fallback_warns_and_a_leaky_step_keeps_its_batch_gradient() {
+        let out = super::expand(
+            quote!(scaling = scaler),
+            quote!(
+                fn train(model: &mut Model, opt: &mut O, x: X, scaler: &mut GradScaler) {
+                    let g = model.forward(x.leaky_trace()).mean().backward();
+                    opt.update(model, &g).unwrap();
+                }
+            ),
+        );
+        let s = flat(&out);
+        assert!(s.contains("__private::fallback::Warn>"), "{s}");
+        assert!(s.contains("let__mpx_input=x.leaky_trace();"), "{s}");
+        // gradients handed in by the caller may keep the batch's: computed
+        let out = super::expand(
+            quote!(scaling = scaler),
+            quote!(
+                fn train(model: &mut Model, opt: &mut O, x: X, g: Grads, scaler: &mut GradScaler) {
+                    let g = model.forward(x.traced(g)).mean().backward();
+                    opt.update(model, &g).unwrap();
+                }
+            ),
+        );
+        assert!(flat(&out).contains("let__mpx_input=x.traced(g);"), "{out}");
     }
 
     #[test]
@@ -158,9 +180,15 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains(".try_backward_with(__mpx_loss,|__mpx_loss|__mpx_loss.try_backward())}?;"),
+            s.contains("__private::try_backward(m::__private::mpx_runtime::__private::scaler_of"),
             "{s}"
         );
+        assert!(
+            s.contains("__mpx_loss,|__mpx_loss|__mpx_loss.try_backward())}?;"),
+            "{s}"
+        );
+        // a forward pass of a field: not checked before the call
+        assert!(s.contains("__private::call::Field"), "{s}");
         assert!(
             s.contains("Some((self.opt).update(&mutself.model,__mpx_grads))"),
             "{s}"
@@ -286,15 +314,21 @@ mod tests {
         let s = flat(&out);
         // `d`'s forward pass takes `g`'s traced output: it runs on `d`'s working copy
         assert!(
-            s.contains("(g).__mpx_master())).__mpx_forward(__mpx_input"),
+            s.contains("&__mpx_masters,(g).__mpx_master(),__mpx_input,"),
             "{s}"
         );
         assert!(
-            s.contains("(d).__mpx_master())).__mpx_forward(__mpx_input"),
+            s.contains("&__mpx_masters,(d).__mpx_master(),__mpx_input,"),
             "{s}"
         );
-        assert!(s.contains(".begin_update((g).__mpx_master_mut())"), "{s}");
-        assert!(s.contains(".begin_update((d).__mpx_master_mut())"), "{s}");
+        assert!(
+            s.contains("&__mpx_masters,(g).__mpx_master_mut(),&__MPX_SITE);"),
+            "{s}"
+        );
+        assert!(
+            s.contains("&__mpx_masters,(d).__mpx_master_mut(),&__MPX_SITE);"),
+            "{s}"
+        );
         // a master without a traced forward pass is reported at the update that names it
         let out = super::expand(
             quote!(scaling = s),

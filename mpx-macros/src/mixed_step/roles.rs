@@ -7,7 +7,7 @@
 //! | optimizer update | `opt.update(master, &grads)` (the model a place) | `scaler.update(master, opt, &grads)` (skips a non-finite step) |
 //! | forward of the master | `master.forward(x)`, `master.layer.forward_mut(x)`, `try_forward(_mut)`, where `x` is traced | `scaler.forward(&master, x, \|wc, x\| wc.layer.forward(x))` (half working copy, f32 out) |
 //! | backward | `loss.backward()`, `loss.try_backward()` | `scaler.backward(loss)` (half gradients unscaled into the master's) |
-//! | gradient allocation, traced input, `zero_grads` | `model.alloc_grads()`, `x.traced(grads)`, `x.trace(grads)`, `model.zero_grads(&mut grads)` | unchanged: the master's f32 gradients flow exactly as in the f32 step |
+//! | gradient allocation, traced input, `zero_grads` | `model.alloc_grads()`, `x.traced(grads)`, `x.trace(grads)`, `model.zero_grads(&mut grads)` | unchanged: the master's f32 gradients flow exactly as in the f32 step (a batch traced with gradients nothing can read it from is passed as a `Batch`: see [`unread_batch`]) |
 //!
 //! The master is the model the optimizer updates. A forward pass of the master (or of one of its
 //! fields) runs on the half working copy when its input is traced: an argument that mentions a
@@ -34,10 +34,60 @@ fn retapes_owned(m: &syn::ExprMethodCall) -> bool {
             .is_some_and(|t| t.to_token_stream().to_string().contains("OwnedTape"))
 }
 
-/// `model.zero_grads(&mut grads)` / `try_zero_grads`: (model, grads).
-pub(crate) fn as_zero_grads(m: &syn::ExprMethodCall) -> Option<(&syn::Expr, &syn::Expr)> {
-    ((m.method == "zero_grads" || m.method == "try_zero_grads") && m.args.len() == 1)
-        .then(|| (&*m.receiver, &m.args[0]))
+/// Whether a forward pass's argument is a batch whose own gradient nothing in the step can read,
+/// so that the step may leave it out ([`Batch`](https://docs.rs/mpx-dfdx) in the runtime):
+/// - the argument is `x.traced(grads)` or `x.trace(grads)` itself (a tape that starts there, so
+///   no op before the forward pass needs the batch's gradient), `x` not a part of a master;
+/// - `grads` is a binding of the step (not a parameter: the caller's gradients may keep every
+///   tensor's) whose every value comes from `alloc_grads` or a backward pass (gradients that
+///   keep the model's tensors alone, so the batch's is dropped);
+/// - nothing in the step is leaky (`leaky_trace`, `Gradients::leaky()`: gradients that keep
+///   every tensor's).
+pub(crate) fn unread_batch(arg: &syn::Expr, f: &syn::ItemFn, masters: &[syn::Expr]) -> bool {
+    let body = &*f.block;
+    let syn::Expr::MethodCall(m) = place(arg) else {
+        return false;
+    };
+    if !(m.method == "traced" || m.method == "trace") || m.args.len() != 1 {
+        return false;
+    }
+    let receiver = key(&m.receiver);
+    if masters
+        .iter()
+        .any(|master| receiver.starts_with(&key(master)))
+    {
+        return false;
+    }
+    let syn::Expr::Path(g) = place(&m.args[0]) else {
+        return false;
+    };
+    let Some(grads) = g.path.get_ident().map(ToString::to_string) else {
+        return false;
+    };
+    if body.to_token_stream().to_string().contains("leaky") {
+        return false;
+    }
+    let mut params = HashSet::new();
+    for input in &f.sig.inputs {
+        if let syn::FnArg::Typed(pt) = input {
+            bound_names(&pt.pat, &mut params);
+        }
+    }
+    if params.contains(&grads) {
+        return false;
+    }
+    let mut bindings = Bindings::default();
+    bindings.visit_block(body);
+    let values: Vec<String> = bindings
+        .pairs
+        .iter()
+        .filter(|(names, _)| names.contains(&grads))
+        .map(|(_, value)| value.to_token_stream().to_string())
+        .collect();
+    !values.is_empty()
+        && values
+            .iter()
+            .all(|v| v.contains("alloc_grads") || v.contains("backward"))
 }
 
 /// Removes parentheses and a leading `&` / `&mut`.
@@ -239,8 +289,6 @@ pub(crate) struct Found<'a> {
     pub backwards: Vec<(&'a syn::ExprMethodCall, usize)>,
     /// Each forward call (any receiver) with an argument and its loop depth.
     pub forwards: Vec<(&'a syn::ExprMethodCall, usize)>,
-    /// Each `zero_grads` / `try_zero_grads` call.
-    pub zero_grads: Vec<&'a syn::ExprMethodCall>,
     /// Every other method call, to find hand-written calls of the scaler's own roles.
     pub others: Vec<&'a syn::ExprMethodCall>,
     /// `let` bindings: (name, loop depth).
@@ -265,8 +313,6 @@ impl<'a> Visit<'a> for Found<'a> {
             self.backwards.push((m, self.depth));
         } else if FORWARDS.iter().any(|f| m.method == f) && m.args.len() == 1 {
             self.forwards.push((m, self.depth));
-        } else if as_zero_grads(m).is_some() {
-            self.zero_grads.push(m);
         } else {
             self.others.push(m);
         }

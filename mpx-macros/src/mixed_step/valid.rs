@@ -142,20 +142,7 @@ fn check_forwards(
 
 /// The scaler's own roles, called by hand inside an attributed step, would run twice.
 fn check_no_hand_written_roles(scaling: &syn::Expr, found: &Found<'_>, cx: &mut Ctxt) {
-    const ROLES: &[&str] = &[
-        "forward",
-        "try_forward",
-        "backward",
-        "try_backward",
-        "backward_with",
-        "try_backward_with",
-        "update",
-        "update_with",
-        "begin_update",
-        "end_update",
-        "zero_grads",
-        "try_zero_grads",
-    ];
+    const ROLES: &[&str] = &["forward", "backward", "update", "update_with"];
     let scaler = key(scaling);
     for m in &found.others {
         if key(&m.receiver) == scaler && ROLES.iter().any(|r| m.method == r) {
@@ -163,7 +150,7 @@ fn check_no_hand_written_roles(scaling: &syn::Expr, found: &Found<'_>, cx: &mut 
             cx.error_spanned(
                 m,
                 format!(
-                    "`{scaler}.{method}(..)` is written by hand inside a `#[mixed_step]`, which already routes the step's forward pass, `loss.backward()`, `opt.update(..)` and `zero_grads` through `{scaler}`: the optimizer would run twice; remove this call and keep the f32 code"
+                    "`{scaler}.{method}(..)` is written by hand inside a `#[mixed_step]`, which already routes the step's forward pass, `loss.backward()` and `opt.update(..)` through `{scaler}`: the optimizer would run twice; remove this call and keep the f32 code"
                 ),
             );
         }

@@ -25,9 +25,7 @@
 //! # Speed
 //! Every conversion goes through `half`'s slice conversions (SIMD where the CPU has it), never
 //! element by element. dfdx 0.13 lends no slice of a tensor's storage outside its crate, so a
-//! tensor cast costs one `copy_into`, one slice conversion and a fresh tensor. For the per-step
-//! working copy of a model use [`cast_module_into`], which rewrites an existing copy without
-//! allocating new buffers after its first call.
+//! tensor cast costs one `copy_into`, one slice conversion and a fresh tensor.
 //!
 //! # Examples
 //! ```
@@ -52,7 +50,6 @@ mod leaf;
 mod module;
 mod tensor_io;
 
-pub(crate) use module::cast_by_position;
 pub(crate) use tensor_io::grad_slice;
 
 use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};
@@ -62,8 +59,8 @@ use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};
 pub use crate::precision::FloatSliceMut;
 
 pub use module::{
-    CastError, CastScratch, cast_module, cast_module_into, module_visit_floats,
-    module_visit_floats_mut, try_cast_module,
+    CastError, cast_module, copy_scalar, module_visit_floats, module_visit_floats_mut,
+    try_cast_module,
 };
 
 /// `Cast<P>` and [`FloatLeaves`] for a module of a const-generic layout and a float element,

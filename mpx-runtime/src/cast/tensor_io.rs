@@ -13,7 +13,6 @@ use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
-use crate::kernels::zip_parts;
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
 
 /// A gradient buffer (dfdx's private CPU vector) as a slice. Written outside any `Cpu: Device<E>`
@@ -54,30 +53,6 @@ pub(crate) fn read_tensor_f32<E: Precision<Elem = E> + Dtype, S: Shape>(
         t.copy_into(buf);
         E::widen(buf, dst);
     }
-}
-
-/// Overwrites a CPU tensor's values with `src` rounded to precision `P` (slice conversion, then
-/// one `copy_from`; for `P = f32` `src` is copied in directly). `src.len()` must be the tensor's
-/// element count.
-pub(crate) fn write_tensor_from_f32<P: Precision, S: Shape>(
-    t: &mut Tensor<S, P::Elem, Cpu>,
-    src: &[f32],
-    tmp32: &mut Vec<f32>,
-    tmp16: &mut Vec<f16>,
-) {
-    make_contiguous(t);
-    if P::IDENTITY
-        && let Some(t32) = (t as &mut dyn Any).downcast_mut::<Tensor<S, f32, Cpu>>()
-    {
-        t32.copy_from(src);
-        return;
-    }
-    let buf = P::scratch(tmp32, tmp16, src.len());
-    zip_parts(buf, src, &|b, s| {
-        P::round(s, b);
-        true
-    });
-    t.copy_from(buf);
 }
 
 /// Copies a CPU tensor's values into scratch and returns their bit patterns.

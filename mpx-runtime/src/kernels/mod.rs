@@ -128,7 +128,7 @@ pub use mat::MatRef;
 pub(crate) use path::gemm;
 pub use path::{Calibration, active_path, calibration, with_path};
 pub use peak::peak_fma_flops;
-pub(crate) use pool::{each_range, every_part, zip_parts};
+pub(crate) use pool::{every_part, zip_parts};
 pub use threads::{available_threads, max_threads, set_max_threads, with_threads};
 
 /// Hooks for mpx's own benchmarks and tests, re-exported as `mpx_runtime::__bench`: force a path

@@ -263,48 +263,6 @@ pub(crate) fn zip_parts<A: Send, B: Sync>(
     all.load(Ordering::Relaxed)
 }
 
-/// Runs `piece(i, part)` for each range `i` of `dst` (`ranges[i]` = `(start, len)`, in order and
-/// disjoint), on the calling thread and helpers of the pool when there are several, the longest
-/// claimed first so that the threads finish close together. For passes whose parts cannot be
-/// cut further (a tensor dfdx copies out only whole).
-///
-/// # Panics
-/// If a range is out of order, overlaps the one before it, or ends past `dst`.
-pub(crate) fn each_range<A: Send>(
-    dst: &mut [A],
-    ranges: &[(usize, usize)],
-    piece: &(dyn Fn(usize, &mut [A]) + Sync),
-) {
-    let threads = if ranges.len() < 2 {
-        1
-    } else {
-        super::max_threads()
-    };
-    let mut parts: Vec<(usize, Mutex<&mut [A]>)> = Vec::new();
-    let (mut rest, mut at) = (dst, 0);
-    for (i, &(start, len)) in ranges.iter().enumerate() {
-        assert!(
-            start >= at,
-            "each_range: range {i} starts before the one before it ends"
-        );
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
-        let (part, tail) = tail.split_at_mut(len);
-        (rest, at) = (tail, start + len);
-        if threads <= 1 {
-            piece(i, part);
-        } else {
-            parts.push((i, Mutex::new(part)));
-        }
-    }
-    parts.sort_by_key(|&(i, _)| std::cmp::Reverse(ranges[i].1));
-    for_each_block(parts.len(), threads - 1, &|t| {
-        let (i, part) = &parts[t];
-        // each part is claimed by one block only: the lock is never contended
-        let mut part = part.lock().unwrap_or_else(PoisonError::into_inner);
-        piece(*i, &mut part);
-    });
-}
-
 /// [`zip_parts`] over one slice, read only: whether `part` returned `true` for every part.
 pub(crate) fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync)) -> bool {
     // a slice of `()` to pair with: zero-sized, so nothing is allocated
@@ -316,7 +274,7 @@ pub(crate) fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use super::{each_range, every_part, for_each_block, zip_parts};
+    use super::{every_part, for_each_block, zip_parts};
 
     #[test]
     fn jobs_posted_from_several_threads_at_once_each_run_every_block_once() {
@@ -339,38 +297,6 @@ mod tests {
                 });
             }
         });
-    }
-
-    #[test]
-    fn each_range_hands_every_range_its_own_values_once_and_nothing_else() {
-        let cases: [&[(usize, usize)]; 4] = [
-            &[],
-            &[(3, 5)],
-            &[
-                (0, 3),
-                (3, 0),
-                (10, 200_000),
-                (200_010, 7),
-                (200_100, 1 << 17),
-            ],
-            &[(1, 1 << 16), (70_000, 1 << 16), (140_000, 1 << 16)],
-        ];
-        for ranges in cases {
-            let n = ranges.last().map_or(4, |&(s, l)| s + l + 4);
-            let mut dst = vec![0u32; n];
-            each_range(&mut dst, ranges, &|i, part| {
-                assert_eq!(part.len(), ranges[i].1);
-                for v in part.iter_mut() {
-                    // added, not set: a range handed out twice would show
-                    *v += u32::try_from(i).unwrap() + 1;
-                }
-            });
-            let mut expected = vec![0u32; n];
-            for (i, &(start, len)) in ranges.iter().enumerate() {
-                expected[start..start + len].fill(u32::try_from(i).unwrap() + 1);
-            }
-            assert_eq!(dst, expected, "ranges {ranges:?}");
-        }
     }
 
     #[test]

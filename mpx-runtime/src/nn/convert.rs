@@ -1,7 +1,7 @@
 //! [`IntoLayers`]: one conversion for every family of layers (dfdx's, mpx's fused and
 //! mixed-ready ones, MX fake-quantized ones), applied through a whole model.
 
-use dfdx::nn::modules::Repeated;
+use dfdx::nn::modules::{Repeated, Residual};
 
 /// The family of mpx's layers: dfdx's `Linear` becomes the fused [`Linear`](super::Linear),
 /// dfdx's `LayerNorm1D`, `MultiHeadAttention`, `TransformerEncoderBlock` and
@@ -146,21 +146,21 @@ tuple!(A.0, B.1, C.2, D.3, G.4, H.5);
 /// each is already in its own family (so models that mix both convert whole).
 ///
 /// `dfdx_layer!(Name[const A, ..] { field, .. })` also writes the two `From` impls, each field
-/// converted with `into()` (a field of the same type in both moves as it is).
+/// carried across ([`Carry`]: a field of the same type in both moves as it is, a layer converts).
 macro_rules! dfdx_layer {
     ($name:ident [$(const $c:ident),*] { $($f:ident),+ $(,)? }) => {
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
             From<dfdx::nn::modules::$name<$($c,)* E, D>> for $name<$($c,)* E, D>
         {
             fn from(m: dfdx::nn::modules::$name<$($c,)* E, D>) -> Self {
-                Self { $($f: m.$f.into()),+ }
+                Self { $($f: $crate::nn::convert::Carry::carry(m.$f)),+ }
             }
         }
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
             From<$name<$($c,)* E, D>> for dfdx::nn::modules::$name<$($c,)* E, D>
         {
             fn from(m: $name<$($c,)* E, D>) -> Self {
-                Self { $($f: m.$f.into()),+ }
+                Self { $($f: $crate::nn::convert::Carry::carry(m.$f)),+ }
             }
         }
         $crate::nn::convert::dfdx_layer!($name [$(const $c),*]);
@@ -201,3 +201,78 @@ macro_rules! dfdx_layer {
     };
 }
 pub(crate) use dfdx_layer;
+
+/// A field of a layer carried into the other family's layer: a tensor or a setting as it is, a
+/// layer converted (dfdx's `Linear` to mpx's and back, a norm, an attention, a feed-forward).
+pub(crate) trait Carry<T> {
+    /// The field in the other family.
+    fn carry(self) -> T;
+}
+
+impl<T> Carry<T> for T {
+    fn carry(self) -> T {
+        self
+    }
+}
+
+/// A pair of layers that convert into each other with `From`.
+macro_rules! carried {
+    ($($dfdx:ident <-> $mpx:ident [$(const $c:ident),*]),* $(,)?) => {$(
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            Carry<super::$mpx<$($c,)* E, D>> for dfdx::nn::modules::$dfdx<$($c,)* E, D>
+        {
+            fn carry(self) -> super::$mpx<$($c,)* E, D> {
+                self.into()
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            Carry<dfdx::nn::modules::$dfdx<$($c,)* E, D>> for super::$mpx<$($c,)* E, D>
+        {
+            fn carry(self) -> dfdx::nn::modules::$dfdx<$($c,)* E, D> {
+                self.into()
+            }
+        }
+    )*};
+}
+carried!(
+    Linear <-> Linear [const I, const O],
+    LayerNorm1D <-> LayerNorm1D [const M],
+    MultiHeadAttention <-> MultiHeadAttention [const M, const H, const K, const V],
+);
+
+/// dfdx's feed-forward sub-layer and mpx's: `Residual<(Linear, ReLU, Linear)>` of each
+/// family's `Linear`.
+impl<const M: usize, const F: usize, E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+    Carry<super::FeedForward<M, F, E, D>>
+    for Residual<(
+        dfdx::nn::modules::Linear<M, F, E, D>,
+        dfdx::nn::modules::ReLU,
+        dfdx::nn::modules::Linear<F, M, E, D>,
+    )>
+{
+    fn carry(self) -> super::FeedForward<M, F, E, D> {
+        let (a, relu, b) = self.0;
+        Residual((a.into(), relu, b.into()))
+    }
+}
+
+impl<const M: usize, const F: usize, E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+    Carry<
+        Residual<(
+            dfdx::nn::modules::Linear<M, F, E, D>,
+            dfdx::nn::modules::ReLU,
+            dfdx::nn::modules::Linear<F, M, E, D>,
+        )>,
+    > for super::FeedForward<M, F, E, D>
+{
+    fn carry(
+        self,
+    ) -> Residual<(
+        dfdx::nn::modules::Linear<M, F, E, D>,
+        dfdx::nn::modules::ReLU,
+        dfdx::nn::modules::Linear<F, M, E, D>,
+    )> {
+        let (a, relu, b) = self.0;
+        Residual((a.into(), relu, b.into()))
+    }
+}

@@ -65,7 +65,7 @@ where
 /// f32 (bit-identical to dfdx's layer), the fused op ([`fused_linear`], no activation) in a half
 /// precision. For the layers that hold a dfdx `Linear` alone (the ViT's patch embedding and head).
 pub(crate) fn linear_in<P, E, const I: usize, const O: usize, Sx, Sy, T>(
-    l: &DfdxLinear<I, O, E, Cpu>,
+    l: &super::Linear<I, O, E, Cpu>,
     x: Tensor<Sx, E, Cpu, T>,
     out: Sy,
 ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
@@ -80,7 +80,7 @@ where
         Module<Tensor<Sx, E, Cpu, T>, Output = Tensor<Sy, E, Cpu, T>, Error = CpuError>,
 {
     if P::IDENTITY {
-        return l.try_forward(x);
+        return l.as_dfdx().try_forward(x);
     }
-    fused_linear::<P, E, I, O, _, _, _>(&l.weight, &l.bias, Activation::Identity, x, out)
+    fused_linear::<P, E, I, O, _, _, _>(&l.weight, &l.bias, Activation::Identity, l.link(), x, out)
 }

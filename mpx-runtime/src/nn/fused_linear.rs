@@ -15,6 +15,7 @@ use crate::kernels::{
     relu_mask_bias_grad_f32,
 };
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
+use crate::step::Link;
 
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
@@ -103,7 +104,7 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
 ///   emulated bf16's f32 values as bf16 operands (rounded while packing, multiplied with
 ///   `vdpbf16ps` where the CPU has AVX512-BF16), f16 as f16.
 /// - Backward: `ReLU`'s mask and the bias-gradient sums in one pass over a copy of `dY`; inside a
-///   [`GradScaler`](crate::step::GradScaler) forward pass (a [`Link`](crate::step::direct)),
+///   mixed step's forward pass (a [`Link`]),
 ///   `dW` and `db` go in f32 to the master's gradients; otherwise they are added to the
 ///   gradient entries and rounded once to `P`. Then `dX += dZ·W`, rounded once to `P`.
 ///
@@ -116,6 +117,7 @@ pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
     weight: &Tensor<Rank2<O, I>, E, Cpu>,
     bias: &Tensor<Rank1<O>, E, Cpu>,
     act: Activation,
+    link: Option<&Link>,
     x: Tensor<Sx, E, Cpu, T>,
     out: Sy,
 ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
@@ -152,13 +154,9 @@ where
     drop((acc, b32, xv, wv));
     round_in_place::<P>(&mut y);
     let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
-    // Inside a scaler's forward pass, the master tensors this weight and bias stand for: their
-    // gradients are then written there directly, in f32.
-    let link = if T::OWNS_TAPE {
-        crate::step::direct::link(weight, bias)
-    } else {
-        None
-    };
+    // Inside a mixed step's forward pass, the master tensors this weight and bias stand for:
+    // their gradients are then written there directly, in f32.
+    let link = if T::OWNS_TAPE { link.cloned() } else { None };
     let y = x.device().try_tensor_from_vec(y, out)?;
     if T::OWNS_TAPE {
         // The op keeps the input and the weight (the tensors, shared), the ReLU mask (1 bit per
@@ -186,7 +184,7 @@ where
             }
             drop((db, xv));
             let gx = grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?);
-            if crate::step::unread::is_unread(gx) {
+            if link.as_ref().is_some_and(|l| l.is_unread(gx)) {
                 // a mixed step's batch whose gradient nothing reads
                 return Ok(());
             }

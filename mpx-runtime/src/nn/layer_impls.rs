@@ -4,13 +4,13 @@
 //! ([`module_collection!`]).
 
 /// Implements dfdx's `Module` and `NonMutableModule` for an `mpx::nn` layer, by way of its
-/// [`MixedModule`] impls: in the element type as the precision (f16, `AMP<f16>`), and for f32
-/// elements in f32, or in emulated bf16 inside an emulated-bf16 step's forward pass
-/// ([`crate::precision::emulation`]). `native_module!(Name[const A, ..]; T, ..)` for a layer
-/// with type parameters after its device.
+/// [`MixedModule`] impls, in the element type as the precision (f32, f16, `AMP<f16>`; a layer
+/// of f32 elements runs in emulated bf16 inside [`InBf16`](super::InBf16)).
+/// `native_module!(Name[const A, ..]; T, ..)` for a layer with type parameters after its
+/// device.
 macro_rules! native_module {
     ($name:ident [$(const $c:ident),*] $(; $($t:ident),*)?) => {
-        $crate::nn::layer_impls::native_module!(@f32 $name [$(const $c),*] [$($($t),*)?]);
+        $crate::nn::layer_impls::native_module!(@half f32; $name [$(const $c),*] [$($($t),*)?]);
         $crate::nn::layer_impls::native_module!(@half half::f16; $name [$(const $c),*] [$($($t),*)?]);
         $crate::nn::layer_impls::native_module!(
             @half dfdx::dtypes::AMP<half::f16>; $name [$(const $c),*] [$($($t),*)?]
@@ -18,28 +18,6 @@ macro_rules! native_module {
         impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E> $($(, $t)*)?>
             dfdx::nn::NonMutableModule for $name<$($c,)* E, D $($(, $t)*)?>
         {
-        }
-    };
-    (@f32 $name:ident [$(const $c:ident),*] [$($t:ident),*]) => {
-        impl<$(const $c: usize,)* $($t,)* X> dfdx::nn::Module<X>
-            for $name<$($c,)* f32, dfdx::tensor::Cpu $(, $t)*>
-        where
-            Self: $crate::nn::MixedModule<f32, X>
-                + $crate::nn::MixedModule<
-                    half::bf16,
-                    X,
-                    Output = <Self as $crate::nn::MixedModule<f32, X>>::Output,
-                >,
-        {
-            type Output = <Self as $crate::nn::MixedModule<f32, X>>::Output;
-            type Error = dfdx::tensor::CpuError;
-            fn try_forward(&self, x: X) -> Result<Self::Output, dfdx::tensor::CpuError> {
-                if $crate::precision::emulation::f32_runs_as_bf16() {
-                    $crate::nn::MixedModule::<half::bf16, X>::try_mixed_forward(self, x)
-                } else {
-                    $crate::nn::MixedModule::<f32, X>::try_mixed_forward(self, x)
-                }
-            }
         }
     };
     (@half $e:ty; $name:ident [$(const $c:ident),*] [$($t:ident),*]) => {

@@ -34,7 +34,7 @@ use std::fmt::Debug;
 use dfdx::nn::modules::Linear as DfdxLinear;
 use dfdx::nn::modules::ReLU as DfdxReLU;
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::nn::{BuildModule, BuildOnDevice};
+use dfdx::nn::{BuildModule, BuildOnDevice, Module};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
@@ -47,26 +47,20 @@ use super::mixed::MixedModule;
 use crate::cast::{Cast, FloatLeaves};
 pub use crate::kernels::{Activation, KernelError};
 use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
+use crate::step::Link;
 
-/// The activation a [`FusedLinear`] applies: a marker type ([`act::Identity`], [`act::ReLU`];
-/// dfdx builds modules from types), or an [`Activation`] value chosen at run time (the mixed
-/// step's working copy of dfdx's `(Linear, ReLU)`, see [`LinkedReLU`](super::LinkedReLU)).
+/// The activation a [`FusedLinear`] applies, as a marker type ([`act::Identity`],
+/// [`act::ReLU`]; dfdx builds modules from types).
 ///
 /// # Examples
 /// ```
 /// use mpx_runtime::nn::{act, Activation, FusedActivation};
 /// assert_eq!(act::ReLU.activation(), Activation::ReLU);
-/// assert_eq!(Activation::Identity.activation(), Activation::Identity);
+/// assert_eq!(act::Identity.activation(), Activation::Identity);
 /// ```
 pub trait FusedActivation: 'static + Debug + Clone + Copy + Default + Send + Sync {
     /// The activation the kernels apply.
     fn activation(&self) -> Activation;
-}
-
-impl FusedActivation for Activation {
-    fn activation(&self) -> Activation {
-        *self
-    }
 }
 
 /// Activation markers for [`FusedLinear`].
@@ -123,6 +117,8 @@ pub struct FusedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E>, 
     /// The bias, shape `(O,)`.
     pub bias: Tensor<Rank1<O>, E, D>,
     act: A,
+    /// Inside a mixed step's forward pass: the master tensors the weight and bias stand for.
+    link: Option<Link>,
 }
 
 /// A fused linear layer without activation: a drop-in for dfdx's `Linear<I, O, E, D>`.
@@ -171,6 +167,7 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A: Default>
             weight,
             bias,
             act: A::default(),
+            link: None,
         }
     }
 }
@@ -192,23 +189,44 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A: FusedActivation
     }
 }
 
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> FusedLinear<I, O, E, D, Activation> {
-    /// Sets the activation this layer applies after its linear map (the form whose activation
-    /// is chosen at run time; it starts as [`Activation::Identity`]).
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> FusedLinear<I, O, E, D, A> {
+    /// Links the layer to the master tensors its weight and bias stand for in a mixed step's
+    /// forward pass ([`Linker::link`](crate::step::Linker::link)): its weight and bias
+    /// gradients then go in f32 straight into the master's. `None` unlinks it.
     ///
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// use mpx_runtime::nn::{Activation, FusedLinear};
+    /// use mpx_runtime::{nn, step::Linker};
     /// let dev = Cpu::default();
-    /// let mut l = FusedLinear::<2, 1, f32, Cpu, Activation>::new(dev.tensor([[1.0, 1.0]]), dev.tensor([0.0]));
-    /// let x = dev.tensor([[-1.0f32, -2.0]]);
-    /// assert_eq!(l.forward(x.clone()).array(), [[-3.0]]);
-    /// l.set_activation(Activation::ReLU);
-    /// assert_eq!(l.forward(x).array(), [[0.0]]);
+    /// let master = dev.build_module::<Linear<2, 1>, f32>();
+    /// let mut layer: nn::Linear<2, 1, f32> = master.clone().into();
+    /// layer.set_link(Linker::none().link(&master.weight, &master.bias));
+    /// assert!(!layer.is_linked());
     /// ```
-    pub fn set_activation(&mut self, act: Activation) {
-        self.act = act;
+    pub fn set_link(&mut self, link: Option<Link>) {
+        self.link = link;
+    }
+
+    /// dfdx's `Linear` on the same tensors (shared, not copied): what the layer computes in f32.
+    pub(crate) fn as_dfdx(&self) -> DfdxLinear<I, O, E, D> {
+        DfdxLinear {
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        }
+    }
+
+    /// The link, inside a mixed step's forward pass.
+    pub(crate) fn link(&self) -> Option<&Link> {
+        self.link.as_ref()
+    }
+
+    /// Whether the layer is linked to master tensors.
+    ///
+    /// # Examples
+    /// See [`set_link`](Self::set_link).
+    pub fn is_linked(&self) -> bool {
+        self.link.is_some()
     }
 }
 
@@ -395,6 +413,7 @@ macro_rules! cast_for {
                     weight: Cast::<P>::cast(&self.weight),
                     bias: Cast::<P>::cast(&self.bias),
                     act: self.act,
+                    link: None,
                 }
             }
         }
@@ -430,9 +449,24 @@ macro_rules! mixed_forward {
                 &self,
                 x: Tensor<($($d,)* Const<I>,), E, Cpu, T>,
             ) -> Result<Self::Output, CpuError> {
+                if P::IDENTITY {
+                    // dfdx's own op in f32: bit for bit what dfdx's `Linear` (and `ReLU`) give
+                    let y = self.as_dfdx().try_forward(x)?;
+                    return match self.act.activation() {
+                        Activation::ReLU => y.try_relu(),
+                        Activation::Identity => Ok(y),
+                    };
+                }
                 #[allow(non_snake_case)]
                 let ($($d,)* _,) = *x.shape();
-                fused_linear::<P, E, I, O, _, _, T>(&self.weight, &self.bias, self.act.activation(), x, ($($d,)* Const::<O>,))
+                fused_linear::<P, E, I, O, _, _, T>(
+                    &self.weight,
+                    &self.bias,
+                    self.act.activation(),
+                    self.link.as_ref(),
+                    x,
+                    ($($d,)* Const::<O>,),
+                )
             }
         }
     };

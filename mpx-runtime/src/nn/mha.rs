@@ -1,7 +1,6 @@
 //! [`MultiHeadAttention`]: dfdx's attention with its scaled softmax in f32.
 
 use dfdx::nn::Module;
-use dfdx::nn::modules::Linear;
 use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
@@ -10,6 +9,7 @@ use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
 use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, module_collection, native_module};
+use super::linear::Linear;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;
@@ -123,32 +123,51 @@ where
             let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
             let id = Activation::Identity;
             let v = v.retaped::<T>();
-            let v =
-                fused_linear::<P, E, M, V, _, _, _>(&wv.weight, &wv.bias, id, v, (b, s2, Const))?;
+            let v = fused_linear::<P, E, M, V, _, _, _>(
+                &wv.weight,
+                &wv.bias,
+                id,
+                wv.link(),
+                v,
+                (b, s2, Const),
+            )?;
             let k = k.retaped::<T>();
-            let k =
-                fused_linear::<P, E, M, K, _, _, _>(&wk.weight, &wk.bias, id, k, (b, s2, Const))?;
-            let q =
-                fused_linear::<P, E, M, K, _, _, _>(&wq.weight, &wq.bias, id, q, (b, s1, Const))?;
+            let k = fused_linear::<P, E, M, K, _, _, _>(
+                &wk.weight,
+                &wk.bias,
+                id,
+                wk.link(),
+                k,
+                (b, s2, Const),
+            )?;
+            let q = fused_linear::<P, E, M, K, _, _, _>(
+                &wq.weight,
+                &wq.bias,
+                id,
+                wq.link(),
+                q,
+                (b, s1, Const),
+            )?;
             let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
             return fused_linear::<P, E, V, M, _, _, _>(
                 &wo.weight,
                 &wo.bias,
                 id,
+                wo.link(),
                 tokens,
                 (b, s1, Const),
             );
         }
 
-        let v = self.w_v.try_forward(v.retaped::<T>())?;
+        let v = self.w_v.as_dfdx().try_forward(v.retaped::<T>())?;
         let v = v.try_reshape_like(&(b, s2, H, V / H))?;
         let v = v.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
 
-        let k = self.w_k.try_forward(k.retaped::<T>())?;
+        let k = self.w_k.as_dfdx().try_forward(k.retaped::<T>())?;
         let k = k.try_reshape_like(&(b, s2, H, K / H))?;
         let k = k.try_permute::<_, Axes4<0, 2, 3, 1>>()?;
 
-        let q = self.w_q.try_forward(q)?;
+        let q = self.w_q.as_dfdx().try_forward(q)?;
         let q = q.try_reshape_like(&(b, s1, H, K / H))?;
         let q = q.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
 
@@ -160,7 +179,7 @@ where
         let tokens = weights.try_matmul(v)?;
         let tokens = tokens.try_permute::<_, Axes4<0, 2, 1, 3>>()?;
         let tokens = tokens.try_reshape_like(&(b, s1, Const::<V>))?;
-        self.w_o.try_forward(tokens)
+        self.w_o.as_dfdx().try_forward(tokens)
     }
 }
 

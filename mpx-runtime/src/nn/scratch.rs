@@ -22,25 +22,6 @@ const MAX_KEPT: usize = 256;
 /// The free buffers, each a `Vec<T>` for one of the ops' element types.
 static POOL: Mutex<Vec<Box<dyn Any + Send>>> = Mutex::new(Vec::new());
 
-/// Makes the allocator keep freed memory for reuse, once per process: the tensors a step hands
-/// to dfdx (a layer's output, the batch in half precision) are dfdx's to free, so they cannot
-/// come from this pool. glibc's `malloc` gives a freed block of at least its mmap threshold
-/// (128 KiB at first) back to the system at once, and trims the heap's free top past twice that,
-/// so each step's tensors of that size fault their pages in again (about 730 page faults per
-/// emulated-bf16 step of `bench_step`'s MLP, 290 in f16). Its threshold rises to the size of the
-/// largest mmap-backed block freed so far (up to 32 MiB): one 16 MiB block allocated (untouched)
-/// and freed here raises it to 16 MiB and the trim threshold to 32 MiB, after which those tensors
-/// reuse freed heap memory (no page faults per step). The cost is that the process keeps up to
-/// 32 MiB of freed heap instead of returning it. Other allocators see one allocation, freed.
-pub(crate) fn keep_freed_memory() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // zeroed: a fresh mapping, never written, so no page is touched
-        let block = vec![0u8; 16 << 20];
-        std::hint::black_box(&block);
-    });
-}
-
 /// `n` values of type `T` from the pool (returned to it on drop). The values are stale: the
 /// caller overwrites them.
 pub(crate) struct Buf<T: Copy + Default + Send + 'static> {

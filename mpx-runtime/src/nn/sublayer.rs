@@ -3,7 +3,7 @@
 //! its residual and norm.
 
 use dfdx::nn::Module;
-use dfdx::nn::modules::{Linear, ReLU, Residual};
+use dfdx::nn::modules::{Linear as DfdxLinear, ReLU, Residual};
 use dfdx::shapes::{Const, Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
@@ -11,6 +11,7 @@ use dfdx::tensor_ops::{Device, TryAdd};
 use super::fused_linear::fused_linear;
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
+use super::linear::Linear;
 use super::mixed::MixedModule;
 use crate::kernels::Activation;
 use crate::precision::Precision;
@@ -32,6 +33,10 @@ use crate::precision::Precision;
 /// ```
 pub type FeedForward<const M: usize, const F: usize, E, D> =
     Residual<(Linear<M, F, E, D>, ReLU, Linear<F, M, E, D>)>;
+
+/// dfdx's feed-forward sub-layer, what [`FeedForward`] computes in f32.
+type DfdxFeedForward<const M: usize, const F: usize, E, D> =
+    Residual<(DfdxLinear<M, F, E, D>, ReLU, DfdxLinear<F, M, E, D>)>;
 
 /// `norm(x + residual)`, as dfdx's blocks compute it. In a half precision one fused pass: the sum
 /// in f32, not rounded before the norm; in f32 dfdx's add, then the norm.
@@ -70,12 +75,15 @@ where
     Cpu: Device<E>,
     S: WithLast<F>,
     T: Tape<E, Cpu>,
-    FeedForward<M, F, E, Cpu>:
+    DfdxFeedForward<M, F, E, Cpu>:
         Module<Tensor<S, E, Cpu, T>, Output = Tensor<S, E, Cpu, T>, Error = CpuError>,
     LayerNorm1D<M, E, Cpu>: MixedModule<P, Tensor<S, E, Cpu, T>, Output = Tensor<S, E, Cpu, T>>,
 {
     if P::IDENTITY {
-        let x = ff.try_forward(x)?;
+        // dfdx's own sub-layer on the same tensors (shared): bit for bit dfdx's block
+        let (l1, relu, l2) = &ff.0;
+        let dfdx: DfdxFeedForward<M, F, E, Cpu> = Residual((l1.as_dfdx(), *relu, l2.as_dfdx()));
+        let x = dfdx.try_forward(x)?;
         return MixedModule::<P, _>::try_mixed_forward(norm, x);
     }
     let (x, tape) = x.split_tape();
@@ -86,11 +94,18 @@ where
         &l1.weight,
         &l1.bias,
         Activation::ReLU,
+        l1.link(),
         x.clone().put_tape(tape),
         hidden,
     )?;
-    let f =
-        fused_linear::<P, E, F, M, _, _, _>(&l2.weight, &l2.bias, Activation::Identity, h, shape)?;
+    let f = fused_linear::<P, E, F, M, _, _, _>(
+        &l2.weight,
+        &l2.bias,
+        Activation::Identity,
+        l2.link(),
+        h,
+        shape,
+    )?;
     add_layer_norm::<P, E, M, S, T>(f, Some(x), &norm.gamma, &norm.beta, norm.epsilon)
 }
 

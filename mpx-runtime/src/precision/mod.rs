@@ -41,7 +41,6 @@
 
 pub(crate) mod convert;
 mod dtype;
-pub(crate) mod emulation;
 mod impls;
 mod slices;
 mod views;

@@ -1,10 +1,13 @@
 //! Saving and restoring a [`GradScaler`] (PyTorch's `state_dict` / `load_state_dict`): the loss
-//! scale with its growth tracker, the step counters and the skip limit. The working copies are
-//! not saved: they are cast again from the restored masters on the first forward pass, as the
-//! step before the checkpoint left them.
+//! scale with its growth tracker, the step counters and the skip limit. Working copies are never
+//! saved: every forward pass builds its own from the master as it is. A restore changes the
+//! scaler's state and nothing of its configuration: a data-parallel scaler keeps its reducer, so
+//! the ranks go on averaging (and a rank restored from another checkpoint than the others is an
+//! error on every rank at the next backward pass).
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::device::MixedDevice;
 use super::error::StepError;
 use super::scaler::GradScaler;
 use crate::precision::Precision;
@@ -51,7 +54,7 @@ fn required<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     Option::<u64>::deserialize(d)
 }
 
-impl<H: Precision, L: LossScale + Clone> GradScaler<H, L> {
+impl<H: Precision, L: LossScale + Clone, D: MixedDevice<H>> GradScaler<H, L, D> {
     /// The scaler's whole state, to save (PyTorch's `scaler.state_dict()`).
     ///
     /// # Examples
@@ -68,19 +71,20 @@ impl<H: Precision, L: LossScale + Clone> GradScaler<H, L> {
     }
 
     /// Restores a state saved with [`state_dict`](Self::state_dict) (PyTorch's
-    /// `scaler.load_state_dict(..)`). The working copies are cast again from the masters on
-    /// the next forward pass, so a run restored with its masters and optimizer continues bit
-    /// for bit.
+    /// `scaler.load_state_dict(..)`): the loss scale, the counters and the skip limit. What the
+    /// scaler was built with beside them (a data-parallel reducer) stays. A run restored with its
+    /// masters and optimizer continues bit for bit.
     ///
     /// # Errors
-    /// [`StepError::Checkpoint`] when the state is of another precision, or its counters
-    /// contradict each other (more skips in a row than skips, or than the limit allows).
+    /// [`StepError::Checkpoint`] when the state is of another precision, its counters
+    /// contradict each other (more skips in a row than skips, or than the limit allows), or
+    /// leave no room to count another step; nothing is changed then.
     ///
     /// # Examples
     /// See [`ScalerState`].
     pub fn load_state_dict(&mut self, state: ScalerState<L>) -> Result<(), StepError> {
         check(&state, H::DTYPE.name())?;
-        *self = GradScaler::new(state.loss_scale);
+        self.scaling = state.loss_scale;
         self.applied = state.applied_steps;
         self.skipped = state.skipped_steps;
         self.consecutive = state.consecutive_skips;
@@ -94,6 +98,16 @@ fn check<L>(state: &ScalerState<L>, precision: &str) -> Result<(), StepError> {
         return Err(StepError::Checkpoint(format!(
             "it was saved from a `{}` scaler, and this one runs in `{precision}`",
             state.precision
+        )));
+    }
+    if state
+        .applied_steps
+        .checked_add(state.skipped_steps)
+        .is_none_or(|total| total == u64::MAX)
+    {
+        return Err(StepError::Checkpoint(format!(
+            "applied_steps ({}) and skipped_steps ({}) leave no room to count another step",
+            state.applied_steps, state.skipped_steps
         )));
     }
     if state.consecutive_skips > state.skipped_steps {
@@ -114,7 +128,9 @@ fn check<L>(state: &ScalerState<L>, precision: &str) -> Result<(), StepError> {
 }
 
 /// A `GradScaler` serializes as its [`ScalerState`].
-impl<H: Precision, L: LossScale + Clone + Serialize> Serialize for GradScaler<H, L> {
+impl<H: Precision, L: LossScale + Clone + Serialize, D: MixedDevice<H>> Serialize
+    for GradScaler<H, L, D>
+{
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.state_dict().serialize(s)
     }
@@ -122,10 +138,10 @@ impl<H: Precision, L: LossScale + Clone + Serialize> Serialize for GradScaler<H,
 
 /// A `GradScaler` deserializes from its [`ScalerState`], checked as
 /// [`load_state_dict`](GradScaler::load_state_dict) checks it.
-impl<'de, H: Precision, L: LossScale + Clone + Deserialize<'de>> Deserialize<'de>
-    for GradScaler<H, L>
+impl<'de, H: Precision, L: LossScale + Clone + Deserialize<'de>, D: MixedDevice<H>> Deserialize<'de>
+    for GradScaler<H, L, D>
 {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+    fn deserialize<De: Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
         let state = ScalerState::<L>::deserialize(d)?;
         let mut scaler = GradScaler::new(state.loss_scale.clone());
         scaler

@@ -6,7 +6,8 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 
-use super::layout::{EachTensor, each_tensor};
+use super::error::StepError;
+use super::slots::{EachTensor, each_tensor};
 
 /// Visits every trainable tensor's gradient.
 struct EachGrad<'a, F> {
@@ -71,7 +72,8 @@ pub fn grad_norm<M: TensorCollection<f32, Cpu>>(
 /// overflow.
 ///
 /// # Errors
-/// A device error when a gradient entry has to be allocated.
+/// [`StepError::InvalidClip`] for a `max_norm` that is negative, infinite or NaN (nothing is
+/// changed); [`StepError::Device`] when a gradient entry has to be allocated and cannot be.
 ///
 /// # Examples
 /// ```
@@ -84,13 +86,17 @@ pub fn grad_norm<M: TensorCollection<f32, Cpu>>(
 /// grads.get_or_alloc_mut(&model.bias)?.copy_from_slice(&[4.0]);
 /// assert_eq!(clip_grad_norm(&model, &mut grads, 1.0)?, 5.0);
 /// assert!((grad_norm(&model, &mut grads)? - 1.0).abs() < 1e-6);
-/// # Ok::<(), dfdx::tensor::CpuError>(())
+/// assert!(clip_grad_norm(&model, &mut grads, -1.0).is_err());
+/// # Ok::<(), mpx_runtime::step::StepError>(())
 /// ```
 pub fn clip_grad_norm<M: TensorCollection<f32, Cpu>>(
     model: &M,
     grads: &mut Gradients<f32, Cpu>,
     max_norm: f32,
-) -> Result<f32, CpuError> {
+) -> Result<f32, StepError> {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(StepError::InvalidClip { max_norm });
+    }
     let norm = grad_norm(model, grads)?;
     if norm.is_finite() && norm > max_norm {
         let factor = max_norm / (norm + 1e-6);

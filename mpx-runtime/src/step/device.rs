@@ -1,45 +1,30 @@
 //! The device-specific primitives of the mixed step, behind one trait ([`MixedDevice`]): the
-//! rest of the step (the scaler's bookkeeping, the working copy's life cycle, the half region's
-//! tapes, the skip decision) is written once, for any device that implements it.
+//! rest of the step (the working copy, the half region's tapes, the verdict, the update) is
+//! written once, for any device that implements it.
 //!
 //! | primitive | `Cpu` (host slices) | `Cuda` (device kernels; feature `cuda`) |
 //! |---|---|---|
-//! | master -> working copy | in place, one rounding pass over a gathered buffer | dfdx's `to_dtype` per tensor (a new working copy per step) |
-//! | input entering the region | host rounding | dfdx's `to_dtype` |
-//! | output leaving the region | host widening | dfdx's `to_dtype` |
+//! | a tensor rounded to the half type (master, input) | host rounding | dfdx's `to_dtype` |
+//! | an output widened to f32 | host widening | dfdx's `to_dtype` |
 //! | gradient seed (times the loss scale) | chunked scale-and-round | mpx's kernel: `g_half += half(g * scale)` |
-//! | unscale-and-accumulate into the master | chunked widen + `dst += g * inv`, checked in the same pass | mpx's kernel: `dst += float(g) * inv; g = 0`, non-finite sums flagged in one device word |
-//! | finiteness check | bit test over host slices | mpx's kernel flags into the same word; the word is the one value read back |
+//! | a half gradient unscaled into the master's | chunked widen + `dst += g * inv` | mpx's kernel: `dst += float(g) * inv` |
+//! | finiteness check of the master's gradients | bit test over host slices | mpx's kernel flags one device word, the one value read back |
+//! | direct gradients of mpx's fused layers ([`link`](super::link)) | yes | no |
 //!
 //! dfdx 0.13 keeps a tensor's buffer and its gradient kernels crate-private, so a device other
-//! than the `Cpu` needs kernels of its own for the two gradient primitives: mpx compiles them
-//! with NVRTC at first use, as dfdx does its own (`step/device/cuda.rs`).
+//! than the `Cpu` needs kernels of its own for the gradient primitives: mpx compiles them with
+//! NVRTC at first use, as dfdx does its own (`step/device/cuda.rs`).
 
-use std::any::Any;
-use std::marker::PhantomData;
-use std::sync::Arc;
-
-use dfdx::nn::tensor_collection::{RecursiveWalker, TensorOptions, TensorVisitor, ViewTensorRef};
 use dfdx::optim::OptimizerUpdateError;
-use dfdx::shapes::Shape;
-use dfdx::tensor::{Gradients, HasErr, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::tensor::{Gradients, HasErr};
 
-use super::direct::{Direct, ScopeGuard};
 use super::error::StepError;
-use super::layout::{MasterSlot, WorkingCopy, master_layout};
-use super::workspace::{AnyFn, StateFn, Workspace};
-use crate::boundary::MasterModel;
-use crate::cast::CastScratch;
+use super::slots::{MasterSlot, Slot};
 use crate::precision::Precision;
 
 /// A backward op on a half tape.
 pub(crate) type HalfOp<E, D> =
     Box<dyn FnOnce(&mut Gradients<E, D>) -> Result<(), <D as HasErr>::Err>>;
-
-/// A traced input's f32 tape, given back, and the op that marks its half gradient unread when
-/// nothing can read its f32 gradient ([`Primitives::unread_input`](private::Primitives::unread_input)).
-pub(crate) type Unread<E, D> = (dfdx::tensor::OwnedTape<f32, D>, Option<HalfOp<E, D>>);
 
 /// Adds what a half backward op captured to the f32 graph's gradients.
 pub(crate) type FullOp<D> = Box<dyn Fn(&mut Gradients<f32, D>) -> Result<(), <D as HasErr>::Err>>;
@@ -48,6 +33,17 @@ pub(crate) type FullOp<D> = Box<dyn Fn(&mut Gradients<f32, D>) -> Result<(), <D 
 /// half graph.
 pub(crate) type SeedOp<E, D> =
     Box<dyn FnOnce(&mut Gradients<f32, D>) -> Result<HalfOp<E, D>, <D as HasErr>::Err>>;
+
+/// A trainable tensor of the working copy and the master tensor it stands for. Named by the
+/// sealed device trait, reachable by nobody outside the crate.
+#[allow(unreachable_pub)]
+pub struct Pair<H: Precision, D: private::Primitives<H>> {
+    pub(crate) half: Slot<H::Elem, D>,
+    pub(crate) master: MasterSlot<D>,
+    /// A linked layer writes this tensor's gradient straight into the master's
+    /// ([`link`](super::link)): its half gradient is moved only when something else added to it.
+    pub(crate) linked: bool,
+}
 
 /// A dfdx device the mixed step runs on, in precision `H`: the `Cpu` for every precision, and
 /// with the `cuda` feature dfdx's `Cuda` for `f32`, [`f16`](struct@crate::precision::f16) and
@@ -68,43 +64,36 @@ pub(crate) type SeedOp<E, D> =
     label = "not a device the mixed step runs on in this precision",
     note = "the mixed step runs on dfdx's `Cpu` (every precision) and, with mpx's `cuda` feature, on `Cuda` in `f16`, `AMP<f16>` and `f32` (emulated bf16 is host-only)"
 )]
-pub trait MixedDevice<H: Precision>:
-    Device<f32> + Device<H::Elem> + private::Primitives<H>
-{
-}
+pub trait MixedDevice<H: Precision>: private::Primitives<H> {}
 
-impl<H: Precision, D: Device<f32> + Device<H::Elem> + private::Primitives<H>> MixedDevice<H> for D {}
+impl<H: Precision, D: private::Primitives<H>> MixedDevice<H> for D {}
 
 pub(crate) mod private {
-    use super::FullWorking;
-    use super::{
-        Arc, CastScratch, Device, Direct, FullOp, Gradients, HalfOp, MasterModel, MasterSlot,
-        OptimizerUpdateError, Precision, ScopeGuard, SeedOp, Shape, StepError, Tensor, Unread,
-        WorkingCopy,
-    };
-    use crate::step::workspace::ErasedWorking;
-    use dfdx::nn::tensor_collection::TensorCollection;
-    use dfdx::shapes::Rank0;
-    use dfdx::tensor::TensorToArray;
-
-    use crate::step::layout::SlotDevice;
+    use super::{FullOp, HalfOp, OptimizerUpdateError, Pair, Precision, SeedOp, StepError};
+    use crate::step::slots::{MasterSlot, SlotDevice};
+    use dfdx::shapes::{Rank0, Shape};
+    use dfdx::tensor::{Gradients, Tensor, TensorToArray};
+    use dfdx::tensor_ops::Device;
 
     /// The primitives themselves (see the module's table).
     pub trait Primitives<H: Precision>:
         Device<f32>
         + Device<H::Elem>
+        + SlotDevice<f32>
+        + SlotDevice<H::Elem>
         + TensorToArray<Rank0, f32, Array = f32>
-        + SlotDevice
         + 'static
     {
-        /// Whether the working copy is cast in place, so that its tensors keep their ids and
-        /// its gradient buffers are reused from step to step.
-        const IN_PLACE: bool;
+        /// What one forward pass's linked layers share with its bridge (the `Cpu`'s
+        /// [`RegionLinks`](crate::step::link::RegionLinks); nothing elsewhere).
+        type Links: Clone;
         /// Whether gradients are all finite, accumulated over tensors.
         type Finite: Default;
 
         /// A device error as a step error.
         fn step_error(e: Self::Err) -> StepError;
+        /// An optimizer's error as a step error.
+        fn optimizer_error(e: OptimizerUpdateError<Self::Err>) -> StepError;
         /// The device of a master without tensors (the `Cpu`'s default; none elsewhere).
         fn fallback_device() -> Option<Self>;
         /// Makes the device ready for a step on `dev` (loads mpx's kernels where it has any).
@@ -112,8 +101,33 @@ pub(crate) mod private {
         /// # Errors
         /// A kernel that does not compile or load.
         fn ready(dev: &Self) -> Result<(), StepError>;
-        /// An optimizer's error as a step error.
-        fn optimizer_error(e: OptimizerUpdateError<Self::Err>) -> StepError;
+
+        /// The link state of a forward pass that applies the scale whose reciprocal is `inv`.
+        fn links(inv: f32) -> Self::Links;
+        /// The linker that hands `links` to the fused layers of a working copy of mpx's layers.
+        fn linker(links: &Self::Links) -> crate::step::Linker;
+        /// Whether the master tensor at `addr` was linked in this forward pass.
+        fn is_linked(links: &Self::Links, addr: usize) -> bool;
+        /// Lends the master's gradients to the linked layers while a half backward runs.
+        fn lend(links: &Self::Links, grads: &mut Gradients<f32, Self>);
+        /// Takes them back.
+        fn restore(links: &Self::Links, grads: &mut Gradients<f32, Self>);
+
+        /// What a scaler keeps from one working copy to the next, so that building the next
+        /// allocates nothing new (the `Cpu`: a device of its own whose allocation cache takes the
+        /// copy's buffers and its gradients' back when a step drops them, and the host buffers
+        /// the rounding reads through).
+        type Store: Default + Send + Sync;
+
+        /// Master tensor `x` rounded to `H`, as a tensor of the working copy (in buffers `store`
+        /// keeps, where it keeps any).
+        ///
+        /// # Errors
+        /// A device error.
+        fn to_working<S: Shape>(
+            x: &Tensor<S, f32, Self>,
+            store: &mut Self::Store,
+        ) -> Result<Tensor<S, H::Elem, Self>, Self::Err>;
 
         /// `x` rounded to `H`.
         ///
@@ -131,18 +145,6 @@ pub(crate) mod private {
             y: &Tensor<S, H::Elem, Self, T>,
         ) -> Result<Tensor<S, f32, Self>, Self::Err>;
 
-        /// Whether the gradient of `x32`, the f32 input traced on `tape`, can be read once the
-        /// backward has run ([`unread`](crate::step::unread)); `Some` op marking its half copy
-        /// `x`'s gradient unread when it cannot. Returns the tape, its gradients unchanged.
-        ///
-        /// # Errors
-        /// A device error.
-        fn unread_input<S: Shape>(
-            x: &Tensor<S, H::Elem, Self>,
-            x32: &Tensor<S, f32, Self>,
-            tape: dfdx::tensor::OwnedTape<f32, Self>,
-        ) -> Result<Unread<H::Elem, Self>, Self::Err>;
-
         /// The ops that carry a traced input's half gradient (`x`, inside the region) back to
         /// its f32 gradient (`x32`), unscaled with `inv`.
         fn input_bridge<S: Shape>(
@@ -150,6 +152,13 @@ pub(crate) mod private {
             x32: &Tensor<S, f32, Self>,
             inv: f32,
         ) -> (HalfOp<H::Elem, Self>, FullOp<Self>);
+
+        /// The op that marks the half gradient of `x`, an input whose gradient nothing reads,
+        /// for the linked layers (`None` where there are none).
+        fn unread_mark<S: Shape>(
+            x: &Tensor<S, H::Elem, Self>,
+            links: &Self::Links,
+        ) -> Option<HalfOp<H::Elem, Self>>;
 
         /// The op that seeds a traced output's half gradient (`y`) with its f32 gradient
         /// (`y32`) times `scale`.
@@ -159,23 +168,17 @@ pub(crate) mod private {
             scale: f32,
         ) -> SeedOp<H::Elem, Self>;
 
-        /// Adds `t`'s half gradient in `half`, times `inv`, to the master's gradient `slot` in
-        /// `grads`, zeroes the half gradient, and folds the finiteness of the sum into `finite`.
-        /// `direct`: a linked layer already wrote this position (the `Cpu`'s fused layers).
+        /// Adds the working tensor's half gradient in `half`, times `inv`, to its master's
+        /// gradient in `grads`.
         ///
         /// # Errors
-        /// A device error, or a length that does not match.
-        #[allow(clippy::too_many_arguments)]
-        fn accumulate<S: Shape>(
+        /// A device error, or lengths that do not match.
+        fn transfer(
             half: &mut Gradients<H::Elem, Self>,
-            t: &Tensor<S, H::Elem, Self>,
-            slot: &MasterSlot<Self>,
-            index: usize,
+            pair: &Pair<H, Self>,
             grads: &mut Gradients<f32, Self>,
             inv: f32,
-            direct: bool,
-            finite: &mut Self::Finite,
-        ) -> Result<(), StepError>;
+        ) -> Result<(), Self::Err>;
 
         /// Folds the finiteness of the master's gradient `slot` into `finite`.
         ///
@@ -193,114 +196,47 @@ pub(crate) mod private {
         /// A device error.
         fn verdict(finite: Self::Finite) -> Result<bool, StepError>;
 
-        /// The working copy of `master` (its own layers in `H`): `half` cast again, or a new one.
-        ///
-        /// # Errors
-        /// A device or cast error.
-        fn refresh_same<M>(
-            master: &M,
-            half: Option<WorkingCopy<H, M, Self>>,
-            scratch: &mut CastScratch,
-        ) -> Result<WorkingCopy<H, M, Self>, StepError>
-        where
-            M: MasterModel<Self>,
-            WorkingCopy<H, M, Self>: TensorCollection<H::Elem, Self>;
-
-        /// Boxes the workspace of a master run in f32 for the scaler.
-        fn hold_full(w: FullWorking<H, Self>) -> Box<dyn ErasedWorking>;
-
-        /// The state the fused layers share with a workspace (the `Cpu`'s alone).
-        fn links(slots: &Arc<[MasterSlot<Self>]>) -> Option<Arc<Direct>>;
-
-        /// Opens the fused layers' scope for a forward pass on `half`.
+        /// Whether `grads` keep `slot`'s gradient (it is one of their leaves: the gradients the
+        /// model's `alloc_grads` made keep that model's alone), after a backward pass.
         ///
         /// # Errors
         /// A device error.
-        fn enter_scope<C: TensorCollection<H::Elem, Self>>(
-            half: &C,
-            direct: Option<&Arc<Direct>>,
-        ) -> Result<Option<ScopeGuard>, StepError>;
+        fn kept(
+            slot: &MasterSlot<Self>,
+            grads: &mut Gradients<f32, Self>,
+        ) -> Result<bool, StepError>;
 
-        /// Lends the master's gradients to the fused layers while a half backward runs.
-        fn lend(direct: &Direct, grads: &mut Gradients<f32, Self>);
+        /// Data-parallel: after a backward pass, the ranks agree on one verdict and average
+        /// the gradients of the masters it reached (see [`crate::distributed`]); `None` without
+        /// a reducer, or before the last backward pass of an accumulation.
+        ///
+        /// # Errors
+        /// The all-reduce failed, or the ranks disagree.
+        #[cfg(feature = "mpi")]
+        #[allow(clippy::too_many_arguments)]
+        fn reduce(
+            reducer: Option<&mut crate::distributed::Reducer>,
+            slots: &[&MasterSlot<Self>],
+            grads: &mut Gradients<f32, Self>,
+            grads_finite: bool,
+            loss_finite: bool,
+            scale: f32,
+            counters: [u64; 2],
+        ) -> Result<Option<bool>, StepError>;
 
-        /// Takes them back.
-        fn restore(direct: &Direct, grads: &mut Gradients<f32, Self>);
-    }
-}
-
-// ---- a master run in f32 on itself ------------------------------------------------------------
-// A master whose forward pass runs in f32, on the master itself: what `#[mixed_step]` falls
-// back to when the half working copy's forward pass cannot be type-checked (a model whose type
-// is a generic parameter of the `impl`, whose bounds the attribute on the method cannot see).
-// The step keeps the scaler's bookkeeping (one update per backward, skip on non-finite
-// gradients, the iteration's scale adjustment) and reports that it ran in f32
-// ([`StepReport::precision`](super::StepReport::precision)).
-
-/// The gradient slots of an f32-run master on device `D` (checked as precision `H`'s device
-/// checks), and whether a forward pass ran since the last backward.
-pub struct FullWorking<H: Precision, D: MixedDevice<H>> {
-    master: Arc<[MasterSlot<D>]>,
-    used: bool,
-    marker: PhantomData<fn() -> H>,
-}
-
-impl<H: Precision, D: MixedDevice<H>> FullWorking<H, D> {
-    pub(crate) fn new<M: MasterModel<D>>(master: &M) -> Result<Self, StepError> {
-        Ok(Self {
-            master: master_layout::<D, M>(master)
-                .map_err(D::step_error)?
-                .slots
-                .into(),
-            used: false,
-            marker: PhantomData,
-        })
-    }
-}
-
-impl<H: Precision, D: MixedDevice<H>> Workspace for FullWorking<H, D> {
-    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
-        if !self.used || !grads.is::<Gradients<f32, D>>() {
-            return Ok(None);
-        }
-        self.used = false;
-        self.check(grads).map(Some)
-    }
-
-    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
-        match grads.downcast_mut::<Gradients<f32, D>>() {
-            Some(grads) => check_all::<H, D>(&self.master, grads),
-            None => Ok(true),
-        }
-    }
-
-    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
-        f(&[])
-    }
-
-    fn mark_used(&mut self) -> bool {
-        self.used = true;
-        true
-    }
-
-    fn in_f32(&self) -> bool {
-        true
-    }
-
-    #[cfg(feature = "mpi")]
-    fn master_slots(&self) -> &[MasterSlot] {
-        let any: &dyn Any = &self.master;
-        any.downcast_ref::<Arc<[MasterSlot]>>()
-            .map_or(&[], |s| &s[..])
-    }
-
-    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
-        f(self)
+        /// Data-parallel: before an update, checks that the accumulation count was reached.
+        ///
+        /// # Errors
+        /// The ranks disagree.
+        #[cfg(feature = "mpi")]
+        fn before_update(
+            reducer: Option<&mut crate::distributed::Reducer>,
+        ) -> Result<(), StepError>;
     }
 }
 
 /// Whether the master's gradients in `grads` are all finite (on the device; one verdict).
-pub(super) fn check_all<H: Precision, D: MixedDevice<H>>(
+pub(crate) fn check_all<H: Precision, D: MixedDevice<H>>(
     slots: &[MasterSlot<D>],
     grads: &mut Gradients<f32, D>,
 ) -> Result<bool, StepError> {
@@ -311,79 +247,60 @@ pub(super) fn check_all<H: Precision, D: MixedDevice<H>>(
     D::verdict(finite)
 }
 
-// ---- the working copy of an identity precision ------------------------------------------------
-
-/// The working copy of an [`IDENTITY`](Precision::IDENTITY) precision: the master's own
-/// tensors (same ids, shared buffers, nothing copied).
-pub(super) fn share<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
-    master: &M,
-) -> Result<WorkingCopy<H, M, D>, StepError> {
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut Share::<H>(std::marker::PhantomData),
-    })
-    .map_err(D::step_error)?
-    .ok_or(StepError::Cast(crate::cast::CastError::NotRebuilt))
-}
-
-/// Rebuilds a module from clones of its tensors (shared buffers). For a precision whose element
-/// is not `f32` it falls back to a converting copy.
-struct Share<H>(std::marker::PhantomData<H>);
-
-impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for Share<H> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = H::Elem;
-    type D2 = D;
-
-    fn visit<S: Shape>(
-        &mut self,
-        _opts: TensorOptions<S, f32, D>,
-        t: &Tensor<S, f32, D>,
-    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
-        let mut shared = Some(t.clone());
-        let any: &mut dyn std::any::Any = &mut shared;
-        if let Some(same) = any.downcast_mut::<Option<Tensor<S, H::Elem, D>>>() {
-            return Ok(same.take());
-        }
-        D::to_half(t).map(Some)
-    }
-}
-
 // ---- the Cpu: host slices -----------------------------------------------------------------------
 
 mod cpu {
     use std::rc::Rc;
     use std::sync::{Arc, Mutex, PoisonError};
 
-    use dfdx::nn::tensor_collection::TensorCollection;
     use dfdx::optim::OptimizerUpdateError;
     use dfdx::shapes::{HasShape, Shape};
-    use dfdx::tensor::{Cpu, CpuError, Gradients, OwnedTape, Tensor, TensorFromVec};
+    use dfdx::tensor::{Cache, Cpu, CpuError, Gradients, Tensor, TensorFromVec, ZerosTensor};
     use dfdx::tensor_ops::{Device, ReshapeTo};
 
     use super::private::Primitives;
-    use super::{FullOp, HalfOp, SeedOp, Unread};
-    use super::{FullWorking, share};
-    use crate::boundary::MasterModel;
-    use crate::cast::{CastScratch, cast_module_into, grad_slice, try_cast_module};
+    use super::{FullOp, HalfOp, Pair, SeedOp};
+    use crate::cast::grad_slice;
     use crate::finite::{add_scaled_checked, all_finite_f32};
-    use crate::precision::Precision;
-    use crate::step::direct::{Direct, ScopeGuard, all_zero};
+    use crate::kernels::{every_part, zip_parts};
+    use crate::precision::{FloatSlice, Precision};
     use crate::step::error::StepError;
-    use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch};
-    use crate::step::unread;
-    use crate::step::workspace::ErasedWorking;
+    use crate::step::link::RegionLinks;
+    use crate::step::slots::MasterSlot;
+
+    /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation
+    /// cache on (the working copy's tensors and their half gradients are allocated on it, so a
+    /// step's buffers are the last step's), and the host buffers a master tensor is read and
+    /// rounded through. The user's device and its settings are left alone.
+    pub struct Store<H: Precision> {
+        device: Option<Cpu>,
+        wide: Vec<f32>,
+        half: Vec<H::Elem>,
+    }
+
+    impl<H: Precision> Default for Store<H> {
+        fn default() -> Self {
+            Self {
+                device: None,
+                wide: Vec::new(),
+                half: Vec::new(),
+            }
+        }
+    }
 
     impl<H: Precision> Primitives<H> for Cpu
     where
         Cpu: Device<H::Elem>,
     {
-        const IN_PLACE: bool = true;
+        type Links = Arc<RegionLinks>;
         type Finite = Finite;
 
         fn step_error(e: CpuError) -> StepError {
             StepError::Device(e)
+        }
+
+        fn optimizer_error(e: OptimizerUpdateError<CpuError>) -> StepError {
+            StepError::Optimizer(e)
         }
 
         fn fallback_device() -> Option<Cpu> {
@@ -394,8 +311,48 @@ mod cpu {
             Ok(())
         }
 
-        fn optimizer_error(e: OptimizerUpdateError<CpuError>) -> StepError {
-            StepError::Optimizer(e)
+        fn links(inv: f32) -> Arc<RegionLinks> {
+            RegionLinks::new(inv)
+        }
+
+        fn linker(links: &Arc<RegionLinks>) -> crate::step::Linker {
+            crate::step::Linker::new(Arc::clone(links))
+        }
+
+        fn is_linked(links: &Arc<RegionLinks>, addr: usize) -> bool {
+            links.is_linked(addr)
+        }
+
+        fn lend(links: &Arc<RegionLinks>, grads: &mut Gradients<f32, Cpu>) {
+            links.lend(grads);
+        }
+
+        fn restore(links: &Arc<RegionLinks>, grads: &mut Gradients<f32, Cpu>) {
+            links.restore(grads);
+        }
+
+        type Store = Store<H>;
+
+        fn to_working<S: Shape>(
+            x: &Tensor<S, f32, Cpu>,
+            store: &mut Store<H>,
+        ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError> {
+            let n = x.shape().num_elements();
+            store.wide.resize(n, 0.0);
+            x.clone().try_contiguous()?.copy_into(&mut store.wide);
+            store.half.resize(n, H::Elem::default());
+            zip_parts(&mut store.half, &store.wide, &|dst, src| {
+                H::round(src, dst);
+                true
+            });
+            let dev = store.device.get_or_insert_with(|| {
+                let dev = Cpu::default();
+                dev.enable_cache();
+                dev
+            });
+            let mut t = dev.try_zeros_like(x.shape())?;
+            t.copy_from(&store.half);
+            Ok(t)
         }
 
         fn to_half<S: Shape, T>(
@@ -424,17 +381,6 @@ mod cpu {
             let mut full = vec![0.0f32; n];
             H::widen(&half, &mut full);
             y.device().try_tensor_from_vec(full, *y.shape())
-        }
-
-        fn unread_input<S: Shape>(
-            x: &Tensor<S, H::Elem, Cpu>,
-            x32: &Tensor<S, f32, Cpu>,
-            tape: OwnedTape<f32, Cpu>,
-        ) -> Result<Unread<H::Elem, Cpu>, CpuError> {
-            let (tape, read) = unread::read_after_backward(x32, tape)?;
-            let mark: Option<HalfOp<H::Elem, Cpu>> =
-                (!read).then(|| Box::new(unread::mark(x)) as _);
-            Ok((tape, mark))
         }
 
         fn input_bridge<S: Shape>(
@@ -471,6 +417,20 @@ mod cpu {
             (inner, writer)
         }
 
+        fn unread_mark<S: Shape>(
+            x: &Tensor<S, H::Elem, Cpu>,
+            links: &Arc<RegionLinks>,
+        ) -> Option<HalfOp<H::Elem, Cpu>> {
+            let (x, links) = (x.ghost(), Arc::clone(links));
+            Some(Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
+                let at = grad_slice::<H::Elem>(g.get_or_alloc_mut(&x)?)
+                    .as_ptr()
+                    .addr();
+                links.mark_unread(at);
+                Ok(())
+            }))
+        }
+
         fn output_seed<S: Shape>(
             y: &Tensor<S, H::Elem, Cpu>,
             y32: &Tensor<S, f32, Cpu>,
@@ -503,31 +463,22 @@ mod cpu {
             })
         }
 
-        fn accumulate<S: Shape>(
+        fn transfer(
             half: &mut Gradients<H::Elem, Cpu>,
-            t: &Tensor<S, H::Elem, Cpu>,
-            slot: &MasterSlot<Cpu>,
-            index: usize,
+            pair: &Pair<H, Cpu>,
             grads: &mut Gradients<f32, Cpu>,
             inv: f32,
-            direct: bool,
-            finite: &mut Finite,
-        ) -> Result<(), StepError> {
-            let n = t.shape().num_elements();
-            let src = grad_slice::<H::Elem>(half.get_or_alloc_mut(t)?);
-            if src.len() != n {
-                return Err(len_mismatch(index, n, src.len()));
-            }
-            if direct && all_zero(H::floats(src)) {
-                // written straight into the master's gradient (and checked there) by a linked
-                // layer
+        ) -> Result<(), CpuError> {
+            let src = pair.half.slice(half)?;
+            if pair.linked && all_zero(H::floats(src)) {
+                // written straight into the master's gradient by a linked layer
                 return Ok(());
             }
-            let dst = slot.slice(grads)?;
-            if dst.len() != n {
-                return Err(len_mismatch(index, dst.len(), n));
+            let dst = pair.master.slice(grads)?;
+            if dst.len() != src.len() {
+                return Err(CpuError::WrongNumElements);
             }
-            finite.0 &= add_unscaled::<H>(src, inv, dst);
+            add_unscaled::<H>(src, inv, dst);
             Ok(())
         }
 
@@ -536,7 +487,8 @@ mod cpu {
             grads: &mut Gradients<f32, Cpu>,
             finite: &mut Finite,
         ) -> Result<(), StepError> {
-            finite.0 &= all_finite_f32(slot.slice(grads)?);
+            let values = slot.slice(grads)?;
+            finite.0 &= every_part(values, &all_finite_f32);
             Ok(())
         }
 
@@ -544,56 +496,60 @@ mod cpu {
             Ok(finite.0)
         }
 
-        fn refresh_same<M>(
-            master: &M,
-            half: Option<WorkingCopy<H, M, Cpu>>,
-            scratch: &mut CastScratch,
-        ) -> Result<WorkingCopy<H, M, Cpu>, StepError>
-        where
-            M: MasterModel<Cpu>,
-            WorkingCopy<H, M, Cpu>: TensorCollection<H::Elem, Cpu>,
-        {
-            Ok(match half {
-                Some(mut half) if !H::IDENTITY => {
-                    cast_module_into::<H, f32, M>(master, &mut half, scratch)?;
-                    half
-                }
-                _ if H::IDENTITY => share::<H, Cpu, M>(master)?,
-                _ => {
-                    // Built once; the in-place cast sizes its scratch now, so that every later
-                    // step allocates nothing of the model's size.
-                    let mut half = try_cast_module::<H, f32, M>(master)?;
-                    cast_module_into::<H, f32, M>(master, &mut half, scratch)?;
-                    half
-                }
-            })
+        fn kept(
+            slot: &MasterSlot<Cpu>,
+            grads: &mut Gradients<f32, Cpu>,
+        ) -> Result<bool, StepError> {
+            // A mark written into the gradient survives dropping what is not a leaf exactly
+            // when the gradient is one; its value is put back then.
+            let buf = slot.slice(grads)?;
+            let Some(first) = buf.first_mut() else {
+                return Ok(true);
+            };
+            let saved = std::mem::replace(first, f32::from_bits(MARK));
+            grads.drop_non_leafs();
+            let buf = slot.slice(grads)?;
+            let kept = buf.first().is_some_and(|v| v.to_bits() == MARK);
+            if kept {
+                buf[0] = saved;
+            } else {
+                // the zeros just allocated to look
+                grads.drop_non_leafs();
+            }
+            Ok(kept)
         }
 
-        fn hold_full(w: FullWorking<H, Cpu>) -> Box<dyn ErasedWorking> {
-            Box::new(w)
+        #[cfg(feature = "mpi")]
+        fn reduce(
+            reducer: Option<&mut crate::distributed::Reducer>,
+            slots: &[&MasterSlot<Cpu>],
+            grads: &mut Gradients<f32, Cpu>,
+            grads_finite: bool,
+            loss_finite: bool,
+            scale: f32,
+            counters: [u64; 2],
+        ) -> Result<Option<bool>, StepError> {
+            Ok(crate::distributed::after_backward(
+                reducer,
+                slots,
+                grads,
+                grads_finite,
+                loss_finite,
+                scale,
+                counters,
+            )?)
         }
 
-        fn links(slots: &Arc<[MasterSlot<Cpu>]>) -> Option<Arc<Direct>> {
-            Some(Arc::new(Direct::new(Arc::clone(slots))))
-        }
-
-        fn enter_scope<C: TensorCollection<H::Elem, Cpu>>(
-            half: &C,
-            direct: Option<&Arc<Direct>>,
-        ) -> Result<Option<ScopeGuard>, StepError> {
-            Ok(direct
-                .map(|d| crate::step::direct::enter::<H::Elem, C>(half, d))
-                .transpose()?)
-        }
-
-        fn lend(direct: &Direct, grads: &mut Gradients<f32, Cpu>) {
-            direct.lend(grads);
-        }
-
-        fn restore(direct: &Direct, grads: &mut Gradients<f32, Cpu>) {
-            direct.restore(grads);
+        #[cfg(feature = "mpi")]
+        fn before_update(
+            reducer: Option<&mut crate::distributed::Reducer>,
+        ) -> Result<(), StepError> {
+            Ok(crate::distributed::before_update(reducer)?)
         }
     }
+
+    /// A NaN with a payload of its own: any value but a fresh gradient's (zero) would do.
+    const MARK: u32 = 0x7fc0_5a17;
 
     /// Whether every host slice checked was finite.
     pub struct Finite(pub(crate) bool);
@@ -604,30 +560,32 @@ mod cpu {
         }
     }
 
-    /// Elements moved per chunk (widened, unscaled, added and checked while in cache).
+    /// Elements moved per chunk (widened, unscaled and added while in cache).
     const CHUNK: usize = 1024;
 
-    /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`, zeroes `src`, and returns
-    /// whether `dst` is finite afterwards: each chunk is widened into a stack buffer, then added
-    /// with the check folded in ([`add_scaled_checked`]), so `dst` is read once.
-    pub(crate) fn add_unscaled<H: Precision>(
-        src: &mut [H::Elem],
-        inv_scale: f32,
-        dst: &mut [f32],
-    ) -> bool {
+    /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`: each chunk is widened
+    /// into a stack buffer, then added, so `dst` is read once.
+    pub(crate) fn add_unscaled<H: Precision>(src: &[H::Elem], inv_scale: f32, dst: &mut [f32]) {
         let mut buf = [0.0f32; CHUNK];
-        let zero = H::Elem::default();
-        let mut finite = true;
-        for (s, d) in src.chunks_mut(CHUNK).zip(dst.chunks_mut(CHUNK)) {
+        for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
             let b = &mut buf[..s.len()];
             H::widen(s, b);
-            finite &= add_scaled_checked(d, b, inv_scale);
-            s.fill(zero);
+            // finiteness is checked once the whole backward pass has run
+            add_scaled_checked(d, b, inv_scale);
         }
-        // `dst` longer than `src` cannot happen (the lengths are checked before); its tail
-        // would still be checked here.
-        let tail = dst.get(src.len()..).unwrap_or(&[]);
-        finite && all_finite_f32(tail)
+    }
+
+    /// Whether every bit of a gradient is zero (nothing was added to it), read on the pool's
+    /// threads for a long gradient.
+    pub(crate) fn all_zero(values: FloatSlice<'_>) -> bool {
+        match values {
+            FloatSlice::F32(v) | FloatSlice::Bf16(v) => {
+                every_part(v, &|p| p.iter().fold(0, |acc, x| acc | x.to_bits()) == 0)
+            }
+            FloatSlice::F16(v) => {
+                every_part(v, &|p| p.iter().fold(0, |acc, x| acc | x.to_bits()) == 0)
+            }
+        }
     }
 }
 

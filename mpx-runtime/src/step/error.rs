@@ -9,7 +9,7 @@ use dfdx::tensor::CpuError;
 /// A non-finite gradient or loss is **not** an error: it is a skipped step, reported in
 /// [`UpdateOutcome::Skipped`](super::UpdateOutcome::Skipped). It becomes an error only when a
 /// limit on consecutive skips is set and exceeded ([`StepError::TooManySkips`]).
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum StepError {
     /// The device failed (in practice: out of memory); the device's error is the source.
@@ -42,17 +42,30 @@ pub enum StepError {
         scale: f32,
     },
 
-    /// The master model does not have the layout its working copy was built for.
+    /// The master's non-parameter tensors (batch-norm statistics) no longer line up with the
+    /// values its forward pass left for it: the model changed shape between its forward pass and
+    /// its update.
     #[error(
-        "the working copy was built for a master model with {expected}, but this one has {found}; \
-         a master's tensors must keep their shapes between steps"
+        "the non-parameter tensors (batch-norm statistics) of this `{model}` no longer line up with those its forward pass changed: the model must keep its layout between its forward pass and its update"
     )]
-    WorkspaceMismatch {
-        /// What the workspace expected (tensor count or a tensor's element count).
-        expected: String,
-        /// What it found.
-        found: String,
+    MasterChanged {
+        /// The model's type.
+        model: &'static str,
     },
+
+    /// A master model without tensors on a device that has no default one: there is nothing to
+    /// train, and no device to run on.
+    #[error("`{model}` has no tensors: a master model must have parameters on the step's device")]
+    NoTensors {
+        /// The model's type.
+        model: &'static str,
+    },
+
+    /// An update was ended on another scaler than the one that began it.
+    #[error(
+        "this update was begun on another GradScaler: an update's two halves run on one scaler"
+    )]
+    OtherScaler,
 
     /// The optimizer rejected the update; dfdx's `OptimizerUpdateError` is the source.
     ///
@@ -103,6 +116,27 @@ pub enum StepError {
     #[error("the checkpoint cannot be restored: {0}")]
     Checkpoint(String),
 
+    /// 20 steps in a row were skipped at a loss scale that did not move: a static scale that
+    /// overflows every step, or a dynamic one at its minimum, trains nothing, forever.
+    #[error(
+        "{consecutive} steps in a row were skipped and the loss scale ({scale}) could not back off any further, so nothing trains: use a DynamicLossScale (or a lower static scale, or a lower minimum), check the batch and the loss for NaN/inf, or set a limit of your own with `GradScaler::with_max_consecutive_skips`"
+    )]
+    ScaleStuck {
+        /// Skips in a row at an unchanged scale.
+        consecutive: u64,
+        /// The loss scale.
+        scale: f32,
+    },
+
+    /// A gradient-clipping bound that is negative, infinite or NaN.
+    #[error(
+        "clip_grad_norm: max_norm must be a finite number, 0 or more, got {max_norm} (a negative bound would flip every gradient, NaN would never clip)"
+    )]
+    InvalidClip {
+        /// The bound given.
+        max_norm: f32,
+    },
+
     /// More consecutive steps were skipped than the limit allows.
     #[error(
         "{consecutive} consecutive steps were skipped (limit {limit}) because gradients or the \
@@ -134,13 +168,13 @@ pub enum StepError {
 /// are one of them convert:
 /// - a device error ([`StepError::Device`], or the optimizer's `DeviceError` inside
 ///   [`StepError::Optimizer`]) as itself;
-/// - tensors that did not line up ([`StepError::WorkspaceMismatch`], [`StepError::Cast`], the
+/// - tensors that did not line up ([`StepError::MasterChanged`], [`StepError::Cast`], the
 ///   optimizer's `UnusedParams`) as `WrongNumElements`.
 ///
 /// # Panics
-/// On [`StepError::TooManySkips`], [`StepError::InvalidScale`], [`StepError::UnknownMaster`],
-/// [`StepError::NoBackward`] and [`StepError::Checkpoint`], with the error's own
-/// message: `CpuError` has no variant for either, and reporting them as a shape or memory
+/// On the causes `CpuError` has no variant for ([`StepError::TooManySkips`],
+/// [`StepError::ScaleStuck`], [`StepError::InvalidScale`], [`StepError::NoBackward`], ...),
+/// with the error's own message: `CpuError` has no variant for either, and reporting them as a shape or memory
 /// error would send the reader after the wrong cause. A step that should handle them returns
 /// [`StepError`] or `Box<dyn Error>` (both keep the cause); dfdx's own `backward` and `update`
 /// panic on errors the same way.
@@ -156,15 +190,19 @@ impl From<StepError> for CpuError {
     fn from(e: StepError) -> Self {
         match e {
             StepError::Device(e) | StepError::Optimizer(OptimizerUpdateError::DeviceError(e)) => e,
-            StepError::WorkspaceMismatch { .. }
+            StepError::MasterChanged { .. }
             | StepError::Cast(_)
             | StepError::Optimizer(OptimizerUpdateError::UnusedParams(_)) => {
                 CpuError::WrongNumElements
             }
             e @ (StepError::TooManySkips { .. }
+            | StepError::ScaleStuck { .. }
             | StepError::InvalidScale { .. }
+            | StepError::InvalidClip { .. }
             | StepError::UnknownMaster { .. }
             | StepError::NoBackward { .. }
+            | StepError::NoTensors { .. }
+            | StepError::OtherScaler
             | StepError::Checkpoint(_)) => {
                 panic!(
                     "{e} (dfdx's CpuError cannot carry this cause: return StepError or Box<dyn Error> from the step to handle it)"
@@ -211,6 +249,43 @@ impl From<StepError> for dfdx::tensor::CudaError {
             }
             e => Self::Cpu(CpuError::from(e)),
         }
+    }
+}
+
+/// An optimizer update that `#[mixed_step]` rewrote returns the type the step's own
+/// `opt.update(..)` returns, so every `?` and `unwrap` on it works as before: the step's own
+/// causes arrive as the optimizer's `DeviceError`, by way of `From<StepError> for CpuError`
+/// (whose panics apply: a cause `CpuError` cannot carry stops the step with its own message).
+///
+/// # Examples
+/// ```
+/// use dfdx::optim::OptimizerUpdateError;
+/// use dfdx::tensor::CpuError;
+/// use mpx_runtime::step::StepError;
+/// let e = OptimizerUpdateError::<CpuError>::from(StepError::from(CpuError::OutOfMemory));
+/// assert!(matches!(e, OptimizerUpdateError::DeviceError(CpuError::OutOfMemory)));
+/// ```
+impl From<StepError> for OptimizerUpdateError<CpuError> {
+    fn from(e: StepError) -> Self {
+        match e {
+            StepError::Optimizer(e) => e,
+            e => OptimizerUpdateError::DeviceError(CpuError::from(e)),
+        }
+    }
+}
+
+/// What went wrong and what to do, as [`Display`](std::fmt::Display) writes it (followed by
+/// its sources), so that a step's error reached through `unwrap` or `expect`
+/// reads as a sentence rather than a struct.
+impl std::fmt::Debug for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self}")?;
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
     }
 }
 

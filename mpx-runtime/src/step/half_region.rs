@@ -2,18 +2,19 @@
 //!
 //! This is the mirror image of [`region`](crate::region) (an f32 region inside a half graph).
 //! The traced f32 input of a forward pass enters the region: its tape is split off, its values
-//! are rounded to the half type, and it is traced again on a half tape whose gradients are the
-//! working copy's reusable buffers. The forward pass runs on the half working copy. Its output
+//! are rounded to the half type, and it is traced again on a half tape of its own. The forward
+//! pass runs on the pass's working copy ([`working`](super::working)). Its output
 //! leaves the region widened to f32, on the input's f32 tape, so everything after it (the loss,
 //! penalties, logging) is ordinary f32 dfdx code.
 //!
 //! One backward op on the f32 tape carries the gradient back in: it multiplies the output's f32
 //! gradient by the **loss scale** (scaling happens exactly where values enter the half type, so
 //! f32 code never sees scaled values), rounds it to the half type, runs the half graph's
-//! backward, hands the working copy's half gradients to the step (which unscales them into the
-//! master's f32 gradients), and adds the input's gradient, unscaled, to the f32 graph, so a
-//! forward staged over several calls chains correctly. An input whose f32 gradient nothing can
-//! read (a batch traced with the model's `alloc_grads`) gets none: see [`unread`](super::unread).
+//! backward, adds the working copy's half gradients, unscaled, to the master's f32 gradients
+//! (the ones this backward is filling), and adds the input's gradient, unscaled, to the f32
+//! graph, so a forward staged over several calls chains correctly. A [`Batch`] input, whose f32
+//! gradient nothing reads, gets none. Last, it leaves the master's gradient slots for the
+//! scaler's backward, which judges them once the whole backward pass has run.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -23,50 +24,53 @@ use dfdx::tensor::{
 };
 use dfdx::tensor_ops::{Backward, ReshapeTo};
 
-use super::device::{FullOp, HalfOp, MixedDevice, SeedOp};
-use super::direct::Direct;
+use super::device::{FullOp, HalfOp, MixedDevice, Pair, SeedOp};
+use super::pending::Cell;
+use super::slots::MasterSlot;
 use crate::precision::Precision;
 
-/// The working copy's half gradients of each finished backward, waiting to be moved to the
-/// master.
-pub(crate) type Stash<E, D = Cpu> = Arc<Mutex<Vec<Gradients<E, D>>>>;
+/// A forward pass whose half backward has run: its master's gradient slots and the cell its
+/// verdict goes to, for the scaler's backward to judge once the whole backward has run.
+pub(crate) struct Finished<D: MixedDevice<H>, H: Precision> {
+    pub(crate) slots: Vec<MasterSlot<D>>,
+    pub(crate) cell: Cell,
+    pub(crate) marker: std::marker::PhantomData<fn() -> H>,
+}
+
+/// Where the backward bridges of a scaler's forward passes leave what they finished.
+pub(crate) type Inbox<D, H> = Arc<Mutex<Vec<Finished<D, H>>>>;
+
+/// What one forward pass hands its backward bridge: the working copy's tensors and the master
+/// tensors they stand for, the forward pass's link state, the master's cell and the inbox.
+pub(crate) struct Handoff<H: Precision, D: MixedDevice<H>> {
+    pub(crate) pairs: Vec<Pair<H, D>>,
+    pub(crate) links: D::Links,
+    pub(crate) cell: Cell,
+    pub(crate) inbox: Inbox<D, H>,
+}
 
 /// The state of one region while its input enters and its output leaves, on device `D`.
 pub struct Region<H: Precision, D: MixedDevice<H> = Cpu> {
-    /// Gradient buffers for the half tape (taken by the first traced input).
-    pub(crate) pool: Option<Gradients<H::Elem, D>>,
     /// The merged f32 tape of the inputs (taken by the first traced output).
     outer: Option<OwnedTape<f32, D>>,
     /// Adds the inputs' captured half gradients to the f32 graph.
     writers: Vec<FullOp<D>>,
-    /// Mark the half gradients of inputs whose f32 gradient nothing reads
-    /// ([`unread`](super::unread)).
+    /// Mark the half gradients of inputs whose f32 gradient nothing reads ([`Batch`]).
     marks: Vec<HalfOp<H::Elem, D>>,
     /// The merged half tape of the traced outputs.
     inner: Option<OwnedTape<H::Elem, D>>,
     /// One per traced output.
     seeds: Vec<SeedOp<H::Elem, D>>,
-    pub(crate) scale: f32,
+    scale: f32,
     /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
-    pub(crate) inv: f32,
-    pub(crate) stash: Stash<H::Elem, D>,
-    /// Where linked fused layers write their gradients ([`super::direct`]); lent the master's
-    /// gradients while the half backward runs.
-    direct: Option<Arc<Direct>>,
+    inv: f32,
+    handoff: Option<Handoff<H, D>>,
     dev: D,
 }
 
 impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
-    pub(crate) fn new(
-        dev: D,
-        pool: Gradients<H::Elem, D>,
-        scale: f32,
-        inv: f32,
-        stash: Stash<H::Elem, D>,
-        direct: Option<Arc<Direct>>,
-    ) -> Self {
+    pub(crate) fn new(dev: D, scale: f32, inv: f32, handoff: Handoff<H, D>) -> Self {
         Self {
-            pool: Some(pool),
             outer: None,
             writers: Vec::new(),
             marks: Vec::new(),
@@ -74,17 +78,15 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             seeds: Vec::new(),
             scale,
             inv,
-            stash,
-            direct,
+            handoff: Some(handoff),
             dev,
         }
     }
 
-    /// The half tape for a traced input: the reusable buffers for the first, a fresh one after.
+    /// A half tape for a traced input.
     fn inner_tape(&mut self) -> Result<OwnedTape<H::Elem, D>, D::Err> {
-        let grads = self.pool.take().unwrap_or_else(Gradients::leaky);
         let anchor: Tensor<Rank0, H::Elem, D> = self.dev.try_zeros()?;
-        Ok(anchor.traced(grads).split_tape().1)
+        Ok(anchor.traced(Gradients::leaky()).split_tape().1)
     }
 
     fn merge_outer(&mut self, tape: OwnedTape<f32, D>) {
@@ -93,7 +95,62 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             None => tape,
         });
     }
+
+    /// Rounds a traced f32 input into the region: `read` says whether its own f32 gradient is
+    /// read (else its half gradient is marked unread for the linked layers, and no f32 gradient
+    /// is written for it).
+    fn enter_traced<S: Shape>(
+        &mut self,
+        x: Tensor<S, f32, D, OwnedTape<f32, D>>,
+        read: bool,
+    ) -> Result<Tensor<S, H::Elem, D, OwnedTape<H::Elem, D>>, D::Err> {
+        let (x32, tape) = x.split_tape();
+        let x = D::to_half(&x32)?;
+        self.merge_outer(tape);
+        let mut inner = self.inner_tape()?;
+        let mark = if read {
+            None
+        } else {
+            self.handoff
+                .as_ref()
+                .and_then(|h| D::unread_mark(&x, &h.links))
+        };
+        if let Some(mark) = mark {
+            self.marks.push(mark);
+        } else {
+            // Added before the forward pass, so it runs after every op that uses the input:
+            // it captures the input's (scaled, half) gradient for the f32 graph.
+            let (capture, writer) = D::input_bridge(&x, &x32, self.inv);
+            inner.add_backward_op(capture);
+            self.writers.push(writer);
+        }
+        Ok(x.put_tape(inner))
+    }
 }
+
+/// The traced batch of a forward pass whose own gradient nothing reads: what `x.traced(grads)`
+/// is in a dfdx step whose `grads` came from `alloc_grads` (they keep the model's gradients
+/// only, so dfdx computes the batch's and drops it). A mixed step then computes none: mpx's
+/// fused linear layers skip `dX = dZ·W` for it, as JAX and PyTorch compute no gradient nothing
+/// asked for. `#[mixed_step]` wraps a forward pass's input in it where the step's code shows
+/// that nothing can read that gradient (see `docs/dsl.md`).
+///
+/// # Examples
+/// ```
+/// use dfdx::{optim::*, prelude::*};
+/// use mpx_runtime::{precision::f16, step::{Batch, GradScaler, Mixed}};
+/// let dev: Cpu = Default::default();
+/// let mut model = Mixed::mapped(dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>());
+/// let mut scaler = GradScaler::<f16>::default();
+/// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
+/// let y = scaler.forward(&model, Batch(x.trace(model.alloc_grads())), |m, x| m.forward(x))?;
+/// let grads = scaler.backward(y.square().mean())?;
+/// let mut opt = Sgd::new(&*model, Default::default());
+/// assert!(scaler.update(&mut model, &mut opt, &grads)?.is_applied());
+/// # Ok::<(), mpx_runtime::step::StepError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Batch<T>(pub T);
 
 /// An input of a model's forward pass, as it enters the half region: f32 tensors (traced or
 /// not) are rounded to the half type, integer tensors (token ids) keep their values and only
@@ -111,6 +168,19 @@ pub trait HalfInput<H: Precision, D: MixedDevice<H> = Cpu> {
     /// # Errors
     /// A device error (allocation).
     fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, <D as HasErr>::Err>;
+
+    /// Converts the input as the batch of a forward pass whose own gradient nothing reads
+    /// ([`Batch`]): a traced f32 tensor then gets no gradient; any other input enters as it
+    /// always does.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn enter_unread(self, region: &mut Region<H, D>) -> Result<Self::Half, <D as HasErr>::Err>
+    where
+        Self: Sized,
+    {
+        self.enter(region)
+    }
 }
 
 impl<H: Precision, D: MixedDevice<H>, S: Shape> HalfInput<H, D>
@@ -118,21 +188,17 @@ impl<H: Precision, D: MixedDevice<H>, S: Shape> HalfInput<H, D>
 {
     type Half = Tensor<S, H::Elem, D, OwnedTape<H::Elem, D>>;
     fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
-        let (x32, tape) = self.split_tape();
-        let x = D::to_half(&x32)?;
-        let (tape, unread) = D::unread_input(&x, &x32, tape)?;
-        region.merge_outer(tape);
-        let mut inner = region.inner_tape()?;
-        if let Some(mark) = unread {
-            region.marks.push(mark);
-        } else {
-            // Added before the forward pass, so it runs after every op that uses the input:
-            // it captures the input's (scaled, half) gradient for the f32 graph.
-            let (capture, writer) = D::input_bridge(&x, &x32, region.inv);
-            inner.add_backward_op(capture);
-            region.writers.push(writer);
-        }
-        Ok(x.put_tape(inner))
+        region.enter_traced(self, true)
+    }
+    fn enter_unread(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
+        region.enter_traced(self, false)
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>> HalfInput<H, D> for Batch<T> {
+    type Half = T::Half;
+    fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
+        self.0.enter_unread(region)
     }
 }
 
@@ -206,17 +272,13 @@ pub trait HalfOutput<H: Precision, D: MixedDevice<H> = Cpu> {
 impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
     /// Registers the one backward op of the region on the inputs' f32 tape.
     fn bridge(&mut self) {
-        let Some(mut inner) = self.inner.take() else {
+        let (Some(mut inner), Some(handoff)) = (self.inner.take(), self.handoff.take()) else {
             return;
         };
         let seeds = std::mem::take(&mut self.seeds);
         let writers = std::mem::take(&mut self.writers);
         let marks = std::mem::take(&mut self.marks);
-        let (stash, dev, direct) = (
-            Arc::clone(&self.stash),
-            self.dev.clone(),
-            self.direct.clone(),
-        );
+        let (dev, inv) = (self.dev.clone(), self.inv);
         let mut outer = self.outer.take().unwrap_or_default();
         outer.add_backward_op(move |g32: &mut Gradients<f32, D>| {
             let mut applies: Vec<HalfOp<H::Elem, D>> = Vec::with_capacity(seeds.len());
@@ -235,23 +297,29 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             });
             let anchor: Tensor<Rank0, H::Elem, D> = dev.try_zeros()?;
             // Linked layers add their f32 gradients to the master's (these `g32`) meanwhile.
-            if let Some(d) = &direct {
-                D::lend(d, g32);
-            }
-            let marked = super::unread::Marks::begin();
+            D::lend(&handoff.links, g32);
             let half_grads = anchor.put_tape(inner).try_backward();
-            drop(marked);
-            if let Some(d) = &direct {
-                D::restore(d, g32);
+            D::restore(&handoff.links, g32);
+            let mut half_grads = half_grads?;
+            // the working copy's half gradients, unscaled into the master's
+            for pair in &handoff.pairs {
+                D::transfer(&mut half_grads, pair, g32, inv)?;
             }
-            let half_grads = half_grads?;
+            drop(half_grads);
             for w in &writers {
                 w(g32)?;
             }
-            stash
+            let Handoff {
+                pairs, cell, inbox, ..
+            } = handoff;
+            inbox
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .push(half_grads);
+                .push(Finished {
+                    slots: pairs.into_iter().map(|p| p.master).collect(),
+                    cell,
+                    marker: std::marker::PhantomData,
+                });
             Ok(())
         });
         self.outer = Some(outer);

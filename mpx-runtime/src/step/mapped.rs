@@ -1,28 +1,24 @@
-//! [`HalfLayers`]: the working copy of a model of dfdx's layers built from mpx's fused layers,
-//! and the cast from the master into it by visit order.
+//! [`HalfLayers`]: the layer map of a mixed step's working copy made of mpx's layers.
 //!
 //! A model's plain working copy is `<M as TensorCollection<f32, Cpu>>::To<f16, Cpu>`: dfdx's own
 //! layers in f16, which run on dfdx's scalar f16 kernels. For a model made of dfdx's stable
-//! layers (`Linear`, the activations, `Embedding`, `LayerNorm1D`, `BatchNorm1D`, dropout,
-//! `MultiHeadAttention`, transformer encoder blocks) and its containers (tuples, `Residual`,
-//! `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto`), the working copy can instead be
-//! made of mpx's layers where mpx has one: the fused [`nn::Linear`](crate::nn::Linear) (f16
-//! storage, f32 sums on mpx's GEMM, and direct f32 gradients into the master's inside a
-//! [`GradScaler`](super::GradScaler)), with a `ReLU` right after it in a tuple run in its op, and
-//! the mixed-ready transformer layers of [`mpx::nn`](crate::nn); the other layers stay dfdx's,
-//! in the half type. The model's type does not change:
-//! [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped) runs on it, and
-//! `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
+//! layers and containers, the working copy can instead be made of mpx's layers where mpx has
+//! one: the fused [`nn::Linear`](crate::nn::Linear) (f16 storage, f32 sums on mpx's GEMM, its
+//! weight and bias gradients written in f32 straight into the master's), and the mixed-ready
+//! transformer layers of [`mpx::nn`](crate::nn); the other layers stay dfdx's, in the half type.
+//! The model's type does not change: [`Mixed::mapped`](super::Mixed::mapped) runs it that way,
+//! and `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
 //!
-//! mpx's `Linear` visits `weight (O, I)` then `bias (O,)` as dfdx's does, and each transformer
-//! layer visits dfdx's fields in dfdx's order, so the mapped working copy's tensors line up with
-//! the master's by position: the cast walks the master into one f32 buffer, rounds it, and walks
-//! the working copy filling its tensors in the same order; the non-tensor settings (a norm's
-//! `epsilon` and `momentum`, dropout's `p`) are copied by [`HalfLayers::copy_scalars`] on every
-//! cast, and the `(Linear, ReLU)` pairs linked. Every count and length is checked
-//! ([`StepError::WorkspaceMismatch`](super::StepError) otherwise).
+//! This file is the one map from dfdx's layers to their working copies. Each working copy
+//! visits the master's tensors and scalar settings in the master's order, with the same shapes
+//! and trainable flags, so the step builds it by walking its type and filling it from the master
+//! by position ([`super::working`]): every count and length is checked, and every setting (a
+//! norm's `epsilon` and `momentum`, dropout's `p`) is the master's. What a working copy holds
+//! that is not a tensor or a scalar of dfdx's (a fused layer's link to its master tensors,
+//! `LeakyReLU`'s slope) is set by [`HalfLayers::finish`]. A working copy computes exactly what
+//! the master's layers compute, layer by layer: nothing is fused across layers, so a step that
+//! calls the layers one by one, with its own ops between them, sees what dfdx's layers give.
 
-use dfdx::nn::BuildModule;
 use dfdx::nn::modules::{
     AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, LayerNorm1D as DfdxLayerNorm1D,
     Linear as DfdxLinear, MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
@@ -33,44 +29,40 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::tensor::Cpu;
 use dfdx::tensor_ops::Device;
 
-use super::error::StepError;
-use super::layout::first_device;
+use super::link::Linker;
 use crate::boundary::MasterModel;
-use crate::cast::{CastScratch, cast_by_position};
+use crate::nn::InBf16;
 use crate::precision::{AMP, Precision, bf16, f16};
 
-/// A master model whose working copy in precision `H` can be built from mpx's fused layers:
-/// - dfdx's `Linear<I, O>` becomes mpx's fused [`FusedLinear`](crate::nn::FusedLinear) in
-///   `H::Elem`; a `ReLU` right after it in a tuple runs in its op (the `ReLU` becomes a
-///   [`LinkedReLU`](crate::nn::LinkedReLU) that passes its input through), any other `ReLU` is a
-///   `LinkedReLU` that applies it;
-/// - `LayerNorm1D`, `MultiHeadAttention` and `TransformerEncoderBlock` become their mixed-ready
-///   [`mpx::nn`](crate::nn) counterparts (layer-norm statistics and softmax in f32, matmuls on
-///   mpx's GEMM), so a `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
+/// A master model whose working copy in precision `H` can be made of mpx's layers:
+/// - dfdx's `Linear<I, O>` becomes mpx's fused [`nn::Linear`](crate::nn::Linear) in `H::Elem`,
+///   linked to the master's weight and bias;
+/// - `LayerNorm1D`, `MultiHeadAttention`, the transformer's encoder and decoder blocks,
+///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
+///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
+///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
 /// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
 ///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
 ///   master on an applied update; the leaky slope is rounded to `H`);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
-///   ([`InF32`](crate::nn::InF32)); the other parameter-free layers (`Tanh`, `Sigmoid`,
-///   `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
+///   ([`InF32`](crate::nn::InF32)); `ReLU` and the other parameter-free layers (`Tanh`,
+///   `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
 ///   `DropoutOneIn`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
-///   such layers map their layers.
+///   such layers map their layers;
+/// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
+///   in a master of f32 elements are themselves in `H`, a fused linear layer linked.
 ///
-/// A model with a layer outside this list (a module of the user's own, dfdx's decoder) does not
-/// implement it, and runs whole on its plain working copy. The choice is per model, not per
-/// module: a per-module fallback would need a blanket impl for "any other module" beside these,
-/// which stable Rust's coherence rules (no specialisation) do not allow.
+/// In emulated bf16 (f32 storage) mpx's layers stand in the working copy wrapped in
+/// [`InBf16`], which runs them in bf16.
 ///
-/// Each counterpart visits dfdx's tensors in dfdx's order, with the same shapes and trainable
-/// flags (the cast goes by position), and takes the same inputs (`(S, M)` and `(B, S, M)`
-/// sequences, attention's `(q, k, v)` tuples).
+/// Each counterpart visits dfdx's tensors and scalars in dfdx's order, with the same shapes and
+/// trainable flags (the working copy is built by position), and takes the same inputs (`(S, M)`
+/// and `(B, S, M)` sequences, attention's `(q, k, v)` tuples).
 ///
-/// Implemented for `H` = [`f16`](struct@f16), [`AMP<f16>`] and emulated [`bf16`](struct@bf16).
-/// In emulated bf16 the working copy is mpx's layers of f32 elements, which the step's forward
-/// pass runs in bf16 (products of bf16 operands, on `vdpbf16ps` where the CPU has AVX512-BF16;
-/// outputs and gradients rounded to bf16). A model with any other layer does not implement it
-/// and keeps the plain working copy ([`WorkingCopy`](super::WorkingCopy)).
+/// A model with a layer outside this list (a module of the user's own, dfdx's convolutions)
+/// does not implement it and runs on its plain working copy
+/// ([`WorkingCopy`](super::WorkingCopy)).
 ///
 /// # Examples
 /// ```
@@ -80,107 +72,116 @@ use crate::precision::{AMP, Precision, bf16, f16};
 /// type Built = <Master as BuildOnDevice<Cpu, f32>>::Built;
 /// type Working = <Built as HalfLayers<f16>>::Working;
 /// let dev = Cpu::default();
-/// // mpx's fused Linear, the ReLU it applies, mpx's fused Linear; built as any dfdx model
 /// let w = Working::build(&dev);
 /// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
-/// let _: (nn::FusedLinear<4, 8, f16, Cpu, nn::Activation>, nn::LinkedReLU, _) = w;
+/// let _: (nn::Linear<4, 8, f16, Cpu>, ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
 /// ```
 pub trait HalfLayers<H: Precision>: MasterModel
 where
     Cpu: Device<H::Elem>,
 {
-    /// The working copy, made of mpx's layers, with the master's tensors in the same order.
-    type Working: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem> + Send + Sync + 'static;
+    /// The working copy, made of mpx's layers, with the master's tensors and scalars in the same
+    /// order.
+    type Working: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Self::Working>
+        + Send
+        + Sync
+        + 'static;
 
-    /// Copies the master's non-tensor parameters (a layer norm's `epsilon`), which the cast by
-    /// visit order does not carry, into `working`. Layers without any do nothing.
+    /// Sets what the working copy holds that dfdx's visitors do not carry: a fused layer's link
+    /// to the master tensors it stands for, a leaky `ReLU`'s slope. Called once the working copy
+    /// of a forward pass has been built; layers without any do nothing.
     ///
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
-    /// let dev = Cpu::default();
-    /// let mut master = dev.build_module::<LayerNorm1D<4>, f32>();
-    /// master.epsilon = 1e-3;
-    /// let mut w = dev.build_module::<nn::LayerNorm1D<4>, f16>();
-    /// HalfLayers::<f16>::copy_scalars(&master, &mut w);
-    /// assert_eq!(w.epsilon, 1e-3);
+    /// use mpx_runtime::{precision::f16, step::{HalfLayers, Linker}};
+    /// let master = LeakyReLU(0.2f32);
+    /// let mut w = LeakyReLU(f16::from_f32(0.05));
+    /// HalfLayers::<f16>::finish(&master, &mut w, &Linker::none());
+    /// assert_eq!(w.0, f16::from_f32(0.2));
     /// ```
-    fn copy_scalars(&self, working: &mut Self::Working) {
-        let _ = working;
-    }
-
-    /// Whether this layer is dfdx's `ReLU` (a `Linear` right before it in a tuple applies it).
-    const RELU: bool = false;
-
-    /// Makes `working` (this layer's working copy) apply the `ReLU` that follows it in a tuple;
-    /// returns whether it can (a `Linear` can: its fused op applies it).
-    ///
-    /// # Examples
-    /// ```
-    /// use dfdx::prelude::*;
-    /// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
-    /// let dev = Cpu::default();
-    /// let mut w = nn::FusedLinear::<2, 1, f16, Cpu, nn::Activation>::new(
-    ///     dev.tensor([[1.0f32, 1.0]]).to_dtype::<f16>(),
-    ///     dev.zeros(),
-    /// );
-    /// assert!(<modules::Linear<2, 1, f32, Cpu> as HalfLayers<f16>>::fuse_relu(&mut w));
-    /// assert!(<ReLU as HalfLayers<f16>>::RELU);
-    /// let y = w.forward(dev.tensor([[-1.0f32, -2.0]]).to_dtype::<f16>());
-    /// assert_eq!(y.array(), [[f16::from_f32(0.0)]]);
-    /// ```
-    fn fuse_relu(working: &mut Self::Working) -> bool {
-        let _ = working;
-        false
-    }
-
-    /// Makes `working` (a `ReLU`'s working copy) pass its input through, the layer before it
-    /// having applied it ([`LinkedReLU`](crate::nn::LinkedReLU)).
-    ///
-    /// # Examples
-    /// ```
-    /// use dfdx::prelude::*;
-    /// use mpx_runtime::{nn::LinkedReLU, precision::f16, step::HalfLayers};
-    /// let mut w = LinkedReLU::default();
-    /// <ReLU as HalfLayers<f16>>::applied_before(&mut w);
-    /// assert!(w.is_applied_before());
-    /// ```
-    fn applied_before(working: &mut Self::Working) {
-        let _ = working;
+    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+        let _ = (working, linker);
     }
 }
 
-/// dfdx's `Linear` to mpx's fused one (its activation chosen when the working copy is linked:
-/// a `ReLU` after it runs in its op), `ReLU` to [`LinkedReLU`](crate::nn::LinkedReLU), the other
-/// parameter-free layers to themselves, for one precision.
+/// mpx's layers in `f16` and `AMP<f16>`: themselves.
+type Native<L> = L;
+
+/// The mpx layer in a [`Native`] working copy.
+fn native<L>(w: &mut L) -> &mut L {
+    w
+}
+
+/// The mpx layer in an [`InBf16`] working copy.
+fn in_bf16<L>(w: &mut InBf16<L>) -> &mut L {
+    &mut w.0
+}
+
+/// A working copy's fused linear layer (`$w`, an `nn::Linear`) linked to the master's (`$m`,
+/// dfdx's or mpx's: either holds `weight` and `bias`).
+macro_rules! link_linear {
+    ($m:expr, $w:expr, $l:expr) => {
+        $w.set_link($l.link(&$m.weight, &$m.bias))
+    };
+}
+
+/// An attention's four projections.
+macro_rules! link_attention {
+    ($m:expr, $w:expr, $l:expr) => {{
+        link_linear!($m.w_q, $w.w_q, $l);
+        link_linear!($m.w_k, $w.w_k, $l);
+        link_linear!($m.w_v, $w.w_v, $l);
+        link_linear!($m.w_o, $w.w_o, $l);
+    }};
+}
+
+/// An encoder block's attention and feed-forward layers.
+macro_rules! link_encoder_block {
+    ($m:expr, $w:expr, $l:expr) => {{
+        link_attention!($m.self_attn, $w.self_attn, $l);
+        link_linear!($m.ff.0.0, $w.ff.0.0, $l);
+        link_linear!($m.ff.0.2, $w.ff.0.2, $l);
+    }};
+}
+
+/// A decoder block's two attentions and feed-forward layers.
+macro_rules! link_decoder_block {
+    ($m:expr, $w:expr, $l:expr) => {{
+        link_attention!($m.self_attn, $w.self_attn, $l);
+        link_attention!($m.mh_attn, $w.mh_attn, $l);
+        link_linear!($m.ff.0.0, $w.ff.0.0, $l);
+        link_linear!($m.ff.0.2, $w.ff.0.2, $l);
+    }};
+}
+
+/// An encoder-decoder transformer's blocks.
+macro_rules! link_transformer {
+    ($m:expr, $w:expr, $l:expr) => {{
+        for (m, w) in $m.encoder.modules.iter().zip(&mut $w.encoder.modules) {
+            link_encoder_block!(m, w, $l);
+        }
+        for (m, w) in $m.decoder.0.modules.iter().zip(&mut $w.decoder.0.modules) {
+            link_decoder_block!(m, w, $l);
+        }
+    }};
+}
+
+/// dfdx's `Linear` to mpx's fused one, the layers without parameters to themselves, and dfdx's
+/// layers mpx has no counterpart of to themselves in `H`, for one precision (`$in` wraps mpx's
+/// layers: [`Native`] or [`InBf16`]).
 macro_rules! layers {
-    ($($h:ty),*) => {$(
+    ($h:ty, $in:ident, $get:ident) => {
         impl<const I: usize, const O: usize> HalfLayers<$h> for DfdxLinear<I, O, f32, Cpu> {
-            type Working =
-                crate::nn::FusedLinear<I, O, <$h as Precision>::Elem, Cpu, crate::nn::Activation>;
-            fn fuse_relu(working: &mut Self::Working) -> bool {
-                working.set_activation(crate::nn::Activation::ReLU);
-                true
+            type Working = $in<crate::nn::Linear<I, O, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                working.set_link(linker.link(&self.weight, &self.bias));
             }
         }
-        impl HalfLayers<$h> for dfdx::nn::modules::ReLU {
-            type Working = crate::nn::LinkedReLU;
-            const RELU: bool = true;
-            fn applied_before(working: &mut Self::Working) {
-                *working = crate::nn::LinkedReLU::applied_before();
-            }
-        }
-        activations!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos);
+        same!($h: ReLU, Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
         in_f32!($h: Exp, Ln, Softmax, LogSoftmax);
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
-        }
-        impl HalfLayers<$h> for dfdx::nn::modules::Dropout {
-            type Working = Self;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                working.p = self.p;
-            }
         }
         impl<const I: usize, const O: usize> HalfLayers<$h>
             for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
@@ -189,7 +190,7 @@ macro_rules! layers {
         }
         impl HalfLayers<$h> for dfdx::nn::modules::LeakyReLU<f32> {
             type Working = dfdx::nn::modules::LeakyReLU<<$h as Precision>::Elem>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
+            fn finish(&self, working: &mut Self::Working, _: &Linker) {
                 let mut slope = [<$h as Precision>::Elem::default()];
                 <$h as Precision>::round(&[self.0], &mut slope);
                 working.0 = slope[0];
@@ -197,12 +198,66 @@ macro_rules! layers {
         }
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
             type Working = dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                working.epsilon = self.epsilon;
-                working.momentum = self.momentum;
+        }
+        impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
+            type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
+        }
+        impl<const M: usize> HalfLayers<$h> for DfdxLayerNorm1D<M, f32, Cpu> {
+            type Working = $in<crate::nn::LayerNorm1D<M, <$h as Precision>::Elem, Cpu>>;
+        }
+        impl<const M: usize, const NH: usize, const K: usize, const V: usize> HalfLayers<$h>
+            for DfdxMultiHeadAttention<M, NH, K, V, f32, Cpu>
+        {
+            type Working =
+                $in<crate::nn::MultiHeadAttention<M, NH, K, V, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                link_attention!(self, working, linker);
             }
         }
-    )*};
+        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
+            for DfdxEncoderBlock<M, NH, F, f32, Cpu>
+        {
+            type Working =
+                $in<crate::nn::TransformerEncoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                link_encoder_block!(self, working, linker);
+            }
+        }
+        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
+            for DfdxDecoderBlock<M, NH, F, f32, Cpu>
+        {
+            type Working =
+                $in<crate::nn::TransformerDecoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                link_decoder_block!(self, working, linker);
+            }
+        }
+        impl<const M: usize, const NH: usize, const F: usize, const L: usize> HalfLayers<$h>
+            for DfdxDecoder<M, NH, F, L, f32, Cpu>
+        {
+            type Working =
+                $in<crate::nn::TransformerDecoder<M, NH, F, L, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                for (m, w) in self.0.modules.iter().zip(&mut working.0.modules) {
+                    link_decoder_block!(m, w, linker);
+                }
+            }
+        }
+        impl<const M: usize, const NH: usize, const A: usize, const B: usize, const F: usize>
+            HalfLayers<$h> for DfdxTransformer<M, NH, A, B, F, f32, Cpu>
+        {
+            type Working =
+                $in<crate::nn::Transformer<M, NH, A, B, F, <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                link_transformer!(self, working, linker);
+            }
+        }
+    };
 }
 
 /// The layers on autocast's float32 list run in an f32 region ([`InF32`](crate::nn::InF32)).
@@ -214,7 +269,8 @@ macro_rules! in_f32 {
     )*};
 }
 
-macro_rules! activations {
+/// Layers that are their own working copy.
+macro_rules! same {
     ($h:ty: $($a:ident),*) => {$(
         impl HalfLayers<$h> for dfdx::nn::modules::$a {
             type Working = dfdx::nn::modules::$a;
@@ -222,80 +278,83 @@ macro_rules! activations {
     )*};
 }
 
-layers!(f16, AMP<f16>, bf16);
+layers!(f16, Native, native);
+layers!(AMP<f16>, Native, native);
+layers!(bf16, InBf16, in_bf16);
 
-/// dfdx's layers with an `mpx::nn` counterpart that visits the same tensors in the same order
-/// (same shapes, same trainable flags, the same scalars): `LayerNorm1D`, `MultiHeadAttention`
-/// and `TransformerEncoderBlock` map to mpx's, `Embedding` to dfdx's own in `H` (a gather).
-/// The unit tests below check each by visiting both.
-macro_rules! transformer_layers {
-    ($($h:ty),*) => {$(
-        impl<const M: usize> HalfLayers<$h> for DfdxLayerNorm1D<M, f32, Cpu> {
-            type Working = crate::nn::LayerNorm1D<M, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                working.epsilon = self.epsilon;
+/// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
+/// to its master tensors).
+macro_rules! own {
+    ($h:ty, $in:ident, $get:ident) => {
+        impl<const I: usize, const O: usize, A: crate::nn::FusedActivation> HalfLayers<$h>
+            for crate::nn::FusedLinear<I, O, f32, Cpu, A>
+        {
+            type Working = $in<crate::nn::FusedLinear<I, O, <$h as Precision>::Elem, Cpu, A>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                working.set_link(linker.link(&self.weight, &self.bias));
             }
         }
-        impl<const M: usize, const NH: usize, const K: usize, const V: usize> HalfLayers<$h>
-            for DfdxMultiHeadAttention<M, NH, K, V, f32, Cpu>
-        {
-            type Working = crate::nn::MultiHeadAttention<M, NH, K, V, <$h as Precision>::Elem, Cpu>;
+        own!(@same $h, $in, $get: LayerNorm1D[const M]);
+        own!(@same $h, $in, $get: vit::PositionEmbedding[const N, const M]);
+        own!(@same $h, $in, $get: vit::ClassToken[const M]);
+        own!(@same $h, $in, $get: MultiHeadAttention[const M, const NH, const K, const V]
+            |m, w, l| link_attention!(m, w, l));
+        own!(@same $h, $in, $get: TransformerEncoderBlock[const M, const NH, const F]
+            |m, w, l| link_encoder_block!(m, w, l));
+        own!(@same $h, $in, $get: TransformerDecoderBlock[const M, const NH, const F]
+            |m, w, l| link_decoder_block!(m, w, l));
+        own!(@same $h, $in, $get: TransformerDecoder[const M, const NH, const F, const L]
+            |m, w, l| for (m, w) in m.0.modules.iter().zip(&mut w.0.modules) {
+                link_decoder_block!(m, w, l);
+            });
+        own!(@same $h, $in, $get: Transformer[const M, const NH, const A, const B, const F]
+            |m, w, l| link_transformer!(m, w, l));
+        own!(@same $h, $in, $get: vit::PatchEmbedding[const P, const PD, const N, const M]
+            |m, w, l| link_linear!(m.linear, w.linear, l));
+        own!(@same $h, $in, $get: vit::ClassificationHead[const M, const C]
+            |m, w, l| link_linear!(m.linear, w.linear, l));
+        own!(@same $h, $in, $get: vit::Vit[
+            const P, const PD, const N, const M, const NH, const F, const L, const C
+        ] |m, w, l| {
+            link_linear!(m.patch_embed.linear, w.patch_embed.linear, l);
+            for (m, w) in m.encoder.modules.iter().zip(&mut w.encoder.modules) {
+                link_encoder_block!(m, w, l);
+            }
+            link_linear!(m.head.linear, w.head.linear, l);
+        });
+    };
+    (@same $h:ty, $in:ident, $get:ident: $($p:ident)::+ [$(const $c:ident),*]) => {
+        impl<$(const $c: usize),*> HalfLayers<$h> for crate::nn::$($p)::+<$($c,)* f32, Cpu> {
+            type Working = $in<crate::nn::$($p)::+<$($c,)* <$h as Precision>::Elem, Cpu>>;
         }
-        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
-            for DfdxEncoderBlock<M, NH, F, f32, Cpu>
-        {
-            type Working = crate::nn::TransformerEncoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                working.norm1.epsilon = self.norm1.epsilon;
-                working.norm2.epsilon = self.norm2.epsilon;
+    };
+    (@same $h:ty, $in:ident, $get:ident: $($p:ident)::+ [$(const $c:ident),*] |$m:ident, $w:ident, $l:ident| $link:expr) => {
+        impl<$(const $c: usize),*> HalfLayers<$h> for crate::nn::$($p)::+<$($c,)* f32, Cpu> {
+            type Working = $in<crate::nn::$($p)::+<$($c,)* <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let ($m, $w, $l) = (self, $get(working), linker);
+                $link;
             }
         }
-        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
-            for DfdxDecoderBlock<M, NH, F, f32, Cpu>
-        {
-            type Working = crate::nn::TransformerDecoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                working.norm1.epsilon = self.norm1.epsilon;
-                working.norm2.epsilon = self.norm2.epsilon;
-                working.norm3.epsilon = self.norm3.epsilon;
-            }
-        }
-        impl<const M: usize, const NH: usize, const F: usize, const L: usize> HalfLayers<$h>
-            for DfdxDecoder<M, NH, F, L, f32, Cpu>
-        {
-            type Working = crate::nn::TransformerDecoder<M, NH, F, L, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                HalfLayers::<$h>::copy_scalars(&self.0, &mut working.0);
-            }
-        }
-        impl<const M: usize, const NH: usize, const A: usize, const B: usize, const F: usize>
-            HalfLayers<$h> for DfdxTransformer<M, NH, A, B, F, f32, Cpu>
-        {
-            type Working = crate::nn::Transformer<M, NH, A, B, F, <$h as Precision>::Elem, Cpu>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                HalfLayers::<$h>::copy_scalars(&self.encoder, &mut working.encoder);
-                HalfLayers::<$h>::copy_scalars(&self.decoder, &mut working.decoder);
-            }
-        }
-        impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
-            type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
-        }
-    )*};
+    };
 }
 
-transformer_layers!(f16, AMP<f16>, bf16);
+own!(f16, Native, native);
+own!(AMP<f16>, Native, native);
+own!(bf16, InBf16, in_bf16);
 
 /// A stack maps layer by layer (dfdx's `TransformerEncoder` is a `Repeated` of blocks).
 impl<H: Precision, T: HalfLayers<H>, const N: usize> HalfLayers<H> for Repeated<T, N>
 where
     Cpu: Device<H::Elem>,
     Repeated<T, N>: MasterModel,
-    Repeated<T::Working, N>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+    Repeated<T::Working, N>:
+        TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Repeated<T::Working, N>>,
 {
     type Working = Repeated<T::Working, N>;
-    fn copy_scalars(&self, working: &mut Self::Working) {
+    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
         for (m, w) in self.modules.iter().zip(&mut working.modules) {
-            m.copy_scalars(w);
+            m.finish(w, linker);
         }
     }
 }
@@ -305,11 +364,11 @@ impl<H: Precision, F: HalfLayers<H>> HalfLayers<H> for Residual<F>
 where
     Cpu: Device<H::Elem>,
     Residual<F>: MasterModel,
-    Residual<F::Working>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+    Residual<F::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Residual<F::Working>>,
 {
     type Working = Residual<F::Working>;
-    fn copy_scalars(&self, working: &mut Self::Working) {
-        self.0.copy_scalars(&mut working.0);
+    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+        self.0.finish(&mut working.0, linker);
     }
 }
 
@@ -318,13 +377,16 @@ impl<H: Precision, F: HalfLayers<H>, R: HalfLayers<H>> HalfLayers<H> for General
 where
     Cpu: Device<H::Elem>,
     GeneralizedResidual<F, R>: MasterModel,
-    GeneralizedResidual<F::Working, R::Working>:
-        TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+    GeneralizedResidual<F::Working, R::Working>: TensorCollection<
+            H::Elem,
+            Cpu,
+            To<H::Elem, Cpu> = GeneralizedResidual<F::Working, R::Working>,
+        >,
 {
     type Working = GeneralizedResidual<F::Working, R::Working>;
-    fn copy_scalars(&self, working: &mut Self::Working) {
-        self.f.copy_scalars(&mut working.f);
-        self.r.copy_scalars(&mut working.r);
+    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+        self.f.finish(&mut working.f, linker);
+        self.r.finish(&mut working.r, linker);
     }
 }
 
@@ -335,66 +397,39 @@ macro_rules! branches {
         where
             Cpu: Device<H::Elem>,
             $c<T>: MasterModel,
-            $c<T::Working>: TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+            $c<T::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = $c<T::Working>>,
         {
             type Working = $c<T::Working>;
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                self.0.copy_scalars(&mut working.0);
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                self.0.finish(&mut working.0, linker);
             }
         }
     )*};
 }
 branches!(AddInto, SplitInto);
 
-/// Tuples map element by element; a `ReLU` right after a `Linear` runs in the `Linear`'s fused
-/// op (`$a . $i -> $b . $j` lists the neighbours).
+/// Tuples map element by element.
 macro_rules! tuple {
-    ($($m:ident . $i:tt),+ ; $($a:ident . $x:tt -> $b:ident . $y:tt),*) => {
+    ($($m:ident . $i:tt),+) => {
         impl<H: Precision, $($m: HalfLayers<H>),+> HalfLayers<H> for ($($m,)+)
         where
             Cpu: Device<H::Elem>,
             ($($m,)+): MasterModel,
-            ($($m::Working,)+): TensorCollection<H::Elem, Cpu> + BuildModule<Cpu, H::Elem>,
+            ($($m::Working,)+): TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = ($($m::Working,)+)>,
         {
             type Working = ($($m::Working,)+);
-            fn copy_scalars(&self, working: &mut Self::Working) {
-                $(self.$i.copy_scalars(&mut working.$i);)+
-                $(if $b::RELU && $a::fuse_relu(&mut working.$x) {
-                    $b::applied_before(&mut working.$y);
-                })*
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                $(self.$i.finish(&mut working.$i, linker);)+
             }
         }
     };
 }
-tuple!(A.0;);
-tuple!(A.0, B.1; A.0 -> B.1);
-tuple!(A.0, B.1, C.2; A.0 -> B.1, B.1 -> C.2);
-tuple!(A.0, B.1, C.2, D.3; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3);
-tuple!(A.0, B.1, C.2, D.3, G.4; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4);
-tuple!(A.0, B.1, C.2, D.3, G.4, J.5; A.0 -> B.1, B.1 -> C.2, C.2 -> D.3, D.3 -> G.4, G.4 -> J.5);
-
-/// The mapped working copy of `master`, built the first time (`half` is `None`), then cast from
-/// the master in place by position ([`cast_by_position`]: every count, length and trainable flag
-/// checked), with the settings that are not tensors copied and the `(Linear, ReLU)` pairs linked.
-pub(crate) fn refresh<H, M>(
-    master: &M,
-    half: Option<M::Working>,
-    scratch: &mut CastScratch,
-) -> Result<M::Working, StepError>
-where
-    H: Precision,
-    M: HalfLayers<H>,
-    Cpu: Device<H::Elem>,
-{
-    let mut half = match half {
-        Some(half) => half,
-        // on the master's device (its random state: dropout), as the plain working copy is
-        None => M::Working::try_build(&first_device::<f32, Cpu, M>(master)?.unwrap_or_default())?,
-    };
-    cast_by_position::<H, f32, M, M::Working>(master, &mut half, scratch)?;
-    master.copy_scalars(&mut half);
-    Ok(half)
-}
+tuple!(A.0);
+tuple!(A.0, B.1);
+tuple!(A.0, B.1, C.2);
+tuple!(A.0, B.1, C.2, D.3);
+tuple!(A.0, B.1, C.2, D.3, G.4);
+tuple!(A.0, B.1, C.2, D.3, G.4, J.5);
 
 #[cfg(test)]
 mod tests {
@@ -408,24 +443,40 @@ mod tests {
     use dfdx::shapes::{HasShape, Shape};
     use dfdx::tensor::{CpuError, Tensor};
 
-    use crate::step::layout::{EachTensor, each_tensor};
+    use crate::cast::CastError;
+    use crate::step::StepError;
+    use crate::step::device::private::Primitives;
+    use crate::step::slots::{EachTensor, each_tensor};
+    use crate::step::working::{Kind, Mapped};
+    use dfdx::nn::BuildModule;
+    use dfdx::prelude::{Module, Rank2, SampleTensor};
+
+    /// The mapped working copy of `master` for a forward pass, outside a step (`links`: a
+    /// forward pass's own).
+    fn refresh<H: Precision, M: HalfLayers<H>>(master: &M) -> Result<M::Working, StepError>
+    where
+        Cpu: crate::step::MixedDevice<H>,
+    {
+        let links = <Cpu as Primitives<H>>::links(1.0);
+        let mut store = Default::default();
+        Ok(<Mapped as Kind<H, M, Cpu>>::build(master, &links, &mut store)?.copy)
+    }
 
     #[test]
     fn the_mapped_copy_holds_the_masters_values_rounded() {
         type Mlp = (builders::Linear<3, 4>, ReLU, builders::Linear<4, 2>, Tanh);
         let dev = Cpu::default();
         let master = dev.build_module::<Mlp, f32>();
-        let mut scratch = CastScratch::default();
-        let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master).unwrap();
         let round = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
         assert_eq!(w.0.weight.as_vec(), round(master.0.weight.as_vec()));
         assert_eq!(w.0.bias.as_vec(), round(master.0.bias.as_vec()));
         assert_eq!(w.2.weight.as_vec(), round(master.2.weight.as_vec()));
         assert_eq!(w.2.bias.as_vec(), round(master.2.bias.as_vec()));
-        // in place, after a change of the master
+        // built anew from the master as it is
         let mut master2 = master.clone();
         master2.2.bias = dev.tensor([0.5, -0.25]);
-        let w = refresh::<f16, _>(&master2, Some(w), &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master2).unwrap();
         assert_eq!(w.2.bias.as_vec(), round(vec![0.5, -0.25]));
     }
 
@@ -484,7 +535,7 @@ mod tests {
         let dev = Cpu::seed_from_u64(7);
         let mut master = M::build(&dev);
         scramble(&mut master);
-        let w = refresh::<H, M>(&master, None, &mut CastScratch::default()).unwrap();
+        let w = refresh::<H, M>(&master).unwrap();
         let (layout, values) = walk::<f32, M>(&master);
         let (w_layout, w_values) = walk::<H::Elem, M::Working>(&w);
         assert!(!layout.is_empty(), "{what}: no tensors");
@@ -564,20 +615,17 @@ mod tests {
         let dev = Cpu::default();
         let mut master = dev.build_module::<builders::TransformerEncoder<8, 2, 16, 2>, f32>();
         master.modules[1].norm2.epsilon = 1e-3;
-        let mut scratch = CastScratch::default();
-        let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master).unwrap();
         assert_eq!(w.modules[1].norm2.epsilon, 1e-3);
         assert_eq!(w.modules[0].norm2.epsilon, 1e-5);
-        // and again in place
+        // and on the next pass
         master.modules[0].norm1.epsilon = 1e-4;
-        let w = refresh::<f16, _>(&master, Some(w), &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master).unwrap();
         assert_eq!(w.modules[0].norm1.epsilon, 1e-4);
     }
 
     #[test]
-    fn a_relu_after_a_linear_runs_in_its_op() {
-        use crate::nn::{Activation, LinkedReLU};
-        use dfdx::prelude::{Module, Rank2, SampleTensor};
+    fn each_layer_computes_what_dfdxs_computes_called_one_by_one() {
         type Mlp = (
             builders::Linear<4, 8>,
             ReLU,
@@ -587,24 +635,49 @@ mod tests {
             builders::Linear<8, 2>,
         );
         let dev = Cpu::seed_from_u64(3);
-        let mut master = dev.build_module::<Mlp, f32>();
-        master.5.bias = dev.tensor([-0.5, 0.25]);
-        let w = refresh::<f16, _>(&master, None, &mut CastScratch::default()).unwrap();
-        // linked: the first pair only (the second ReLU follows a Tanh)
-        assert_eq!(w.0.activation(), Activation::ReLU);
-        assert_eq!(w.2.activation(), Activation::Identity);
-        assert_eq!(w.5.activation(), Activation::Identity);
-        assert_eq!(w.1, LinkedReLU::applied_before());
-        assert_eq!(w.4, LinkedReLU::default());
-        // the linked working copy computes what dfdx's layers compute, up to f16 rounding
+        let master = dev.build_module::<Mlp, f32>();
+        let w = refresh::<f16, _>(&master).unwrap();
+        // no layer applies another's op: the `Linear`'s output, read on its own, is its output
         let x: dfdx::tensor::Tensor<Rank2<16, 4>, f32, Cpu> = dev.sample_normal();
-        let want = master.forward(x.clone()).as_vec();
-        let got = w.forward(x.to_dtype::<f16>()).as_vec();
+        let z = master.0.forward(x.clone()) + 0.5;
+        let want = master.1.forward(z).as_vec();
+        let z = w.0.forward(x.to_dtype::<f16>()) + f16::from_f32(0.5);
+        let got = w.1.forward(z).as_vec();
         for (g, v) in got.iter().zip(&want) {
             assert!(
                 (g.to_f32() - v).abs() <= 4e-3 * (1.0 + v.abs()),
                 "{g} vs {v}"
             );
+        }
+        assert!(want.iter().any(|v| *v > 0.0) && want.iter().any(|v| *v == 0.0));
+    }
+
+    #[test]
+    fn a_working_copy_that_does_not_line_up_is_an_error() {
+        use dfdx::nn::tensor_collection::ModuleVisitor;
+        use dfdx::tensor::Storage;
+        // a batch norm's running statistics are not trained; a layer norm's tensors are
+        #[derive(Debug, Clone)]
+        struct Norm<E: Dtype, D: Storage<E>>(BatchNorm1D<4, E, D>);
+        impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Norm<E, D> {
+            type To<E2: Dtype, D2: Device<E2>> = Norm<E2, D2>;
+            fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+                v: &mut V,
+            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+                v.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), Norm)
+            }
+        }
+        impl HalfLayers<f16> for Norm<f32, Cpu> {
+            type Working = (
+                crate::nn::LayerNorm1D<4, f16, Cpu>,
+                crate::nn::LayerNorm1D<4, f16, Cpu>,
+            );
+        }
+        let dev = Cpu::default();
+        let bn = Norm(dev.build_module::<builders::BatchNorm1D<4>, f32>());
+        match refresh::<f16, _>(&bn) {
+            Err(StepError::Cast(CastError::TrainableMismatch { index: 2 })) => {}
+            other => panic!("{other:?}"),
         }
     }
 
@@ -615,13 +688,12 @@ mod tests {
         let mut master = dev.build_module::<Net, f32>();
         master.1.p = 0.25;
         master.2.momentum = 0.5;
-        let mut scratch = CastScratch::default();
-        let w = refresh::<f16, _>(&master, None, &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master).unwrap();
         assert_eq!((w.1.p, w.2.momentum, w.2.epsilon), (0.25, 0.5, 1e-5));
         // a schedule that changes them between steps reaches the working copy
         master.1.p = 0.0;
         master.2.epsilon = 1e-3;
-        let w = refresh::<f16, _>(&master, Some(w), &mut scratch).unwrap();
+        let w = refresh::<f16, _>(&master).unwrap();
         assert_eq!((w.1.p, w.2.epsilon), (0.0, 1e-3));
     }
 }

@@ -2,17 +2,18 @@
 
 /// Why a step was skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SkipReason {
     /// A gradient was inf or NaN (loss-scale overflow, or NaN in the batch).
     GradsNotFinite,
     /// The gradients were finite but the loss was not.
     LossNotFinite,
-    /// The optimizer was not run for finite gradients (a hand-driven
-    /// [`GradScaler::end_update`](super::GradScaler::end_update) given no result).
-    Requested,
 }
 
-/// What an update ([`GradScaler::update`](super::GradScaler::update), [`optimizer_update`](super::optimizer_update)) did.
+/// What an update ([`GradScaler::update`](super::GradScaler::update)) did.
+///
+/// An update is applied or skipped, nothing else: the enum is exhaustive, so a `match` names both.
+/// (Why a step was skipped may grow: [`SkipReason`] is `#[non_exhaustive]`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UpdateOutcome {
     /// The optimizer ran; master weights (and non-parameter state such as batch-norm running

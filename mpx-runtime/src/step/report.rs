@@ -1,6 +1,7 @@
 //! [`StepReport`]: what one mixed-precision step did.
 
 use super::UpdateOutcome;
+use crate::precision::DType;
 
 /// What one mixed-precision step did: its loss, whether it was finite, the loss scale it used
 /// and the next one, and what the optimizer update did ([`GradScaler::last_step`](super::GradScaler::last_step)).
@@ -11,6 +12,7 @@ use super::UpdateOutcome;
 ///
 /// # Examples
 /// ```
+/// use mpx_runtime::precision::DType;
 /// use mpx_runtime::step::StepReport;
 /// use mpx_runtime::step::UpdateOutcome;
 /// let r = StepReport {
@@ -18,7 +20,7 @@ use super::UpdateOutcome;
 ///     grads_finite: true,
 ///     scale: 1024.0,
 ///     new_scale: 1024.0,
-///     precision: "float16",
+///     precision: DType::Float16,
 ///     mpx_layers: false,
 ///     outcome: UpdateOutcome::Applied,
 /// };
@@ -34,16 +36,16 @@ pub struct StepReport {
     pub scale: f32,
     /// The loss scale after adjusting: the one the next step applies (mpx's `scaling_new`).
     pub new_scale: f32,
-    /// The precision the master's forward passes ran in (`DType::name`: `"float16"`,
-    /// `"bfloat16"`, ...). `"float32"` for a master run in f32 on itself: `#[mixed_step]` does
-    /// that when the half working copy's forward pass cannot be type-checked (a model whose
-    /// type is a generic parameter of the `impl`; see `docs/dsl.md`).
-    pub precision: &'static str,
+    /// The precision the master's forward passes ran in. [`DType::Float32`] for a master run
+    /// in f32 on itself: `#[mixed_step]` does that (and the compiler warns at the step) when the
+    /// half working copy's forward pass cannot be type-checked (a model whose type is a generic
+    /// parameter of the `impl`; see `docs/dsl.md`).
+    pub precision: DType,
     /// Whether the master's forward passes ran on a working copy made of mpx's layers (each
     /// dfdx `Linear` as mpx's fused one, transformer layers as `mpx::nn`'s:
-    /// [`GradScaler::forward_mapped`](super::GradScaler::forward_mapped), which `#[mixed_step]`
-    /// picks for a model that implements [`HalfLayers`](super::HalfLayers));
-    /// `false` for the master's own layers in half precision or in f32.
+    /// [`Mixed::mapped`](super::Mixed::mapped), which `#[mixed_step]` picks for a model that
+    /// implements [`HalfLayers`](super::HalfLayers)); `false` for the master's own layers in
+    /// half precision or in f32.
     pub mpx_layers: bool,
     /// Whether the optimizer ran or the step was skipped, and why.
     pub outcome: UpdateOutcome,

@@ -1,411 +1,444 @@
-//! The buffers a [`GradScaler`](super::GradScaler) keeps for one master model: the half working
-//! copy, its reusable gradient buffers, and the pass that moves its gradients to the master.
+//! The working copy of one forward pass, built from the master when the pass starts and dropped
+//! when its backward pass has run: the master's tensors rounded to the half type, and every
+//! setting that is not a tensor (a norm's `epsilon` and `momentum`, dropout's `p`, a user's own
+//! scalar fields) copied as the master has it now.
+//!
+//! A fresh copy per pass is what makes the working copy the user's model: a change to the
+//! master between two passes (an evaluation pass, a schedule, a restored checkpoint) is seen by
+//! the next, a clone of the master gets a copy of its own, and two passes of one master before
+//! one backward pass never share buffers. Its buffers come from the allocator, which hands the
+//! last step's back.
+//!
+//! Two kinds ([`Kind`]): [`Plain`], the master's own layers in the half type
+//! (`<M as TensorCollection<f32, D>>::To<H::Elem, D>`), built by walking the master; and
+//! [`Mapped`], a working copy made of mpx's layers ([`HalfLayers`]), built by walking its own
+//! type and filling its tensors and scalars from the master's by position.
 
-use std::any::Any;
-use std::marker::PhantomData;
-use std::sync::{Arc, PoisonError};
-
-use dfdx::nn::ZeroGrads;
-use dfdx::nn::tensor_collection::TensorCollection;
-use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, Gradients, Tensor};
-
-use super::device::{MixedDevice, check_all};
-use super::direct::Direct;
-use super::error::StepError;
-use super::half_region::Stash;
-use super::layout::{
-    EachTensor, MasterSlot, WorkingCopy, count_mismatch, each_tensor, len_mismatch, master_layout,
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
 };
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, Tensor};
+use dfdx::tensor_ops::ReshapeTo;
+use num_traits::NumCast;
+
+use super::device::private::Primitives;
+use super::device::{MixedDevice, Pair};
+use super::error::StepError;
 use super::mapped::HalfLayers;
-use super::workspace::{AnyFn, ErasedWorking, StateFn, Workspace};
+use super::slots::{EachTensor, MasterSlot, Slot, each_tensor};
 use crate::boundary::MasterModel;
-use crate::cast::CastScratch;
+use crate::cast::{CastError, copy_scalar};
 use crate::precision::Precision;
 
-/// A working copy the scaler can keep for a master on device `D`: on the `Cpu` any `Send +
-/// Sync` module (so that the scaler is `Send + Sync`); on `Cuda` any module (dfdx's `Cuda`
-/// tensors are neither, so a master's `Cuda` workspace stays on the thread that ran its first
-/// forward pass, as the master itself does).
+/// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
+/// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
+/// emulated bf16).
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
 /// use mpx_runtime::precision::f16;
-/// use mpx_runtime::step::{WorkingCopy, WorkspaceOn};
-/// fn keeps<W: WorkspaceOn<Cpu>>() {}
-/// keeps::<WorkingCopy<f16, dfdx::nn::modules::Linear<2, 3, f32, Cpu>>>();
+/// use mpx_runtime::step::WorkingCopy;
+/// type Master = dfdx::nn::modules::Linear<2, 3, f32, Cpu>;
+/// let dev = Cpu::default();
+/// let half: WorkingCopy<f16, Master> = dev.build_module::<Linear<2, 3>, f16>();
+/// assert_eq!(half.weight.shape(), &(Const::<3>, Const::<2>));
 /// ```
-pub trait WorkspaceOn<D>: Sized + 'static {
-    /// Boxes a workspace whose working copy is `Self`.
-    #[doc(hidden)]
-    fn hold<H, M, K>(w: Working<H, M, K, D>) -> Box<dyn ErasedWorking>
-    where
-        H: Precision,
-        D: MixedDevice<H>,
-        M: MasterModel<D> + 'static,
-        K: Kind<H, M, D, Copy = Self>;
+pub type WorkingCopy<H, M, D = Cpu> =
+    <M as TensorCollection<f32, D>>::To<<H as crate::precision::Precision>::Elem, D>;
+
+/// A working copy and what its forward pass and backward pass need to know of it.
+pub(crate) struct Built<H: Precision, D: MixedDevice<H>, C> {
+    pub(crate) copy: C,
+    /// Each trainable tensor with the master tensor it stands for, in visit order.
+    pub(crate) pairs: Vec<Pair<H, D>>,
+    /// The non-trainable tensors.
+    pub(crate) state: StateWatch<H, D>,
 }
 
-impl<T: Send + Sync + 'static> WorkspaceOn<Cpu> for T {
-    fn hold<H, M, K>(w: Working<H, M, K, Cpu>) -> Box<dyn ErasedWorking>
-    where
-        H: Precision,
-        Cpu: MixedDevice<H>,
-        M: MasterModel<Cpu> + 'static,
-        K: Kind<H, M, Cpu, Copy = T>,
-    {
-        Box::new(w)
+/// The values of a working copy's non-trainable tensors (batch-norm statistics) as it was built
+/// with them, widened: what its forward pass changed is read against them.
+pub(crate) struct StateWatch<H: Precision, D: MixedDevice<H>> {
+    initial: Vec<f32>,
+    any: bool,
+    marker: std::marker::PhantomData<fn() -> (H, D)>,
+}
+
+impl<H: Precision, D: MixedDevice<H>, C> Built<H, D, C> {
+    fn new(copy: C) -> Self {
+        Self {
+            copy,
+            pairs: Vec::new(),
+            state: StateWatch {
+                initial: Vec::new(),
+                any: false,
+                marker: std::marker::PhantomData,
+            },
+        }
+    }
+
+    /// Records a trainable tensor of the copy, standing for master tensor `master`.
+    fn trainable<S: Shape>(&mut self, half: &Tensor<S, H::Elem, D>, master: MasterSlot<D>) {
+        self.pairs.push(Pair {
+            half: Slot::of(half),
+            master,
+            linked: false,
+        });
+    }
+
+    /// Records a non-trainable tensor of the copy, to compare after the forward pass.
+    fn state<S: Shape>(&mut self, half: &Tensor<S, H::Elem, D>) {
+        self.state.any = true;
+        widen_into::<H, S, D>(half, &mut self.state.initial);
     }
 }
 
-#[cfg(feature = "cuda")]
-impl<T: 'static> WorkspaceOn<dfdx::tensor::Cuda> for T {
-    fn hold<H, M, K>(w: Working<H, M, K, dfdx::tensor::Cuda>) -> Box<dyn ErasedWorking>
-    where
-        H: Precision,
-        dfdx::tensor::Cuda: MixedDevice<H>,
-        M: MasterModel<dfdx::tensor::Cuda> + 'static,
-        K: Kind<H, M, dfdx::tensor::Cuda, Copy = T>,
-    {
-        Box::new(super::local::Local::new(w))
+impl<H: Precision, D: MixedDevice<H>> StateWatch<H, D> {
+    /// The non-trainable tensors of `copy` as its forward pass left them, when it changed any
+    /// (`None` otherwise: a forward pass in evaluation mode leaves the master's statistics
+    /// alone).
+    pub(crate) fn changed<C: TensorCollection<H::Elem, D>>(
+        &self,
+        copy: &C,
+    ) -> Result<Option<Vec<f32>>, D::Err> {
+        struct Read<H, D>(Vec<f32>, std::marker::PhantomData<fn() -> (H, D)>);
+        impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for Read<H, D> {
+            type Error = D::Err;
+            fn tensor<S: Shape>(
+                &mut self,
+                trainable: bool,
+                t: &Tensor<S, H::Elem, D>,
+            ) -> Result<(), D::Err> {
+                if !trainable {
+                    widen_into::<H, S, D>(t, &mut self.0);
+                }
+                Ok(())
+            }
+        }
+        if !self.any {
+            return Ok(None);
+        }
+        let mut now = Read::<H, D>(
+            Vec::with_capacity(self.initial.len()),
+            std::marker::PhantomData,
+        );
+        each_tensor(copy, &mut now, std::convert::identity)?;
+        let now = now.0;
+        let same = now.len() == self.initial.len()
+            && now
+                .iter()
+                .zip(&self.initial)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        Ok((!same).then_some(now))
     }
 }
 
-/// How a master's working copy is made: [`Same`] (the master's own layers in `H`) or
-/// [`Mapped`] (mpx's layers, [`HalfLayers`]).
-pub trait Kind<H: Precision, M: MasterModel<D>, D: MixedDevice<H>>: 'static {
+/// Appends `t`'s values, widened to f32, to `out`.
+fn widen_into<H: Precision, S: Shape, D: MixedDevice<H>>(
+    t: &Tensor<S, H::Elem, D>,
+    out: &mut Vec<f32>,
+) {
+    let values = t.as_vec();
+    let start = out.len();
+    out.resize(start + values.len(), 0.0);
+    H::widen(&values, &mut out[start..]);
+}
+
+/// How a master's working copy is made: [`Plain`] (the master's own layers in `H`) or
+/// [`Mapped`] (mpx's layers, [`HalfLayers`]). Sealed.
+pub trait Kind<H: Precision, M, D: MixedDevice<H>>: sealed::Sealed + 'static {
     /// The working copy.
-    type Copy: TensorCollection<H::Elem, D> + 'static;
+    type Copy: TensorCollection<H::Elem, D>;
     /// Whether the working copy is made of mpx's layers.
     const MAPPED: bool;
-    /// The working copy with `master`'s values: `half` cast in place, or built when `None`.
-    fn refresh(
+    /// The working copy of `master` for one forward pass, linked through `links`.
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn build(
         master: &M,
-        half: Option<Self::Copy>,
-        scratch: &mut CastScratch,
-    ) -> Result<Self::Copy, StepError>;
-    /// Boxes the workspace for the scaler.
-    fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
-    where
-        Self: Sized,
-        M: 'static;
+        links: &D::Links,
+        store: &mut D::Store,
+    ) -> Result<Built<H, D, Self::Copy>, StepError>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Plain {}
+    impl Sealed for super::Mapped {}
 }
 
 /// The working copy is the master's own module in `H` ([`WorkingCopy`]).
-pub(crate) struct Same;
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::step::{Mixed, Plain};
+/// let model = Cpu::default().build_module::<Linear<2, 1>, f32>();
+/// let _: Mixed<_, Plain> = Mixed::new(model);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Plain;
 
 /// The working copy is made of mpx's layers ([`HalfLayers::Working`]).
-pub(crate) struct Mapped;
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::step::{Mapped, Mixed};
+/// let model = Cpu::default().build_module::<Linear<2, 1>, f32>();
+/// let _: Mixed<_, Mapped> = Mixed::mapped(model);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Mapped;
 
-impl<H: Precision, D: MixedDevice<H>, M: MasterModel<D>> Kind<H, M, D> for Same
+impl<H, M, D> Kind<H, M, D> for Plain
 where
-    WorkingCopy<H, M, D>: TensorCollection<H::Elem, D> + WorkspaceOn<D>,
+    H: Precision,
+    D: MixedDevice<H>,
+    M: MasterModel<D>,
+    WorkingCopy<H, M, D>: TensorCollection<H::Elem, D>,
 {
     type Copy = WorkingCopy<H, M, D>;
     const MAPPED: bool = false;
-    fn refresh(
+    #[allow(private_interfaces)]
+    fn build(
         master: &M,
-        half: Option<Self::Copy>,
-        scratch: &mut CastScratch,
-    ) -> Result<Self::Copy, StepError> {
-        D::refresh_same::<M>(master, half, scratch)
-    }
-    fn hold(w: Working<H, M, Self, D>) -> Box<dyn ErasedWorking>
-    where
-        M: 'static,
-    {
-        <WorkingCopy<H, M, D> as WorkspaceOn<D>>::hold(w)
+        _: &D::Links,
+        store: &mut D::Store,
+    ) -> Result<Built<H, D, Self::Copy>, StepError> {
+        let mut walk = ToHalf::<H, D> {
+            built: Built::new(()),
+            store,
+        };
+        let copy = M::iter_tensors(&mut RecursiveWalker {
+            m: master,
+            f: &mut walk,
+        })
+        .map_err(D::step_error)?
+        .ok_or(StepError::Cast(CastError::NotRebuilt))?;
+        let Built { pairs, state, .. } = walk.built;
+        Ok(Built { copy, pairs, state })
     }
 }
 
-impl<H: Precision, M: HalfLayers<H>> Kind<H, M, Cpu> for Mapped
+/// Walks the master, returning each tensor rounded to `H` and each scalar as the master has it.
+struct ToHalf<'a, H: Precision, D: MixedDevice<H>> {
+    built: Built<H, D, ()>,
+    store: &'a mut D::Store,
+}
+
+impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for ToHalf<'_, H, D> {
+    type Viewer = ViewTensorRef;
+    type Err = D::Err;
+    type E2 = H::Elem;
+    type D2 = D;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, D>,
+        t: &Tensor<S, f32, D>,
+    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
+        let half = D::to_working(t, self.store)?;
+        if opts.do_gradient_update {
+            self.built.trainable(&half, Slot::of(t));
+        } else {
+            self.built.state(&half);
+        }
+        Ok(Some(half))
+    }
+
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        opts: ScalarOptions<N>,
+        value: &N,
+    ) -> Result<Option<N>, D::Err> {
+        Ok(Some(copy_scalar(value).unwrap_or(opts.default)))
+    }
+}
+
+impl<H, M> Kind<H, M, Cpu> for Mapped
 where
+    H: Precision,
     Cpu: MixedDevice<H>,
+    M: HalfLayers<H>,
 {
     type Copy = M::Working;
     const MAPPED: bool = true;
-    fn refresh(
+    #[allow(private_interfaces)]
+    fn build(
         master: &M,
-        half: Option<Self::Copy>,
-        scratch: &mut CastScratch,
-    ) -> Result<Self::Copy, StepError> {
-        super::mapped::refresh::<H, M>(master, half, scratch)
-    }
-    fn hold(w: Working<H, M, Self, Cpu>) -> Box<dyn ErasedWorking>
-    where
-        M: 'static,
-    {
-        Box::new(w)
-    }
-}
-
-/// A forward pass's working copy and gradient buffers.
-type Prepared<'a, H, C, D> = (
-    &'a mut C,
-    Gradients<<H as crate::precision::Precision>::Elem, D>,
-);
-
-/// The typed workspace for master model `M` in precision `H` on device `D`, with the working
-/// copy of kind `K`.
-pub struct Working<H: Precision, M: MasterModel<D>, K: Kind<H, M, D>, D: MixedDevice<H>> {
-    /// The working copy; `None` for an identity precision between steps (it shares the
-    /// master's buffers, which the optimizer must own alone).
-    half: Option<K::Copy>,
-    /// Whether `half` was cast from the master since the last backward or update.
-    fresh: bool,
-    /// Zeroed half gradient buffers keyed by the working copy, ready for the next forward.
-    pub(crate) pool: Vec<Gradients<H::Elem, D>>,
-    pub(crate) stash: Stash<H::Elem, D>,
-    master: Arc<[MasterSlot<D>]>,
-    /// What the linked fused layers share with the workspace ([`super::direct`]; the `Cpu`'s
-    /// alone).
-    pub(crate) direct: Option<Arc<Direct>>,
-    /// The reciprocal of the scale the last forward pass applied.
-    pub(crate) inv: f32,
-    /// The positions the linked layers wrote in the last backward (reused buffer).
-    written: Vec<bool>,
-    scratch: CastScratch,
-    /// Non-parameter tensors (batch-norm statistics) of the working copy, widened; every one is
-    /// written back on an applied step.
-    state: Vec<Vec<f32>>,
-    marker: PhantomData<fn() -> (M, K)>,
-}
-
-impl<H, M, K, D> Working<H, M, K, D>
-where
-    H: Precision,
-    D: MixedDevice<H>,
-    M: MasterModel<D> + 'static,
-    K: Kind<H, M, D>,
-{
-    /// Records the master's layout; the working copy is cast on the first forward.
-    pub(crate) fn new(master: &M) -> Result<Self, StepError> {
-        let layout = master_layout::<D, M>(master).map_err(D::step_error)?;
-        let slots: Arc<[MasterSlot<D>]> = layout.slots.into();
-        Ok(Self {
-            half: None,
-            fresh: false,
-            pool: Vec::new(),
-            stash: Arc::default(),
-            direct: D::links(&slots),
-            inv: 1.0,
-            written: Vec::new(),
-            master: slots,
-            scratch: CastScratch::default(),
-            state: layout.state_lens.iter().map(|&n| vec![0.0; n]).collect(),
-            marker: PhantomData,
+        links: &<Cpu as Primitives<H>>::Links,
+        store: &mut <Cpu as Primitives<H>>::Store,
+    ) -> Result<Built<H, Cpu, Self::Copy>, StepError> {
+        let mut gather = Gather::default();
+        M::iter_tensors(&mut RecursiveWalker {
+            m: master,
+            f: &mut gather,
+        })?;
+        let mut fill = Fill::<H> {
+            gather: &mut gather,
+            store,
+            built: Built::new(()),
+            tensor: 0,
+            scalar: 0,
+        };
+        let copy = M::Working::iter_tensors(&mut RecursiveWalker {
+            m: (),
+            f: &mut fill,
         })
-    }
-
-    /// The working copy, cast from `master` if it is not fresh, and a gradient buffer for its
-    /// forward pass.
-    pub(crate) fn prepare(&mut self, master: &M) -> Result<Prepared<'_, H, K::Copy, D>, StepError> {
-        if !self.fresh || self.half.is_none() {
-            let half = K::refresh(master, self.half.take(), &mut self.scratch)?;
-            self.half = Some(half);
-            self.fresh = true;
+        .map_err(StepError::Cast)?
+        .ok_or(StepError::Cast(CastError::NotRebuilt))?;
+        fill.finish()?;
+        let Built { pairs, state, .. } = fill.built;
+        let mut built = Built { copy, pairs, state };
+        master.finish(&mut built.copy, &<Cpu as Primitives<H>>::linker(links));
+        for (pair, &addr) in built.pairs.iter_mut().zip(&gather.trainable_addrs) {
+            pair.linked = <Cpu as Primitives<H>>::is_linked(links, addr);
         }
-        let Some(half) = self.half.as_mut() else {
-            return Err(StepError::Cast(crate::cast::CastError::NotRebuilt));
-        };
-        // Reused buffers only where the working copy keeps its tensors (their ids key them).
-        let grads = match self.pool.pop().filter(|_| D::IN_PLACE) {
-            Some(g) => g,
-            None => half.try_alloc_grads().map_err(D::step_error)?,
-        };
-        Ok((half, grads))
-    }
-
-    /// After a backward pass: reads the working copy's non-parameter tensors (batch-norm
-    /// running statistics its forward pass updated), to be written into the master if the
-    /// update is applied; then lets go of an identity working copy's shared buffers, which the
-    /// optimizer must own alone.
-    fn finish_backward(&mut self) -> Result<(), StepError> {
-        if !self.state.is_empty()
-            && let Some(half) = &self.half
-        {
-            let mut read = ReadState::<H> {
-                out: &mut self.state,
-                index: 0,
-                marker: std::marker::PhantomData,
-            };
-            each_tensor::<H::Elem, D, K::Copy, _>(half, &mut read, D::step_error)?;
-        }
-        if H::IDENTITY {
-            self.half = None;
-        }
-        self.fresh = false;
-        Ok(())
+        Ok(built)
     }
 }
 
-impl<H, M, K, D> Workspace for Working<H, M, K, D>
+/// One walk of the master: every tensor in visit order (flat, sharing the master's buffer), with
+/// its trainable flag, the trainable tensors' slots and addresses, and every scalar.
+#[derive(Default)]
+struct Gather {
+    tensors: Vec<(Tensor<(usize,), f32, Cpu>, bool)>,
+    slots: Vec<Option<MasterSlot>>,
+    trainable_addrs: Vec<usize>,
+    scalars: Vec<f64>,
+}
+
+impl TensorVisitor<f32, Cpu> for Gather {
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        let n = t.shape().num_elements();
+        // a contiguous tensor is reshaped in place (its buffer shared, not copied)
+        let flat = t.clone().try_reshape_like(&(n,))?;
+        self.tensors.push((flat, opts.do_gradient_update));
+        if opts.do_gradient_update {
+            self.slots.push(Some(Slot::of(t)));
+            self.trainable_addrs.push(std::ptr::from_ref(t).addr());
+        }
+        Ok(None)
+    }
+
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        _: ScalarOptions<N>,
+        value: &N,
+    ) -> Result<Option<N>, CpuError> {
+        self.scalars.push(value.to_f64().unwrap_or(f64::NAN));
+        Ok(None)
+    }
+}
+
+/// Builds the mapped working copy by walking its own type, filling each tensor and scalar from
+/// the master's in visit order; every length and trainable flag is checked.
+struct Fill<'a, H: Precision>
 where
-    H: Precision,
-    D: MixedDevice<H>,
-    M: MasterModel<D> + 'static,
-    K: Kind<H, M, D>,
+    Cpu: MixedDevice<H>,
 {
-    fn transfer(&mut self, grads: &mut dyn Any) -> Result<Option<bool>, StepError> {
-        let mut half_grads: Vec<Gradients<H::Elem, D>> = self
-            .stash
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain(..)
-            .collect();
-        let mut finite = match &self.direct {
-            Some(d) => d.drain(&mut self.written),
-            None => true,
-        };
-        if half_grads.is_empty() && !self.written.contains(&true) {
-            return Ok(None);
-        }
-        let Some(grads) = grads.downcast_mut::<Gradients<f32, D>>() else {
-            // A backward pass on another device cannot have reached this master: its stash
-            // waits for its own.
-            self.stash
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .append(&mut half_grads);
-            return Ok(None);
-        };
-        // The next forward casts the master again (the user may change it before then).
-        self.fresh = false;
-        match (&self.half, half_grads.is_empty()) {
-            (Some(half), false) => {
-                let mut mover = Mover::<H, D> {
-                    half_grads: &mut half_grads,
-                    master_grads: grads,
-                    master: &self.master,
-                    inv_scale: self.inv,
-                    written: &self.written,
-                    finite: D::Finite::default(),
-                    index: 0,
-                };
-                each_tensor::<H::Elem, D, K::Copy, _>(half, &mut mover, D::step_error)?;
-                let seen = mover.index;
-                if seen != self.master.len() {
-                    return Err(count_mismatch(self.master.len(), seen));
-                }
-                finite &= D::verdict(mover.finite)?;
-            }
-            _ => {
-                // No half contribution: the gradients are plain f32 ones; still check them.
-                finite &= check_all::<H, D>(&self.master, grads)?;
-            }
-        }
-        if D::IN_PLACE {
-            self.pool.append(&mut half_grads);
-        }
-        self.finish_backward()?;
-        Ok(Some(finite))
-    }
-
-    fn with_state(&self, f: &mut StateFn<'_>) -> Result<(), StepError> {
-        f(&self.state)
-    }
-
-    fn mapped(&self) -> bool {
-        K::MAPPED
-    }
-
-    fn check(&self, grads: &mut dyn Any) -> Result<bool, StepError> {
-        match grads.downcast_mut::<Gradients<f32, D>>() {
-            Some(grads) => check_all::<H, D>(&self.master, grads),
-            None => Ok(true),
-        }
-    }
-
-    fn with_any(&mut self, f: &mut AnyFn<'_>) -> Result<(), StepError> {
-        f(self)
-    }
-
-    #[cfg(feature = "mpi")]
-    fn master_slots(&self) -> &[MasterSlot] {
-        let any: &dyn Any = &self.master;
-        any.downcast_ref::<Arc<[MasterSlot]>>()
-            .map_or(&[], |s| &s[..])
-    }
+    gather: &'a mut Gather,
+    store: &'a mut <Cpu as Primitives<H>>::Store,
+    built: Built<H, Cpu, ()>,
+    tensor: usize,
+    scalar: usize,
 }
 
-/// Walks the working copy: each trainable tensor's half gradients (from every finished
-/// backward) are added, unscaled, to the master's entry at the same position.
-struct Mover<'a, H: Precision, D: MixedDevice<H>> {
-    half_grads: &'a mut [Gradients<H::Elem, D>],
-    master_grads: &'a mut Gradients<f32, D>,
-    master: &'a [MasterSlot<D>],
-    inv_scale: f32,
-    /// Positions a linked layer wrote directly: their half gradients are moved only when
-    /// something else also added to them.
-    written: &'a [bool],
-    finite: D::Finite,
-    index: usize,
-}
-
-impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for Mover<'_, H, D> {
-    type Error = StepError;
-    fn tensor<S: Shape>(
-        &mut self,
-        trainable: bool,
-        t: &Tensor<S, H::Elem, D>,
-    ) -> Result<(), StepError> {
-        if !trainable {
-            return Ok(());
+impl<H: Precision> Fill<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    /// Checks that the working copy took every tensor and scalar of the master.
+    fn finish(&self) -> Result<(), StepError> {
+        if let Some((src, _)) = self.gather.tensors.get(self.tensor) {
+            return Err(StepError::Cast(CastError::LengthMismatch {
+                index: self.tensor,
+                src: src.shape().0,
+                dst: 0,
+            }));
         }
-        let i = self.index;
-        self.index += 1;
-        let Some(slot) = self.master.get(i) else {
-            return Err(count_mismatch(self.master.len(), i + 1));
-        };
-        let n = t.shape().num_elements();
-        if slot.len != n {
-            return Err(len_mismatch(i, slot.len, n));
-        }
-        let direct = self.written.get(i).copied().unwrap_or(false);
-        for g in self.half_grads.iter_mut() {
-            D::accumulate(
-                g,
-                t,
-                slot,
-                i,
-                self.master_grads,
-                self.inv_scale,
-                direct,
-                &mut self.finite,
-            )?;
+        if self.scalar != self.gather.scalars.len() {
+            return Err(StepError::Cast(CastError::ScalarMismatch {
+                index: self.scalar,
+            }));
         }
         Ok(())
     }
 }
 
-/// Reads the working copy's non-parameter tensors, widened to f32.
-struct ReadState<'a, H> {
-    out: &'a mut [Vec<f32>],
-    index: usize,
-    marker: std::marker::PhantomData<H>,
-}
+impl<H: Precision> TensorVisitor<H::Elem, Cpu> for Fill<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    type Viewer = ();
+    type Err = CastError;
+    type E2 = H::Elem;
+    type D2 = Cpu;
 
-impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for ReadState<'_, H> {
-    type Error = StepError;
-    fn tensor<S: Shape>(
+    fn visit<S: Shape>(
         &mut self,
-        trainable: bool,
-        t: &Tensor<S, H::Elem, D>,
-    ) -> Result<(), StepError> {
+        opts: TensorOptions<S, H::Elem, Cpu>,
+        (): (),
+    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CastError> {
+        let index = self.tensor;
+        let n = opts.shape.num_elements();
+        let Some((source, trainable)) = self.gather.tensors.get(index) else {
+            return Err(CastError::LengthMismatch {
+                index,
+                src: 0,
+                dst: n,
+            });
+        };
+        let (src, trainable) = (source.shape().0, *trainable);
+        if src != n {
+            return Err(CastError::LengthMismatch { index, src, dst: n });
+        }
+        if trainable != opts.do_gradient_update {
+            return Err(CastError::TrainableMismatch { index });
+        }
+        let t = <Cpu as Primitives<H>>::to_working(source, self.store)
+            .and_then(|t| t.try_reshape_like(&opts.shape))
+            .map_err(|_| CastError::LengthMismatch { index, src, dst: n })?;
         if trainable {
-            return Ok(());
+            let slot = self
+                .gather
+                .slots
+                .get_mut(self.built.pairs.len())
+                .and_then(Option::take);
+            let Some(slot) = slot else {
+                return Err(CastError::TrainableMismatch { index });
+            };
+            self.built.trainable(&t, slot);
+        } else {
+            self.built.state(&t);
         }
-        let j = self.index;
-        self.index += 1;
-        let n = t.shape().num_elements();
-        match self.out.get_mut(j) {
-            Some(dst) if dst.len() == n => {
-                H::widen(&t.as_vec(), dst);
-                Ok(())
-            }
-            Some(dst) => Err(len_mismatch(j, dst.len(), n)),
-            None => Err(count_mismatch(self.out.len(), j + 1)),
-        }
+        self.tensor += 1;
+        Ok(Some(t))
+    }
+
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        opts: ScalarOptions<N>,
+        (): (),
+    ) -> Result<Option<N>, CastError> {
+        let index = self.scalar;
+        let value = self
+            .gather
+            .scalars
+            .get(index)
+            .ok_or(CastError::ScalarMismatch { index })?;
+        self.scalar += 1;
+        Ok(Some(N::from(*value).unwrap_or(opts.default)))
     }
 }

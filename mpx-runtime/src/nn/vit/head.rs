@@ -1,6 +1,6 @@
 //! [`ClassificationHead`]: pool the tokens, normalize in f32, project to class logits.
 
-use dfdx::nn::modules::Linear;
+use crate::nn::Linear;
 use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};

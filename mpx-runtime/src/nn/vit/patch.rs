@@ -1,6 +1,6 @@
 //! [`PatchEmbedding`]: square images cut into square patches, each projected by one `Linear`.
 
-use dfdx::nn::modules::Linear;
+use crate::nn::Linear;
 use dfdx::shapes::{Axes5, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};

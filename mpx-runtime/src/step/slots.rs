@@ -1,0 +1,238 @@
+//! Gradient slots: where one tensor's gradient lives in a `Gradients`, found through a data-free
+//! ghost of the tensor (dfdx keys gradients by the tensor's own id and lets no code outside it
+//! read that id, so a ghost is the only key it hands out), and the one walk over a module's
+//! tensors every step pass is written on ([`each_tensor`]).
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::shapes::{Dtype, HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
+use dfdx::tensor_ops::Device;
+
+/// A device whose tensors of element `E` can be keyed by a boxed ghost. On the `Cpu` the box is
+/// `Send + Sync` (so the state that holds it can be); dfdx's `Cuda` device is neither, so a
+/// `Cuda` slot is not either.
+pub trait SlotDevice<E: Dtype>: Device<E> {
+    /// The boxed lookup.
+    type Slot;
+    /// The slot of tensor `t`.
+    fn slot<S: Shape>(t: &Tensor<S, E, Self>) -> Self::Slot;
+    /// `t`'s gradient buffer in `grads`, allocated as zeros when `grads` has none.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<E, Self>,
+    ) -> Result<&'a mut <Self as Storage<E>>::Vec, Self::Err>;
+}
+
+/// Constrains a closure to the higher-ranked signature of a slot.
+fn lookup<E: Dtype, D: Device<E>, F>(f: F) -> F
+where
+    F: for<'a> Fn(
+        &'a mut Gradients<E, D>,
+    ) -> Result<&'a mut <D as Storage<E>>::Vec, <D as HasErr>::Err>,
+{
+    f
+}
+
+/// A `Cpu` slot's lookup.
+type CpuLookup<E> = dyn for<'a> Fn(&'a mut Gradients<E, Cpu>) -> Result<&'a mut <Cpu as Storage<E>>::Vec, CpuError>
+    + Send
+    + Sync;
+
+impl<E: Dtype> SlotDevice<E> for Cpu
+where
+    Cpu: Device<E>,
+{
+    type Slot = Box<CpuLookup<E>>;
+    fn slot<S: Shape>(t: &Tensor<S, E, Cpu>) -> Self::Slot {
+        let ghost = t.ghost();
+        Box::new(lookup(move |g: &mut Gradients<E, Cpu>| {
+            g.get_or_alloc_mut(&ghost)
+        }))
+    }
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<E, Cpu>,
+    ) -> Result<&'a mut <Cpu as Storage<E>>::Vec, CpuError> {
+        slot(grads)
+    }
+}
+
+/// A `Cuda` slot's lookup (dfdx's `Cuda` device is neither `Send` nor `Sync`).
+#[cfg(feature = "cuda")]
+type CudaLookup<E> = dyn for<'a> Fn(
+    &'a mut Gradients<E, dfdx::tensor::Cuda>,
+) -> Result<
+    &'a mut <dfdx::tensor::Cuda as Storage<E>>::Vec,
+    dfdx::tensor::CudaError,
+>;
+
+#[cfg(feature = "cuda")]
+impl<E: Dtype> SlotDevice<E> for dfdx::tensor::Cuda
+where
+    dfdx::tensor::Cuda: Device<E>,
+{
+    type Slot = Box<CudaLookup<E>>;
+    fn slot<S: Shape>(t: &Tensor<S, E, dfdx::tensor::Cuda>) -> Self::Slot {
+        let ghost = t.ghost();
+        Box::new(lookup(move |g: &mut Gradients<E, dfdx::tensor::Cuda>| {
+            g.get_or_alloc_mut(&ghost)
+        }))
+    }
+    fn buffer<'a>(
+        slot: &Self::Slot,
+        grads: &'a mut Gradients<E, dfdx::tensor::Cuda>,
+    ) -> Result<&'a mut <dfdx::tensor::Cuda as Storage<E>>::Vec, dfdx::tensor::CudaError> {
+        slot(grads)
+    }
+}
+
+/// One tensor's gradient buffer, with the tensor's element count.
+pub struct Slot<E: Dtype, D: SlotDevice<E> = Cpu> {
+    pub(crate) len: usize,
+    get: D::Slot,
+}
+
+/// A slot of an f32 master tensor.
+pub(crate) type MasterSlot<D = Cpu> = Slot<f32, D>;
+
+impl<E: Dtype, D: SlotDevice<E>> Slot<E, D> {
+    /// The slot of `t`.
+    pub(crate) fn of<S: Shape>(t: &Tensor<S, E, D>) -> Self {
+        Self {
+            len: t.shape().num_elements(),
+            get: D::slot(t),
+        }
+    }
+
+    /// The tensor's gradient buffer in `grads` (allocated as zeros when `grads` lacks it).
+    pub(crate) fn buffer<'a>(
+        &self,
+        grads: &'a mut Gradients<E, D>,
+    ) -> Result<&'a mut <D as Storage<E>>::Vec, D::Err> {
+        D::buffer(&self.get, grads)
+    }
+}
+
+impl<E: Dtype> Slot<E, Cpu>
+where
+    Cpu: Device<E>,
+{
+    /// The gradient buffer on the host, checked to hold the tensor's element count.
+    pub(crate) fn slice<'a>(
+        &self,
+        grads: &'a mut Gradients<E, Cpu>,
+    ) -> Result<&'a mut [E], CpuError> {
+        let buf = crate::cast::grad_slice::<E>(self.buffer(grads)?);
+        if buf.len() == self.len {
+            Ok(buf)
+        } else {
+            Err(CpuError::WrongNumElements)
+        }
+    }
+}
+
+/// A read-only walk of a module: what it does with each tensor, in visit order. [`each_tensor`]
+/// is the one adapter to dfdx's `TensorVisitor`, so a walk states only its own work.
+pub(crate) trait EachTensor<E: Dtype, D: Device<E>> {
+    /// What stops the walk.
+    type Error;
+    /// One tensor; `trainable`: whether optimizers update it (else it is state, such as batch
+    /// norm's running statistics).
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, D>)
+    -> Result<(), Self::Error>;
+}
+
+/// Hands every tensor of `m` to `walk`, in visit order, until `walk` returns an error; `err`
+/// converts a device error of the walker itself.
+pub(crate) fn each_tensor<E, D, M, W>(
+    m: &M,
+    walk: &mut W,
+    err: fn(D::Err) -> W::Error,
+) -> Result<(), W::Error>
+where
+    E: Dtype,
+    D: Device<E>,
+    M: TensorCollection<E, D>,
+    W: EachTensor<E, D>,
+{
+    struct Adapter<'a, W: EachTensor<E, D>, E: Dtype, D: Device<E>> {
+        walk: &'a mut W,
+        failed: Option<W::Error>,
+        marker: std::marker::PhantomData<fn() -> (E, D)>,
+    }
+    impl<W: EachTensor<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
+        type Viewer = ViewTensorRef;
+        type Err = D::Err;
+        type E2 = E;
+        type D2 = D;
+        fn visit<S: Shape>(
+            &mut self,
+            opts: TensorOptions<S, E, D>,
+            t: &Tensor<S, E, D>,
+        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
+            if self.failed.is_none()
+                && let Err(e) = self.walk.tensor(opts.do_gradient_update, t)
+            {
+                self.failed = Some(e);
+            }
+            Ok(None)
+        }
+    }
+    let mut adapter = Adapter {
+        walk,
+        failed: None,
+        marker: std::marker::PhantomData,
+    };
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
+    adapter.failed.map_or(Ok(()), Err)
+}
+
+/// The device of `m`'s first tensor, in visit order (`None` for a module without tensors).
+pub(crate) fn first_device<E, D, M>(m: &M) -> Result<Option<D>, D::Err>
+where
+    E: Dtype,
+    D: Device<E>,
+    M: TensorCollection<E, D>,
+{
+    struct First<D>(Option<D>);
+    impl<E: Dtype, D: Device<E>> EachTensor<E, D> for First<D> {
+        type Error = D::Err;
+        fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, E, D>) -> Result<(), D::Err> {
+            if self.0.is_none() {
+                self.0 = Some(t.device().clone());
+            }
+            Ok(())
+        }
+    }
+    let mut first = First(None);
+    each_tensor(m, &mut first, std::convert::identity)?;
+    Ok(first.0)
+}
+
+/// The slots of `m`'s trainable tensors, in visit order.
+pub(crate) fn trainable_slots<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
+    m: &M,
+) -> Result<Vec<MasterSlot<D>>, D::Err> {
+    struct Slots<D: SlotDevice<f32>>(Vec<MasterSlot<D>>);
+    impl<D: SlotDevice<f32>> EachTensor<f32, D> for Slots<D> {
+        type Error = D::Err;
+        fn tensor<S: Shape>(
+            &mut self,
+            trainable: bool,
+            t: &Tensor<S, f32, D>,
+        ) -> Result<(), D::Err> {
+            if trainable {
+                self.0.push(Slot::of(t));
+            }
+            Ok(())
+        }
+    }
+    let mut slots = Slots(Vec::new());
+    each_tensor(m, &mut slots, std::convert::identity)?;
+    Ok(slots.0)
+}
