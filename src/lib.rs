@@ -62,7 +62,7 @@
 //! | [`cast`] | casting any tree (tensors, modules, containers, `#[derive(Cast)]` structs) between precisions |
 //! | [`scaling`] | loss scales: [`NoOpLossScale`](scaling::NoOpLossScale), [`StaticLossScale`](scaling::StaticLossScale), [`DynamicLossScale`](scaling::DynamicLossScale) (jmp's semantics, bit for bit) |
 //! | [`finite`] | bit-level finiteness checks over slices and trees (`all_finite`) |
-//! | [`step`] | the mixed step by hand: [`GradScaler`](step::GradScaler), or mpx's `filter_value_and_grad` and `optimizer_update` |
+//! | [`step`] | the mixed step by hand: [`GradScaler`](step::GradScaler)'s `forward`, `backward` and `update` on a [`Mixed`](step::Mixed) model |
 //! | [`region`] | full-precision regions inside a half-precision graph (what `#[full_precision]` and `#[autocast]` generate) |
 //! | [`boundary`] | compile-time precision boundaries: a half model where the f32 master belongs is an error that says what to do |
 //! | [`nn`] | mixed-ready layers: a fused `Linear`, layer norm, attention, a transformer encoder, a ViT |

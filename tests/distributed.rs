@@ -47,7 +47,7 @@ use mpx::distributed::mpi::traits::{Communicator, CommunicatorCollectives, Root}
 use mpx::distributed::{AllReduceDtype, DistributedError, Reducer, mpi};
 use mpx::precision::f16;
 use mpx::scaling::DynamicLossScale;
-use mpx::step::{GradScaler, StepError, clip_grad_norm};
+use mpx::step::{GradScaler, Mixed, ScalerState, StepError, clip_grad_norm};
 
 // ---- the model, the data and the step -----------------------------------------------------------
 
@@ -282,25 +282,27 @@ impl Rank {
             let (x, y) = rows::<B>(&self.data, k, self.rank * B);
             g = step(&mut m, &mut opt, g, &x, &y, &mut scaler);
         }
-        let mut rm = init.clone();
+        let mut rm = Mixed::mapped(init.clone());
         let mut ropt = sgd(&rm);
         let mut rscaler = GradScaler::<f16>::new(scaling(1024.0, 4));
         let mut rg = rm.alloc_grads();
         for k in 0..STEPS {
             for shard in 0..2 {
                 let (x, y) = rows::<B>(&self.data, k, shard * B);
-                let out = rscaler.forward(&rm, x.traced(rg), |m, x| m.forward(x));
+                let out = rscaler
+                    .forward(&rm, x.traced(rg), |m, x| m.forward(x))
+                    .map_err(err)?;
                 rg = rscaler
-                    .try_backward(cross_entropy_with_logits_loss(out, y))
+                    .backward(cross_entropy_with_logits_loss(out, y))
                     .map_err(err)?;
             }
-            scale_grads(&rm, &mut rg, 0.5);
+            scale_grads(&*rm, &mut rg, 0.5);
             rscaler.update(&mut rm, &mut ropt, &rg).map_err(err)?;
             rm.zero_grads(&mut rg);
         }
-        let diff = max_abs_diff(&values(&m), &values(&rm));
+        let diff = max_abs_diff(&values(&m), &values(&*rm));
         check!(
-            values(&m) == values(&rm),
+            values(&m) == values(&*rm),
             "2 ranks differ from one process with the shards as micro-batches by {diff:e}"
         );
         Ok(format!(
@@ -363,17 +365,23 @@ impl Rank {
 
     /// One update of a `Linear<1, 1>` whose bias gradient is `c` per micro-batch, two
     /// micro-batches, at loss scale 2^15, with `dtype` on the wire.
-    fn overflow_step(&self, m: &mut Tiny, scaler: &mut GradScaler<f16>) -> Result<bool, String> {
+    fn overflow_step(
+        &self,
+        m: &mut Mixed<Tiny>,
+        scaler: &mut GradScaler<f16>,
+    ) -> Result<bool, String> {
         // scaled, one micro-batch's bias gradient is 40000: finite in f16 (max 65504); two
         // accumulated, the payload 2 * 40000 / N per rank sums to 80000 across the ranks
         let c = 40000.0 / 32768.0;
         let dev = Cpu::default();
-        let mut opt = Sgd::new(&*m, SgdConfig::default());
+        let mut opt = Sgd::new(&**m, SgdConfig::default());
         let mut g = m.alloc_grads();
         for _ in 0..2 {
             let x: Tensor<Rank2<1, 1>, f32, _> = dev.zeros();
-            let y = scaler.forward(&*m, x.trace(g), |m, x| m.forward(x));
-            g = scaler.try_backward((y * c).sum()).map_err(err)?;
+            let y = scaler
+                .forward(m, x.trace(g), |m, x| m.forward(x))
+                .map_err(err)?;
+            g = scaler.backward((y * c).sum()).map_err(err)?;
         }
         let out = scaler.update(m, &mut opt, &g).map_err(err)?;
         Ok(out.is_applied())
@@ -388,16 +396,16 @@ impl Rank {
                 .with_accumulation(2)
                 .map_err(err)?;
             let mut scaler = GradScaler::<f16>::new(scaling(32768.0, 100)).with_reducer(reducer);
-            let mut m = init.clone();
-            let before = values(&m);
+            let mut m = Mixed::new(init.clone());
+            let before = values(&*m);
             let applied = self.overflow_step(&mut m, &mut scaler)?;
             if dtype == AllReduceDtype::F32 {
                 check!(applied, "f32 wire: the step was skipped");
-                check!(values(&m) != before, "f32 wire: the master did not move");
+                check!(values(&*m) != before, "f32 wire: the master did not move");
             } else {
                 check!(!applied, "f16 wire: an overflowing sum was applied");
                 check!(
-                    values(&m) == before,
+                    values(&*m) == before,
                     "f16 wire: the skip changed the master"
                 );
                 check!(
@@ -418,7 +426,7 @@ impl Rank {
                 );
                 let r = scaler.reducer_mut().ok_or("no reducer")?;
                 check!(
-                    r.models_agree(&m).map_err(err)?,
+                    r.models_agree(&*m).map_err(err)?,
                     "masters differ across ranks"
                 );
             }
@@ -433,40 +441,44 @@ impl Rank {
             .with_accumulation(2)
             .map_err(err)?;
         let mut scaler = GradScaler::<f16>::new(scaling(1024.0, 4)).with_reducer(reducer);
-        let mut m = init.clone();
+        let mut m = Mixed::mapped(init.clone());
         let mut opt = sgd(&m);
         let mut g = m.alloc_grads();
         let mut clipped = 0;
         for k in 0..STEPS {
             for micro in 0..2 {
                 let (x, y) = rows::<M>(&self.data, k, (self.rank * 2 + micro) * M);
-                let out = scaler.forward(&m, x.traced(g), |m, x| m.forward(x));
+                let out = scaler
+                    .forward(&m, x.traced(g), |m, x| m.forward(x))
+                    .map_err(err)?;
                 // the mean over the micro-batch, halved: the two add up to the shard's mean
                 let loss = cross_entropy_with_logits_loss(out, y) * 0.5;
-                g = scaler.try_backward(loss).map_err(err)?;
+                g = scaler.backward(loss).map_err(err)?;
             }
-            if clip_grad_norm(&m, &mut g, CLIP).map_err(err)? > CLIP {
+            if clip_grad_norm(&*m, &mut g, CLIP).map_err(err)? > CLIP {
                 clipped += 1;
             }
             scaler.update(&mut m, &mut opt, &g).map_err(err)?;
             m.zero_grads(&mut g);
         }
         // the reference: the whole batch, clipped the same way
-        let mut rm = init.clone();
+        let mut rm = Mixed::mapped(init.clone());
         let mut ropt = sgd(&rm);
         let mut rscaler = GradScaler::<f16>::new(scaling(1024.0, 4));
         let mut rg = rm.alloc_grads();
         for k in 0..STEPS {
             let (x, y) = rows::<GLOBAL>(&self.data, k, 0);
-            let out = rscaler.forward(&rm, x.traced(rg), |m, x| m.forward(x));
-            rg = rscaler
-                .try_backward(cross_entropy_with_logits_loss(out, y))
+            let out = rscaler
+                .forward(&rm, x.traced(rg), |m, x| m.forward(x))
                 .map_err(err)?;
-            clip_grad_norm(&rm, &mut rg, CLIP).map_err(err)?;
+            rg = rscaler
+                .backward(cross_entropy_with_logits_loss(out, y))
+                .map_err(err)?;
+            clip_grad_norm(&*rm, &mut rg, CLIP).map_err(err)?;
             rscaler.update(&mut rm, &mut ropt, &rg).map_err(err)?;
             rm.zero_grads(&mut rg);
         }
-        let diff = max_abs_diff(&values(&m), &values(&rm));
+        let diff = max_abs_diff(&values(&*m), &values(&*rm));
         check!(diff <= 1e-4, "max |ddp - single process| = {diff:e} > 1e-4");
         check!(clipped > 0, "the clipping never acted");
         let r = scaler.reducer_mut().ok_or("no reducer")?;
@@ -476,15 +488,17 @@ impl Rank {
             r.reductions()
         );
         check!(
-            r.models_agree(&m).map_err(err)?,
+            r.models_agree(&*m).map_err(err)?,
             "masters differ across ranks"
         );
         // an update after one micro-batch of two
-        let before = values(&m);
+        let before = values(&*m);
         let (x, y) = rows::<M>(&self.data, 0, self.rank * 2 * M);
-        let out = scaler.forward(&m, x.traced(g), |m, x| m.forward(x));
+        let out = scaler
+            .forward(&m, x.traced(g), |m, x| m.forward(x))
+            .map_err(err)?;
         let g = scaler
-            .try_backward(cross_entropy_with_logits_loss(out, y))
+            .backward(cross_entropy_with_logits_loss(out, y))
             .map_err(err)?;
         match scaler.update(&mut m, &mut opt, &g) {
             Err(StepError::Distributed(DistributedError::AccumulationMismatch {
@@ -498,7 +512,7 @@ impl Rank {
             }
         }
         check!(
-            values(&m) == before,
+            values(&*m) == before,
             "the refused update changed the master"
         );
         Ok(format!(
@@ -508,20 +522,22 @@ impl Rank {
 
     fn half_bound<const B: usize>(&self, dtype: AllReduceDtype) -> Outcome {
         const S: f32 = 1024.0;
-        let init = self.common_init()?;
+        let init = Mixed::mapped(self.common_init()?);
         let (x, y) = rows::<B>(&self.data, 0, self.rank * B);
         let grads_with = |reducer: Option<Reducer>| -> Result<Vec<f32>, String> {
             let mut scaler = GradScaler::<f16>::new(scaling(S, 100));
             if let Some(r) = reducer {
                 scaler = scaler.with_reducer(r);
             }
-            let out = scaler.forward(&init, x.clone().traced(init.alloc_grads()), |m, x| {
-                m.forward(x)
-            });
-            let g = scaler
-                .try_backward(cross_entropy_with_logits_loss(out, y.clone()))
+            let out = scaler
+                .forward(&init, x.clone().traced(init.alloc_grads()), |m, x| {
+                    m.forward(x)
+                })
                 .map_err(err)?;
-            Ok(grad_vec(&init, &g))
+            let g = scaler
+                .backward(cross_entropy_with_logits_loss(out, y.clone()))
+                .map_err(err)?;
+            Ok(grad_vec(&*init, &g))
         };
         let local = grads_with(None)?;
         let exact = grads_with(Some(Reducer::new(&self.world)))?;
@@ -588,7 +604,7 @@ impl Rank {
         let mut sb = new_scaler(scaling(1024.0, 2));
         run(&mut b, &mut sb, 0..K);
         if self.rank == 0 {
-            let json = serde_json::to_string(sb.scaling()).map_err(err)?;
+            let json = serde_json::to_string(&sb.state_dict()).map_err(err)?;
             let mut bytes: Vec<u8> = values(&b).iter().flat_map(|v| v.to_le_bytes()).collect();
             bytes.extend_from_slice(json.as_bytes());
             std::fs::write(&path, bytes).map_err(err)?;
@@ -614,7 +630,10 @@ impl Rank {
         root.broadcast_into(&mut len);
         json.resize(len as usize, 0);
         root.broadcast_into(&mut json[..]);
-        *sc.scaling_mut() = serde_json::from_slice(&json).map_err(err)?;
+        let state: ScalerState<DynamicLossScale> = serde_json::from_slice(&json).map_err(err)?;
+        // the restore keeps the scaler's reducer: the run goes on averaging
+        sc.load_state_dict(state.clone()).map_err(err)?;
+        check!(sc.reducer().is_some(), "the restore dropped the reducer");
         sc.reducer_mut()
             .ok_or("no reducer")?
             .broadcast_model(&mut c, 0)
@@ -631,8 +650,37 @@ impl Rank {
             sc.loss_scale(),
             sa.loss_scale()
         );
+        let r = sc.reducer_mut().ok_or("no reducer")?;
+        check!(
+            r.models_agree(&c).map_err(err)?,
+            "the restored ranks' masters differ"
+        );
+        // a mismatched restore: the last rank loads another checkpoint (the uninterrupted run's
+        // state, K steps later) than the others: the next backward pass is an error on every
+        // rank, not a hang and not a silent drift
+        let mut sd = new_scaler(DynamicLossScale::default());
+        let wrong = if self.rank == self.size - 1 {
+            sa.state_dict()
+        } else {
+            state
+        };
+        sd.load_state_dict(wrong).map_err(err)?;
+        let d = Mixed::mapped(c.clone());
+        let (x, y) = rows::<B>(&self.data, 0, self.rank * B);
+        let out = sd
+            .forward(&d, x.traced(d.alloc_grads()), |m, x| m.forward(x))
+            .map_err(err)?;
+        let mismatch = match sd.backward(cross_entropy_with_logits_loss(out, y)) {
+            Err(e @ StepError::Distributed(DistributedError::ConfigMismatch { .. })) => e,
+            other => {
+                return Err(format!(
+                    "ranks restored from different checkpoints did not fail the step: {:?}",
+                    other.map(|_| ())
+                ));
+            }
+        };
         Ok(format!(
-            "written by rank 0 after {K} steps, restored on every rank by broadcast: {} more steps bit-identical to the uninterrupted run (loss scale {})",
+            "written by rank 0 after {K} steps, restored on every rank (state_dict / load_state_dict, the reducer kept): {} more steps bit-identical to the uninterrupted run (loss scale {}); one rank restored from another checkpoint: \"{mismatch}\" on every rank",
             K,
             sa.loss_scale()
         ))
@@ -646,8 +694,8 @@ impl Rank {
         }?;
         // the same model, but the last rank reduces in f16: an error everywhere, nothing moved
         let dev = Cpu::seed_from_u64(5);
-        let mut m = dev.build_module::<Linear<4, 2>, f32>();
-        let before = values(&m);
+        let mut m = Mixed::new(dev.build_module::<Linear<4, 2>, f32>());
+        let before = values(&*m);
         let dtype = if self.rank == self.size - 1 {
             AllReduceDtype::F16
         } else {
@@ -656,8 +704,10 @@ impl Rank {
         let mut scaler =
             GradScaler::<f16>::default().with_reducer(Reducer::new(&self.world).with_dtype(dtype));
         let x: Tensor<Rank2<1, 4>, f32, _> = dev.ones();
-        let y = scaler.forward(&m, x.trace(m.alloc_grads()), |m, x| m.forward(x));
-        match scaler.try_backward(y.sum()) {
+        let y = scaler
+            .forward(&m, x.trace(m.alloc_grads()), |m, x| m.forward(x))
+            .map_err(err)?;
+        match scaler.backward(y.sum()) {
             Err(StepError::Distributed(DistributedError::ConfigMismatch { .. })) => {}
             other => {
                 return Err(format!(
@@ -666,7 +716,7 @@ impl Rank {
                 ));
             }
         }
-        let mut opt = Sgd::new(&m, SgdConfig::default());
+        let mut opt = Sgd::new(&*m, SgdConfig::default());
         let g = m.alloc_grads();
         // the update after the failed backward is refused too, not applied
         let refused = matches!(
@@ -674,7 +724,7 @@ impl Rank {
             Err(StepError::Distributed(DistributedError::ReductionFailed))
         );
         check!(
-            refused && values(&m) == before,
+            refused && values(&*m) == before,
             "the update after a failed all-reduce was not refused"
         );
         Ok(format!(
@@ -695,9 +745,12 @@ impl Rank {
             }
         }
         let mut scaler = GradScaler::<f16>::default().with_reducer(r);
+        let m = Mixed::new(m);
         let x: Tensor<Rank2<1, 4>, f32, _> = dev.ones();
-        let y = scaler.forward(&m, x.trace(m.alloc_grads()), |m, x| m.forward(x));
-        match scaler.try_backward(y.sum()) {
+        let y = scaler
+            .forward(&m, x.trace(m.alloc_grads()), |m, x| m.forward(x))
+            .map_err(err)?;
+        match scaler.backward(y.sum()) {
             Err(e @ StepError::Distributed(DistributedError::LayoutMismatch { .. })) => {
                 Ok(format!("every rank: \"{e}\""))
             }

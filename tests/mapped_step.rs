@@ -1,4 +1,4 @@
-//! The working copy made of mpx's layers (`HalfLayers`, `GradScaler::forward_mapped`): which
+//! The working copy made of mpx's layers (`HalfLayers`, `Mixed::mapped`): which
 //! working copy `#[mixed_step]` picks for which model, the mapped forward pass and gradients
 //! against the f32 step, and skipped steps.
 //!

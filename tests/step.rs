@@ -18,7 +18,7 @@ fn grad_bits(m: &MlpF32, g: &Gradients<f32, Cpu>) -> Vec<u32> {
     common::bits::bits(&common::grads::param_grads(m, g).concat())
 }
 
-/// mpx's `filter_value_and_grad(func, scaling)(model, batch)`, written with the scaler's two
+/// JAX mpx's `filter_value_and_grad(func, scaling)(model, batch)`, written with the scaler's two
 /// calls: the batch `$x` (f32) through `$master`'s forward pass, `$loss` on its f32 output;
 /// returns `(loss, gradients, grads_finite, applied scale)`.
 macro_rules! value_and_grad {

@@ -62,7 +62,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     let mut applied = Vec::new(); // (step, loss) of each applied step
     let mut skipped = 0u64;
     for (step, (x, y)) in batches(&dev, &d).iter().enumerate() {
-        let before = values(&*master);
+        let before = values(&master);
         let out = scaler
             .forward(&master, x.clone().trace(master.alloc_grads()), |m, x| {
                 m.forward(x)
@@ -78,7 +78,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
             _ => {
                 skipped += 1;
                 assert_eq!(
-                    values(&*master),
+                    values(&master),
                     before,
                     "step {step}: a skipped step changed the master"
                 );
@@ -91,7 +91,7 @@ fn vit_trains_in_f16_with_skipped_steps_counted() {
     assert_eq!(scaler.applied_steps(), applied.len() as u64);
     assert!(scaler.loss_scale() < initial_scale, "the scale backed off");
     assert!(
-        values(&*master).iter().all(|v| v.is_finite()),
+        values(&master).iter().all(|v| v.is_finite()),
         "master finite"
     );
 

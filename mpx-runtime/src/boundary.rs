@@ -3,7 +3,7 @@
 //!
 //! | boundary | trait | where it is required |
 //! |---|---|---|
-//! | the master model is f32 | [`MasterModel`] | [`step::filter_value_and_grad`](crate::step::filter_value_and_grad), [`step::optimizer_update`](crate::step::optimizer_update), `#[mixed_step]` |
+//! | the master model is f32 | [`MasterModel`] | [`GradScaler::forward`](crate::step::GradScaler::forward), [`GradScaler::update`](crate::step::GradScaler::update), `#[mixed_step]` |
 //! | a forward pass's input is f32 (or integer) | [`HalfInput`](crate::step::HalfInput) | [`GradScaler::forward`](crate::step::GradScaler::forward), the traced batch of a `#[mixed_step]` |
 //!
 //! Each trait carries a `#[diagnostic::on_unimplemented]` message, so the compiler error names

@@ -225,7 +225,7 @@ where
         ) -> Y;
 }
 
-impl<'a, H, L, R, X, C, B> ViaMapped<H> for &mut Forward<'a, H, L, Cpu, R, X, C, B>
+impl<H, L, R, X, C, B> ViaMapped<H> for &mut Forward<'_, H, L, Cpu, R, X, C, B>
 where
     H: Precision,
     L: LossScale,
@@ -270,7 +270,7 @@ pub trait ViaHalf<H: Precision, D: MixedDevice<H>> {
 
 // the second `&mut` is the ladder's middle rung (see `Forward`)
 #[allow(clippy::mut_mut)]
-impl<'a, H, L, D, R, X, C, B> ViaHalf<H, D> for &mut &mut Forward<'a, H, L, D, R, X, C, B>
+impl<H, L, D, R, X, C, B> ViaHalf<H, D> for &mut &mut Forward<'_, H, L, D, R, X, C, B>
 where
     H: Precision,
     L: LossScale,
@@ -313,8 +313,7 @@ pub trait ViaFull<R, X, D: dfdx::tensor_ops::Device<f32>> {
         F: FnOnce(R, X::Plain) -> Y;
 }
 
-impl<'a, H, L, D, R, X> ViaFull<R, X, D>
-    for Forward<'a, H, L, D, R, X, call::Forward, fallback::Warn>
+impl<H, L, D, R, X> ViaFull<R, X, D> for Forward<'_, H, L, D, R, X, call::Forward, fallback::Warn>
 where
     H: Precision,
     L: LossScale,
@@ -333,8 +332,8 @@ where
 }
 
 #[allow(deprecated)]
-impl<'a, H, L, D, R, X> ViaFull<R, X, D>
-    for Forward<'a, H, L, D, R, X, call::ForwardMut, fallback::Warn>
+impl<H, L, D, R, X> ViaFull<R, X, D>
+    for Forward<'_, H, L, D, R, X, call::ForwardMut, fallback::Warn>
 where
     H: Precision,
     L: LossScale,
@@ -352,7 +351,7 @@ where
 }
 
 #[allow(deprecated)]
-impl<'a, H, L, D, R, X> ViaFull<R, X, D> for Forward<'a, H, L, D, R, X, call::Field, fallback::Warn>
+impl<H, L, D, R, X> ViaFull<R, X, D> for Forward<'_, H, L, D, R, X, call::Field, fallback::Warn>
 where
     H: Precision,
     L: LossScale,
@@ -406,7 +405,7 @@ pub trait ViaRejected<H, R, X> {
         R: RunsIn<H>;
 }
 
-impl<'a, H, L, D, R, X, C> ViaRejected<H, R, X> for Forward<'a, H, L, D, R, X, C, fallback::Reject>
+impl<H, L, D, R, X, C> ViaRejected<H, R, X> for Forward<'_, H, L, D, R, X, C, fallback::Reject>
 where
     H: Precision,
     L: LossScale,

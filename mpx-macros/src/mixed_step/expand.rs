@@ -45,7 +45,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         .iter()
         .map(|(m, _)| &m.args[0])
         .filter(|a| unread_batch(a, &f, &plan.masters))
-        .map(|a| key(a))
+        .map(key)
         .collect();
     let mut rewriter = Rewriter {
         masters: plan.masters.iter().map(|m| (key(m), m.clone())).collect(),

@@ -21,11 +21,14 @@ pub enum DistributedError {
         elements: usize,
     },
 
-    /// The ranks disagree on the settings of the reduction or on the loss scale.
+    /// The ranks disagree on the settings of the reduction, on the loss scale or on the
+    /// scaler's counters (a rank restored from another checkpoint than the others).
     #[error(
         "the ranks disagree on the data-parallel settings: this rank (rank {rank}) reduces in \
-         {dtype} with {accumulation} backward pass(es) per update at loss scale {scale}, and at \
-         least one other rank does not; build every rank's `Reducer` and `GradScaler` the same way"
+         {dtype} with {accumulation} backward pass(es) per update at loss scale {scale}, after \
+         {applied} applied and {skipped} skipped updates, and at least one other rank does not; \
+         build every rank's `Reducer` and `GradScaler` the same way, and restore every rank from \
+         the same checkpoint"
     )]
     ConfigMismatch {
         /// This rank.
@@ -36,6 +39,10 @@ pub enum DistributedError {
         accumulation: u32,
         /// This rank's loss scale.
         scale: f32,
+        /// This rank's applied updates.
+        applied: u64,
+        /// This rank's skipped updates.
+        skipped: u64,
     },
 
     /// The update came before the last micro-batch's backward pass (or after too many).

@@ -37,22 +37,22 @@
 //! use dfdx::{optim::*, prelude::*};
 //! use mpx_runtime::distributed::{Reducer, mpi};
 //! use mpx_runtime::precision::f16;
-//! use mpx_runtime::step::GradScaler;
+//! use mpx_runtime::step::{GradScaler, Mixed};
 //!
 //! let universe = mpi::initialize().expect("MPI initialised once");
 //! let world = universe.world();
 //! let dev: Cpu = Default::default();
-//! let mut model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+//! let mut model = Mixed::mapped(dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>());
 //! let mut reducer = Reducer::new(&world);
-//! reducer.broadcast_model(&mut model, 0)?; // every rank starts from rank 0's weights
+//! reducer.broadcast_model(&mut *model, 0)?; // every rank starts from rank 0's weights
 //! let mut scaler = GradScaler::<f16>::default().with_reducer(reducer);
-//! let mut opt = Sgd::new(&model, Default::default());
-//! let mut grads = model.alloc_grads();
+//! let mut opt = Sgd::new(&*model, Default::default());
+//! let grads = model.alloc_grads();
 //! // this rank's shard of the global batch
 //! let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
 //! let y: Tensor<Rank2<3, 2>, f32, _> = dev.sample_normal();
-//! let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x));
-//! grads = scaler.try_backward(mse_loss(out, y))?; // averaged over the ranks
+//! let out = scaler.forward(&model, x.trace(grads), |m, x| m.forward(x))?;
+//! let grads = scaler.backward(mse_loss(out, y))?; // averaged over the ranks
 //! scaler.update(&mut model, &mut opt, &grads)?; // applied or skipped on every rank alike
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -463,11 +463,13 @@ impl Reducer {
         self.agree(h, 0, true).0
     }
 
-    fn config_hash(&self, scale: f32) -> u64 {
+    fn config_hash(&self, scale: f32, counters: [u64; 2]) -> u64 {
         hash_words([
             self.dtype as u64,
             u64::from(self.accumulation),
             u64::from(scale.to_bits()),
+            counters[0],
+            counters[1],
         ])
     }
 }
@@ -484,17 +486,18 @@ fn hash_words(words: impl IntoIterator<Item = u64>) -> u64 {
     h
 }
 
-/// The scaler's hook after each backward pass (`GradScaler::try_backward_with`): counts the
+/// The scaler's hook after each backward pass (`GradScaler::backward`): counts the
 /// micro-batch, and in the last one agrees with the other ranks and averages the master's
 /// gradients. Returns the agreed finiteness after the last micro-batch, `None` before it or
 /// without a reducer.
 pub(crate) fn after_backward(
     reducer: Option<&mut Reducer>,
-    slots: Option<&[MasterSlot]>,
+    slots: &[&MasterSlot],
     grads: &mut Gradients<f32, Cpu>,
     grads_finite: bool,
     loss_finite: bool,
     scale: f32,
+    counters: [u64; 2],
 ) -> Result<Option<bool>, DistributedError> {
     let Some(r) = reducer else {
         return Ok(None);
@@ -510,25 +513,29 @@ pub(crate) fn after_backward(
             found: r.seen,
         });
     }
-    let reduced = reduce(r, slots, grads, scale);
+    let reduced = reduce(r, slots, grads, scale, counters);
     r.failed = reduced.is_err();
     reduced.map(Some)
 }
 
 /// The header and the gradients' mean, for the last micro-batch; returns the agreed finiteness.
+/// `counters` (the scaler's applied and skipped updates) are part of the settings the ranks
+/// must share: a rank restored from another checkpoint than the others is an error on every
+/// rank, not a silent drift or a hang.
 fn reduce(
     r: &mut Reducer,
-    slots: Option<&[MasterSlot]>,
+    slots: &[&MasterSlot],
     grads: &mut Gradients<f32, Cpu>,
     scale: f32,
+    counters: [u64; 2],
 ) -> Result<bool, DistributedError> {
-    let Some(slots) = slots else {
+    if slots.is_empty() {
         return Err(DistributedError::NoForward);
-    };
+    }
     let start = Instant::now();
     let layout =
         hash_words(std::iter::once(slots.len() as u64).chain(slots.iter().map(|s| s.len as u64)));
-    let config = r.config_hash(scale);
+    let config = r.config_hash(scale, counters);
     let (same_layout, same_config, all_finite) = r.agree(layout, config, r.local_finite);
     if !same_layout {
         return Err(DistributedError::LayoutMismatch {
@@ -543,6 +550,8 @@ fn reduce(
             dtype: r.dtype.name(),
             accumulation: r.accumulation,
             scale,
+            applied: counters[0],
+            skipped: counters[1],
         });
     }
     if !all_finite {

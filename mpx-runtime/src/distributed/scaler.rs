@@ -5,7 +5,10 @@ use crate::precision::Precision;
 use crate::scaling::LossScale;
 use crate::step::GradScaler;
 
-impl<H: Precision, L: LossScale> GradScaler<H, L> {
+impl<H: Precision, L: LossScale> GradScaler<H, L>
+where
+    dfdx::tensor::Cpu: crate::step::MixedDevice<H>,
+{
     /// Makes this scaler data-parallel: the backward pass of the last micro-batch all-reduces
     /// the master's gradients over `reducer`'s ranks (their mean comes back), and every rank
     /// takes the same skip-or-apply decision ([`crate::distributed`]). `#[mixed_step]` code is

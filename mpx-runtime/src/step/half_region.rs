@@ -29,6 +29,8 @@ use super::pending::Cell;
 use super::slots::MasterSlot;
 use crate::precision::Precision;
 
+/// A tensor on its own tape.
+type Traced<S, E, D> = Tensor<S, E, D, OwnedTape<E, D>>;
 /// A forward pass whose half backward has run: its master's gradient slots and the cell its
 /// verdict goes to, for the scaler's backward to judge once the whole backward has run.
 pub(crate) struct Finished<D: MixedDevice<H>, H: Precision> {
@@ -103,7 +105,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         &mut self,
         x: Tensor<S, f32, D, OwnedTape<f32, D>>,
         read: bool,
-    ) -> Result<Tensor<S, H::Elem, D, OwnedTape<H::Elem, D>>, D::Err> {
+    ) -> Result<Traced<S, H::Elem, D>, D::Err> {
         let (x32, tape) = x.split_tape();
         let x = D::to_half(&x32)?;
         self.merge_outer(tape);

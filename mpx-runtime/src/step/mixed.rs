@@ -1,6 +1,5 @@
 //! [`Mixed`]: a master model with its per-master state, the handle the runtime API names.
 
-use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 use super::pending::Cell;
@@ -40,7 +39,7 @@ use super::working::{Mapped, Plain};
 pub struct Mixed<M, K = Plain> {
     model: M,
     pub(crate) cell: Cell,
-    kind: PhantomData<fn() -> K>,
+    kind: K,
 }
 
 impl<M> Mixed<M, Plain> {
@@ -77,11 +76,10 @@ impl<M, K> Mixed<M, K> {
     /// let _: Mixed<_, Mapped> = Mixed::with(model, Mapped);
     /// ```
     pub fn with(model: M, kind: K) -> Self {
-        let _ = kind;
         Self {
             model,
             cell: Cell::default(),
-            kind: PhantomData,
+            kind,
         }
     }
 
@@ -115,13 +113,13 @@ impl<M, K> Mixed<M, K> {
     }
 }
 
-impl<M: Clone, K> Clone for Mixed<M, K> {
+impl<M: Clone, K: Clone> Clone for Mixed<M, K> {
     /// A clone of the model, as a new master with no backward pass waiting.
     fn clone(&self) -> Self {
         Self {
             model: self.model.clone(),
             cell: Cell::default(),
-            kind: PhantomData,
+            kind: self.kind.clone(),
         }
     }
 }

@@ -114,13 +114,13 @@ mod tests {
 
     #[test]
     fn two_live_models_are_two_masters_and_one_model_is_one() {
+        struct Outer([f32; 4]);
         let masters = Masters::new();
         let (a, b) = ([1.0f32; 4], [1.0f32; 4]);
         let ca = masters.cell(&a);
         assert!(ca.same(&masters.cell(&a)));
         assert!(!ca.same(&masters.cell(&b)));
         // a model and its first field share an address, not a type
-        struct Outer([f32; 4]);
         let outer = Outer([0.0; 4]);
         assert!(!masters.cell(&outer).same(&masters.cell(&outer.0)));
     }

@@ -6,8 +6,8 @@ use crate::precision::DType;
 /// What one mixed-precision step did: its loss, whether it was finite, the loss scale it used
 /// and the next one, and what the optimizer update did ([`GradScaler::last_step`](super::GradScaler::last_step)).
 ///
-/// Mapping: mpx's `filter_value_and_grad` returns `(loss, scaling_new, grads_finite, grads)` and
-/// `optimizer_update` the new model; PyTorch reads `scaler.get_scale()` and skips inside
+/// Mapping: JAX mpx's `filter_value_and_grad` returns `(loss, scaling_new, grads_finite, grads)`
+/// and its `optimizer_update` the new model; PyTorch reads `scaler.get_scale()` and skips inside
 /// `scaler.step(opt)`.
 ///
 /// # Examples

@@ -477,8 +477,10 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             verdicts.push(check_all::<H, D>(&m.slots, grads)?);
         }
         let scale = self.scaling.loss_scale();
+        // data-parallel: every rank takes the one decision the ranks agreed on (`None` before
+        // the last micro-batch of an accumulation, and without a reducer)
         #[cfg(feature = "mpi")]
-        if let Some(agreed) = D::reduce(
+        let agreed = D::reduce(
             self.reducer.as_mut(),
             &masters.iter().flat_map(|m| &m.slots).collect::<Vec<_>>(),
             grads,
@@ -486,27 +488,16 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             loss.is_finite(),
             scale,
             [self.applied, self.skipped],
-        )? {
-            // every rank takes the same decision: the loss's finiteness is part of it
-            verdicts.iter_mut().for_each(|v| *v = agreed);
-            for m in &masters {
-                m.cell.lock().loss_finite = agreed;
-            }
-        }
+        )?;
+        #[cfg(not(feature = "mpi"))]
+        let agreed: Option<bool> = None;
         for (m, finite) in masters.iter().zip(verdicts) {
             let mut p = m.cell.lock();
             p.backwards = p.backwards.saturating_add(1);
-            p.grads_finite = finite;
-            #[cfg(feature = "mpi")]
-            if self.reducer.is_some() {
-                p.loss_finite &= finite;
-            } else {
-                p.loss_finite = loss.is_finite();
-            }
-            #[cfg(not(feature = "mpi"))]
-            {
-                p.loss_finite = loss.is_finite();
-            }
+            (p.grads_finite, p.loss_finite) = match agreed {
+                Some(all) => (all, all),
+                None => (finite, loss.is_finite()),
+            };
             p.loss = loss;
             p.scale = scale;
             drop(p);
@@ -654,12 +645,21 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         verdict: Verdict,
         ran: Option<bool>,
     ) -> Result<UpdateOutcome, StepError> {
-        if verdict.scaler != self.address() {
+        let Verdict {
+            cell,
+            scaler,
+            site,
+            reason,
+            loss,
+            scale,
+            ran: what_ran,
+        } = verdict;
+        if scaler != self.address() {
             return Err(StepError::OtherScaler);
         }
-        verdict.cell.lock().consumed();
+        cell.lock().consumed();
         let before = self.scaling.loss_scale();
-        let outcome = match (verdict.reason, ran) {
+        let outcome = match (reason, ran) {
             (None, Some(false)) => return Ok(UpdateOutcome::Applied),
             (None, Some(true)) => {
                 self.consecutive = 0;
@@ -677,9 +677,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
                 }
             }
         };
-        let due = self
-            .iteration
-            .updated(&verdict.cell, verdict.site, outcome.is_applied());
+        let due = self.iteration.updated(&cell, site, outcome.is_applied());
         for finite in due.into_iter().flatten() {
             self.scaling.adjust(finite);
         }
@@ -692,12 +690,12 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             };
         }
         self.last = Some(StepReport {
-            loss: verdict.loss,
-            grads_finite: verdict.reason != Some(SkipReason::GradsNotFinite),
-            scale: verdict.scale,
+            loss,
+            grads_finite: reason != Some(SkipReason::GradsNotFinite),
+            scale,
             new_scale: self.scaling.loss_scale(),
-            precision: verdict.ran.precision,
-            mpx_layers: verdict.ran.mapped,
+            precision: what_ran.precision,
+            mpx_layers: what_ran.mapped,
             outcome,
         });
         if let UpdateOutcome::Skipped { consecutive, .. } = outcome {

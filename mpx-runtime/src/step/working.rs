@@ -300,11 +300,14 @@ where
     }
 }
 
+/// A master tensor seen as one row of values (its buffer shared).
+type Flat = Tensor<(usize,), f32, Cpu>;
+
 /// One walk of the master: every tensor in visit order (flat, sharing the master's buffer), with
 /// its trainable flag, the trainable tensors' slots and addresses, and every scalar.
 #[derive(Default)]
 struct Gather {
-    tensors: Vec<(Tensor<(usize,), f32, Cpu>, bool)>,
+    tensors: Vec<(Flat, bool)>,
     slots: Vec<Option<MasterSlot>>,
     trainable_addrs: Vec<usize>,
     scalars: Vec<f64>,
