@@ -139,10 +139,9 @@ mod vit_step {
     use dfdx::optim::{Adam, AdamConfig};
     use dfdx::prelude::*;
     use mpx::nn::vit::Vit;
-    use mpx::nn::{ForwardIn, MixedModule};
     use mpx::precision::f16;
     use mpx::scaling::{DynamicLossScale, StaticLossScale};
-    use mpx::step::{GradScaler, Mixed, MixedDevice, WorkingCopy};
+    use mpx::step::{GradScaler, Kind, Mixed, MixedDevice};
 
     pub const BATCH: usize = 32;
     /// 8x8 digits in 4x4 patches: 4 tokens of 16 pixels, width 16, 2 heads, 2 blocks.
@@ -152,25 +151,26 @@ mod vit_step {
 
     /// One mixed gradient computation in precision `H` from `master`: the loss and the f32
     /// master gradients in visit order (all of them finite, or `None`).
-    pub fn gradients<H: mpx::precision::Precision>(
+    /// (`K`: the working copy, the model's own layers in `H` where dfdx stores `H`, mpx's
+    /// layers in emulated bf16.)
+    pub fn gradients<H: mpx::precision::Precision, K>(
         master: &Model,
         x: &X,
         y: &Y,
     ) -> (f32, Option<Vec<f32>>)
     where
         Cpu: MixedDevice<H>,
-        WorkingCopy<H, Model>: TensorCollection<H::Elem, Cpu>
-            + MixedModule<
-                H,
+        K: Kind<H, Model, Cpu> + Default,
+        K::Copy: Module<
                 Tensor<Rank2<BATCH, FEATURES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
                 Output = Tensor<Rank2<BATCH, CLASSES>, H::Elem, Cpu, OwnedTape<H::Elem, Cpu>>,
             >,
     {
         let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).expect("scale"));
-        let mixed = Mixed::new(master.clone());
+        let mixed = Mixed::with(master.clone(), K::default());
         let logits = scaler
             .forward(&mixed, x.clone().trace(master.alloc_grads()), |m, x| {
-                m.forward_in::<H, _>(x)
+                m.forward(x)
             })
             .expect("step");
         let loss = cross_entropy_with_logits_loss(logits, y.clone());
@@ -233,12 +233,13 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
     use mpx::precision::{AMP, bf16, f16};
+    use mpx::step::{Mapped, Plain};
     use vit_step::{Model, data, gradients};
     let dev = Cpu::seed_from_u64(11);
     let master = dev.build_module::<Model, f32>();
     let (_, x, y) = data(&dev);
 
-    let (loss32, g32) = gradients::<f32>(&master, &x, &y);
+    let (loss32, g32) = gradients::<f32, Plain>(&master, &x, &y);
     let g32 = g32.expect("finite f32 gradients");
     // The f32 working copy through the mixed step is plain dfdx training on our layers: the
     // same as a direct f32 forward/backward.
@@ -252,14 +253,14 @@ fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
     // units of the format's rounding (f16: 2^-11, bf16: 2^-8) times the depth; gradients: the
     // direction kept (cosine), since small entries carry large relative errors.
     for (name, (loss, g), rel, cos) in [
-        ("f16", gradients::<f16>(&master, &x, &y), 1e-2, 0.999),
+        ("f16", gradients::<f16, Plain>(&master, &x, &y), 1e-2, 0.999),
         (
             "AMP<f16>",
-            gradients::<AMP<f16>>(&master, &x, &y),
+            gradients::<AMP<f16>, Plain>(&master, &x, &y),
             1e-2,
             0.999,
         ),
-        ("bf16", gradients::<bf16>(&master, &x, &y), 5e-2, 0.99),
+        ("bf16", gradients::<bf16, Mapped>(&master, &x, &y), 5e-2, 0.99),
     ] {
         let g = g.unwrap_or_else(|| panic!("{name}: non-finite gradients"));
         assert!(

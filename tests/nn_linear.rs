@@ -293,7 +293,7 @@ type MpxMlp = (
 );
 
 /// Mean cross-entropy after `steps` Adam steps of the mixed step with working precision `H`.
-fn train<H: mpx::precision::Precision>(steps: usize) -> (f32, f32)
+fn train<H: mpx::precision::Stored>(steps: usize) -> (f32, f32)
 where
     Cpu: Device<H::Elem>,
     mpx::step::WorkingCopy<H, <MpxMlp as BuildOnDevice<Cpu, f32>>::Built>:

@@ -1,5 +1,5 @@
 //! The seed recipe's linear-layer step (flax.nnx, bf16 forward, f32 master, loss scaling, SGD),
-//! reproduced with a dfdx `Linear` and an emulated-bf16 working copy, for every case of
+//! reproduced with a dfdx `Linear` and an emulated-bf16 working copy (mpx's layer in bf16), for every case of
 //! `tests/data/lossscale/nnx_step.json` (copied from the reference material).
 //!
 //! # Tolerances, from bf16's precision
@@ -83,7 +83,7 @@ fn run_case<const I: usize, const O: usize>(case: &Value) {
             weight[o * I + i] = kernel[i * O + o];
         }
     }
-    let mut master = Mixed::new(dev.build_module::<Linear<I, O>, f32>());
+    let mut master = Mixed::mapped(dev.build_module::<Linear<I, O>, f32>());
     master.weight.copy_from(&weight);
     master
         .bias

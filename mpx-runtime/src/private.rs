@@ -277,6 +277,7 @@ where
     D: MixedDevice<H>,
     R: Borrowed,
     R::Model: MasterModel<D>,
+    H: crate::precision::Stored,
     WorkingCopy<H, R::Model, D>:
         dfdx::nn::tensor_collection::TensorCollection<H::Elem, D> + Takes<C, X::Half>,
     X: HalfInput<H, D>,
@@ -393,7 +394,7 @@ where
 #[diagnostic::on_unimplemented(
     message = "this forward pass cannot run in `{H}`, the precision `half = ..` names",
     label = "its working copy's forward pass cannot be type-checked in `{H}`",
-    note = "the model's type is a generic parameter of the `impl` (whose bounds `#[mixed_step]` on a method cannot see), or its `Module` impl is written for f32 elements only; write the `Module` impl for any element type, make the step generic over the model itself, or remove `half = ..` to let the step run in f32 with a warning (see docs/dsl.md)"
+    note = "the model's type is a generic parameter of the `impl` (whose bounds `#[mixed_step]` on a method cannot see), or its `Module` impl is written for f32 elements only, or (emulated bf16, which only mpx's layers compute in) a layer of it does not map to one of mpx's (`HalfLayers`); write the `Module` impl for any element type, make the step generic over the model itself, or remove `half = ..` to let the step run in f32 with a warning (see docs/dsl.md)"
 )]
 pub trait RunsIn<H> {}
 

@@ -126,6 +126,29 @@ pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::D
     fn floats_mut(values: &mut [Self::Elem]) -> FloatSliceMut<'_>;
 }
 
+/// A precision whose tensors dfdx stores in the precision itself: `f32`, [`f16`](struct@f16) and
+/// [`AMP<f16>`]: a model's own layers compute in it. Emulated [`bf16`] is stored in f32, where
+/// dfdx's layers compute in f32: only mpx's layers run in bf16 (the mapped working copy,
+/// [`Mixed::mapped`](crate::step::Mixed::mapped)). Sealed.
+///
+/// # Examples
+/// ```
+/// use mpx_runtime::precision::{AMP, Stored, f16};
+/// fn stored<H: Stored>() {}
+/// stored::<f16>();
+/// stored::<AMP<f16>>();
+/// stored::<f32>();
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not stored by dfdx in its own type: a model's own layers cannot compute in it",
+    note = "emulated bf16 is stored in f32, where dfdx's layers compute in f32; mpx's layers run in bf16: hold the model with `Mixed::mapped` (its layers must map to mpx's, `HalfLayers`), or train in f16"
+)]
+pub trait Stored: Precision {}
+
+impl Stored for f32 {}
+impl Stored for f16 {}
+impl Stored for AMP<f16> {}
+
 /// Half precision: the compute precision of a mixed step. Implemented by [`f16`](struct@f16),
 /// [`AMP<f16>`] and the emulated [`bf16`]; sealed, as [`Precision`] is.
 ///

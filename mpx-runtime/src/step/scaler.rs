@@ -707,7 +707,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
                         scale: self.scaling.loss_scale(),
                     });
                 }
-                None if self.stuck > STUCK_SKIPS => {
+                None if self.stuck >= STUCK_SKIPS => {
                     return Err(StepError::ScaleStuck {
                         consecutive: self.stuck,
                         scale: self.scaling.loss_scale(),

@@ -29,7 +29,7 @@ use super::mapped::HalfLayers;
 use super::slots::{EachTensor, MasterSlot, Slot, each_tensor};
 use crate::boundary::MasterModel;
 use crate::cast::{CastError, copy_scalar};
-use crate::precision::Precision;
+use crate::precision::{Precision, Stored};
 
 /// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
 /// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
@@ -147,6 +147,11 @@ fn widen_into<H: Precision, S: Shape, D: MixedDevice<H>>(
 
 /// How a master's working copy is made: [`Plain`] (the master's own layers in `H`) or
 /// [`Mapped`] (mpx's layers, [`HalfLayers`]). Sealed.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot make a working copy of `{M}` in `{H}`",
+    label = "no working copy of this kind",
+    note = "`Mixed::new` (`Plain`) runs the model's own layers in `H`, which needs a precision dfdx stores (f16, `AMP<f16>`); `Mixed::mapped` (`Mapped`) runs mpx's layers, which needs every layer of the model to map to one (`HalfLayers`), and runs emulated bf16"
+)]
 pub trait Kind<H: Precision, M, D: MixedDevice<H>>: sealed::Sealed + 'static {
     /// The working copy.
     type Copy: TensorCollection<H::Elem, D>;
@@ -168,7 +173,8 @@ mod sealed {
     impl Sealed for super::Mapped {}
 }
 
-/// The working copy is the master's own module in `H` ([`WorkingCopy`]).
+/// The working copy is the master's own module in `H` ([`WorkingCopy`]), for the precisions
+/// dfdx stores in their own type ([`Stored`]: f16, `AMP<f16>`, f32).
 ///
 /// # Examples
 /// ```
@@ -194,7 +200,7 @@ pub struct Mapped;
 
 impl<H, M, D> Kind<H, M, D> for Plain
 where
-    H: Precision,
+    H: Stored,
     D: MixedDevice<H>,
     M: MasterModel<D>,
     WorkingCopy<H, M, D>: TensorCollection<H::Elem, D>,

@@ -1,0 +1,514 @@
+//! What trains is the user's model: each forward pass's working copy is the master as it is
+//! then, with every setting it holds; layers called one by one compute what the user's code
+//! says; clones, evaluation passes and thrown-away gradients behave as in f32; values nobody
+//! checked before are errors. Each test failed before the change that made it pass.
+//!
+//! Tolerance: a few layers in f16 round every value a handful of times (`2^-11` relative each)
+//! with f32 sums in between: results within `2^-7` of the largest magnitude of the f32 result,
+//! parameters after a few SGD steps within 1% (normwise) of the f32 twin's.
+
+use dfdx::nn::modules::{BatchNorm1D, Dropout, LayerNorm1D};
+use dfdx::nn::tensor_collection::{ModuleVisitor, ScalarOptions, TensorCollection, TensorOptions};
+use dfdx::{optim::*, prelude::*};
+use mpx::mixed_step;
+use mpx::precision::{DType, f16};
+use mpx::scaling::{DynamicLossScale, StaticLossScale};
+use mpx::step::{GradScaler, Mixed, ScalerState, StepError, clip_grad_norm};
+
+mod common;
+use common::compare::rel;
+use common::params::{load, values};
+
+// ---- a module of the user's own, with settings that are not tensors ----------------------------
+
+/// A user's module: a weight of its own, dfdx's layer norm, batch norm and dropout, a head,
+/// and a temperature (an `f32` field, registered with dfdx as a scalar).
+#[derive(Debug, Clone)]
+struct Net<E: Dtype, D: Device<E>> {
+    w1: Tensor<Rank2<4, 8>, E, D>,
+    ln: LayerNorm1D<8, E, D>,
+    bn: BatchNorm1D<8, E, D>,
+    drop: Dropout,
+    w2: Tensor<Rank2<8, 3>, E, D>,
+    temp: f32,
+}
+
+impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Net<E, D> {
+    type To<E2: Dtype, D2: Device<E2>> = Net<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, TensorOptions::reset_to_ones()),
+                Self::module("ln", |s| &s.ln, |s| &mut s.ln),
+                Self::module("bn", |s| &s.bn, |s| &mut s.bn),
+                Self::module("drop", |s| &s.drop, |s| &mut s.drop),
+                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, TensorOptions::reset_to_ones()),
+                Self::scalar(
+                    "temp",
+                    |s| &s.temp,
+                    |s| &mut s.temp,
+                    ScalarOptions::from_default(1.0),
+                ),
+            ),
+            |(w1, ln, bn, drop, w2, temp)| Net {
+                w1,
+                ln,
+                bn,
+                drop,
+                w2,
+                temp,
+            },
+        )
+    }
+}
+
+/// Training: batch norm on the batch's statistics (and updating its running ones), dropout on.
+impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Net<E, D> {
+    type Output = Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward_mut(
+        &mut self,
+        x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let h = self.ln.try_forward(x.try_matmul(self.w1.clone())?)?;
+        let h = self.drop.try_forward_mut(self.bn.try_forward_mut(h)?)?;
+        let t = E::from_f32(1.0 / self.temp).expect("a finite temperature");
+        h.try_matmul(self.w2.clone())?.try_mul(t)
+    }
+}
+
+/// Evaluation: running statistics, no dropout.
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D>> for Net<E, D> {
+    type Output = Tensor<Rank2<6, 3>, E, D>;
+    type Error = D::Err;
+    fn try_forward(&self, x: Tensor<Rank2<6, 4>, E, D>) -> Result<Self::Output, D::Err> {
+        let h = self.bn.try_forward(self.ln.try_forward(x.try_matmul(self.w1.clone())?)?)?;
+        let t = E::from_f32(1.0 / self.temp).expect("a finite temperature");
+        self.drop.try_forward(h)?.try_matmul(self.w2.clone())?.try_mul(t)
+    }
+}
+
+type NetF32 = Net<f32, Cpu>;
+type X6 = Tensor<Rank2<6, 4>, f32, Cpu>;
+type Y6 = Tensor<Rank2<6, 3>, f32, Cpu>;
+
+/// A `Net` with its settings away from dfdx's defaults (or at them, with `defaults`).
+fn net(dev: &Cpu, p: f32, defaults: bool) -> NetF32 {
+    let mut n = Net::<f32, Cpu> {
+        w1: dev.sample_normal() * 0.5,
+        ln: BuildModule::build(dev),
+        bn: BuildModule::build(dev),
+        drop: Dropout { p },
+        w2: dev.sample_normal() * 0.35,
+        temp: 1.0,
+    };
+    if !defaults {
+        n.ln.epsilon = 0.5;
+        n.bn.epsilon = 0.25;
+        n.bn.momentum = 0.4;
+        n.temp = 4.0;
+    }
+    n
+}
+
+fn batch(k: u64) -> (X6, Y6) {
+    let dev = Cpu::seed_from_u64(100 + k);
+    let x: X6 = dev.sample_normal();
+    let y: Y6 = dev.sample_normal::<Rank2<6, 3>>().softmax::<Axis<1>>();
+    (x, y)
+}
+
+#[mixed_step(scaling = scaler)]
+fn net_step(
+    model: &mut NetF32,
+    opt: &mut Sgd<NetF32, f32, Cpu>,
+    x: &X6,
+    y: &Y6,
+    scaler: &mut GradScaler,
+) {
+    let out = model.forward_mut(x.trace(model.alloc_grads()));
+    let grads = cross_entropy_with_logits_loss(out, y.clone()).backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn net_step_f32(model: &mut NetF32, opt: &mut Sgd<NetF32, f32, Cpu>, x: &X6, y: &Y6) {
+    let out = model.forward_mut(x.trace(model.alloc_grads()));
+    let grads = cross_entropy_with_logits_loss(out, y.clone()).backward();
+    opt.update(model, &grads).unwrap();
+}
+
+fn sgd(m: &NetF32) -> Sgd<NetF32, f32, Cpu> {
+    Sgd::new(
+        m,
+        SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )
+}
+
+/// Five steps of `init` in f32 and through `#[mixed_step]`: (f32 values, mixed values).
+fn five_steps(init: &NetF32) -> (Vec<f32>, Vec<f32>, GradScaler) {
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (sgd(&a), sgd(&b));
+    let mut scaler = GradScaler::default();
+    for k in 0..5 {
+        let (x, y) = batch(k);
+        net_step_f32(&mut a, &mut oa, &x, &y);
+        net_step(&mut b, &mut ob, &x, &y, &mut scaler);
+    }
+    (values(&a), values(&b), scaler)
+}
+
+#[test]
+fn a_users_module_keeps_its_settings_in_the_working_copy_and_sees_a_change_at_once() {
+    let dev = Cpu::seed_from_u64(1);
+    let mut model = Mixed::new(net(&dev, 0.2, false));
+    let mut scaler = GradScaler::<f16>::default();
+    let (x, _) = batch(0);
+    let mut seen = None;
+    scaler
+        .forward(&model, x.clone(), |m, x| {
+            seen = Some((m.drop.p, m.ln.epsilon, m.bn.epsilon, m.bn.momentum, m.temp));
+            m.forward(x)
+        })
+        .unwrap();
+    assert_eq!(seen, Some((0.2, 0.5, 0.25, 0.4, 4.0)));
+    // a schedule changes the master's settings between two passes: the next pass has them
+    model.drop.p = 0.35;
+    model.temp = 2.0;
+    scaler
+        .forward(&model, x, |m, x| {
+            seen = Some((m.drop.p, m.ln.epsilon, m.bn.epsilon, m.bn.momentum, m.temp));
+            m.forward(x)
+        })
+        .unwrap();
+    assert_eq!(seen, Some((0.35, 0.5, 0.25, 0.4, 2.0)));
+}
+
+#[test]
+fn a_users_module_with_its_own_settings_trains_like_its_f32_twin() {
+    // dropout off: the f32 and the half pass draw their masks in different types
+    let dev = Cpu::seed_from_u64(2);
+    let (f32_run, mixed, scaler) = five_steps(&net(&dev, 0.0, false));
+    let last = scaler.last_step().unwrap();
+    assert_eq!(last.precision, DType::Float16, "the step ran in {}", last.precision);
+    assert_eq!(scaler.applied_steps(), 5);
+    let err = rel(&mixed, &f32_run);
+    println!("mixed vs f32 after 5 steps: {err:e}");
+    assert!(err < 1e-2, "mixed vs f32 after 5 steps: {err:e}");
+    // the settings matter: the same model at dfdx's defaults ends far from the twin
+    let dev = Cpu::seed_from_u64(2);
+    let (defaults, _, _) = five_steps(&net(&dev, 0.0, true));
+    let apart = rel(&defaults, &f32_run);
+    println!("defaults vs f32: {apart:e}");
+    assert!(
+        apart > 10.0 * err,
+        "the settings moved the result by {apart:e} only (mixed error {err:e})"
+    );
+}
+
+// ---- fusion is invisible ---------------------------------------------------------------------
+
+type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
+type Normed = (Linear<12, 24>, dfdx::nn::builders::LayerNorm1D<24>, Linear<24, 5>, Tanh);
+
+/// A literal in the element type a closure body computes in.
+trait Lit {
+    fn lit(v: f32) -> Self;
+}
+impl Lit for f32 {
+    fn lit(v: f32) -> Self {
+        v
+    }
+}
+impl Lit for f16 {
+    fn lit(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// `got` within `2^-7` of the largest magnitude of `want`, entry by entry.
+fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= scale / 128.0,
+            "{what}[{i}]: {g} vs {w} (scale {scale})"
+        );
+    }
+}
+
+/// Layer by layer with ops between them, mapped onto mpx's layers, against the same code in
+/// f32: output and gradients.
+macro_rules! one_by_one {
+    ($arch:ty, $seed:expr, |$m:ident, $x:ident, $half:ident| $body:expr) => {{
+        let dev = Cpu::seed_from_u64($seed);
+        let init = dev.build_module::<$arch, f32>();
+        let x: Tensor<Rank2<7, 12>, f32, Cpu> = dev.sample_normal();
+        // f32
+        let $m = &init;
+        let $x = x.trace(init.alloc_grads());
+        type $half = f32;
+        let out: Tensor<Rank2<7, 5>, f32, Cpu, _> = $body;
+        let want = out.retaped::<NoneTape>().as_vec();
+        let g32 = out.sum().backward();
+        // mixed, on the mapped working copy
+        let model = Mixed::mapped(init.clone());
+        // a scale whose gradients stay inside f16's range
+        let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(64.0).unwrap());
+        let out = scaler
+            .forward(&model, x.trace(model.alloc_grads()), |$m, $x| {
+                type $half = f16;
+                $body
+            })
+            .unwrap();
+        let got = out.retaped::<NoneTape>().as_vec();
+        let gh = scaler.backward(out.sum()).unwrap();
+        (
+            got,
+            want,
+            common::grads::param_grads(&*model, &gh).concat(),
+            common::grads::param_grads(&init, &g32).concat(),
+        )
+    }};
+}
+
+#[test]
+fn layers_called_one_by_one_compute_what_the_users_code_says() {
+    // `relu(l0(x) + 0.5)`: a ReLU fused into the linear layer before it would give
+    // `relu(relu(l0(x)) + 0.5)`, 0.5 wherever l0(x) < 0
+    let (got, want, gh, g32) = one_by_one!(Mlp, 3, |m, x, T| {
+        let h = m.0.forward(x) + T::lit(0.5);
+        m.3.forward(m.2.forward(m.1.forward(h) * T::lit(2.0)))
+    });
+    assert_close("Mlp output", &got, &want);
+    assert_close("Mlp gradients", &gh, &g32);
+    // the linear layer's output read before its ReLU, negative values and all
+    let (got, want, gh, g32) = one_by_one!(Mlp, 4, |m, x, _T| {
+        let (z, tape) = m.0.forward(x).split_tape();
+        let skip = z.clone().negate();
+        m.3.forward(m.2.forward(m.1.forward(z.put_tape(tape)) + skip))
+    });
+    assert_close("Mlp pre-activation output", &got, &want);
+    assert_close("Mlp pre-activation gradients", &gh, &g32);
+    // a layer norm between the linear layers, with an op in between
+    let (got, want, gh, g32) = one_by_one!(Normed, 5, |m, x, T| {
+        let h = m.1.forward(m.0.forward(x) * T::lit(3.0));
+        m.3.forward(m.2.forward(h))
+    });
+    assert_close("Normed output", &got, &want);
+    assert_close("Normed gradients", &gh, &g32);
+}
+
+// ---- clones and evaluation -------------------------------------------------------------------
+
+type Q = (Linear<4, 16>, ReLU, Linear<16, 2>);
+type QNet = <Q as BuildOnDevice<Cpu, f32>>::Built;
+type X8 = Tensor<Rank2<8, 4>, f32, Cpu>;
+
+/// A DQN step: the target network (a clone of the online one) gives the targets without a
+/// tape, the online network trains on them.
+fn dqn_targets(target: &QNet, x: &X8, r: f32) -> Tensor<Rank2<8, 2>, f32, Cpu> {
+    target.forward(x.clone()) + r
+}
+
+#[test]
+fn a_target_network_cloned_from_the_master_stays_put_and_the_online_one_trains_like_f32() {
+    let dev = Cpu::seed_from_u64(6);
+    let init = dev.build_module::<Q, f32>();
+    // f32
+    let (mut online32, target32) = (init.clone(), init.clone());
+    let mut opt32 = Sgd::new(&online32, SgdConfig::default());
+    // mixed: one scaler, the online model and a clone of it as the target
+    let mut online = Mixed::mapped(init.clone());
+    let target = online.clone();
+    let mut opt = Sgd::new(&*online, SgdConfig::default());
+    let mut scaler = GradScaler::<f16>::default();
+    let target_before = values(&*target);
+    for k in 0..4 {
+        let x: X8 = Cpu::seed_from_u64(k).sample_normal();
+        let want = dqn_targets(&target32, &x, 1.0);
+        let q = online32.forward(x.trace(online32.alloc_grads()));
+        let g = mse_loss(q, want).backward();
+        opt32.update(&mut online32, &g).unwrap();
+
+        let half_targets = scaler.forward(&target, x.clone(), |m, x| m.forward(x)).unwrap() + 1.0;
+        let q = scaler
+            .forward(&online, x.trace(online.alloc_grads()), |m, x| m.forward(x))
+            .unwrap();
+        let g = scaler.backward(mse_loss(q, half_targets)).unwrap();
+        assert!(scaler.update(&mut online, &mut opt, &g).unwrap().is_applied());
+    }
+    assert_eq!(values(&*target), target_before, "the target network moved");
+    let err = rel(&values(&*online), &values(&online32));
+    assert!(err < 1e-2, "online network vs f32: {err:e}");
+    assert!(
+        values(&*online) != target_before,
+        "the online network did not train"
+    );
+}
+
+#[test]
+fn an_evaluation_pass_then_an_in_place_change_of_the_master_is_seen_by_the_next_pass() {
+    let dev = Cpu::seed_from_u64(7);
+    let mut model = Mixed::mapped(dev.build_module::<Q, f32>());
+    let mut scaler = GradScaler::<f16>::default();
+    let x: X8 = dev.sample_normal();
+    let before = scaler.forward(&model, x.clone(), |m, x| m.forward(x)).unwrap();
+    // a restored checkpoint, written into the master's tensors in place
+    let halved: Vec<f32> = values(&*model).iter().map(|v| v * 0.5).collect();
+    load(&mut *model, &halved);
+    let after = scaler.forward(&model, x.clone(), |m, x| m.forward(x)).unwrap();
+    let want = model.forward(x).as_vec();
+    assert_close("after the change", &after.as_vec(), &want);
+    assert!(
+        rel(&before.as_vec(), &want) > 0.1,
+        "the change did not change the output"
+    );
+}
+
+#[test]
+fn two_clones_forward_both_backward_both_update_both() {
+    let dev = Cpu::seed_from_u64(8);
+    let init = dev.build_module::<Q, f32>();
+    let mut a = Mixed::mapped(init.clone());
+    let mut b = a.clone();
+    let (mut oa, mut ob) = (
+        Sgd::new(&*a, SgdConfig::default()),
+        Sgd::new(&*b, SgdConfig::default()),
+    );
+    let mut scaler = GradScaler::<f16>::default();
+    let (mut a32, mut b32) = (init.clone(), init);
+    let (mut oa32, mut ob32) = (
+        Sgd::new(&a32, SgdConfig::default()),
+        Sgd::new(&b32, SgdConfig::default()),
+    );
+    for k in 0..3 {
+        let xa: X8 = Cpu::seed_from_u64(10 + k).sample_normal();
+        let xb: X8 = Cpu::seed_from_u64(20 + k).sample_normal();
+        let ya = scaler
+            .forward(&a, xa.trace(a.alloc_grads()), |m, x| m.forward(x))
+            .unwrap();
+        let yb = scaler
+            .forward(&b, xb.trace(b.alloc_grads()), |m, x| m.forward(x))
+            .unwrap();
+        let ga = scaler.backward(ya.square().mean()).unwrap();
+        let gb = scaler.backward(yb.square().mean()).unwrap();
+        assert!(scaler.update(&mut a, &mut oa, &ga).unwrap().is_applied());
+        assert!(scaler.update(&mut b, &mut ob, &gb).unwrap().is_applied());
+        for (m, o, x) in [(&mut a32, &mut oa32, &xa), (&mut b32, &mut ob32, &xb)] {
+            let g = m.forward(x.trace(m.alloc_grads())).square().mean().backward();
+            o.update(m, &g).unwrap();
+        }
+    }
+    assert_eq!(scaler.applied_steps(), 6);
+    assert!(rel(&values(&*a), &values(&a32)) < 1e-2);
+    assert!(rel(&values(&*b), &values(&b32)) < 1e-2);
+    assert!(values(&*a) != values(&*b), "the clones trained alike");
+}
+
+// ---- gradients thrown away -------------------------------------------------------------------
+
+type Lin = <Linear<4, 2> as BuildOnDevice<Cpu, f32>>::Built;
+type X3 = Tensor<Rank2<3, 4>, f32, Cpu>;
+
+/// The f32 idiom: fresh gradients every step, and a return before the update when the loss is
+/// not finite.
+#[mixed_step(scaling = scaler)]
+fn guarded(model: &mut Lin, opt: &mut Sgd<Lin, f32, Cpu>, x: &X3, scaler: &mut GradScaler) -> bool {
+    let loss = model.forward(x.trace(model.alloc_grads())).square().mean();
+    let value = loss.array();
+    let grads = loss.backward();
+    if !value.is_finite() {
+        return false;
+    }
+    opt.update(model, &grads).unwrap();
+    true
+}
+
+#[test]
+fn fresh_gradients_each_step_and_an_early_return_do_not_skip_the_next_batch() {
+    let dev = Cpu::seed_from_u64(9);
+    let mut model = dev.build_module::<Linear<4, 2>, f32>();
+    let mut opt = Sgd::new(&model, SgdConfig::default());
+    let mut scaler = GradScaler::default();
+    let mut bad: X3 = dev.sample_normal();
+    let mut v = bad.as_vec();
+    v[3] = f32::NAN;
+    bad.copy_from(&v);
+    assert!(!guarded(&mut model, &mut opt, &bad, &mut scaler));
+    let before = values(&model);
+    let good: X3 = dev.sample_normal();
+    assert!(guarded(&mut model, &mut opt, &good, &mut scaler));
+    assert!(
+        scaler.last_step().unwrap().is_applied(),
+        "the finite batch after the early return was skipped"
+    );
+    assert!(values(&model) != before);
+}
+
+// ---- values nobody checked -------------------------------------------------------------------
+
+#[test]
+fn a_static_scale_that_overflows_every_step_is_an_error_not_a_run_that_trains_nothing() {
+    let dev = Cpu::seed_from_u64(11);
+    let mut model = Mixed::mapped(dev.build_module::<Linear<4, 2>, f32>());
+    let mut opt = Sgd::new(&*model, SgdConfig::default());
+    // every scaled gradient is far beyond f16's 65504
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(2f32.powi(40)).unwrap());
+    let x: X3 = dev.sample_normal();
+    let mut stuck = None;
+    for k in 0..30 {
+        let y = scaler
+            .forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+            .unwrap();
+        let g = scaler.backward(y.square().mean()).unwrap();
+        match scaler.update(&mut model, &mut opt, &g) {
+            Ok(outcome) => assert!(!outcome.is_applied(), "step {k} applied"),
+            Err(e) => {
+                stuck = Some((k, e));
+                break;
+            }
+        }
+    }
+    let (k, e) = stuck.expect("30 skips in a row at a fixed scale, and no error");
+    assert!(matches!(e, StepError::ScaleStuck { .. }), "{e}");
+    assert_eq!(k, 19, "the error came at skip {}", k + 1);
+    let text = e.to_string();
+    assert!(text.contains("20"), "{text}");
+}
+
+#[test]
+fn clipping_with_a_max_that_is_not_a_norm_is_an_error() {
+    let dev = Cpu::default();
+    let model = dev.build_module::<Linear<4, 2>, f32>();
+    let x: X3 = dev.sample_normal();
+    let mut g = model.forward(x.trace(model.alloc_grads())).sum().backward();
+    let before = common::grads::param_grads(&model, &g).concat();
+    for max in [-1.0, f32::NAN, f32::INFINITY] {
+        match clip_grad_norm(&model, &mut g, max) {
+            Err(e @ StepError::InvalidClip { .. }) => {
+                assert!(e.to_string().contains("max"), "{e}");
+            }
+            other => panic!("clip_grad_norm(max = {max}) gave {other:?}"),
+        }
+    }
+    assert_eq!(common::grads::param_grads(&model, &g).concat(), before);
+    assert!(clip_grad_norm(&model, &mut g, 0.0).is_ok());
+}
+
+#[test]
+fn a_checkpoint_whose_counters_have_no_room_left_is_rejected() {
+    let mut scaler = GradScaler::<f16>::default();
+    for (applied, skipped) in [(u64::MAX, 0), (0, u64::MAX), (u64::MAX / 2 + 1, u64::MAX / 2 + 1)] {
+        let mut state: ScalerState<DynamicLossScale> = scaler.state_dict();
+        state.applied_steps = applied;
+        state.skipped_steps = skipped;
+        let err = scaler.load_state_dict(state).unwrap_err();
+        assert!(err.to_string().contains("no room"), "{err}");
+    }
+    assert_eq!(scaler.applied_steps(), 0);
+}
