@@ -269,3 +269,31 @@ fn a_chain_of_operations_runs_in_f32_without_rounding_between() {
     let gp = plain.sum().backward();
     assert_eq!(bits(&ga.get(&x32).as_vec()), bits(&gp.get(&x32).as_vec()));
 }
+
+/// The same log-sum-exp with dfdx's free functions: `ln(..)` and `exp(..)` run in f32 as the
+/// method forms do.
+#[autocast]
+fn row_logsumexp_free<H: Precision, T: Tape<H::Elem, Cpu>>(
+    x: Act<H::Elem, T>,
+) -> Tensor<Rank1<4>, H::Elem, Cpu, T> {
+    let lse: Tensor<Rank1<4>, H::Elem, Cpu, T> = ln(exp(x).sum());
+    lse
+}
+
+#[test]
+fn free_functions_of_the_table_run_in_f32_as_their_methods_do() {
+    let dev = Cpu::default();
+    let rows: [[f32; 8]; 4] =
+        std::array::from_fn(|i| std::array::from_fn(|j| 12.0 - 0.25 * i as f32 + 0.125 * j as f32));
+    let x16: Act<f16> = dev.tensor(rows).to_dtype::<f16>();
+    let plain = ln(exp(x16.clone()).sum::<Rank1<4>, _>());
+    assert!(plain.as_vec().iter().all(|v| v.is_infinite()));
+    let free = row_logsumexp_free::<f16, _>(x16.clone());
+    let method = row_logsumexp::<f16, _>(x16);
+    assert!(
+        free.as_vec().iter().all(|v| v.is_finite()),
+        "{:?}",
+        free.as_vec()
+    );
+    assert_eq!(free.as_vec(), method.as_vec());
+}

@@ -260,7 +260,12 @@ fn vit_mixed_gradients_in_f16_amp_bf16_match_f32() {
             1e-2,
             0.999,
         ),
-        ("bf16", gradients::<bf16, Mapped>(&master, &x, &y), 5e-2, 0.99),
+        (
+            "bf16",
+            gradients::<bf16, Mapped>(&master, &x, &y),
+            5e-2,
+            0.99,
+        ),
     ] {
         let g = g.unwrap_or_else(|| panic!("{name}: non-finite gradients"));
         assert!(

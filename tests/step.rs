@@ -428,33 +428,41 @@ macro_rules! train_in {
         type H = $h;
         let tolerance: f32 = $tolerance;
 
-    let dev = Cpu::seed_from_u64(7);
-    let mut master = Mixed::$kind(dev.build_module::<Mlp, f32>());
-    let (x, y) = batch(&dev);
-    let reference =
-        cross_entropy_with_logits_loss(master.forward(x.leaky_trace()), y.clone()).backward();
-    let mut opt = Sgd::new(&*master, Default::default());
-    let mut scaler =
-        GradScaler::<H, _>::new(DynamicLossScale::builder().initial(4096.0).build().unwrap());
-    let mut losses = vec![];
-    for step in 0..20 {
-        let (loss, grads, finite, _) =
-            value_and_grad!(scaler, master, x.clone(), |m, x| m.forward(x), |o| {
-                cross_entropy_with_logits_loss(o, y.clone())
-            });
-        assert!(finite);
-        if step == 0 {
-            let got = grads.get(&master.0.weight).as_vec();
-            let want = reference.get(&master.0.weight).as_vec();
-            let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            for (a, b) in got.iter().zip(&want) {
-                assert!((a - b).abs() <= tolerance * max, "{} {a} vs {b}", <H as mpx::precision::Precision>::DTYPE);
+        let dev = Cpu::seed_from_u64(7);
+        let mut master = Mixed::$kind(dev.build_module::<Mlp, f32>());
+        let (x, y) = batch(&dev);
+        let reference =
+            cross_entropy_with_logits_loss(master.forward(x.leaky_trace()), y.clone()).backward();
+        let mut opt = Sgd::new(&*master, Default::default());
+        let mut scaler =
+            GradScaler::<H, _>::new(DynamicLossScale::builder().initial(4096.0).build().unwrap());
+        let mut losses = vec![];
+        for step in 0..20 {
+            let (loss, grads, finite, _) =
+                value_and_grad!(scaler, master, x.clone(), |m, x| m.forward(x), |o| {
+                    cross_entropy_with_logits_loss(o, y.clone())
+                });
+            assert!(finite);
+            if step == 0 {
+                let got = grads.get(&master.0.weight).as_vec();
+                let want = reference.get(&master.0.weight).as_vec();
+                let max = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= tolerance * max,
+                        "{} {a} vs {b}",
+                        <H as mpx::precision::Precision>::DTYPE
+                    );
+                }
             }
+            losses.push(loss);
+            scaler.update(&mut master, &mut opt, &grads).unwrap();
         }
-        losses.push(loss);
-        scaler.update(&mut master, &mut opt, &grads).unwrap();
-    }
-    assert!(losses[19] < losses[0], "{} {losses:?}", <H as mpx::precision::Precision>::DTYPE);
+        assert!(
+            losses[19] < losses[0],
+            "{} {losses:?}",
+            <H as mpx::precision::Precision>::DTYPE
+        );
     }};
 }
 

@@ -40,11 +40,21 @@ impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Net<E, D> {
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
         visitor.visit_fields(
             (
-                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, TensorOptions::reset_to_ones()),
+                Self::tensor(
+                    "w1",
+                    |s| &s.w1,
+                    |s| &mut s.w1,
+                    TensorOptions::reset_to_ones(),
+                ),
                 Self::module("ln", |s| &s.ln, |s| &mut s.ln),
                 Self::module("bn", |s| &s.bn, |s| &mut s.bn),
                 Self::module("drop", |s| &s.drop, |s| &mut s.drop),
-                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, TensorOptions::reset_to_ones()),
+                Self::tensor(
+                    "w2",
+                    |s| &s.w2,
+                    |s| &mut s.w2,
+                    TensorOptions::reset_to_ones(),
+                ),
                 Self::scalar(
                     "temp",
                     |s| &s.temp,
@@ -84,9 +94,14 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D>> for Net<E, D> {
     type Output = Tensor<Rank2<6, 3>, E, D>;
     type Error = D::Err;
     fn try_forward(&self, x: Tensor<Rank2<6, 4>, E, D>) -> Result<Self::Output, D::Err> {
-        let h = self.bn.try_forward(self.ln.try_forward(x.try_matmul(self.w1.clone())?)?)?;
+        let h = self
+            .bn
+            .try_forward(self.ln.try_forward(x.try_matmul(self.w1.clone())?)?)?;
         let t = E::from_f32(1.0 / self.temp).expect("a finite temperature");
-        self.drop.try_forward(h)?.try_matmul(self.w2.clone())?.try_mul(t)
+        self.drop
+            .try_forward(h)?
+            .try_matmul(self.w2.clone())?
+            .try_mul(t)
     }
 }
 
@@ -194,7 +209,12 @@ fn a_users_module_with_its_own_settings_trains_like_its_f32_twin() {
     let dev = Cpu::seed_from_u64(2);
     let (f32_run, mixed, scaler) = five_steps(&net(&dev, 0.0, false));
     let last = scaler.last_step().unwrap();
-    assert_eq!(last.precision, DType::Float16, "the step ran in {}", last.precision);
+    assert_eq!(
+        last.precision,
+        DType::Float16,
+        "the step ran in {}",
+        last.precision
+    );
     assert_eq!(scaler.applied_steps(), 5);
     let err = rel(&mixed, &f32_run);
     println!("mixed vs f32 after 5 steps: {err:e}");
@@ -213,7 +233,12 @@ fn a_users_module_with_its_own_settings_trains_like_its_f32_twin() {
 // ---- fusion is invisible ---------------------------------------------------------------------
 
 type Mlp = (Linear<12, 24>, ReLU, Linear<24, 5>, Tanh);
-type Normed = (Linear<12, 24>, dfdx::nn::builders::LayerNorm1D<24>, Linear<24, 5>, Tanh);
+type Normed = (
+    Linear<12, 24>,
+    dfdx::nn::builders::LayerNorm1D<24>,
+    Linear<24, 5>,
+    Tanh,
+);
 
 /// A literal in the element type a closure body computes in.
 trait Lit {
@@ -335,12 +360,20 @@ fn a_target_network_cloned_from_the_master_stays_put_and_the_online_one_trains_l
         let g = mse_loss(q, want).backward();
         opt32.update(&mut online32, &g).unwrap();
 
-        let half_targets = scaler.forward(&target, x.clone(), |m, x| m.forward(x)).unwrap() + 1.0;
+        let half_targets = scaler
+            .forward(&target, x.clone(), |m, x| m.forward(x))
+            .unwrap()
+            + 1.0;
         let q = scaler
             .forward(&online, x.trace(online.alloc_grads()), |m, x| m.forward(x))
             .unwrap();
         let g = scaler.backward(mse_loss(q, half_targets)).unwrap();
-        assert!(scaler.update(&mut online, &mut opt, &g).unwrap().is_applied());
+        assert!(
+            scaler
+                .update(&mut online, &mut opt, &g)
+                .unwrap()
+                .is_applied()
+        );
     }
     assert_eq!(values(&*target), target_before, "the target network moved");
     let err = rel(&values(&*online), &values(&online32));
@@ -357,11 +390,15 @@ fn an_evaluation_pass_then_an_in_place_change_of_the_master_is_seen_by_the_next_
     let mut model = Mixed::mapped(dev.build_module::<Q, f32>());
     let mut scaler = GradScaler::<f16>::default();
     let x: X8 = dev.sample_normal();
-    let before = scaler.forward(&model, x.clone(), |m, x| m.forward(x)).unwrap();
+    let before = scaler
+        .forward(&model, x.clone(), |m, x| m.forward(x))
+        .unwrap();
     // a restored checkpoint, written into the master's tensors in place
     let halved: Vec<f32> = values(&*model).iter().map(|v| v * 0.5).collect();
     load(&mut *model, &halved);
-    let after = scaler.forward(&model, x.clone(), |m, x| m.forward(x)).unwrap();
+    let after = scaler
+        .forward(&model, x.clone(), |m, x| m.forward(x))
+        .unwrap();
     let want = model.forward(x).as_vec();
     assert_close("after the change", &after.as_vec(), &want);
     assert!(
@@ -400,7 +437,11 @@ fn two_clones_forward_both_backward_both_update_both() {
         assert!(scaler.update(&mut a, &mut oa, &ga).unwrap().is_applied());
         assert!(scaler.update(&mut b, &mut ob, &gb).unwrap().is_applied());
         for (m, o, x) in [(&mut a32, &mut oa32, &xa), (&mut b32, &mut ob32, &xb)] {
-            let g = m.forward(x.trace(m.alloc_grads())).square().mean().backward();
+            let g = m
+                .forward(x.trace(m.alloc_grads()))
+                .square()
+                .mean()
+                .backward();
             o.update(m, &g).unwrap();
         }
     }
@@ -503,7 +544,11 @@ fn clipping_with_a_max_that_is_not_a_norm_is_an_error() {
 #[test]
 fn a_checkpoint_whose_counters_have_no_room_left_is_rejected() {
     let mut scaler = GradScaler::<f16>::default();
-    for (applied, skipped) in [(u64::MAX, 0), (0, u64::MAX), (u64::MAX / 2 + 1, u64::MAX / 2 + 1)] {
+    for (applied, skipped) in [
+        (u64::MAX, 0),
+        (0, u64::MAX),
+        (u64::MAX / 2 + 1, u64::MAX / 2 + 1),
+    ] {
         let mut state: ScalerState<DynamicLossScale> = scaler.state_dict();
         state.applied_steps = applied;
         state.skipped_steps = skipped;
@@ -511,4 +556,212 @@ fn a_checkpoint_whose_counters_have_no_room_left_is_rejected() {
         assert!(err.to_string().contains("no room"), "{err}");
     }
     assert_eq!(scaler.applied_steps(), 0);
+}
+
+// ---- `?` into the user's own error type ------------------------------------------------------
+
+/// A user's error type that converts from dfdx's errors only.
+#[derive(Debug)]
+#[allow(dead_code)] // its causes are the user's to read
+enum TrainError {
+    Device(CpuError),
+    Update(OptimizerUpdateError<CpuError>),
+}
+
+impl From<CpuError> for TrainError {
+    fn from(e: CpuError) -> Self {
+        TrainError::Device(e)
+    }
+}
+
+impl From<OptimizerUpdateError<CpuError>> for TrainError {
+    fn from(e: OptimizerUpdateError<CpuError>) -> Self {
+        TrainError::Update(e)
+    }
+}
+
+/// Every `?` of the f32 step still compiles after the conversion.
+#[mixed_step(scaling = scaler)]
+fn fallible(
+    model: &mut Lin,
+    opt: &mut Sgd<Lin, f32, Cpu>,
+    x: &X3,
+    scaler: &mut GradScaler,
+) -> Result<f32, TrainError> {
+    let loss = model
+        .try_forward(x.trace(model.alloc_grads()))?
+        .try_square()?
+        .try_mean()?;
+    let value = loss.array();
+    let mut grads = loss.try_backward()?;
+    opt.update(model, &grads)?;
+    model.try_zero_grads(&mut grads)?;
+    Ok(value)
+}
+
+fn fallible_f32(model: &mut Lin, opt: &mut Sgd<Lin, f32, Cpu>, x: &X3) -> Result<f32, TrainError> {
+    let loss = model
+        .try_forward(x.trace(model.alloc_grads()))?
+        .try_square()?
+        .try_mean()?;
+    let value = loss.array();
+    let mut grads = loss.try_backward()?;
+    opt.update(model, &grads)?;
+    model.try_zero_grads(&mut grads)?;
+    Ok(value)
+}
+
+#[test]
+fn question_marks_into_the_users_error_type_compile_and_train_as_in_f32() {
+    let dev = Cpu::seed_from_u64(12);
+    let init = dev.build_module::<Linear<4, 2>, f32>();
+    let (mut a, mut b) = (init.clone(), init);
+    let (mut oa, mut ob) = (
+        Sgd::new(&a, SgdConfig::default()),
+        Sgd::new(&b, SgdConfig::default()),
+    );
+    let mut scaler = GradScaler::default();
+    for k in 0..4 {
+        let x: X3 = Cpu::seed_from_u64(30 + k).sample_normal();
+        let l32 = fallible_f32(&mut a, &mut oa, &x).unwrap();
+        let l16 = fallible(&mut b, &mut ob, &x, &mut scaler).unwrap();
+        assert!(
+            (l16 - l32).abs() <= 1e-2 * l32.abs() + 1e-3,
+            "{l16} vs {l32}"
+        );
+    }
+    assert_eq!(scaler.applied_steps(), 4);
+    assert!(rel(&values(&b), &values(&a)) < 1e-2);
+}
+
+// ---- an ensemble: one scaler per model, indexed ------------------------------------------------
+
+struct Ensemble {
+    models: Vec<Lin>,
+    opts: Vec<Sgd<Lin, f32, Cpu>>,
+    scalers: Vec<GradScaler>,
+}
+
+impl Ensemble {
+    #[mixed_step(scaling = self.scalers[i])]
+    fn train(&mut self, x: &X3) {
+        for i in 0..self.models.len() {
+            let grads = self.models[i]
+                .forward(x.trace(self.models[i].alloc_grads()))
+                .square()
+                .mean()
+                .backward();
+            self.opts[i].update(&mut self.models[i], &grads).unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_ensemble_indexes_its_models_optimizers_and_scalers() {
+    let dev = Cpu::seed_from_u64(13);
+    let models: Vec<Lin> = (0..3)
+        .map(|_| dev.build_module::<Linear<4, 2>, f32>())
+        .collect();
+    let twins = models.clone();
+    let opts = models
+        .iter()
+        .map(|m| Sgd::new(m, SgdConfig::default()))
+        .collect();
+    let scalers = (0..3).map(|_| GradScaler::default()).collect();
+    let mut e = Ensemble {
+        models,
+        opts,
+        scalers,
+    };
+    let x: X3 = dev.sample_normal();
+    for _ in 0..3 {
+        e.train(&x);
+    }
+    for (i, (m, mut twin)) in e.models.iter().zip(twins).enumerate() {
+        let s = &e.scalers[i];
+        assert_eq!(s.applied_steps(), 3, "model {i}");
+        assert_eq!(s.last_step().unwrap().precision, DType::Float16);
+        let mut opt = Sgd::new(&twin, SgdConfig::default());
+        for _ in 0..3 {
+            let g = twin
+                .forward(x.trace(twin.alloc_grads()))
+                .square()
+                .mean()
+                .backward();
+            opt.update(&mut twin, &g).unwrap();
+        }
+        assert!(rel(&values(m), &values(&twin)) < 1e-2, "model {i}");
+    }
+}
+
+// ---- a struct whose methods destructure it exhaustively ----------------------------------------
+
+/// A learner whose methods name every field (`let Self { .. } = self` without `..`): a new field
+/// would break them, so the scaler rides with the optimizer ([`mpx::step::WithScaler`]); only
+/// the field's type and its initialisation differ from the f32 learner, and the step names the
+/// binding its destructuring gives the optimizer.
+struct Learner {
+    model: Lin,
+    opt: mpx::step::WithScaler<Sgd<Lin, f32, Cpu>>,
+    steps: usize,
+}
+
+impl Learner {
+    fn new(model: Lin) -> Self {
+        let opt = mpx::step::WithScaler::new(Sgd::new(&model, SgdConfig::default()));
+        Self {
+            model,
+            opt,
+            steps: 0,
+        }
+    }
+
+    #[mixed_step(scaling = opt)]
+    fn learn(&mut self, x: &X3) -> f32 {
+        let Self { model, opt, steps } = self;
+        let loss = model.forward(x.trace(model.alloc_grads())).square().mean();
+        let value = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        *steps += 1;
+        value
+    }
+
+    fn lr(&mut self, lr: f64) {
+        let Self {
+            model: _,
+            opt,
+            steps: _,
+        } = self;
+        opt.cfg.lr = lr;
+    }
+}
+
+#[test]
+fn a_learner_that_names_every_field_keeps_its_scaler_in_the_optimizer() {
+    let dev = Cpu::seed_from_u64(14);
+    let init = dev.build_module::<Linear<4, 2>, f32>();
+    let mut learner = Learner::new(init.clone());
+    learner.lr(0.05);
+    let (mut twin, x): (Lin, X3) = (init, dev.sample_normal());
+    let mut opt = Sgd::new(
+        &twin,
+        SgdConfig {
+            lr: 0.05,
+            ..Default::default()
+        },
+    );
+    for _ in 0..3 {
+        learner.learn(&x);
+        let g = twin
+            .forward(x.trace(twin.alloc_grads()))
+            .square()
+            .mean()
+            .backward();
+        opt.update(&mut twin, &g).unwrap();
+    }
+    let s = learner.opt.scaler();
+    assert_eq!((s.applied_steps(), learner.steps), (3, 3));
+    assert_eq!(s.last_step().unwrap().precision, DType::Float16);
+    assert!(rel(&values(&learner.model), &values(&twin)) < 1e-2);
 }

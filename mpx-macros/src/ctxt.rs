@@ -208,9 +208,21 @@ pub(crate) fn skip_value(input: syn::parse::ParseStream<'_>) -> syn::Result<()> 
 }
 
 /// The value of `crate = "path"`: the facade's path, written as a string literal (serde's form).
+/// It must be a plain path (`::my_crate::mpx`): generic arguments are refused here, at the
+/// literal, rather than turned into code that does not parse.
 pub(crate) fn crate_path(meta: &syn::meta::ParseNestedMeta<'_>) -> syn::Result<syn::Path> {
     let lit: syn::LitStr = meta.value()?.parse()?;
-    lit.parse()
+    let path: syn::Path = lit.parse()?;
+    if path.segments.iter().any(|s| !s.arguments.is_none()) {
+        return Err(syn::Error::new(
+            lit.span(),
+            format!(
+                "`crate = {:?}`: expected the plain path mpx is reachable at (such as `\"::my_crate::mpx\"`), without generic arguments",
+                lit.value()
+            ),
+        ));
+    }
+    Ok(path)
 }
 
 /// The pipeline of every function attribute here (`attr`: its name, and what it applies to for

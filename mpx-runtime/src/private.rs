@@ -54,7 +54,7 @@ where
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a `GradScaler<{H}, _>`: `#[mixed_step(scaling = ..)]` needs the mixed-precision state, in the precision the step runs in",
     label = "expected a `GradScaler<{H}, _>` (or a `&mut` one)",
-    note = "declare it once, outside the loop: `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());` (a field or a `&mut GradScaler` parameter works too); it holds the loss scale and the skip counters"
+    note = "declare it once, outside the loop: `let mut scaler = mpx::step::GradScaler::new(DynamicLossScale::default());` (a field, a `&mut GradScaler` parameter, or an optimizer that carries one, `mpx::step::WithScaler`, works too); it holds the loss scale and the skip counters"
 )]
 pub trait MixedScaler<H: Precision> {
     /// The loss scale type.
@@ -70,6 +70,17 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> MixedScaler<H> for GradScale
     type Device = D;
     fn scaler(&mut self) -> &mut GradScaler<H, L, D> {
         self
+    }
+}
+
+/// An optimizer that carries its scaler ([`WithScaler`](crate::step::WithScaler)).
+impl<O, H: Precision, L: LossScale, D: MixedDevice<H>> MixedScaler<H>
+    for crate::step::WithScaler<O, H, L, D>
+{
+    type Loss = L;
+    type Device = D;
+    fn scaler(&mut self) -> &mut GradScaler<H, L, D> {
+        self.scaler_mut()
     }
 }
 

@@ -571,3 +571,40 @@ impl<H: Precision> FullPrecision<H> {
         <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
     }
 }
+
+/// A layer called inside a full-precision region, whose tensors are f32 copies: what
+/// `#[full_precision]` (without `params`) checks each `self.<field>.forward(..)` of its body
+/// against, so that a layer whose parameters are in the half type is an error that names the
+/// fix.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::region::RegionLayer;
+/// fn runs_in_f32<M: RegionLayer<Tensor<Rank1<2>, f32, Cpu>>>(_: &M) {}
+/// runs_in_f32(&ReLU); // no parameters: fine in f32
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot run on the f32 tensors of a full-precision region",
+    label = "its parameters are not f32",
+    note = "inside `#[full_precision]` the tensors are f32 copies; name the layer whose parameters the region uses with `params = self.<field>`, and the region runs it on an f32 copy of them"
+)]
+pub trait RegionLayer<X> {
+    /// The layer's output.
+    type Output;
+    /// The layer's error.
+    type Error;
+    /// `Module::try_forward`.
+    ///
+    /// # Errors
+    /// The layer's.
+    fn region_try_forward(&self, x: X) -> Result<Self::Output, Self::Error>;
+}
+
+impl<M: dfdx::nn::Module<X>, X> RegionLayer<X> for M {
+    type Output = M::Output;
+    type Error = M::Error;
+    fn region_try_forward(&self, x: X) -> Result<M::Output, M::Error> {
+        self.try_forward(x)
+    }
+}

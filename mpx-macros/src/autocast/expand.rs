@@ -51,6 +51,75 @@ const ITERATOR_ADAPTERS: &[&str] = &[
     "drain",
 ];
 
+/// dfdx's free functions for the table's tensor methods (`ln(x)`, `exp(x)`,
+/// `softmax::<Axis<1>, _, _, _, _>(x)`, `powi(x, 2)`), rewritten to the method form they stand
+/// for (`x.ln()`, `x.softmax::<Axis<1>>()`), so that both forms run in f32. A free function of
+/// the table's name whose argument count does not match dfdx's is someone else's, and stays.
+pub(crate) struct FreeToMethod;
+
+impl VisitMut for FreeToMethod {
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        visit_mut::visit_expr_mut(self, e);
+        let syn::Expr::Call(call) = e else {
+            return;
+        };
+        let syn::Expr::Path(p) = &*call.func else {
+            return;
+        };
+        let Some(last) = p.path.segments.last() else {
+            return;
+        };
+        if p.qself.is_some() || call.args.is_empty() {
+            return;
+        }
+        let Some(op) = fp32_op(&last.ident.to_string(), Form::Method) else {
+            return;
+        };
+        if call.args.len() != op.args + 1 || !may_be_tensor(&call.args[0]) {
+            return;
+        }
+        // the axes are the first generic argument of the axis-generic functions; the others
+        // (shape, dtype, device, tape) are the receiver's
+        let turbofish = match &last.arguments {
+            syn::PathArguments::AngleBracketed(a) if AXIS_GENERIC.contains(&op.name) => {
+                a.args.first().map(|axes| quote!(::<#axes>))
+            }
+            _ => None,
+        };
+        let method = syn::Ident::new(op.name, last.ident.span());
+        let mut args = call.args.iter();
+        let Some(receiver) = args.next() else {
+            return;
+        };
+        let rest: Vec<_> = args.collect();
+        // parentheses only where the argument is not already a postfix expression
+        let receiver = match receiver {
+            syn::Expr::Path(_)
+            | syn::Expr::MethodCall(_)
+            | syn::Expr::Call(_)
+            | syn::Expr::Field(_)
+            | syn::Expr::Index(_)
+            | syn::Expr::Paren(_)
+            | syn::Expr::Try(_) => quote!(#receiver),
+            other => quote!((#other)),
+        };
+        *e = syn::parse_quote_spanned!(call.span()=> #receiver.#method #turbofish (#(#rest),*));
+    }
+}
+
+/// The table's operations whose dfdx free function takes the reduced axes as its first generic
+/// argument.
+const AXIS_GENERIC: &[&str] = &[
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "sum",
+    "mean",
+    "var",
+    "stddev",
+    "normalize",
+];
+
 /// Rewrites a function body; counts the regions and collects what it cannot rewrite.
 pub(crate) struct Rewriter<'a> {
     /// `<root>::region::FullPrecision::<H>`.

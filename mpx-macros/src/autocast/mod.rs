@@ -50,6 +50,7 @@ fn rewrite(parsed_args: &ast::Args, mut f: syn::ItemFn, cx: &mut crate::ctxt::Ct
     let root = runtime_path(parsed_args.krate.as_ref());
     // Without a half type (already reported) the body is still read for its own errors.
     let half = plan.half.unwrap_or_else(|| syn::parse_quote!(H));
+    expand::FreeToMethod.visit_block_mut(&mut f.block);
     let mut rw = expand::Rewriter::new(&root, &half, &plan.skip);
     rw.visit_block_mut(&mut f.block);
     for err in rw.errors {

@@ -294,3 +294,25 @@ fn arguments_must_be_well_formed() {
     assert_eq!(m.len(), 1, "{m:#?}");
     assert!(m[0].contains("`skip` lists operation names"), "{}", m[0]);
 }
+
+#[test]
+fn free_functions_become_the_methods_they_stand_for() {
+    let s = body(
+        quote!(),
+        quote!({
+            let a = ln(x.sum());
+            let b = softmax::<Axis<1>, _, _, _, _>(y + z);
+            let c = ln(1.5f32, 2.0);
+        }),
+    );
+    assert!(
+        s.contains("run (x , | __mpx_x0 | __mpx_x0 . sum () . ln ())"),
+        "{s}"
+    );
+    assert!(
+        s.contains("run ((y + z) , | __mpx_x0 | __mpx_x0 . softmax :: < Axis < 1 > > ())"),
+        "{s}"
+    );
+    // another function of the same name, with another argument count, stays
+    assert!(s.contains("ln (1.5f32 , 2.0)"), "{s}");
+}

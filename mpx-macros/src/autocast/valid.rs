@@ -40,11 +40,38 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Plan {
             skip.push(s);
         }
     }
+    if args.half.is_none() && is_training_step(f) {
+        cx.error_spanned(
+            &sig.ident,
+            "`#[autocast]` rewrites a function that computes in half precision (a model's forward pass, generic over `H: Precision`); this one trains (a backward pass, or `#[mixed_step]`), and a mixed step already computes its loss in f32: the model's output comes back to it in f32. Remove `#[autocast]` here; to run a model's own softmax, norm or sum in f32, put it on that model's forward pass",
+        );
+        return Plan { half: None, skip };
+    }
     let half = match &args.half {
         Some(h) => Some(h.clone()),
         None => find_half(&sig.generics, &sig.ident, "autocast", cx),
     };
     Plan { half, skip }
+}
+
+/// Whether `f` is a training step: `#[mixed_step]` on it, or a backward pass in its body.
+fn is_training_step(f: &syn::ItemFn) -> bool {
+    struct Backward(bool);
+    impl syn::visit::Visit<'_> for Backward {
+        fn visit_expr_method_call(&mut self, m: &syn::ExprMethodCall) {
+            self.0 |= (m.method == "backward" || m.method == "try_backward") && m.args.is_empty();
+            syn::visit::visit_expr_method_call(self, m);
+        }
+    }
+    let attributed = f.attrs.iter().any(|a| {
+        a.path()
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "mixed_step")
+    });
+    let mut b = Backward(false);
+    syn::visit::Visit::visit_block(&mut b, &f.block);
+    attributed || b.0
 }
 
 /// Every operation of the table, as error messages list them: `` `softmax`, `exp`, .. ``.

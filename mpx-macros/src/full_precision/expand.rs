@@ -38,7 +38,10 @@ pub(crate) fn expand(args: &Args, plan: &Plan, mut f: syn::ItemFn) -> TokenStrea
     let region = quote!(#root::region::FullPrecision::<#half>);
     let mut block = (*f.block).clone();
     let call = match &plan.params {
-        None => quote!(#region::run(#input, |#pat| #block)),
+        None => {
+            CheckLayers { root: &root }.visit_block_mut(&mut block);
+            quote!(#region::run(#input, |#pat| #block))
+        }
         Some(Params::Arg { ident, by_ref }) => {
             let arg = if *by_ref {
                 quote!(#ident)
@@ -77,5 +80,35 @@ impl VisitMut for ReplaceField<'_> {
             return;
         }
         syn::visit_mut::visit_expr_mut(self, e);
+    }
+}
+
+/// Without `params`, routes each `self.<field>.forward(x)` / `try_forward(x)` of the body
+/// through `RegionLayer`, whose error says to name the layer with `params` when its parameters
+/// are not f32 (dfdx's own error would name a matmul of mismatched element types).
+struct CheckLayers<'a> {
+    root: &'a TokenStream,
+}
+
+impl VisitMut for CheckLayers<'_> {
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        syn::visit_mut::visit_expr_mut(self, e);
+        let syn::Expr::MethodCall(m) = e else {
+            return;
+        };
+        let on_self_field = matches!(&*m.receiver, syn::Expr::Field(f) if is_self(&f.base));
+        if !on_self_field || m.args.len() != 1 || m.turbofish.is_some() {
+            return;
+        }
+        let root = self.root;
+        let (layer, x) = (&m.receiver, &m.args[0]);
+        // the error points at the user's call
+        let span = syn::spanned::Spanned::span(&m.method);
+        let call = quote::quote_spanned!(span=> #root::region::RegionLayer::region_try_forward(&#layer, #x));
+        if m.method == "forward" {
+            *e = syn::parse_quote!(#call.unwrap());
+        } else if m.method == "try_forward" {
+            *e = syn::parse_quote!(#call);
+        }
     }
 }

@@ -61,6 +61,18 @@ mod tests {
     }
 
     #[test]
+    fn a_crate_path_with_generic_arguments_is_an_error_at_the_literal() {
+        for bad in ["a::<T>", "my::mpx<u8>"] {
+            let out = super::expand(quote!(scaling = scaler, crate = #bad), mnist_loop());
+            let m = messages(&out);
+            assert_eq!(m.len(), 1, "{out}");
+            assert!(m[0].contains("without generic arguments"), "{m:?}");
+        }
+        let out = super::expand(quote!(scaling = scaler, crate = "::my::mpx"), mnist_loop());
+        assert!(messages(&out).is_empty(), "{out}");
+    }
+
+    #[test]
     fn rewrites_the_roles_and_nothing_else() {
         let out = super::expand(quote!(scaling = scaler, half = f16), mnist_loop());
         assert!(messages(&out).is_empty(), "{out}");

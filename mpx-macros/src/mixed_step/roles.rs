@@ -112,11 +112,12 @@ pub(crate) fn as_update(m: &syn::ExprMethodCall) -> Option<(&syn::Expr, &syn::Ex
     if m.method != "update" || m.args.len() != 2 {
         return None;
     }
-    // The model is a place (`model`, `&mut self.model`, `*m`), never a computed value.
+    // The model is a place (`model`, `&mut self.model`, `*m`, `&mut self.models[i]`), never a
+    // computed value.
     let is_place = |e: &syn::Expr| {
         matches!(
             place(e),
-            syn::Expr::Path(_) | syn::Expr::Field(_) | syn::Expr::Unary(_)
+            syn::Expr::Path(_) | syn::Expr::Field(_) | syn::Expr::Unary(_) | syn::Expr::Index(_)
         )
     };
     is_place(&m.args[0]).then(|| (&*m.receiver, &m.args[0], &m.args[1]))
@@ -291,8 +292,8 @@ pub(crate) struct Found<'a> {
     pub forwards: Vec<(&'a syn::ExprMethodCall, usize)>,
     /// Every other method call, to find hand-written calls of the scaler's own roles.
     pub others: Vec<&'a syn::ExprMethodCall>,
-    /// `let` bindings: (name, loop depth).
-    pub lets: Vec<(String, usize)>,
+    /// `let` bindings: (name, loop depth, the value bound, when there is one).
+    pub lets: Vec<(String, usize, Option<&'a syn::Expr>)>,
     depth: usize,
 }
 
@@ -321,7 +322,9 @@ impl<'a> Visit<'a> for Found<'a> {
     fn visit_local(&mut self, l: &'a syn::Local) {
         let mut names = HashSet::new();
         bound_names(&l.pat, &mut names);
-        self.lets.extend(names.into_iter().map(|n| (n, self.depth)));
+        let init = l.init.as_ref().map(|i| &*i.expr);
+        self.lets
+            .extend(names.into_iter().map(|n| (n, self.depth, init)));
         syn::visit::visit_local(self, l);
     }
     fn visit_expr_for_loop(&mut self, e: &'a syn::ExprForLoop) {

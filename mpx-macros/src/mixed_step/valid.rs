@@ -31,6 +31,17 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
         "make the step a plain `fn`",
         cx,
     );
+    if let Some(a) = f.attrs.iter().find(|a| {
+        a.path()
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "autocast")
+    }) {
+        cx.error_spanned(
+            a,
+            "`#[autocast]` on a `#[mixed_step]`: the step already computes its loss in f32 (the model's output comes back to it in f32); remove `#[autocast]` here, and to run a model's own softmax, norm or sum in f32, put it on that model's forward pass",
+        );
+    }
     if args.scaling.is_none() {
         cx.push(syn::Error::new(
             Span::call_site(),
@@ -158,13 +169,14 @@ fn check_no_hand_written_roles(scaling: &syn::Expr, found: &Found<'_>, cx: &mut 
 }
 
 /// The root of a scaler expression: the binding or `self` it is reached from, through fields,
-/// derefs, accessors and locks (`self.scaler()`, `scaler.lock().unwrap()`), or `None` for a
+/// indexing (`self.scalers[i]`, one scaler per model of an ensemble), derefs, accessors and locks (`self.scaler()`, `scaler.lock().unwrap()`), or `None` for a
 /// value built in place.
 fn scaler_root(mut e: &syn::Expr) -> Option<&syn::ExprPath> {
     loop {
         e = place(e);
         match e {
             syn::Expr::Field(fe) => e = &fe.base,
+            syn::Expr::Index(ix) => e = &ix.expr,
             syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => e = &u.expr,
             syn::Expr::MethodCall(m) => e = &m.receiver,
             syn::Expr::Try(t) => e = &t.expr,
@@ -189,24 +201,35 @@ fn check_persistent(scaling: &syn::Expr, f: &syn::ItemFn, found: &Found<'_>, cx:
     if name == "self" {
         return;
     }
-    let param = f.sig.inputs.iter().find_map(|a| match a {
-        syn::FnArg::Typed(pt) => {
-            let mut names = std::collections::HashSet::new();
-            super::roles::bound_names(&pt.pat, &mut names);
-            names.contains(&name).then_some(&*pt.ty)
-        }
-        syn::FnArg::Receiver(_) => None,
-    });
-    if let Some(ty) = param {
+    let param_type = |name: &str| {
+        f.sig.inputs.iter().find_map(|a| match a {
+            syn::FnArg::Typed(pt) => {
+                let mut names = std::collections::HashSet::new();
+                super::roles::bound_names(&pt.pat, &mut names);
+                names.contains(name).then_some(&*pt.ty)
+            }
+            syn::FnArg::Receiver(_) => None,
+        })
+    };
+    if let Some(ty) = param_type(&name) {
         // Only the parameter itself is judged; `scaler.lock()` of a shared handle is fine.
         if matches!(place(scaling), syn::Expr::Path(_)) {
             check_param_type(&name, ty, cx);
         }
         return;
     }
-    let Some(&(_, depth)) = found.lets.iter().rev().find(|(n, _)| *n == name) else {
+    let Some(&(_, depth, init)) = found.lets.iter().rev().find(|(n, ..)| *n == name) else {
         return;
     };
+    // a binding into state that outlives the step (`let Self { opt, .. } = self;`,
+    // `let s = &mut self.scaler;`, a part of a parameter) is that state
+    let into_state = init
+        .and_then(scaler_root)
+        .and_then(|r| r.path.get_ident())
+        .is_some_and(|r| r == "self" || param_type(&r.to_string()).is_some());
+    if into_state {
+        return;
+    }
     let in_loop = found
         .updates
         .iter()

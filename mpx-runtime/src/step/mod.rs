@@ -62,6 +62,7 @@ pub(crate) mod pending;
 mod report;
 mod scaler;
 pub(crate) mod slots;
+mod with_scaler;
 mod working;
 
 pub use checkpoint::ScalerState;
@@ -83,4 +84,5 @@ pub use scaler::GradScaler;
 pub use scaler::Verdict;
 #[cfg(feature = "mpi")]
 pub(crate) use slots::MasterSlot;
+pub use with_scaler::WithScaler;
 pub use working::{Kind, Mapped, Plain, WorkingCopy};
