@@ -69,7 +69,10 @@ impl VisitMut for FreeToMethod {
         let Some(last) = p.path.segments.last() else {
             return;
         };
-        if p.qself.is_some() || call.args.is_empty() {
+        // `ln(x)`, `dfdx::tensor_ops::ln(x)`; never `f32::exp(k)` or another type's function
+        let dfdx_path = p.path.segments.len() == 1
+            || p.path.segments.first().is_some_and(|s| s.ident == "dfdx");
+        if p.qself.is_some() || call.args.is_empty() || !dfdx_path {
             return;
         }
         let Some(op) = fp32_op(&last.ident.to_string(), Form::Method) else {

@@ -119,6 +119,7 @@ fn calls_that_cannot_be_tensor_operations_are_left() {
         quote!((&x).exp()),
         quote!((k as f32).ln()),
         quote!(f32::exp(k)),
+        quote!(Self::ln(k)),
         quote!(x.softmax(1)),
         quote!(self.norm.normalize(x, 1e-5)),
         quote!(self.ln.normalize(x)),
