@@ -52,6 +52,7 @@ mod layer_norm_kernel;
 pub(crate) mod linear;
 mod mha;
 mod mixed;
+mod relu;
 pub(crate) mod scratch;
 mod sublayer;
 pub mod vit;
@@ -65,6 +66,7 @@ pub use layer_norm::*;
 pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
+pub use relu::ReLU;
 pub use scratch::release_buffers;
 pub use sublayer::FeedForward;
 

@@ -45,9 +45,11 @@ use crate::precision::{AMP, Precision, bf16, f16};
 ///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
 ///   master on an applied update; the leaky slope is rounded to `H`);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
-///   ([`InF32`](crate::nn::InF32)); `ReLU` and the other parameter-free layers (`Tanh`,
-///   `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
-///   `DropoutOneIn`) stay themselves;
+///   ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
+///   same values and gradients, in vector passes; never fused into the layer before it, so a
+///   step that calls the layers one by one sees what it computes); the other parameter-free
+///   layers (`Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`,
+///   `Cos`, `Dropout`, `DropoutOneIn`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
 ///   such layers map their layers;
 /// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
@@ -74,7 +76,7 @@ use crate::precision::{AMP, Precision, bf16, f16};
 /// let dev = Cpu::default();
 /// let w = Working::build(&dev);
 /// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
-/// let _: (nn::Linear<4, 8, f16, Cpu>, ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
+/// let _: (nn::Linear<4, 8, f16, Cpu>, nn::ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
 /// ```
 pub trait HalfLayers<H: Precision>: MasterModel
 where
@@ -178,7 +180,14 @@ macro_rules! layers {
                 working.set_link(linker.link(&self.weight, &self.bias));
             }
         }
-        same!($h: ReLU, Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        same!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        // dfdx's `ReLU` as mpx's: the same values and gradients, in vector passes
+        impl HalfLayers<$h> for dfdx::nn::modules::ReLU {
+            type Working = crate::nn::ReLU;
+        }
+        impl HalfLayers<$h> for crate::nn::ReLU {
+            type Working = crate::nn::ReLU;
+        }
         in_f32!($h: Exp, Ln, Softmax, LogSoftmax);
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
