@@ -23,6 +23,7 @@ use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
 use mpx::precision::{AMP, f16};
+use mpx::scaling::DynamicLossScale;
 use mpx::step::GradScaler;
 
 #[derive(Parser)]
@@ -67,7 +68,7 @@ fn gpu_name() -> String {
 // ---- bench_step's MLP ----------------------------------------------------------------------------
 
 mod mlp {
-    use super::{AMP, Adam, GradScaler, f16, mixed_step};
+    use super::{AMP, Adam, DynamicLossScale, GradScaler, f16, mixed_step};
     use dfdx::prelude::*;
 
     pub const B: usize = 256;
@@ -111,7 +112,7 @@ mod mlp {
                 grads: &mut Option<Gradients<f32, Cuda>>,
                 x: &X,
                 y: &Y,
-                scaler: &mut GradScaler<$half>,
+                scaler: &mut GradScaler<$half, DynamicLossScale, Cuda>,
             ) -> f32 {
                 let g = grads.take().unwrap_or_else(|| model.alloc_grads());
                 let out = model.forward(x.trace(g));
@@ -141,7 +142,7 @@ mod mlp {
 // ---- a dfdx transformer classifier ---------------------------------------------------------------
 
 mod transformer {
-    use super::{Adam, GradScaler, f16, mixed_step};
+    use super::{Adam, DynamicLossScale, GradScaler, f16, mixed_step};
     use dfdx::prelude::*;
 
     pub const BATCH: usize = 32;
@@ -188,7 +189,7 @@ mod transformer {
         opt: &mut Adam<Model, f32, Cuda>,
         x: &Tokens,
         y: &Labels,
-        scaler: &mut GradScaler<f16>,
+        scaler: &mut GradScaler<f16, DynamicLossScale, Cuda>,
     ) -> f32 {
         let grads = model.alloc_grads();
         let h = model.0.forward(x.clone().traced(grads));
@@ -214,8 +215,8 @@ fn run_mlp(dev: &Cuda, rounds: usize, gpu: &str) {
     let (mut m32, mut m16, mut mamp) = (init.clone(), init.clone(), init);
     let (mut o32, mut o16, mut oamp) = (adam(&m32, 1e-4), adam(&m16, 1e-4), adam(&mamp, 1e-4));
     let (mut g32, mut g16, mut gamp) = (None, None, None);
-    let mut s16 = GradScaler::<f16>::default();
-    let mut samp = GradScaler::<AMP<f16>>::default();
+    let mut s16 = GradScaler::<f16, DynamicLossScale, Cuda>::default();
+    let mut samp = GradScaler::<AMP<f16>, DynamicLossScale, Cuda>::default();
     let (mut l32, mut l16, mut lamp) = (0.0, 0.0, 0.0);
     let times = measure::measure(
         rounds,
@@ -244,7 +245,7 @@ fn run_mlp(dev: &Cuda, rounds: usize, gpu: &str) {
             "  {name:<9} {:8.3} ms  loss {l:.4}  x{:.2} of f32  (last step: {})",
             ms(t),
             ms(t) / ms(times[0]),
-            s.map_or("?", |r| r.precision)
+            s.map_or("?", |r| r.precision.name())
         );
     }
     println!(
@@ -261,7 +262,7 @@ fn run_transformer(dev: &Cuda, rounds: usize, gpu: &str) {
     let (x, y) = data(dev);
     let (mut m32, mut m16) = (init.clone(), init);
     let (mut o32, mut o16) = (adam(&m32, 1e-4), adam(&m16, 1e-4));
-    let mut s16 = GradScaler::<f16>::default();
+    let mut s16 = GradScaler::<f16, DynamicLossScale, Cuda>::default();
     let (mut l32, mut l16) = (0.0, 0.0);
     let times = measure::measure(
         rounds,

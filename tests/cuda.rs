@@ -5,14 +5,23 @@
 
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::{optim::*, prelude::*};
-use mpx::precision::{AMP, Precision, f16};
-use mpx::scaling::{DynamicLossScale, NoOpLossScale, StaticLossScale};
-use mpx::step::{GradScaler, SkipReason, StepError, UpdateOutcome};
+use mpx::precision::{AMP, DType, Precision, f16};
+use mpx::scaling::{DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale};
+use mpx::step::{
+    GradScaler, Mixed, MixedDevice, SkipReason, StepError, UpdateOutcome, WorkingCopy,
+};
 
 type Mlp = (Linear<16, 64>, ReLU, Linear<64, 64>, ReLU, Linear<64, 4>);
 type Model = <Mlp as BuildOnDevice<Cuda, f32>>::Built;
 type X = Tensor<Rank2<32, 16>, f32, Cuda>;
 type Y = Tensor<Rank2<32, 4>, f32, Cuda>;
+/// The scaler of a mixed step on `Cuda`.
+type Scaler<H, L = DynamicLossScale> = GradScaler<H, L, Cuda>;
+/// The batch and the logits inside the half region, in `H`.
+type HalfX<H> =
+    Tensor<Rank2<32, 16>, <H as Precision>::Elem, Cuda, OwnedTape<<H as Precision>::Elem, Cuda>>;
+type HalfY<H> =
+    Tensor<Rank2<32, 4>, <H as Precision>::Elem, Cuda, OwnedTape<<H as Precision>::Elem, Cuda>>;
 
 mod common;
 use common::params::{value_bits as bits, values};
@@ -36,28 +45,24 @@ fn cfg() -> AdamConfig {
     }
 }
 
-/// One mixed step by hand; returns the loss.
-fn mixed_step<H: Precision, L: mpx::scaling::LossScale>(
-    model: &mut Model,
+/// One mixed step by hand, on the runtime API; returns the loss.
+fn mixed_step<H: Precision, L: LossScale>(
+    model: &mut Mixed<Model>,
     opt: &mut Adam<Model, f32, Cuda>,
-    scaler: &mut GradScaler<H, L>,
+    scaler: &mut Scaler<H, L>,
     x: &X,
     y: &Y,
 ) -> Result<f32, StepError>
 where
-    Cuda: mpx::step::MixedDevice<H>,
-    mpx::step::WorkingCopy<H, Model, Cuda>: TensorCollection<H::Elem, Cuda>
-        + mpx::step::WorkspaceOn<Cuda>
-        + Module<
-            Tensor<Rank2<32, 16>, H::Elem, Cuda, OwnedTape<H::Elem, Cuda>>,
-            Output = Tensor<Rank2<32, 4>, H::Elem, Cuda, OwnedTape<H::Elem, Cuda>>,
-        >,
+    Cuda: MixedDevice<H>,
+    WorkingCopy<H, Model, Cuda>:
+        TensorCollection<H::Elem, Cuda> + Module<HalfX<H>, Output = HalfY<H>>,
 {
     let grads = model.try_alloc_grads()?;
-    let out = scaler.try_forward(model, x.trace(grads), |m, x| m.forward(x))?;
+    let out = scaler.forward(model, x.trace(grads), |m, x| m.forward(x))?;
     let loss = cross_entropy_with_logits_loss(out, y.clone());
     let value = loss.array();
-    let grads = scaler.try_backward(loss)?;
+    let grads = scaler.backward(loss)?;
     scaler.update(model, opt, &grads)?;
     Ok(value)
 }
@@ -77,17 +82,17 @@ fn f32_step(model: &mut Model, opt: &mut Adam<Model, f32, Cuda>, x: &X, y: &Y) -
 #[test]
 fn f32_working_copy_at_scale_one_is_the_plain_f32_step_bit_for_bit() {
     let dev = Cuda::seed_from_u64(1);
-    let mut mixed = dev.build_module::<Mlp, f32>();
-    let mut plain = mixed.clone();
-    let (mut om, mut op) = (Adam::new(&mixed, cfg()), Adam::new(&plain, cfg()));
-    let mut scaler = GradScaler::<f32, _>::new(NoOpLossScale);
+    let mut mixed = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut plain = (*mixed).clone();
+    let (mut om, mut op) = (Adam::new(&*mixed, cfg()), Adam::new(&plain, cfg()));
+    let mut scaler = Scaler::<f32, _>::new(NoOpLossScale);
     let (x, y) = batch(&dev);
     for _ in 0..5 {
         let lm = mixed_step(&mut mixed, &mut om, &mut scaler, &x, &y).unwrap();
         let lp = f32_step(&mut plain, &mut op, &x, &y);
         assert_eq!(lm.to_bits(), lp.to_bits());
     }
-    assert_eq!(bits(&mixed), bits(&plain));
+    assert_eq!(bits(&*mixed), bits(&plain));
     assert_eq!(scaler.applied_steps(), 5);
 }
 
@@ -97,21 +102,21 @@ fn f32_working_copy_at_scale_one_is_the_plain_f32_step_bit_for_bit() {
 #[test]
 fn a_skipped_step_leaves_the_master_and_adams_state_bit_identical() {
     let dev = Cuda::seed_from_u64(2);
-    let mut a = dev.build_module::<Mlp, f32>();
+    let mut a = Mixed::new(dev.build_module::<Mlp, f32>());
     let mut b = a.clone();
-    let (mut oa, mut ob) = (Adam::new(&a, cfg()), Adam::new(&b, cfg()));
+    let (mut oa, mut ob) = (Adam::new(&*a, cfg()), Adam::new(&*b, cfg()));
     let scale = || StaticLossScale::new(1024.0).unwrap();
     let (mut sa, mut sb) = (
-        GradScaler::<f16, _>::new(scale()),
-        GradScaler::<f16, _>::new(scale()),
+        Scaler::<f16, _>::new(scale()),
+        Scaler::<f16, _>::new(scale()),
     );
     let (x, y) = batch(&dev);
     mixed_step(&mut a, &mut oa, &mut sa, &x, &y).unwrap();
     mixed_step(&mut b, &mut ob, &mut sb, &x, &y).unwrap();
-    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(bits(&*a), bits(&*b));
     // a batch whose gradients are not finite
     let bad: X = dev.tensor([[f32::INFINITY; 16]; 32]);
-    let before = bits(&a);
+    let before = bits(&*a);
     mixed_step(&mut a, &mut oa, &mut sa, &bad, &y).unwrap();
     assert!(matches!(
         sa.last_step().unwrap().outcome,
@@ -120,11 +125,11 @@ fn a_skipped_step_leaves_the_master_and_adams_state_bit_identical() {
             ..
         }
     ));
-    assert_eq!(bits(&a), before);
+    assert_eq!(bits(&*a), before);
     // the next good step: identical to the twin's
     mixed_step(&mut a, &mut oa, &mut sa, &x, &y).unwrap();
     mixed_step(&mut b, &mut ob, &mut sb, &x, &y).unwrap();
-    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(bits(&*a), bits(&*b));
     assert_eq!((sa.applied_steps(), sa.skipped_steps()), (2, 1));
 }
 
@@ -132,46 +137,42 @@ fn a_skipped_step_leaves_the_master_and_adams_state_bit_identical() {
 #[test]
 fn an_overflowing_scale_is_skipped_and_backed_off() {
     let dev = Cuda::seed_from_u64(3);
-    let mut model = dev.build_module::<Mlp, f32>();
-    let mut opt = Adam::new(&model, cfg());
-    let mut scaler = GradScaler::<f16, _>::new(
+    let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&*model, cfg());
+    let mut scaler = Scaler::<f16, _>::new(
         DynamicLossScale::builder()
             .initial(2f32.powi(40))
             .build()
             .unwrap(),
     );
     let (x, y) = batch(&dev);
-    let before = bits(&model);
+    let before = bits(&*model);
     mixed_step(&mut model, &mut opt, &mut scaler, &x, &y).unwrap();
     let last = scaler.last_step().unwrap();
     assert!(!last.is_applied() && !last.grads_finite, "{last:?}");
     assert_eq!(last.new_scale, 2f32.powi(39));
-    assert_eq!(bits(&model), before);
+    assert_eq!(bits(&*model), before);
 }
 
 /// Trains the MLP for `steps` steps in precision `H` from the same start as f32; returns the
 /// final loss and the parameters.
 fn train<H: Precision>(steps: usize) -> (f32, Vec<f32>)
 where
-    Cuda: mpx::step::MixedDevice<H>,
-    mpx::step::WorkingCopy<H, Model, Cuda>: TensorCollection<H::Elem, Cuda>
-        + mpx::step::WorkspaceOn<Cuda>
-        + Module<
-            Tensor<Rank2<32, 16>, H::Elem, Cuda, OwnedTape<H::Elem, Cuda>>,
-            Output = Tensor<Rank2<32, 4>, H::Elem, Cuda, OwnedTape<H::Elem, Cuda>>,
-        >,
+    Cuda: MixedDevice<H>,
+    WorkingCopy<H, Model, Cuda>:
+        TensorCollection<H::Elem, Cuda> + Module<HalfX<H>, Output = HalfY<H>>,
 {
     let dev = Cuda::seed_from_u64(4);
-    let mut model = dev.build_module::<Mlp, f32>();
-    let mut opt = Adam::new(&model, cfg());
-    let mut scaler = GradScaler::<H, _>::new(DynamicLossScale::default());
+    let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&*model, cfg());
+    let mut scaler = Scaler::<H>::new(DynamicLossScale::default());
     let (x, y) = batch(&dev);
     let mut loss = f32::NAN;
     for _ in 0..steps {
         loss = mixed_step(&mut model, &mut opt, &mut scaler, &x, &y).unwrap();
     }
     assert!(scaler.applied_steps() > 0);
-    (loss, values(&model))
+    (loss, values(&*model))
 }
 
 /// f16 and `AMP<f16>` train the MLP as f32 does, within half precision's rounding: the final
@@ -202,34 +203,82 @@ fn f16_and_amp_f16_train_within_tolerance_of_f32() {
     assert!(l32 < 1.0, "f32 did not learn: {l32}");
 }
 
-/// A workspace of `Cuda` tensors stays on the thread that made it (dfdx's `Cuda` device is not
-/// `Send`), but the scaler is `Send`: moved to another thread, it trains a model there, and its
-/// first thread's workspace is not in the way.
+/// dfdx's `Cuda` device is not `Send`, and so neither is a scaler on it (between a forward pass
+/// and the judging of its backward pass, it holds gradient slots of `Cuda` tensors); its state
+/// is: saved on one thread (`state_dict`), restored into a scaler on another, it trains a model
+/// there, and brought back, it carries on here, counting every step.
 #[test]
-fn the_scaler_moves_to_another_thread_and_trains_a_model_there() {
+fn the_scalers_state_moves_to_another_thread_and_trains_a_model_there() {
     let dev = Cuda::seed_from_u64(5);
-    let mut model = dev.build_module::<Mlp, f32>();
-    let mut opt = Adam::new(&model, cfg());
-    let mut scaler = GradScaler::<f16>::default();
+    let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
+    let mut opt = Adam::new(&*model, cfg());
+    let mut scaler = Scaler::<f16>::default();
     let (x, y) = batch(&dev);
     mixed_step(&mut model, &mut opt, &mut scaler, &x, &y).unwrap();
-    let mut scaler = std::thread::spawn(move || {
-        let mut scaler = scaler;
+    let state = scaler.state_dict();
+    let state = std::thread::spawn(move || {
+        let mut scaler = Scaler::<f16>::default();
+        scaler.load_state_dict(state).unwrap();
         let dev = Cuda::seed_from_u64(6);
-        let mut model = dev.build_module::<Mlp, f32>();
-        let mut opt = Adam::new(&model, cfg());
+        let mut model = Mixed::new(dev.build_module::<Mlp, f32>());
+        let mut opt = Adam::new(&*model, cfg());
         let (x, y) = batch(&dev);
         for _ in 0..3 {
             mixed_step(&mut model, &mut opt, &mut scaler, &x, &y).unwrap();
         }
-        scaler
+        scaler.state_dict()
     })
     .join()
     .unwrap();
+    scaler.load_state_dict(state).unwrap();
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 4);
-    // and back here, the first model's workspace is still found
+    // and back here, the first model trains on with it
     mixed_step(&mut model, &mut opt, &mut scaler, &x, &y).unwrap();
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 5);
+}
+
+type Head = <Linear<4, 4> as BuildOnDevice<Cuda, f32>>::Built;
+
+/// Two masters in one graph (the MLP's logits are the input of a head): gradients that keep the
+/// MLP's alone (its `alloc_grads`) judge the MLP and not the head, whose gradients they dropped
+/// (as a GAN's discriminator is not judged on the generator's gradients); gradients that keep
+/// both judge both. The device probe that tells them apart marks the first element of the
+/// MLP's first gradient with a NaN and puts its value back: the verdict (taken after the probe)
+/// is finite, and the MLP's gradients are those of the run that keeps both (within the
+/// reordering of dfdx's atomic sums on the GPU).
+#[test]
+fn a_master_whose_gradients_were_dropped_is_not_judged_on_cuda() {
+    let dev = Cuda::seed_from_u64(9);
+    let mlp = Mixed::new(dev.build_module::<Mlp, f32>());
+    let head = Mixed::new(dev.build_module::<Linear<4, 4>, f32>());
+    let (x, y) = batch(&dev);
+    let run = |grads: Gradients<f32, Cuda>| {
+        let mut scaler = Scaler::<f32, _>::new(NoOpLossScale);
+        let h = scaler
+            .forward(&mlp, x.trace(grads), |m, x| m.forward(x))
+            .unwrap();
+        let out = scaler.forward(&head, h, |m, x| m.forward(x)).unwrap();
+        scaler
+            .backward(cross_entropy_with_logits_loss(out, y.clone()))
+            .unwrap()
+    };
+    let mlp_only = run(mlp.alloc_grads());
+    assert_eq!(mlp.grads_finite(), Some(true));
+    assert_eq!(head.grads_finite(), None);
+    let both: (Model, Head) = ((*mlp).clone(), (*head).clone());
+    let kept_both = run(both.alloc_grads());
+    assert_eq!(head.grads_finite(), Some(true));
+    let (a, b) = (
+        mlp_only.get(&mlp.0.weight).as_vec(),
+        kept_both.get(&mlp.0.weight).as_vec(),
+    );
+    assert!(a.iter().any(|v| *v != 0.0));
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-7,
+            "element {i}: {a} (the MLP's gradients alone) vs {b} (both kept)"
+        );
+    }
 }
 
 // ---- #[mixed_step] on Cuda ------------------------------------------------------------------
@@ -241,7 +290,7 @@ fn train_loop(
     model: &mut Model,
     opt: &mut Adam<Model, f32, Cuda>,
     data: &[(X, Y)],
-    scaler: &mut GradScaler<f16>,
+    scaler: &mut GradScaler<f16, DynamicLossScale, Cuda>,
 ) -> f32 {
     let mut grads = model.alloc_grads();
     let mut last = f32::NAN;
@@ -261,7 +310,7 @@ fn a_mixed_step_loop_on_cuda_runs_in_f16() {
     let dev = Cuda::seed_from_u64(6);
     let mut model = dev.build_module::<Mlp, f32>();
     let mut opt = Adam::new(&model, cfg());
-    let mut scaler = GradScaler::<f16>::default();
+    let mut scaler = Scaler::<f16>::default();
     let data: Vec<(X, Y)> = (0..8).map(|_| batch(&dev)).collect();
     let first = train_loop(&mut model, &mut opt, &data[..1], &mut scaler);
     let mut last = first;
@@ -269,7 +318,7 @@ fn a_mixed_step_loop_on_cuda_runs_in_f16() {
         last = train_loop(&mut model, &mut opt, &data, &mut scaler);
     }
     let report = scaler.last_step().unwrap();
-    assert_eq!(report.precision, "float16");
+    assert_eq!(report.precision, DType::Float16);
     assert!(!report.mpx_layers);
     assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 41);
     assert!(last < first, "{last} !< {first}");

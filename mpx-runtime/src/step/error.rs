@@ -274,6 +274,28 @@ impl From<StepError> for OptimizerUpdateError<CpuError> {
     }
 }
 
+/// The same for a step on dfdx's `Cuda` device, whose optimizers return
+/// `OptimizerUpdateError<CudaError>`: the optimizer's own error as itself, the step's other causes
+/// as its `DeviceError`, by way of `From<StepError> for CudaError`.
+///
+/// # Examples
+/// ```no_run
+/// use dfdx::optim::OptimizerUpdateError;
+/// use dfdx::tensor::{CpuError, CudaError};
+/// use mpx_runtime::step::StepError;
+/// let e = OptimizerUpdateError::<CudaError>::from(StepError::from(CpuError::OutOfMemory));
+/// assert!(matches!(e, OptimizerUpdateError::DeviceError(CudaError::Cpu(CpuError::OutOfMemory))));
+/// ```
+#[cfg(feature = "cuda")]
+impl From<StepError> for OptimizerUpdateError<dfdx::tensor::CudaError> {
+    fn from(e: StepError) -> Self {
+        match e {
+            StepError::CudaOptimizer(e) => e,
+            e => OptimizerUpdateError::DeviceError(dfdx::tensor::CudaError::from(e)),
+        }
+    }
+}
+
 /// What went wrong and what to do, as [`Display`](std::fmt::Display) writes it (followed by
 /// its sources), so that a step's error reached through `unwrap` or `expect`
 /// reads as a sentence rather than a struct.

@@ -5,10 +5,17 @@
 //! compiles its own, and need no CUDA header: the f16 conversions are the PTX `cvt`
 //! instructions themselves.
 //!
-//! What crosses the bus per step: the kernels' scalar arguments (a length, a scale), and one
-//! 4-byte word back, the finiteness flag of the master's gradients. No tensor data.
+//! On `Cuda` nothing is linked (mpx's fused layers are the `Cpu`'s): every working tensor's half
+//! gradient is transferred, and a traced input's gradient is always computed.
+//!
+//! What crosses the bus per backward pass: the kernels' scalar arguments (a length, a scale),
+//! and back, per master the backward pass reached, the two-word probe of whether its gradients
+//! are kept ([`Primitives::kept`]) and the one-word finiteness flag of its gradients. No tensor
+//! data.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
@@ -16,10 +23,8 @@ use cudarc::driver::{
     LaunchAsync, LaunchConfig,
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::OptimizerUpdateError;
-use dfdx::shapes::HasShape;
-use dfdx::shapes::Shape;
+use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{
     Cuda, CudaError, Gradients, NoneTape, OwnedTape, PutTape, SplitTape, Storage, Tape, Tensor,
     Trace,
@@ -27,25 +32,17 @@ use dfdx::tensor::{
 use dfdx::tensor_ops::{Backward, ReshapeTo, SumTo, TryMul};
 
 use super::private::Primitives;
-use super::{FullOp, HalfOp, SeedOp, Unread};
-use super::{FullWorking, share};
-use crate::boundary::MasterModel;
-use crate::cast::CastScratch;
+use super::{FullOp, HalfOp, Pair, SeedOp};
 use crate::precision::{AMP, Precision, f16};
 use crate::region::{Flat, Leaves, RegionDevice, RegionError, Traced32};
-use crate::step::direct::{Direct, ScopeGuard};
 use crate::step::error::StepError;
-use crate::step::layout::{MasterSlot, WorkingCopy, len_mismatch};
-use crate::step::local::Local;
-use crate::step::workspace::ErasedWorking;
+use crate::step::slots::{MasterSlot, Slot, SlotDevice};
 
 /// The module name the kernels are loaded under.
 const MODULE: &str = "mpx_step";
 
 /// The kernels' names, in the order of [`KERNELS`]' source.
 const NAMES: [&str; 9] = [
-    "mpx_unscale_add_f16",
-    "mpx_unscale_add_f32",
     "mpx_add_widened_f16",
     "mpx_add_widened_f32",
     "mpx_seed_f16",
@@ -53,6 +50,8 @@ const NAMES: [&str; 9] = [
     "mpx_flag_nonfinite",
     "mpx_assign_f16",
     "mpx_assign_f32",
+    "mpx_mark",
+    "mpx_unmark",
 ];
 
 /// The kernels. Every sum is rounded as the `Cpu` path rounds it (NVRTC is told not to fuse a
@@ -77,26 +76,8 @@ __device__ __forceinline__ bool mpx_nonfinite(float x) { return !(x - x == 0.0f)
 
 #define MPX_LOOP for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
 
-// master += half * inv; half = 0; flag non-finite sums
-extern "C" __global__ void mpx_unscale_add_f16(const size_t n, mpx_half *src, const float inv, float *dst, unsigned int *flag) {
-    MPX_LOOP {
-        float d = dst[i] + mpx_h2f(src[i]) * inv;
-        dst[i] = d;
-        src[i] = 0;
-        if (mpx_nonfinite(d)) { *flag = 1u; }
-    }
-}
-
-extern "C" __global__ void mpx_unscale_add_f32(const size_t n, float *src, const float inv, float *dst, unsigned int *flag) {
-    MPX_LOOP {
-        float d = dst[i] + src[i] * inv;
-        dst[i] = d;
-        src[i] = 0.0f;
-        if (mpx_nonfinite(d)) { *flag = 1u; }
-    }
-}
-
-// an input's f32 gradient += its half gradient * inv
+// the unscale-add: dst += float(src) * inv (a working tensor's half gradient into its master's,
+// an input's half gradient into its f32 one, a region's f32 sums)
 extern "C" __global__ void mpx_add_widened_f16(const size_t n, const mpx_half *src, const float inv, float *dst) {
     MPX_LOOP { dst[i] = dst[i] + mpx_h2f(src[i]) * inv; }
 }
@@ -117,6 +98,7 @@ extern "C" __global__ void mpx_seed_f32(const size_t n, const float *g, const fl
     MPX_LOOP { dst[i] = dst[i] + g[i] * scale; }
 }
 
+// the finiteness check: sets the flag on a non-finite element
 extern "C" __global__ void mpx_flag_nonfinite(const size_t n, const float *g, unsigned int *flag) {
     MPX_LOOP {
         if (mpx_nonfinite(g[i])) { *flag = 1u; }
@@ -130,6 +112,27 @@ extern "C" __global__ void mpx_assign_f16(const size_t n, const float *src, mpx_
 
 extern "C" __global__ void mpx_assign_f32(const size_t n, const float *src, float *dst) {
     MPX_LOOP { dst[i] = src[i]; }
+}
+
+// whether a gradient is kept: a NaN of mpx's own (any value but a fresh gradient's zero would do)
+// in its first element, looked for after the gradients dropped what is not a leaf
+#define MPX_MARK 0x7fc05a17u
+
+// word[0] = the first element's bits; the mark in its place
+extern "C" __global__ void mpx_mark(unsigned int *g, unsigned int *word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        word[0] = g[0];
+        g[0] = MPX_MARK;
+    }
+}
+
+// word[1] = whether the first element is the mark; when it is, its value is put back
+extern "C" __global__ void mpx_unmark(unsigned int *g, unsigned int *word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned int kept = g[0] == MPX_MARK ? 1u : 0u;
+        if (kept) { g[0] = word[0]; }
+        word[1] = kept;
+    }
 }
 "#;
 
@@ -148,8 +151,14 @@ fn load(dev: &Arc<CudaDevice>) -> Result<(), StepError> {
         .map_err(|e| StepError::Cuda(CudaError::Driver(e)))
 }
 
-/// A loaded kernel (an error, not a panic, when [`load`] did not run on this device).
+/// A kernel, loaded on `dev` first where it is not (a path that did not go through
+/// [`Primitives::ready`], such as a full-precision region: NVRTC's log is then lost, its failure
+/// an invalid-source driver error).
 fn kernel(dev: &Arc<CudaDevice>, name: &str) -> Result<CudaFunction, CudaError> {
+    load(dev).map_err(|e| match e {
+        StepError::Cuda(e) => e,
+        _ => CudaError::Driver(DriverError(CUresult::CUDA_ERROR_INVALID_SOURCE)),
+    })?;
     dev.get_func(MODULE, name)
         .ok_or(CudaError::Driver(DriverError(
             CUresult::CUDA_ERROR_NOT_FOUND,
@@ -157,8 +166,8 @@ fn kernel(dev: &Arc<CudaDevice>, name: &str) -> Result<CudaFunction, CudaError> 
 }
 
 /// The kernel of a family (`[f16 name, f32 name]`) for elements of type `E`, on `dev`, with the
-/// element count `n` of its two slices (`lens`) and its launch configuration: a length mismatch is
-/// an error. What every launch below does before its `unsafe` call.
+/// element count `n` of its two slices (`lens`) and its launch configuration: a length mismatch
+/// is an error. What every elementwise launch below does before its `unsafe` call.
 fn launcher<E>(
     dev: &Arc<CudaDevice>,
     (n, other): (usize, usize),
@@ -167,6 +176,8 @@ fn launcher<E>(
     if other != n {
         return Err(mismatch());
     }
+    // f16 and `AMP<f16>` are 2 bytes, f32 is 4: the only element types this module is
+    // implemented for
     let name = if std::mem::size_of::<E>() == 2 {
         f16_name
     } else {
@@ -181,12 +192,54 @@ fn config(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(u32::try_from(n).unwrap_or(u32::MAX))
 }
 
+/// One thread (the probe's kernels touch one element).
+fn single() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn mismatch() -> CudaError {
     CudaError::Cpu(dfdx::tensor::CpuError::WrongNumElements)
 }
 
-/// The device flag the kernels set on a non-finite gradient (allocated at the first use of a
-/// pass, read once by the verdict).
+/// `t`'s gradient buffer in `grads` (allocated as zeros when `grads` has none), as long as `t`'s
+/// buffer: a tensor and its cast (dfdx's `to_dtype` keeps the strides) have buffers of one
+/// layout, so a gradient moves between them element by element whatever the layout.
+fn buffer<'a, E: Dtype>(
+    slot: &Slot<E, Cuda>,
+    grads: &'a mut Gradients<E, Cuda>,
+) -> Result<&'a mut CudaSlice<E>, CudaError>
+where
+    Cuda: SlotDevice<E>,
+    <Cuda as Storage<E>>::Vec: std::ops::DerefMut<Target = CudaSlice<E>>,
+{
+    let buf: &mut CudaSlice<E> = slot.buffer(grads)?;
+    Ok(buf)
+}
+
+/// [`buffer`], checked to hold the tensor's element count, as the `Cpu`'s `Slot::slice` checks
+/// it (a master's and its working tensor's gradients).
+fn checked<'a, E: Dtype>(
+    slot: &Slot<E, Cuda>,
+    grads: &'a mut Gradients<E, Cuda>,
+) -> Result<&'a mut CudaSlice<E>, CudaError>
+where
+    Cuda: SlotDevice<E>,
+    <Cuda as Storage<E>>::Vec: std::ops::DerefMut<Target = CudaSlice<E>>,
+{
+    let buf = buffer(slot, grads)?;
+    if buf.len() == slot.len {
+        Ok(buf)
+    } else {
+        Err(mismatch())
+    }
+}
+
+/// The [`Primitives::Finite`] of `Cuda`: the device word the finiteness kernel sets on a
+/// non-finite gradient (allocated at the first check of a verdict, read once by it).
 #[derive(Default)]
 pub struct Flag(Option<CudaSlice<u32>>);
 
@@ -199,29 +252,14 @@ impl Flag {
     }
 }
 
-/// `dst += src * inv`, `src = 0`, flagging non-finite sums in `flag`.
-fn unscale_add<E: DeviceRepr>(
-    src: &mut CudaSlice<E>,
-    dst: &mut CudaSlice<f32>,
-    inv: f32,
-    flag: &mut Flag,
-) -> Result<(), CudaError> {
-    let dev = dst.device();
-    let (f, cfg, n) = launcher::<E>(
-        &dev,
-        (dst.len(), src.len()),
-        ["mpx_unscale_add_f16", "mpx_unscale_add_f32"],
-    )?;
-    let flag = flag.get(&dev)?;
-    // SAFETY: the kernel reads and writes `n` elements of `src` and of `dst` (both `n` long,
-    // checked above) and writes the one element of `flag`; the argument types are its
-    // parameters' (`size_t`, 16- or 32-bit elements as picked by size, `float`, `float*`,
-    // `unsigned int*`).
-    unsafe { f.launch(cfg, (n, src, inv, dst, flag)) }?;
-    Ok(())
-}
+/// The [`Primitives::Store`] of `Cuda`: nothing. A working copy's tensors are allocated on the
+/// master's own device by dfdx's `to_dtype`, through that device's allocation cache when its
+/// user turned it on (`dev.enable_cache()`); the step leaves the device's settings alone.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Store;
 
-/// `dst += src * inv` (an input's gradient leaving the region).
+/// `dst += src * inv`: the unscale-add (a working tensor's half gradient into its master's, an
+/// input's gradient leaving the half region, a full-precision region's f32 sums).
 fn add_widened<E: DeviceRepr>(
     src: &CudaSlice<E>,
     dst: &mut CudaSlice<f32>,
@@ -233,12 +271,13 @@ fn add_widened<E: DeviceRepr>(
         ["mpx_add_widened_f16", "mpx_add_widened_f32"],
     )?;
     // SAFETY: the kernel reads `n` elements of `src` and reads and writes `n` of `dst` (both `n`
-    // long, checked above); the argument types are its parameters'.
+    // long, checked above); the argument types are its parameters' (`size_t`, 16- or 32-bit
+    // elements as picked by size, `float`, `float*`).
     unsafe { f.launch(cfg, (n, src, inv, dst)) }?;
     Ok(())
 }
 
-/// `dst += round(g * scale)` (an output's gradient entering the region).
+/// `dst += round(g * scale)` (an output's gradient entering the half region).
 fn seed<E: DeviceRepr>(
     g: &CudaSlice<f32>,
     dst: &mut CudaSlice<E>,
@@ -268,14 +307,6 @@ fn assign<E: DeviceRepr>(src: &CudaSlice<f32>, dst: &mut CudaSlice<E>) -> Result
     Ok(())
 }
 
-/// Loads the kernels on the device of `slice` (a region's first use of them).
-fn load_for<E>(slice: &CudaSlice<E>) -> Result<(), CudaError> {
-    load(&slice.device()).map_err(|e| match e {
-        StepError::Cuda(e) => e,
-        _ => CudaError::Driver(DriverError(CUresult::CUDA_ERROR_INVALID_SOURCE)),
-    })
-}
-
 /// Flags a non-finite element of `g`.
 fn flag_nonfinite(g: &CudaSlice<f32>, flag: &mut Flag) -> Result<(), CudaError> {
     let n = g.len();
@@ -288,32 +319,143 @@ fn flag_nonfinite(g: &CudaSlice<f32>, flag: &mut Flag) -> Result<(), CudaError> 
     Ok(())
 }
 
+/// Whether `grads` keep `slot`'s gradient: the `Cpu`'s probe (a mark in its first element
+/// survives dropping what is not a leaf exactly when the gradient is one, and its value is put
+/// back then), with the mark written and looked for on the device, and one two-word read back.
+fn probe_kept(
+    slot: &MasterSlot<Cuda>,
+    grads: &mut Gradients<f32, Cuda>,
+) -> Result<bool, CudaError> {
+    let g = checked(slot, grads)?;
+    if g.len() == 0 {
+        return Ok(true);
+    }
+    let dev = g.device();
+    let (mark, unmark) = (kernel(&dev, "mpx_mark")?, kernel(&dev, "mpx_unmark")?);
+    let mut word = dev.alloc_zeros::<u32>(2)?;
+    // SAFETY: the kernel's one thread reads and writes element 0 of `g` (not empty, checked
+    // above) as the bits of an f32 (both 4 bytes, every bit pattern valid for both) and writes
+    // element 0 of `word` (2 long); the arguments are the two device pointers it takes.
+    unsafe { mark.launch(single(), (&mut *g, &mut word)) }?;
+    grads.drop_non_leafs();
+    // the same buffer when it is a leaf; a fresh one of zeros when it was dropped
+    let g = checked(slot, grads)?;
+    // SAFETY: the kernel's one thread reads and may write element 0 of `g` (as long as the one
+    // marked: checked against the slot's length) as the bits of an f32, as above, reads element
+    // 0 of `word` and writes element 1 (2 long); the arguments are the two device pointers it
+    // takes.
+    unsafe { unmark.launch(single(), (&mut *g, &mut word)) }?;
+    let word = dev.dtoh_sync_copy(&word)?;
+    let kept = word.get(1) == Some(&1);
+    if !kept {
+        // the zeros just allocated to look
+        grads.drop_non_leafs();
+    }
+    Ok(kept)
+}
+
 /// The gradients' device, as cudarc's handle (the kernels are loaded on it).
 fn handle(dev: &Cuda) -> Result<Arc<CudaDevice>, StepError> {
     let probe = Storage::<f32>::try_alloc_len(dev, 1).map_err(StepError::Cuda)?;
     Ok(probe.device())
 }
 
+/// The ops that carry a traced input's half gradient (of `x`) back to its f32 gradient (of
+/// `x32`), unscaled with `inv`: the region's bridge drops the half gradients before the f32 op
+/// runs, so the first op keeps a device copy of the input's.
+fn bridge_input<S: Shape, E: Dtype + DeviceRepr>(
+    x: &Tensor<S, E, Cuda>,
+    x32: &Tensor<S, f32, Cuda>,
+    inv: f32,
+) -> (HalfOp<E, Cuda>, FullOp<Cuda>)
+where
+    Cuda: SlotDevice<E> + SlotDevice<f32>,
+    <Cuda as Storage<E>>::Vec: std::ops::DerefMut<Target = CudaSlice<E>>,
+    <Cuda as Storage<f32>>::Vec: std::ops::DerefMut<Target = CudaSlice<f32>>,
+{
+    let (x, x32) = (Slot::of(x), Slot::of(x32));
+    let captured: Rc<Cell<Option<CudaSlice<E>>>> = Rc::default();
+    let capture = Rc::clone(&captured);
+    let inner: HalfOp<E, Cuda> = Box::new(move |g: &mut Gradients<E, Cuda>| {
+        let copy = buffer(&x, g)?.try_clone()?;
+        capture.set(Some(copy));
+        Ok(())
+    });
+    let writer: FullOp<Cuda> = Box::new(move |g: &mut Gradients<f32, Cuda>| {
+        if let Some(src) = captured.take() {
+            add_widened(&src, buffer(&x32, g)?, inv)?;
+        }
+        Ok(())
+    });
+    (inner, writer)
+}
+
+/// The op that seeds a traced output's half gradient (of `y`) with its f32 gradient (of `y32`)
+/// times `scale`: the f32 gradient is copied on the device when the op runs, and added, scaled
+/// and rounded, when the half backward starts.
+fn seed_output<S: Shape, E: Dtype + DeviceRepr>(
+    y: &Tensor<S, E, Cuda>,
+    y32: &Tensor<S, f32, Cuda>,
+    scale: f32,
+) -> SeedOp<E, Cuda>
+where
+    Cuda: SlotDevice<E> + SlotDevice<f32>,
+    <Cuda as Storage<E>>::Vec: std::ops::DerefMut<Target = CudaSlice<E>>,
+    <Cuda as Storage<f32>>::Vec: std::ops::DerefMut<Target = CudaSlice<f32>>,
+{
+    let (y, y32) = (Slot::of(y), Slot::of(y32));
+    Box::new(move |g32: &mut Gradients<f32, Cuda>| {
+        let g = buffer(&y32, g32)?.try_clone()?;
+        let apply: HalfOp<E, Cuda> =
+            Box::new(move |h: &mut Gradients<E, Cuda>| seed(&g, buffer(&y, h)?, scale));
+        Ok(apply)
+    })
+}
+
 macro_rules! on_cuda {
     ($($h:ty),*) => {$(
         impl Primitives<$h> for Cuda {
-            const IN_PLACE: bool = false;
+            type Links = ();
             type Finite = Flag;
 
             fn step_error(e: CudaError) -> StepError {
                 StepError::Cuda(e)
             }
 
-            fn fallback_device() -> Option<Cuda> {
-                None
-            }
-
             fn optimizer_error(e: OptimizerUpdateError<CudaError>) -> StepError {
                 StepError::CudaOptimizer(e)
             }
 
+            fn fallback_device() -> Option<Cuda> {
+                None
+            }
+
             fn ready(dev: &Cuda) -> Result<(), StepError> {
                 load(&handle(dev)?)
+            }
+
+            fn links(_: f32) {}
+
+            fn linker(_: &()) -> crate::step::Linker {
+                // mpx's fused layers are the `Cpu`'s: nothing to link to
+                crate::step::Linker::none()
+            }
+
+            fn is_linked(_: &(), _: usize) -> bool {
+                false
+            }
+
+            fn lend(_: &(), _: &mut Gradients<f32, Cuda>) {}
+
+            fn restore(_: &(), _: &mut Gradients<f32, Cuda>) {}
+
+            type Store = Store;
+
+            fn to_working<S: Shape>(
+                x: &Tensor<S, f32, Cuda>,
+                _: &mut Store,
+            ) -> Result<Tensor<S, <$h as Precision>::Elem, Cuda>, CudaError> {
+                x.clone().try_to_dtype()
             }
 
             fn to_half<S: Shape, T>(
@@ -328,39 +470,20 @@ macro_rules! on_cuda {
                 y.retaped::<NoneTape>().try_to_dtype()
             }
 
-            fn unread_input<S: Shape>(
-                _: &Tensor<S, <$h as Precision>::Elem, Cuda>,
-                _: &Tensor<S, f32, Cuda>,
-                tape: OwnedTape<f32, Cuda>,
-            ) -> Result<Unread<<$h as Precision>::Elem, Cuda>, CudaError> {
-                // mpx's fused layers are the `Cpu`'s: the input's gradient is always computed
-                Ok((tape, None))
-            }
-
             fn input_bridge<S: Shape>(
                 x: &Tensor<S, <$h as Precision>::Elem, Cuda>,
                 x32: &Tensor<S, f32, Cuda>,
                 inv: f32,
             ) -> (HalfOp<<$h as Precision>::Elem, Cuda>, FullOp<Cuda>) {
-                type E = <$h as Precision>::Elem;
-                let (x, x32) = (x.ghost(), x32.ghost());
-                // The half backward drops the input's gradient (not a leaf) before it returns:
-                // a copy is kept, on the device.
-                let captured: Arc<Mutex<Option<CudaSlice<E>>>> = Arc::default();
-                let capture = Arc::clone(&captured);
-                let inner: HalfOp<E, Cuda> = Box::new(move |g: &mut Gradients<E, Cuda>| {
-                    let copy = (**g.get_or_alloc_mut(&x)?).try_clone()?;
-                    *capture.lock().unwrap_or_else(PoisonError::into_inner) = Some(copy);
-                    Ok(())
-                });
-                let writer: FullOp<Cuda> = Box::new(move |g: &mut Gradients<f32, Cuda>| {
-                    let taken = captured.lock().unwrap_or_else(PoisonError::into_inner).take();
-                    if let Some(src) = taken {
-                        add_widened(&src, &mut **g.get_or_alloc_mut(&x32)?, inv)?;
-                    }
-                    Ok(())
-                });
-                (inner, writer)
+                bridge_input(x, x32, inv)
+            }
+
+            fn unread_mark<S: Shape>(
+                _: &Tensor<S, <$h as Precision>::Elem, Cuda>,
+                _: &(),
+            ) -> Option<HalfOp<<$h as Precision>::Elem, Cuda>> {
+                // no linked layer to skip the input's gradient: it is computed and bridged
+                None
             }
 
             fn output_seed<S: Shape>(
@@ -368,33 +491,19 @@ macro_rules! on_cuda {
                 y32: &Tensor<S, f32, Cuda>,
                 scale: f32,
             ) -> SeedOp<<$h as Precision>::Elem, Cuda> {
-                type E = <$h as Precision>::Elem;
-                let (y, y32) = (y.ghost(), y32.ghost());
-                Box::new(move |g32: &mut Gradients<f32, Cuda>| {
-                    let g = (**g32.get_or_alloc_mut(&y32)?).try_clone()?;
-                    let apply: HalfOp<E, Cuda> = Box::new(move |h: &mut Gradients<E, Cuda>| {
-                        seed(&g, &mut **h.get_or_alloc_mut(&y)?, scale)
-                    });
-                    Ok(apply)
-                })
+                seed_output(y, y32, scale)
             }
 
-            fn accumulate<S: Shape>(
+            fn transfer(
                 half: &mut Gradients<<$h as Precision>::Elem, Cuda>,
-                t: &Tensor<S, <$h as Precision>::Elem, Cuda>,
-                slot: &MasterSlot<Cuda>,
-                index: usize,
+                pair: &Pair<$h, Cuda>,
                 grads: &mut Gradients<f32, Cuda>,
                 inv: f32,
-                _direct: bool,
-                finite: &mut Flag,
-            ) -> Result<(), StepError> {
-                let src = half.get_or_alloc_mut(t).map_err(StepError::Cuda)?;
-                let dst = slot.buffer(grads).map_err(StepError::Cuda)?;
-                if src.len() != dst.len() {
-                    return Err(len_mismatch(index, dst.len(), src.len()));
-                }
-                unscale_add(&mut **src, &mut **dst, inv, finite).map_err(StepError::Cuda)
+            ) -> Result<(), CudaError> {
+                // never linked on `Cuda` (no links): the half gradient is always moved
+                let src = checked(&pair.half, half)?;
+                let dst = checked(&pair.master, grads)?;
+                add_widened(src, dst, inv)
             }
 
             fn check(
@@ -402,55 +511,66 @@ macro_rules! on_cuda {
                 grads: &mut Gradients<f32, Cuda>,
                 finite: &mut Flag,
             ) -> Result<(), StepError> {
-                let g = slot.buffer(grads).map_err(StepError::Cuda)?;
-                flag_nonfinite(&**g, finite).map_err(StepError::Cuda)
+                let g = checked(slot, grads)?;
+                // NVRTC's log, should the kernels first load here
+                load(&g.device())?;
+                flag_nonfinite(g, finite).map_err(StepError::Cuda)
             }
 
             fn verdict(finite: Flag) -> Result<bool, StepError> {
                 let Some(flag) = finite.0 else {
                     return Ok(true);
                 };
-                // the one value that crosses the bus
-                let word = flag.device().dtoh_sync_copy(&flag).map_err(|e| StepError::Cuda(e.into()))?;
+                // the one word of the verdict that crosses the bus
+                let word = flag
+                    .device()
+                    .dtoh_sync_copy(&flag)
+                    .map_err(|e| StepError::Cuda(e.into()))?;
                 Ok(word.first() == Some(&0))
             }
 
-            fn refresh_same<M>(
-                master: &M,
-                _half: Option<WorkingCopy<$h, M, Cuda>>,
-                _scratch: &mut CastScratch,
-            ) -> Result<WorkingCopy<$h, M, Cuda>, StepError>
-            where
-                M: MasterModel<Cuda>,
-                WorkingCopy<$h, M, Cuda>: TensorCollection<<$h as Precision>::Elem, Cuda>,
-            {
-                // dfdx's `to_dtype` per tensor: a new working copy (an f32 one shares the
-                // master's tensors)
-                share::<$h, Cuda, M>(master)
+            fn kept(
+                slot: &MasterSlot<Cuda>,
+                grads: &mut Gradients<f32, Cuda>,
+            ) -> Result<bool, StepError> {
+                probe_kept(slot, grads).map_err(StepError::Cuda)
             }
 
-            fn hold_full(w: FullWorking<$h, Cuda>) -> Box<dyn ErasedWorking> {
-                Box::new(Local::new(w))
+            #[cfg(feature = "mpi")]
+            fn reduce(
+                reducer: Option<&mut crate::distributed::Reducer>,
+                _: &[&MasterSlot<Cuda>],
+                _: &mut Gradients<f32, Cuda>,
+                _: bool,
+                _: bool,
+                _: f32,
+                _: [u64; 2],
+            ) -> Result<Option<bool>, StepError> {
+                no_reducer(reducer.as_deref()).map(|()| None)
             }
 
-            fn links(_: &Arc<[MasterSlot<Cuda>]>) -> Option<Arc<Direct>> {
-                None
+            #[cfg(feature = "mpi")]
+            fn before_update(
+                reducer: Option<&mut crate::distributed::Reducer>,
+            ) -> Result<(), StepError> {
+                no_reducer(reducer.as_deref())
             }
-
-            fn enter_scope<C: TensorCollection<<$h as Precision>::Elem, Cuda>>(
-                _: &C,
-                _: Option<&Arc<Direct>>,
-            ) -> Result<Option<ScopeGuard>, StepError> {
-                Ok(None)
-            }
-
-            fn lend(_: &Direct, _: &mut Gradients<f32, Cuda>) {}
-
-            fn restore(_: &Direct, _: &mut Gradients<f32, Cuda>) {}
         }
     )*};
 }
 on_cuda!(f32, f16, AMP<f16>);
+
+/// The data-parallel reducer packs host gradients: only a `Cpu` scaler takes one
+/// (`with_reducer`), so a `Cuda` scaler has none, and one that had would be refused, not ignored.
+#[cfg(feature = "mpi")]
+fn no_reducer(reducer: Option<&crate::distributed::Reducer>) -> Result<(), StepError> {
+    match reducer {
+        None => Ok(()),
+        Some(_) => Err(StepError::Cuda(CudaError::Driver(DriverError(
+            CUresult::CUDA_ERROR_NOT_SUPPORTED,
+        )))),
+    }
+}
 
 // ---- full-precision regions (`mpx::region`) on Cuda ---------------------------------------------
 
@@ -514,7 +634,7 @@ region_on_cuda!(f32, f16, AMP<f16>);
 
 /// A full-precision region's backward op on `Cuda`: the `Cpu`'s (`mpx::region`), with the
 /// gradient sums in mpx's kernels.
-fn region_backward<E: dfdx::shapes::Dtype + DeviceRepr>(
+fn region_backward<E: Dtype + DeviceRepr>(
     grads: &mut Gradients<E, Cuda>,
     leaves: &Leaves<E, Cuda>,
     y: &Flat<E, Cuda>,
@@ -536,9 +656,6 @@ where
     let mut seeds: Vec<Option<CudaSlice<E>>> = Vec::with_capacity(leaves.outer.len());
     for (i, leaf) in leaves.outer.iter().enumerate() {
         let buf: &mut CudaSlice<E> = grads.get_or_alloc_mut(leaf)?;
-        if seeds.is_empty() {
-            load_for(buf)?;
-        }
         let ptr = *buf.device_ptr();
         if let Some(j) = buffers.iter().position(|p| *p == ptr && buf.len() != 0) {
             first_of.push(first_of[j]);
