@@ -43,6 +43,11 @@ impl Precision for f32 {
     fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
         FloatSliceMut::F32(values)
     }
+    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32>>(
+        t: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, f32, D>> {
+        Some(t.clone())
+    }
 }
 
 impl Precision for f16 {
@@ -60,6 +65,11 @@ impl Precision for f16 {
     }
     fn floats_mut(values: &mut [f16]) -> FloatSliceMut<'_> {
         FloatSliceMut::F16(values)
+    }
+    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<f16>>(
+        _: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, f16, D>> {
+        None
     }
 }
 impl HalfPrecision for f16 {
@@ -83,6 +93,14 @@ impl Precision for AMP<f16> {
     fn floats_mut(values: &mut [AMP<f16>]) -> FloatSliceMut<'_> {
         FloatSliceMut::F16(amp_as_f16_mut(values))
     }
+    fn share<
+        S: dfdx::shapes::Shape,
+        D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<AMP<f16>>,
+    >(
+        _: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, AMP<f16>, D>> {
+        None
+    }
 }
 impl HalfPrecision for AMP<f16> {
     const EMULATED: bool = false;
@@ -104,6 +122,11 @@ impl Precision for bf16 {
     }
     fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
         FloatSliceMut::F32(values)
+    }
+    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<f32>>(
+        _: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, f32, D>> {
+        None
     }
 }
 impl HalfPrecision for bf16 {

@@ -124,6 +124,15 @@ pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::D
 
     /// The stored values, to write (emulated bf16: its f32 storage).
     fn floats_mut(values: &mut [Self::Elem]) -> FloatSliceMut<'_>;
+
+    /// An f32 tensor as this precision's, sharing its buffer, where casting changes nothing
+    /// ([`IDENTITY`](Self::IDENTITY): `f32`); `None` for every other precision.
+    fn share<
+        S: dfdx::shapes::Shape,
+        D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<Self::Elem>,
+    >(
+        t: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, Self::Elem, D>>;
 }
 
 /// A precision whose tensors dfdx stores in the precision itself: `f32`, [`f16`](struct@f16) and

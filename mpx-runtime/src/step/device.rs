@@ -337,6 +337,10 @@ mod cpu {
             x: &Tensor<S, f32, Cpu>,
             store: &mut Store<H>,
         ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError> {
+            // f32: the master's own buffer, shared (dfdx copies it before any write)
+            if let Some(shared) = H::share(x) {
+                return Ok(shared);
+            }
             let n = x.shape().num_elements();
             store.wide.resize(n, 0.0);
             x.clone().try_contiguous()?.copy_into(&mut store.wide);

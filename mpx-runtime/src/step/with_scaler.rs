@@ -43,13 +43,9 @@ where
     scaler: GradScaler<H, L, D>,
 }
 
-impl<O, H, L, D> WithScaler<O, H, L, D>
-where
-    H: Precision,
-    L: LossScale + Default,
-    D: MixedDevice<H>,
-{
-    /// `optimizer` with a scaler of the default loss scale.
+impl<O> WithScaler<O> {
+    /// `optimizer` with an f16 scaler of the default dynamic loss scale (another precision or
+    /// scale: [`with`](Self::with)).
     ///
     /// # Examples
     /// See [`WithScaler`].
@@ -72,7 +68,7 @@ where
     /// use mpx_runtime::{precision::f16, scaling::StaticLossScale, step::{GradScaler, WithScaler}};
     /// let model = Cpu::default().build_module::<Linear<2, 1>, f32>();
     /// let scaler = GradScaler::<f16, _>::new(StaticLossScale::new(128.0).unwrap());
-    /// let opt = WithScaler::with(Sgd::new(&model, SgdConfig::default()), scaler);
+    /// let opt = WithScaler::with(Sgd::<_, f32, Cpu>::new(&model, SgdConfig::default()), scaler);
     /// assert_eq!(opt.scaler().loss_scale(), 128.0);
     /// ```
     pub fn with(optimizer: O, scaler: GradScaler<H, L, D>) -> Self {
@@ -94,7 +90,7 @@ where
     /// use dfdx::{optim::*, prelude::*};
     /// use mpx_runtime::step::WithScaler;
     /// let model = Cpu::default().build_module::<Linear<2, 1>, f32>();
-    /// let mut opt = WithScaler::<_>::new(Sgd::new(&model, SgdConfig::default()));
+    /// let mut opt: WithScaler<Sgd<_, f32, Cpu>> = WithScaler::new(Sgd::new(&model, Default::default()));
     /// let state = opt.scaler_mut().state_dict();
     /// assert_eq!(state.applied_steps, 0);
     /// ```
@@ -109,7 +105,8 @@ where
     /// use dfdx::{optim::*, prelude::*};
     /// use mpx_runtime::step::WithScaler;
     /// let model = Cpu::default().build_module::<Linear<2, 1>, f32>();
-    /// let (opt, scaler) = WithScaler::<_>::new(Sgd::new(&model, SgdConfig::default())).into_parts();
+    /// let opt: WithScaler<Sgd<_, f32, Cpu>> = WithScaler::new(Sgd::new(&model, Default::default()));
+    /// let (opt, scaler) = opt.into_parts();
     /// assert_eq!(scaler.skipped_steps(), 0);
     /// # let _ = opt;
     /// ```

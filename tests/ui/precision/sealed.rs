@@ -23,6 +23,11 @@ impl Precision for Int8 {
     fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
         FloatSliceMut::F32(values)
     }
+    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32>>(
+        _: &dfdx::tensor::Tensor<S, f32, D>,
+    ) -> Option<dfdx::tensor::Tensor<S, f32, D>> {
+        None
+    }
 }
 
 fn main() {}
