@@ -29,7 +29,9 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::tensor::Cpu;
 use dfdx::tensor_ops::Device;
 
+use super::error::StepError;
 use super::link::Linker;
+use super::working::BuildCx;
 use crate::boundary::MasterModel;
 use crate::nn::InBf16;
 use crate::precision::{AMP, Precision, bf16, f16};
@@ -104,6 +106,17 @@ where
     /// ```
     fn finish(&self, working: &mut Self::Working, linker: &Linker) {
         let _ = (working, linker);
+    }
+
+    /// Builds this part's working copy from it as it is now. Layers build as a whole (their
+    /// tensors and scalars filled by position); containers and modules with
+    /// `#[derive(HalfLayers)]` build part by part.
+    ///
+    /// # Errors
+    /// A device error, or a working copy whose layout differs from the master's.
+    #[doc(hidden)]
+    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+        cx.leaf(self)
     }
 }
 
@@ -366,6 +379,14 @@ where
             m.finish(w, linker);
         }
     }
+    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+        let modules = self
+            .modules
+            .iter()
+            .map(|m| m.build_working(cx))
+            .collect::<Result<_, _>>()?;
+        Ok(Repeated { modules })
+    }
 }
 
 /// A residual maps its inner model (the add stays dfdx's, in `H`).
@@ -378,6 +399,9 @@ where
     type Working = Residual<F::Working>;
     fn finish(&self, working: &mut Self::Working, linker: &Linker) {
         self.0.finish(&mut working.0, linker);
+    }
+    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+        Ok(Residual(self.0.build_working(cx)?))
     }
 }
 
@@ -397,6 +421,12 @@ where
         self.f.finish(&mut working.f, linker);
         self.r.finish(&mut working.r, linker);
     }
+    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+        // dfdx visits `f`, then `r`
+        let f = self.f.build_working(cx)?;
+        let r = self.r.build_working(cx)?;
+        Ok(GeneralizedResidual { f, r })
+    }
 }
 
 /// `AddInto` and `SplitInto` map their tuple of branches.
@@ -411,6 +441,9 @@ macro_rules! branches {
             type Working = $c<T::Working>;
             fn finish(&self, working: &mut Self::Working, linker: &Linker) {
                 self.0.finish(&mut working.0, linker);
+            }
+            fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+                Ok($c(self.0.build_working(cx)?))
             }
         }
     )*};
@@ -429,6 +462,9 @@ macro_rules! tuple {
             type Working = ($($m::Working,)+);
             fn finish(&self, working: &mut Self::Working, linker: &Linker) {
                 $(self.$i.finish(&mut working.$i, linker);)+
+            }
+            fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+                Ok(($(self.$i.build_working(cx)?,)+))
             }
         }
     };

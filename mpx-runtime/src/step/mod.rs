@@ -85,4 +85,6 @@ pub use scaler::Verdict;
 #[cfg(feature = "mpi")]
 pub(crate) use slots::MasterSlot;
 pub use with_scaler::WithScaler;
+#[doc(hidden)]
+pub use working::BuildCx;
 pub use working::{Kind, Mapped, Plain, WorkingCopy};

@@ -277,6 +277,84 @@ where
         links: &<Cpu as Primitives<H>>::Links,
         store: &mut <Cpu as Primitives<H>>::Store,
     ) -> Result<Built<H, Cpu, Self::Copy>, StepError> {
+        let mut cx = BuildCx {
+            store,
+            built: Built::new(()),
+            addrs: Vec::new(),
+            root: master,
+            flags: None,
+        };
+        let copy = master.build_working(&mut cx)?;
+        let BuildCx {
+            built: Built { pairs, state, .. },
+            addrs,
+            ..
+        } = cx;
+        let mut built = Built { copy, pairs, state };
+        master.finish(&mut built.copy, &<Cpu as Primitives<H>>::linker(links));
+        for (pair, &addr) in built.pairs.iter_mut().zip(&addrs) {
+            pair.linked = <Cpu as Primitives<H>>::is_linked(links, addr);
+        }
+        Ok(built)
+    }
+}
+
+/// What a mapped working copy is built with, part by part
+/// ([`HalfLayers::build_working`](super::HalfLayers::build_working)): the store its buffers come
+/// from, and the record of each tensor built (the master tensor it stands for, or the state it
+/// carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]` calls.
+#[doc(hidden)]
+#[allow(missing_debug_implementations)]
+pub struct BuildCx<'a, H: Precision>
+where
+    Cpu: MixedDevice<H>,
+{
+    store: &'a mut <Cpu as Primitives<H>>::Store,
+    built: Built<H, Cpu, ()>,
+    /// The master address of each trainable tensor, in the order of `built.pairs`.
+    addrs: Vec<usize>,
+    /// The whole master, whose walk says which tensors are trainable (read once, when a part
+    /// built field by field holds a tensor of its own).
+    root: &'a dyn Flags,
+    flags: Option<std::collections::HashMap<usize, bool>>,
+}
+
+/// Which tensors of a model are trainable, by address.
+trait Flags {
+    fn flags(&self) -> std::collections::HashMap<usize, bool>;
+}
+
+impl<M: TensorCollection<f32, Cpu>> Flags for M {
+    fn flags(&self) -> std::collections::HashMap<usize, bool> {
+        struct Walk(std::collections::HashMap<usize, bool>);
+        impl EachTensor<f32, Cpu> for Walk {
+            type Error = CpuError;
+            fn tensor<S: Shape>(
+                &mut self,
+                trainable: bool,
+                t: &Tensor<S, f32, Cpu>,
+            ) -> Result<(), CpuError> {
+                self.0.insert(std::ptr::from_ref(t).addr(), trainable);
+                Ok(())
+            }
+        }
+        let mut w = Walk(std::collections::HashMap::new());
+        // a walk that reads cannot fail
+        let _ = each_tensor(self, &mut w, std::convert::identity);
+        w.0
+    }
+}
+
+impl<H: Precision> BuildCx<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    /// The working copy of a layer built as a whole: its tensors and scalars filled by position
+    /// from the master's, in dfdx's visit order.
+    ///
+    /// # Errors
+    /// The working copy's layout differs from the master's.
+    pub fn leaf<M: HalfLayers<H>>(&mut self, master: &M) -> Result<M::Working, StepError> {
         let mut gather = Gather::default();
         M::iter_tensors(&mut RecursiveWalker {
             m: master,
@@ -284,8 +362,8 @@ where
         })?;
         let mut fill = Fill::<H> {
             gather: &mut gather,
-            store,
-            built: Built::new(()),
+            store: &mut *self.store,
+            built: &mut self.built,
             tensor: 0,
             scalar: 0,
         };
@@ -296,13 +374,34 @@ where
         .map_err(StepError::Cast)?
         .ok_or(StepError::Cast(CastError::NotRebuilt))?;
         fill.finish()?;
-        let Built { pairs, state, .. } = fill.built;
-        let mut built = Built { copy, pairs, state };
-        master.finish(&mut built.copy, &<Cpu as Primitives<H>>::linker(links));
-        for (pair, &addr) in built.pairs.iter_mut().zip(&gather.trainable_addrs) {
-            pair.linked = <Cpu as Primitives<H>>::is_linked(links, addr);
+        self.addrs.extend(gather.trainable_addrs);
+        Ok(copy)
+    }
+
+    /// Master tensor `t` (a tensor field of a part built field by field) rounded to `H`.
+    ///
+    /// # Errors
+    /// A device error.
+    pub fn tensor<S: Shape>(
+        &mut self,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Tensor<S, H::Elem, Cpu>, StepError> {
+        let addr = std::ptr::from_ref(t).addr();
+        let root = self.root;
+        let trainable = self
+            .flags
+            .get_or_insert_with(|| root.flags())
+            .get(&addr)
+            .copied()
+            .unwrap_or(false);
+        let half = <Cpu as Primitives<H>>::to_working(t, self.store).map_err(StepError::Device)?;
+        if trainable {
+            self.built.trainable(&half, Slot::of(t));
+            self.addrs.push(addr);
+        } else {
+            self.built.state(&half);
         }
-        Ok(built)
+        Ok(half)
     }
 }
 
@@ -359,7 +458,7 @@ where
 {
     gather: &'a mut Gather,
     store: &'a mut <Cpu as Primitives<H>>::Store,
-    built: Built<H, Cpu, ()>,
+    built: &'a mut Built<H, Cpu, ()>,
     tensor: usize,
     scalar: usize,
 }
@@ -423,7 +522,7 @@ where
             let slot = self
                 .gather
                 .slots
-                .get_mut(self.built.pairs.len())
+                .get_mut(self.built.pairs.len() - self.first_pair)
                 .and_then(Option::take);
             let Some(slot) = slot else {
                 return Err(CastError::TrainableMismatch { index });

@@ -1,0 +1,149 @@
+//! The fixed cost of a mixed step (issue 32, item 2): tiny models, where the step's own machinery
+//! (building the working copy, the region's bridges, the verdict) is most of the time, against
+//! dfdx's f32 step on the same model and batch. Each model is written as dfdx users write it and
+//! converted with `#[mixed_step]` alone; every pair runs in interleaved rounds (one step of each
+//! per round) and the table shows the median of each and their ratio.
+//!
+//! ```text
+//! cargo run --release --example bench_step_overhead [-- ROUNDS]
+//! ```
+//!
+//! Models: a 2-2-1 XOR net (batch 4), a 16-32-4 MLP (batch 32), a 64-128-128-8 policy (batch 64,
+//! the sizes RL loops use), each with Adam.
+
+use std::time::Duration;
+
+use dfdx::{optim::*, prelude::*};
+use mpx::mixed_step;
+use mpx::step::GradScaler;
+
+#[path = "common/measure.rs"]
+mod measure;
+
+/// One model, its batch and the step in both forms (a macro: every model has its own types).
+macro_rules! model {
+    ($name:ident, $arch:ty, $b:expr, $i:expr, $o:expr) => {
+        mod $name {
+            use super::*;
+            pub type Model = <$arch as BuildOnDevice<Cpu, f32>>::Built;
+            pub type X = Tensor<Rank2<$b, $i>, f32, Cpu>;
+            pub type Y = Tensor<Rank2<$b, $o>, f32, Cpu>;
+
+            pub fn f32_step(
+                model: &mut Model,
+                opt: &mut Adam<Model, f32, Cpu>,
+                grads: Gradients<f32, Cpu>,
+                x: &X,
+                y: &Y,
+            ) -> Gradients<f32, Cpu> {
+                let out = model.forward(x.trace(grads));
+                let mut grads = mse_loss(out, y.clone()).backward();
+                opt.update(model, &grads).unwrap();
+                model.zero_grads(&mut grads);
+                grads
+            }
+
+            #[mixed_step(scaling = scaler)]
+            pub fn mixed_step(
+                model: &mut Model,
+                opt: &mut Adam<Model, f32, Cpu>,
+                grads: Gradients<f32, Cpu>,
+                x: &X,
+                y: &Y,
+                scaler: &mut GradScaler,
+            ) -> Gradients<f32, Cpu> {
+                let out = model.forward(x.trace(grads));
+                let mut grads = mse_loss(out, y.clone()).backward();
+                opt.update(model, &grads).unwrap();
+                model.zero_grads(&mut grads);
+                grads
+            }
+
+            /// (f32 step, mixed step) medians over `rounds` interleaved rounds.
+            pub fn run(rounds: usize) -> (Duration, Duration) {
+                let dev = Cpu::seed_from_u64(0);
+                let init = dev.build_module::<$arch, f32>();
+                let x: X = dev.sample_normal();
+                let y: Y = dev.sample_normal();
+                let (mut a, mut b) = (init.clone(), init);
+                let (mut oa, mut ob) = (
+                    Adam::new(&a, Default::default()),
+                    Adam::new(&b, Default::default()),
+                );
+                let (mut ga, mut gb) = (Some(a.alloc_grads()), Some(b.alloc_grads()));
+                let mut scaler = GradScaler::default();
+                let t = measure::measure(
+                    rounds,
+                    &mut [
+                        &mut || ga = Some(f32_step(&mut a, &mut oa, ga.take().unwrap(), &x, &y)),
+                        &mut || {
+                            gb = Some(mixed_step(
+                                &mut b,
+                                &mut ob,
+                                gb.take().unwrap(),
+                                &x,
+                                &y,
+                                &mut scaler,
+                            ))
+                        },
+                    ],
+                );
+                assert!(scaler.last_step().is_some_and(|s| s.mpx_layers));
+                (t[0], t[1])
+            }
+        }
+    };
+}
+
+model!(xor, (Linear<2, 2>, Tanh, Linear<2, 1>), 4, 2, 1);
+model!(mlp, (Linear<16, 32>, ReLU, Linear<32, 4>), 32, 16, 4);
+model!(
+    policy,
+    (
+        Linear<64, 128>,
+        ReLU,
+        Linear<128, 128>,
+        ReLU,
+        Linear<128, 8>
+    ),
+    64,
+    64,
+    8
+);
+
+fn main() {
+    if std::env::args().any(|a| a == "--profile-xor") {
+        let _ = xor::run(200_000);
+        return;
+    }
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(2001);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    println!(
+        "mixed f16 step (`#[mixed_step]`, mapped) vs dfdx's f32 step, median of {rounds} interleaved rounds, {cpu}"
+    );
+    println!("| model | batch | f32 step | mixed step | mixed / f32 |");
+    println!("|---|---|---|---|---|");
+    for (name, batch, (f, m)) in [
+        ("2-2-1 (Tanh)", 4, xor::run(rounds)),
+        ("16-32-4 (ReLU)", 32, mlp::run(rounds)),
+        ("64-128-128-8 (ReLU)", 64, policy::run(rounds)),
+    ] {
+        println!(
+            "| {name} | {batch} | {:.1} µs | {:.1} µs | {:.2} |",
+            f.as_secs_f64() * 1e6,
+            m.as_secs_f64() * 1e6,
+            m.as_secs_f64() / f.as_secs_f64()
+        );
+    }
+}
