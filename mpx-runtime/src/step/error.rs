@@ -61,6 +61,23 @@ pub enum StepError {
         model: &'static str,
     },
 
+    /// A tensor field of a module with `#[derive(HalfLayers)]` is trained in its master (its
+    /// `TensorCollection` says so) but marked `#[half_layers(state)]`, or the other way round.
+    #[error(
+        "field `{field}` of `{module}` is {} in the module's TensorCollection, but {} in its #[derive(HalfLayers)]: {}",
+        if *trainable { "trained" } else { "not trained (state)" },
+        if *trainable { "marked `#[half_layers(state)]`" } else { "not marked `#[half_layers(state)]`" },
+        if *trainable { "remove the marker" } else { "mark the field `#[half_layers(state)]`, so that what the forward pass changes in it reaches the master" }
+    )]
+    FieldTrainable {
+        /// The module's type.
+        module: &'static str,
+        /// The field.
+        field: &'static str,
+        /// Whether the master trains it.
+        trainable: bool,
+    },
+
     /// An update was ended on another scaler than the one that began it.
     #[error(
         "this update was begun on another GradScaler: an update's two halves run on one scaler"
@@ -202,6 +219,7 @@ impl From<StepError> for CpuError {
             | StepError::UnknownMaster { .. }
             | StepError::NoBackward { .. }
             | StepError::NoTensors { .. }
+            | StepError::FieldTrainable { .. }
             | StepError::OtherScaler
             | StepError::Checkpoint(_)) => {
                 panic!(

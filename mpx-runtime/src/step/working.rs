@@ -360,10 +360,12 @@ where
             m: master,
             f: &mut gather,
         })?;
+        let first_pair = self.built.pairs.len();
         let mut fill = Fill::<H> {
             gather: &mut gather,
             store: &mut *self.store,
             built: &mut self.built,
+            first_pair,
             tensor: 0,
             scalar: 0,
         };
@@ -378,22 +380,32 @@ where
         Ok(copy)
     }
 
-    /// Master tensor `t` (a tensor field of a part built field by field) rounded to `H`.
+    /// Master tensor `t`, field `field` of module `M` (a part built field by field), rounded to
+    /// `H`; `trainable`: whether the part's working copy declares it trained.
     ///
     /// # Errors
-    /// A device error.
-    pub fn tensor<S: Shape>(
+    /// The master's own walk says otherwise ([`StepError::FieldTrainable`]), or a device error.
+    pub fn tensor<M, S: Shape>(
         &mut self,
         t: &Tensor<S, f32, Cpu>,
+        trainable: bool,
+        field: &'static str,
     ) -> Result<Tensor<S, H::Elem, Cpu>, StepError> {
         let addr = std::ptr::from_ref(t).addr();
         let root = self.root;
-        let trainable = self
+        let in_master = self
             .flags
             .get_or_insert_with(|| root.flags())
             .get(&addr)
             .copied()
             .unwrap_or(false);
+        if in_master != trainable {
+            return Err(StepError::FieldTrainable {
+                module: std::any::type_name::<M>(),
+                field,
+                trainable: in_master,
+            });
+        }
         let half = <Cpu as Primitives<H>>::to_working(t, self.store).map_err(StepError::Device)?;
         if trainable {
             self.built.trainable(&half, Slot::of(t));
@@ -459,6 +471,8 @@ where
     gather: &'a mut Gather,
     store: &'a mut <Cpu as Primitives<H>>::Store,
     built: &'a mut Built<H, Cpu, ()>,
+    /// Pairs the parts before this layer recorded.
+    first_pair: usize,
     tensor: usize,
     scalar: usize,
 }
