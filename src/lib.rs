@@ -73,7 +73,7 @@
 //! be written by hand (`examples/mixed_step-expanded.rs` shows one expansion in full).
 #![warn(missing_docs, unreachable_pub, clippy::pedantic)]
 
-pub use mpx_macros::{Cast, autocast, full_precision, mixed_step};
+pub use mpx_macros::{Cast, HalfLayers, autocast, full_precision, half_forward, mixed_step};
 /// Data-parallel training over MPI (feature `mpi`): see [`mpx_runtime::distributed`].
 #[cfg(feature = "mpi")]
 pub use mpx_runtime::distributed;

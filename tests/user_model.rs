@@ -22,8 +22,9 @@ use common::params::{load, values};
 // ---- a module of the user's own, with settings that are not tensors ----------------------------
 
 /// A user's module: a weight of its own, dfdx's layer norm, batch norm and dropout, a head,
-/// and a temperature (an `f32` field, registered with dfdx as a scalar).
-#[derive(Debug, Clone)]
+/// and a temperature (an `f32` field, registered with dfdx as a scalar). The derive and the
+/// attribute on its `Module` impls give its working copy mpx's layers.
+#[derive(Debug, Clone, mpx::HalfLayers)]
 struct Net<E: Dtype, D: Device<E>> {
     w1: Tensor<Rank2<4, 8>, E, D>,
     ln: LayerNorm1D<8, E, D>,
@@ -75,6 +76,7 @@ impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Net<E, D> {
 }
 
 /// Training: batch norm on the batch's statistics (and updating its running ones), dropout on.
+#[mpx::half_forward]
 impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Net<E, D> {
     type Output = Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>>;
     type Error = D::Err;
@@ -90,6 +92,7 @@ impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>
 }
 
 /// Evaluation: running statistics, no dropout.
+#[mpx::half_forward]
 impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D>> for Net<E, D> {
     type Output = Tensor<Rank2<6, 3>, E, D>;
     type Error = D::Err;
@@ -195,7 +198,16 @@ fn a_users_module_keeps_its_settings_in_the_working_copy_and_sees_a_change_at_on
     model.drop.p = 0.35;
     model.temp = 2.0;
     scaler
-        .forward(&model, x, |m, x| {
+        .forward(&model, x.clone(), |m, x| {
+            seen = Some((m.drop.p, m.ln.epsilon, m.bn.epsilon, m.bn.momentum, m.temp));
+            m.forward(x)
+        })
+        .unwrap();
+    assert_eq!(seen, Some((0.35, 0.5, 0.25, 0.4, 2.0)));
+    // the same settings in the working copy of mpx's layers (`#[derive(HalfLayers)]`)
+    let mapped = Mixed::mapped(model.into_inner());
+    scaler
+        .forward(&mapped, x, |m, x| {
             seen = Some((m.drop.p, m.ln.epsilon, m.bn.epsilon, m.bn.momentum, m.temp));
             m.forward(x)
         })
@@ -764,4 +776,43 @@ fn a_learner_that_names_every_field_keeps_its_scaler_in_the_optimizer() {
     assert_eq!((s.applied_steps(), learner.steps), (3, 3));
     assert_eq!(s.last_step().unwrap().precision, DType::Float16);
     assert!(rel(&values(&learner.model), &values(&twin)) < 1e-2);
+}
+
+// ---- a step generic over its model, bounded to run mpx's layers ------------------------------
+
+/// dfdx's generic-train-loop shape, with the model bounded `HalfLayers<f16>`: the step runs the
+/// model's mapped working copy (mpx's layers), whatever model it is called with.
+#[mixed_step(scaling = scaler)]
+fn generic_step<M, E: Dtype, D: Device<E>>(
+    model: &mut M,
+    opt: &mut Sgd<M, E, D>,
+    x: Tensor<Rank2<3, 4>, E, D>,
+    scaler: &mut GradScaler,
+) where
+    M: Module<
+            Tensor<Rank2<3, 4>, E, D, OwnedTape<E, D>>,
+            Output = Tensor<Rank2<3, 2>, E, D, OwnedTape<E, D>>,
+            Error = D::Err,
+        > + TensorCollection<E, D>
+        + mpx::step::HalfLayers<f16>,
+{
+    let grads = model
+        .forward(x.trace(model.alloc_grads()))
+        .square()
+        .mean()
+        .backward();
+    opt.update(model, &grads).unwrap();
+}
+
+#[test]
+fn a_step_generic_over_its_model_bounded_half_layers_runs_mpxs_layers() {
+    let dev = Cpu::seed_from_u64(15);
+    let mut model = dev.build_module::<(Linear<4, 8>, ReLU, Linear<8, 2>), f32>();
+    let mut opt = Sgd::new(&model, SgdConfig::default());
+    let mut scaler = GradScaler::default();
+    let before = values(&model);
+    generic_step(&mut model, &mut opt, dev.sample_normal(), &mut scaler);
+    let last = scaler.last_step().unwrap();
+    assert!(last.is_applied() && last.mpx_layers && last.precision == DType::Float16);
+    assert!(values(&model) != before);
 }

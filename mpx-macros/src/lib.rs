@@ -15,6 +15,7 @@ mod ctxt;
 #[cfg(test)]
 mod expanded_examples;
 mod full_precision;
+mod half_layers;
 mod mixed_step;
 mod ops;
 mod syntax;
@@ -69,6 +70,97 @@ mod syntax;
 #[proc_macro_derive(Cast, attributes(cast))]
 pub fn derive_cast(input: TokenStream) -> TokenStream {
     cast_derive::expand(input.into()).into()
+}
+
+/// Derives `mpx::step::HalfLayers` for a module of the user's own, so that a mixed step's
+/// working copy runs its layers as mpx's (fast f16 and bf16 kernels) while its forward code
+/// stays as written: put `#[mpx::half_forward]` on each of its `Module` impls.
+///
+/// The module is generic over its element type (`E: Dtype`) and usually its device
+/// (`D: Device<E>`), as dfdx's layers are. The derive writes `<Name>Working<consts.., H>`: each
+/// layer field as its mapped working copy, each float tensor field in `H`'s element type, every
+/// other field (a temperature, a counter) cloned as it is, so every setting is carried.
+///
+/// Attributes, all optional:
+/// - `#[half_layers(state)]` on a tensor field its `TensorCollection` does not train (a running
+///   statistic; a mismatch with the module's own walk is an error when the step runs);
+/// - `#[half_layers(keep)]` on a field to carry as it is (a type that is no layer);
+/// - `#[half_layers(dtype = E, device = D, crate = "path")]` on the struct, when the parameters
+///   cannot be told from their bounds, or for a renamed dependency.
+///
+/// # Examples
+/// ```
+/// use dfdx::nn::modules::{Linear, ReLU};
+/// use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+/// use dfdx::{optim::*, prelude::*};
+/// use mpx::step::GradScaler;
+///
+/// #[derive(Clone, mpx::HalfLayers)]
+/// struct Mlp<E: Dtype, D: Device<E>> {
+///     l1: Linear<4, 8, E, D>,
+///     act: ReLU,
+///     l2: Linear<8, 2, E, D>,
+///     temperature: f32,
+/// }
+///
+/// impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+///     TensorCollection<E, D> for Mlp<E, D>
+/// {
+///     type To<E2: Dtype, D2: Device<E2>> = Mlp<E2, D2>;
+///     fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+///         visitor: &mut V,
+///     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+///         visitor.visit_fields(
+///             (
+///                 Self::module("l1", |s| &s.l1, |s| &mut s.l1),
+///                 Self::module("l2", |s| &s.l2, |s| &mut s.l2),
+///             ),
+///             |(l1, l2)| Mlp { l1, act: ReLU, l2, temperature: 2.0 },
+///         )
+///     }
+/// }
+///
+/// #[mpx::half_forward]
+/// impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>> for Mlp<E, D> {
+///     type Output = Tensor<Rank2<3, 2>, E, D, T>;
+///     type Error = D::Err;
+///     fn try_forward(&self, x: Tensor<Rank2<3, 4>, E, D, T>) -> Result<Self::Output, D::Err> {
+///         let h = self.act.try_forward(self.l1.try_forward(x)?)?;
+///         let t = E::from_f32(1.0 / self.temperature).unwrap();
+///         self.l2.try_forward(h)?.try_mul(t)
+///     }
+/// }
+///
+/// #[mpx::mixed_step(scaling = scaler)]
+/// fn step(model: &mut Mlp<f32, Cpu>, opt: &mut Sgd<Mlp<f32, Cpu>, f32, Cpu>, x: &Tensor<Rank2<3, 4>, f32, Cpu>, scaler: &mut GradScaler) {
+///     let grads = model.forward(x.trace(model.alloc_grads())).square().mean().backward();
+///     opt.update(model, &grads).unwrap();
+/// }
+///
+/// let dev: Cpu = Default::default();
+/// let mut model = Mlp::<f32, Cpu>::build(&dev);
+/// let mut opt = Sgd::new(&model, Default::default());
+/// let mut scaler = GradScaler::default();
+/// step(&mut model, &mut opt, &dev.sample_normal(), &mut scaler);
+/// // the step ran on mpx's layers, in f16
+/// assert!(scaler.last_step().unwrap().mpx_layers);
+/// ```
+#[proc_macro_derive(HalfLayers, attributes(half_layers))]
+pub fn derive_half_layers(input: TokenStream) -> TokenStream {
+    half_layers::derive(input.into()).into()
+}
+
+/// Runs a module's `Module` (or `ModuleMut`) impl, as written, on the working copy
+/// `#[derive(HalfLayers)]` gives it: the same impl for `<Name>Working` in f16, `AMP<f16>` and
+/// emulated bf16, with the element type and the device made concrete (`E::from_f32(..)` and
+/// `D::Err` keep working). The impl must be written for any element type. Put it on each of the
+/// module's `Module` impls.
+///
+/// # Examples
+/// See [`HalfLayers`](derive@HalfLayers).
+#[proc_macro_attribute]
+pub fn half_forward(args: TokenStream, item: TokenStream) -> TokenStream {
+    half_layers::attribute(args.into(), item.into()).into()
 }
 
 /// Runs the body of a function in f32 inside a half-precision graph, gradients flowing through:

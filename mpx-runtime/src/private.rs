@@ -266,8 +266,74 @@ where
     }
 }
 
-/// The forward pass on the half working copy.
+/// The half precisions dfdx's CPU layers compute slowly in (f16 and `AMP<f16>`, element by
+/// element through f32).
+pub trait DfdxSlow {}
+impl DfdxSlow for crate::precision::f16 {}
+impl DfdxSlow for crate::precision::AMP<crate::precision::f16> {}
+
+/// The precisions a model's own layers run in without a warning on device `D`: f32 on the CPU
+/// (the machinery alone), every stored precision on a GPU.
+pub trait NativeOn<D> {}
+impl NativeOn<Cpu> for f32 {}
+#[cfg(feature = "cuda")]
+impl<H: crate::precision::Stored> NativeOn<dfdx::tensor::Cuda> for H {}
+
+/// The forward pass on the half working copy made of the model's own layers, in a half
+/// precision dfdx's CPU layers are slow in (f16, `AMP<f16>`): the compiler warns at the step.
 pub trait ViaHalf<H: Precision, D: MixedDevice<H>> {
+    /// The master model.
+    type Model: MasterModel<D>;
+    /// The input.
+    type Input: HalfInput<H, D>;
+    /// Runs `f` on the working copy and the input rounded to `H`; the output comes back in f32.
+    #[deprecated(
+        note = "mpx: this forward pass runs on the model's own layers in half precision, dfdx's f16 layers, which on the CPU are slower than f32: a layer of the model has no mpx counterpart (a module of your own, or one of dfdx's layers mpx does not map, such as its convolutions), or the step is generic over its model. For a module of your own, add `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl, and it runs on mpx's layers; a step generic over its model `M` runs them once `M` is bounded `M: mpx::step::HalfLayers<f16>`; or keep dfdx's layers and silence this with `#[allow(deprecated)]` on the step (see docs/dsl.md, \"Modules of your own\")"
+    )]
+    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
+    where
+        Y: HalfOutput<H, D>,
+        F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, <Self::Input as HalfInput<H, D>>::Half) -> Y;
+}
+
+// the second `&mut` is the ladder's middle rung (see `Forward`)
+#[allow(clippy::mut_mut)]
+impl<H, L, R, X, C, B> ViaHalf<H, Cpu> for &mut &mut Forward<'_, H, L, Cpu, R, X, C, B>
+where
+    H: Precision + DfdxSlow,
+    L: LossScale,
+    Cpu: MixedDevice<H>,
+    R: Borrowed,
+    R::Model: MasterModel<Cpu>,
+    H: crate::precision::Stored,
+    WorkingCopy<H, R::Model, Cpu>:
+        dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu> + Takes<C, X::Half>,
+    X: HalfInput<H, Cpu>,
+{
+    type Model = R::Model;
+    type Input = X;
+    #[allow(deprecated)]
+    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
+    where
+        Y: HalfOutput<H, Cpu>,
+        F: FnOnce(&mut WorkingCopy<H, R::Model, Cpu>, X::Half) -> Y,
+    {
+        let (master, input) = self.take();
+        let m = master.shared();
+        let cell = self.masters.cell(m);
+        match self
+            .scaler
+            .run::<R::Model, Plain, X, Y, F>(m, &cell, input, f)
+        {
+            Ok(y) => y,
+            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
+        }
+    }
+}
+
+/// The forward pass on the working copy made of the model's own layers where they are not slow:
+/// f32 on the CPU (the machinery alone), any stored precision on a GPU.
+pub trait ViaHalfNative<H: Precision, D: MixedDevice<H>> {
     /// The master model.
     type Model: MasterModel<D>;
     /// The input.
@@ -281,9 +347,9 @@ pub trait ViaHalf<H: Precision, D: MixedDevice<H>> {
 
 // the second `&mut` is the ladder's middle rung (see `Forward`)
 #[allow(clippy::mut_mut)]
-impl<H, L, D, R, X, C, B> ViaHalf<H, D> for &mut &mut Forward<'_, H, L, D, R, X, C, B>
+impl<H, L, D, R, X, C, B> ViaHalfNative<H, D> for &mut &mut Forward<'_, H, L, D, R, X, C, B>
 where
-    H: Precision,
+    H: Precision + NativeOn<D>,
     L: LossScale,
     D: MixedDevice<H>,
     R: Borrowed,

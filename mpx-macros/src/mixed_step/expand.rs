@@ -74,7 +74,7 @@ pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream
         syn::parse_quote!(
             #[allow(unused_imports)]
             use #root::__private::{
-                ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _,
+                ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaHalfNative as _, ViaMapped as _,
                 ViaRejected as _,
             };
         ),

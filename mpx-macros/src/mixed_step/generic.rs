@@ -230,9 +230,23 @@ pub(crate) fn specialise(
             .predicates
             .push(syn::parse_quote!(#m: #(#extra)+*));
     }
+    // A model bounded `M: HalfLayers<H>` runs on its mapped working copy (mpx's layers);
+    // any other on its own layers in `H`.
+    let mapped = bounds_of(&f.sig.generics, &m.to_string())
+        .iter()
+        .any(|b| bound_name(b).is_some_and(|(n, _)| n == "HalfLayers"));
+    let wc = if mapped && !cuda {
+        quote!(<#m as #root::step::HalfLayers<#half>>::Working)
+    } else {
+        wc
+    };
+    let collection = if mapped && !cuda {
+        quote!()
+    } else {
+        quote!(#dfdx::nn::tensor_collection::TensorCollection<#elem, #device> +)
+    };
     let preds: Vec<syn::WherePredicate> = vec![
-        syn::parse_quote!(#wc: #dfdx::nn::tensor_collection::TensorCollection<#elem, #device>
-            + #dfdx::nn::#module<#half_x, Error = #device_error>),
+        syn::parse_quote!(#wc: #collection #dfdx::nn::#module<#half_x, Error = #device_error>),
         syn::parse_quote!(#x: #root::step::HalfInput<#half #on>),
         syn::parse_quote!(<#wc as #dfdx::nn::#module<#half_x>>::Output:
             #root::step::HalfOutput<#half #on, Full = <#m as #dfdx::nn::#module<#x>>::Output>),

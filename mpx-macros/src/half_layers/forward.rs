@@ -1,0 +1,265 @@
+//! `#[half_forward]` on a module's `Module` (or `ModuleMut`) impl: the impl as written, and the
+//! same impl for the module's working struct in each precision, with the element type and the
+//! device made concrete.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+use syn::visit_mut::VisitMut;
+
+use super::{PRECISIONS, param_bounded_by, working_name};
+use crate::ctxt::{Ctxt, crate_path, runtime_path, set_once, with_errors};
+
+/// Entry point: the impl and its working-struct twins, or the errors followed by the impl.
+pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut cx = Ctxt::default();
+    let mut krate = None;
+    crate::ctxt::parse_keyed(args, &mut cx, "`crate`", |key, meta, cx| {
+        if key != "crate" {
+            return Ok(false);
+        }
+        let v = crate_path(meta)?;
+        set_once(cx, &meta.path, &mut krate, v, "crate");
+        Ok(true)
+    });
+    let imp: syn::ItemImpl = match syn::parse2(item.clone()) {
+        Ok(i) => i,
+        Err(_) => {
+            cx.error_spanned(
+                &item,
+                "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl, whose forward code it runs on the module's working copy",
+            );
+            return finish(cx, item, TokenStream::new());
+        }
+    };
+    let is_module = imp.trait_.as_ref().is_some_and(|t| {
+        t.0.segments
+            .last()
+            .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleMut")
+    });
+    if !is_module {
+        cx.error_spanned(
+            imp.impl_token,
+            "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl",
+        );
+    }
+    let elem = param_bounded_by(&imp.generics, &["Dtype"]);
+    let dev = param_bounded_by(&imp.generics, &["Device", "Storage"]);
+    if elem.is_none() {
+        cx.error_spanned(
+            imp.impl_token,
+            "`#[half_forward]` needs the impl written for any element type (`impl<E: Dtype, D: Device<E>, ..> Module<..> for Net<E, D>`): its working copy runs it in f16 and bf16",
+        );
+    }
+    let self_path = match &*imp.self_ty {
+        syn::Type::Path(p) if p.qself.is_none() => Some(p.path.clone()),
+        other => {
+            cx.error_spanned(
+                other,
+                "`#[half_forward]`: the module must be a named struct",
+            );
+            None
+        }
+    };
+    let (Some(elem), Some(self_path), true) = (elem, self_path, is_module) else {
+        return finish(cx, item, TokenStream::new());
+    };
+    let rt = runtime_path(krate.as_ref());
+    let mut twins = TokenStream::new();
+    for (precision, stored) in PRECISIONS {
+        let precision: syn::Type = syn::parse_str(precision).expect("a type");
+        let stored: syn::Type = syn::parse_str(stored).expect("a type");
+        let precision = qualify(&precision, &rt);
+        let stored = qualify(&stored, &rt);
+        twins.extend(twin(
+            &imp,
+            &self_path,
+            &elem,
+            dev.as_ref(),
+            (&precision, &stored),
+            &rt,
+        ));
+    }
+    finish(cx, item, twins)
+}
+
+/// The item followed by `extra`, or the errors followed by the item.
+fn finish(cx: Ctxt, item: TokenStream, extra: TokenStream) -> TokenStream {
+    match cx.check() {
+        Ok(()) => quote!(#item #extra),
+        Err(err) => with_errors(item, err),
+    }
+}
+
+/// `f16`, `AMP<f16>`, `bf16`, `f32` as paths under the runtime's `precision` module (`f32`
+/// as itself).
+fn qualify(t: &syn::Type, rt: &TokenStream) -> syn::Type {
+    struct Q<'a>(&'a TokenStream);
+    impl VisitMut for Q<'_> {
+        fn visit_type_mut(&mut self, t: &mut syn::Type) {
+            syn::visit_mut::visit_type_mut(self, t);
+            if let syn::Type::Path(p) = t
+                && let Some(first) = p.path.segments.first_mut()
+                && ["f16", "bf16", "AMP"].iter().any(|n| first.ident == n)
+            {
+                let rt = self.0;
+                let seg = first.clone();
+                *t = syn::parse_quote!(#rt::precision::#seg);
+            }
+        }
+    }
+    let mut t = t.clone();
+    Q(rt).visit_type_mut(&mut t);
+    t
+}
+
+/// The impl for `<Name>Working<.., precision>`, with `elem` as `stored` and `dev` as `Cpu`.
+fn twin(
+    imp: &syn::ItemImpl,
+    self_path: &syn::Path,
+    elem: &syn::Ident,
+    dev: Option<&syn::Ident>,
+    (precision, stored): (&syn::Type, &syn::Type),
+    rt: &TokenStream,
+) -> TokenStream {
+    let mut imp = imp.clone();
+    imp.attrs.retain(|a| {
+        !a.path()
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "half_forward")
+    });
+    // the element type and the device leave the impl's parameters
+    let is_ed = |id: &syn::Ident| id == elem || dev.is_some_and(|d| id == d);
+    imp.generics.params = imp
+        .generics
+        .params
+        .into_iter()
+        .filter(|p| !matches!(p, syn::GenericParam::Type(t) if is_ed(&t.ident)))
+        .collect();
+    if let Some(w) = &mut imp.generics.where_clause {
+        w.predicates = std::mem::take(&mut w.predicates)
+            .into_iter()
+            .filter(|p| {
+                !matches!(p, syn::WherePredicate::Type(pt)
+                    if matches!(&pt.bounded_ty, syn::Type::Path(tp) if tp.path.get_ident().is_some_and(&is_ed)))
+            })
+            .collect();
+    }
+    // the working struct, with the module's other arguments
+    let last = self_path.segments.last().expect("a path has a segment");
+    let working = working_name(&last.ident);
+    let mut args: Vec<syn::GenericArgument> = match &last.arguments {
+        syn::PathArguments::AngleBracketed(a) => a
+            .args
+            .iter()
+            .filter(|g| {
+                !matches!(g, syn::GenericArgument::Type(syn::Type::Path(tp))
+                    if tp.path.get_ident().is_some_and(&is_ed))
+            })
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
+    };
+    args.push(syn::GenericArgument::Type(precision.clone()));
+    let mut prefix = self_path.clone();
+    prefix.segments.pop();
+    let working_path = if prefix.segments.is_empty() {
+        quote!(#working<#(#args),*>)
+    } else {
+        let prefix = prefix.segments.iter();
+        quote!(#(#prefix::)* #working<#(#args),*>)
+    };
+    *imp.self_ty = syn::parse_quote!(#working_path);
+    Concrete {
+        elem,
+        dev,
+        stored,
+        rt,
+    }
+    .visit_item_impl_mut(&mut imp);
+    quote!(#imp)
+}
+
+/// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
+/// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s).
+struct Concrete<'a> {
+    elem: &'a syn::Ident,
+    dev: Option<&'a syn::Ident>,
+    stored: &'a syn::Type,
+    rt: &'a TokenStream,
+}
+
+impl Concrete<'_> {
+    /// `E::rest` / `D::rest` as a qualified path, or `None` for any other path.
+    fn qualified(&self, path: &syn::Path) -> Option<(syn::QSelf, syn::Path)> {
+        if path.leading_colon.is_some() || path.segments.len() < 2 {
+            return None;
+        }
+        let first = &path.segments[0].ident;
+        let rt = self.rt;
+        let (ty, tr): (syn::Type, syn::Path) = if first == self.elem {
+            (
+                self.stored.clone(),
+                syn::parse_quote!(#rt::__private::ElemFns),
+            )
+        } else if self.dev.is_some_and(|d| first == d) {
+            (
+                syn::parse_quote!(#rt::__private::dfdx::tensor::Cpu),
+                syn::parse_quote!(#rt::__private::dfdx::tensor::HasErr),
+            )
+        } else {
+            return None;
+        };
+        let position = tr.segments.len();
+        let mut full = tr;
+        for seg in path.segments.iter().skip(1) {
+            full.segments.push(seg.clone());
+        }
+        full.leading_colon = Some(Default::default());
+        let qself = syn::QSelf {
+            lt_token: Default::default(),
+            ty: Box::new(ty),
+            position,
+            as_token: Some(Default::default()),
+            gt_token: Default::default(),
+        };
+        Some((qself, full))
+    }
+}
+
+impl VisitMut for Concrete<'_> {
+    fn visit_type_mut(&mut self, t: &mut syn::Type) {
+        if let syn::Type::Path(p) = t
+            && p.qself.is_none()
+        {
+            if let Some(id) = p.path.get_ident() {
+                if id == self.elem {
+                    *t = self.stored.clone();
+                    return;
+                }
+                if self.dev.is_some_and(|d| id == d) {
+                    let rt = self.rt;
+                    *t = syn::parse_quote!(#rt::__private::dfdx::tensor::Cpu);
+                    return;
+                }
+            }
+            if let Some((qself, path)) = self.qualified(&p.path) {
+                p.qself = Some(qself);
+                p.path = path;
+                return;
+            }
+        }
+        syn::visit_mut::visit_type_mut(self, t);
+    }
+
+    fn visit_expr_path_mut(&mut self, e: &mut syn::ExprPath) {
+        if e.qself.is_none()
+            && let Some((qself, path)) = self.qualified(&e.path)
+        {
+            e.qself = Some(qself);
+            e.path = path;
+            return;
+        }
+        syn::visit_mut::visit_expr_path_mut(self, e);
+    }
+}
