@@ -255,8 +255,8 @@ fn run<const B: usize>(
     )?;
     // the one question: do the ranks agree?
     let masters = stats.models_agree(&ddp.model)?;
-    let scales = stats.values_agree(&ddp.trajectory);
-    let skips = stats.values_agree(&ddp.decisions);
+    let scales = stats.values_agree(&ddp.trajectory)?;
+    let skips = stats.values_agree(&ddp.decisions)?;
     let agree = masters && scales && skips;
     if lead {
         let share = ddp.reduce_time.as_secs_f64() / ddp.step_time.as_secs_f64();

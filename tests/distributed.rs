@@ -233,7 +233,7 @@ impl Rank {
             "{dtype:?}: the masters differ across ranks"
         );
         check!(
-            r.values_agree(&trajectory) && r.values_agree(&counts),
+            r.values_agree(&trajectory).map_err(err)? && r.values_agree(&counts).map_err(err)?,
             "{dtype:?}: loss-scale trajectory or step counts differ across ranks"
         );
         check!(
@@ -354,7 +354,7 @@ impl Rank {
             r.reductions()
         );
         check!(
-            r.models_agree(&m).map_err(err)? && r.values_agree(&[skipped]),
+            r.models_agree(&m).map_err(err)? && r.values_agree(&[skipped]).map_err(err)?,
             "ranks differ after the injected skip"
         );
         Ok(format!(
@@ -761,6 +761,38 @@ impl Rank {
         }
     }
 
+    /// A scaler moved to another thread while MPI runs below `Threading::Multiple` (as
+    /// `mpi::initialize()` leaves it): its reducer refuses to call MPI there, before sending
+    /// anything, and still works on the thread that made it.
+    fn wrong_thread(&self) -> Outcome {
+        use mpx::distributed::mpi::Threading;
+        let level = mpx::distributed::mpi::environment::threading_support();
+        if level == Threading::Multiple {
+            return Ok("MPI runs at Threading::Multiple: every thread may call it".into());
+        }
+        let mut scaler = GradScaler::<f16>::default().with_reducer(Reducer::new(&self.world));
+        let moved = std::thread::scope(|s| {
+            s.spawn(|| {
+                let r = scaler.reducer_mut().expect("a reducer");
+                r.values_agree(&[1])
+            })
+            .join()
+            .expect("the thread ran")
+        });
+        check!(
+            matches!(moved, Err(DistributedError::WrongThread { .. })),
+            "a reducer used from another thread at {level:?} gave {moved:?}"
+        );
+        let r = scaler.reducer_mut().ok_or("no reducer")?;
+        check!(
+            r.values_agree(&[2]).map_err(err)?,
+            "the reducer failed on its own thread"
+        );
+        Ok(format!(
+            "at {level:?}: refused on another thread (WrongThread), works on its own"
+        ))
+    }
+
     /// The last rank exits without a word before the first step; the others step on.
     fn die(&self) -> Outcome {
         let init = self.common_init()?;
@@ -866,6 +898,7 @@ fn rank_main(what: &str, dir: &std::path::Path) -> ExitCode {
                 Box::new(move |r: &Rank| per_size!(r.size, B => r.checkpoint::<B>(dir))),
             ),
             ("layout_mismatch", Box::new(Rank::layout_mismatch)),
+            ("wrong_thread", Box::new(Rank::wrong_thread)),
         ]
     };
     for (name, f) in &scenarios {
@@ -981,7 +1014,7 @@ fn launcher() -> ExitCode {
         print!("{out}");
         let ok = status == Some(0)
             && (0..np).all(|r| out.contains(&format!("rank {r} finished")))
-            && out.matches(": ok: ").count() == 11;
+            && out.matches(": ok: ").count() == 12;
         println!(
             "test distributed -np {np} ... {} ({:.1} s)",
             if ok { "ok" } else { "FAILED" },

@@ -21,15 +21,14 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         set_once(cx, &meta.path, &mut krate, v, "crate");
         Ok(true)
     });
-    let imp: syn::ItemImpl = match syn::parse2(item.clone()) {
-        Ok(i) => i,
-        Err(_) => {
-            cx.error_spanned(
-                &item,
-                "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl, whose forward code it runs on the module's working copy",
-            );
-            return finish(cx, item, TokenStream::new());
-        }
+    let imp: syn::ItemImpl = if let Ok(i) = syn::parse2(item.clone()) {
+        i
+    } else {
+        cx.error_spanned(
+            &item,
+            "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl, whose forward code it runs on the module's working copy",
+        );
+        return finish(cx, item, &TokenStream::new());
     };
     let is_module = imp.trait_.as_ref().is_some_and(|t| {
         t.0.segments
@@ -61,7 +60,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         }
     };
     let (Some(elem), Some(self_path), true) = (elem, self_path, is_module) else {
-        return finish(cx, item, TokenStream::new());
+        return finish(cx, item, &TokenStream::new());
     };
     let rt = runtime_path(krate.as_ref());
     let mut twins = TokenStream::new();
@@ -79,11 +78,11 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             &rt,
         ));
     }
-    finish(cx, item, twins)
+    finish(cx, item, &twins)
 }
 
 /// The item followed by `extra`, or the errors followed by the item.
-fn finish(cx: Ctxt, item: TokenStream, extra: TokenStream) -> TokenStream {
+fn finish(cx: Ctxt, item: TokenStream, extra: &TokenStream) -> TokenStream {
     match cx.check() {
         Ok(()) => quote!(#item #extra),
         Err(err) => with_errors(item, err),
@@ -123,10 +122,10 @@ fn twin(
 ) -> TokenStream {
     let mut imp = imp.clone();
     imp.attrs.retain(|a| {
-        !a.path()
+        a.path()
             .segments
             .last()
-            .is_some_and(|s| s.ident == "half_forward")
+            .is_none_or(|s| s.ident != "half_forward")
     });
     // the element type and the device leave the impl's parameters
     let is_ed = |id: &syn::Ident| id == elem || dev.is_some_and(|d| id == d);
@@ -215,13 +214,13 @@ impl Concrete<'_> {
         for seg in path.segments.iter().skip(1) {
             full.segments.push(seg.clone());
         }
-        full.leading_colon = Some(Default::default());
+        full.leading_colon = Some(syn::token::PathSep::default());
         let qself = syn::QSelf {
-            lt_token: Default::default(),
+            lt_token: syn::token::Lt::default(),
             ty: Box::new(ty),
             position,
-            as_token: Some(Default::default()),
-            gt_token: Default::default(),
+            as_token: Some(syn::token::As::default()),
+            gt_token: syn::token::Gt::default(),
         };
         Some((qself, full))
     }

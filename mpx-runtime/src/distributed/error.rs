@@ -5,6 +5,7 @@ use dfdx::tensor::CpuError;
 /// What can go wrong when ranks train together. Each variant is raised on **every** rank at the
 /// same point (the ranks agree on it through a collective), so no rank is left waiting.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DistributedError {
     /// The ranks' master models differ in layout (number of trainable tensors or their sizes).
     #[error(
@@ -72,6 +73,17 @@ pub enum DistributedError {
          rank's alone; the update is refused on every rank. Fix the cause and start the step again"
     )]
     ReductionFailed,
+
+    /// The reducer was used from another thread than the one that made it, and MPI was not
+    /// initialised for calls from any thread (`Threading::Multiple`). Raised on this rank only,
+    /// before any message is sent.
+    #[error(
+        "this reducer was made on another thread, and MPI was initialised with threading level {level:?}, which allows MPI calls from that thread alone; use the reducer (and the scaler that holds it) on the thread that made it, or initialise MPI with `mpi::initialize_with_threading(mpi::Threading::Multiple)`"
+    )]
+    WrongThread {
+        /// The threading level MPI runs at.
+        level: mpi::Threading,
+    },
 
     /// An accumulation count of zero.
     #[error("the accumulation count must be at least 1, got 0")]

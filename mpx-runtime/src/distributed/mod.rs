@@ -181,7 +181,7 @@ pub struct ReductionStats {
 /// # Ok::<(), mpx_runtime::distributed::DistributedError>(())
 /// ```
 pub struct Reducer {
-    comm: SimpleCommunicator,
+    comm: Comm,
     rank: usize,
     size: usize,
     dtype: AllReduceDtype,
@@ -201,12 +201,57 @@ pub struct Reducer {
     scratch: Vec<u16>,
 }
 
-// SAFETY: an MPI communicator handle is a process-wide identifier, valid on any thread. The
-// reducer makes MPI calls only from `&mut self` methods, so it never calls MPI from two threads
-// at once; `&Reducer` reads only plain fields. Moving it to another thread and communicating
-// from there needs MPI initialised with `Threading::Serialized` or higher, as the docs say.
+/// The reducer's communicator, usable only from a thread MPI's threading level allows: the
+/// thread that made the reducer (rsmpi's communicators cannot leave the thread that initialised
+/// MPI, so that is where a reducer is made), or any thread once MPI runs at
+/// `Threading::Multiple`. Dropped on another thread, the communicator is left unfreed (a leak,
+/// never an MPI call from the wrong thread).
+struct Comm {
+    inner: Option<SimpleCommunicator>,
+    home: std::thread::ThreadId,
+    level: mpi::Threading,
+}
+
+impl Comm {
+    fn new(inner: SimpleCommunicator) -> Self {
+        Self {
+            inner: Some(inner),
+            home: std::thread::current().id(),
+            level: mpi::environment::threading_support(),
+        }
+    }
+
+    /// Whether MPI may be called from this thread.
+    fn here(&self) -> bool {
+        self.level == mpi::Threading::Multiple || std::thread::current().id() == self.home
+    }
+
+    /// The communicator, from a thread that may use it.
+    fn get(&self) -> Result<&SimpleCommunicator, DistributedError> {
+        match &self.inner {
+            Some(c) if self.here() => Ok(c),
+            _ => Err(DistributedError::WrongThread { level: self.level }),
+        }
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if !self.here() {
+            std::mem::forget(self.inner.take());
+        }
+    }
+}
+
+// SAFETY: every MPI call of a reducer goes through `Comm::get`, which refuses a thread MPI's
+// threading level forbids (any thread but the one that made it, below `Threading::Multiple`),
+// and `Comm::drop` frees the communicator only on such a thread; `&mut self` keeps a reducer's
+// calls from running concurrently. Moving it to another thread is then safe: there it can only
+// return `WrongThread` (or, at `Threading::Multiple`, call MPI as MPI allows).
+#[allow(unsafe_code)]
 unsafe impl Send for Reducer {}
-// SAFETY: see `Send`: no `&self` method calls MPI.
+// SAFETY: no `&self` method calls MPI (every collective takes `&mut self`).
+#[allow(unsafe_code)]
 unsafe impl Sync for Reducer {}
 
 impl std::fmt::Debug for Reducer {
@@ -240,7 +285,7 @@ impl Reducer {
         Self {
             rank: comm.rank() as usize,
             size: comm.size() as usize,
-            comm,
+            comm: Comm::new(comm),
             dtype: AllReduceDtype::F32,
             accumulation: 1,
             seen: 0,
@@ -401,6 +446,7 @@ impl Reducer {
                 self.out.clear();
                 self.out.resize(data.len(), 0.0);
                 self.comm
+                    .get()?
                     .all_reduce_into(&*data, &mut self.out[..], SystemOperation::sum());
                 for (d, s) in data.iter_mut().zip(&self.out) {
                     *d = *s / n;
@@ -409,6 +455,7 @@ impl Reducer {
                 let finite = u8::from(all_finite_f32(data));
                 let mut all = 0u8;
                 self.comm
+                    .get()?
                     .all_reduce_into(&finite, &mut all, SystemOperation::min());
                 Ok(all == 1)
             }
@@ -424,7 +471,7 @@ impl Reducer {
                     }
                     half.encode(b, dst);
                 }
-                ring::all_reduce_sum(&self.comm, half, &mut self.wire, &mut self.scratch);
+                ring::all_reduce_sum(self.comm.get()?, half, &mut self.wire, &mut self.scratch);
                 half.decode(&self.wire, data);
                 for d in data.iter_mut() {
                     *d /= scale;
@@ -437,30 +484,40 @@ impl Reducer {
 
     /// The header every rank all-reduces before the gradients: whether the layouts and the
     /// settings are the same everywhere, and whether every rank was finite.
-    fn agree(&mut self, layout: u64, config: u64, finite: bool) -> (bool, bool, bool) {
+    fn agree(
+        &mut self,
+        layout: u64,
+        config: u64,
+        finite: bool,
+    ) -> Result<(bool, bool, bool), DistributedError> {
         let send = [layout, !layout, config, !config, u64::from(finite)];
         let mut min = [0u64; 5];
         self.comm
+            .get()?
             .all_reduce_into(&send[..], &mut min[..], SystemOperation::min());
-        (
+        Ok((
             min[0] == layout && min[1] == !layout,
             min[2] == config && min[3] == !config,
             min[4] == 1,
-        )
+        ))
     }
 
     /// Whether `values` are the same on every rank. Collective.
+    ///
+    /// # Errors
+    /// [`DistributedError::WrongThread`] from a thread MPI's threading level does not allow.
     ///
     /// # Examples
     /// ```no_run
     /// use mpx_runtime::distributed::{Reducer, mpi};
     /// let universe = mpi::initialize().unwrap();
     /// let mut r = Reducer::new(&universe.world());
-    /// assert!(r.values_agree(&[42, 7]));
+    /// assert!(r.values_agree(&[42, 7])?);
+    /// # Ok::<(), mpx_runtime::distributed::DistributedError>(())
     /// ```
-    pub fn values_agree(&mut self, values: &[u64]) -> bool {
+    pub fn values_agree(&mut self, values: &[u64]) -> Result<bool, DistributedError> {
         let h = hash_words(values.iter().copied());
-        self.agree(h, 0, true).0
+        Ok(self.agree(h, 0, true)?.0)
     }
 
     fn config_hash(&self, scale: f32, counters: [u64; 2]) -> u64 {
@@ -536,7 +593,7 @@ fn reduce(
     let layout =
         hash_words(std::iter::once(slots.len() as u64).chain(slots.iter().map(|s| s.len as u64)));
     let config = r.config_hash(scale, counters);
-    let (same_layout, same_config, all_finite) = r.agree(layout, config, r.local_finite);
+    let (same_layout, same_config, all_finite) = r.agree(layout, config, r.local_finite)?;
     if !same_layout {
         return Err(DistributedError::LayoutMismatch {
             rank: r.rank,

@@ -67,7 +67,7 @@ impl Reducer {
         }
         let (mut flat, lens) = pack(model);
         let layout = hash_words(std::iter::once(lens.len() as u64).chain(lens.iter().copied()));
-        if !self.agree(layout, 0, true).0 {
+        if !self.agree(layout, 0, true)?.0 {
             return Err(DistributedError::LayoutMismatch {
                 rank: self.rank,
                 tensors: lens.len(),
@@ -75,6 +75,7 @@ impl Reducer {
             });
         }
         self.comm
+            .get()?
             .process_at_rank(root as i32)
             .broadcast_into(&mut flat[..]);
         unpack(model, &flat);
@@ -85,7 +86,7 @@ impl Reducer {
     /// compared). Collective.
     ///
     /// # Errors
-    /// A device error when a tensor cannot be read.
+    /// [`DistributedError::WrongThread`] from a thread MPI's threading level does not allow.
     ///
     /// # Examples
     /// See [`broadcast_model`](Self::broadcast_model).
@@ -99,6 +100,6 @@ impl Reducer {
                 .copied()
                 .chain(flat.iter().map(|v| u64::from(v.to_bits()))),
         );
-        Ok(self.values_agree(&[h]))
+        self.values_agree(&[h])
     }
 }

@@ -82,8 +82,9 @@ fn forward_pass(y: FloatSliceMut<'_>, mask: Option<&mut [u8]>) {
             }
         }
         (FloatSliceMut::F32(v), None) => {
-            v.iter_mut()
-                .for_each(|y| *y = if *y > 0.0 { *y } else { 0.0 });
+            for y in v.iter_mut() {
+                *y = if *y > 0.0 { *y } else { 0.0 };
+            }
         }
         (FloatSliceMut::F16(v), Some(mask)) => {
             for (y, m) in v.iter_mut().zip(mask) {
@@ -93,8 +94,9 @@ fn forward_pass(y: FloatSliceMut<'_>, mask: Option<&mut [u8]>) {
             }
         }
         (FloatSliceMut::F16(v), None) => {
-            v.iter_mut()
-                .for_each(|y| *y = half::f16::from_bits(f16_relu(y.to_bits())));
+            for y in v.iter_mut() {
+                *y = half::f16::from_bits(f16_relu(y.to_bits()));
+            }
         }
     }
 }
@@ -164,7 +166,7 @@ mod tests {
     use half::f16;
 
     /// Output and gradient bits of `relu(x) * c + x` (the gradient of `x` gets a second
-    /// contribution besides the ReLU's), with dfdx's ReLU or mpx's.
+    /// contribution besides the `ReLU`'s), with dfdx's `ReLU` or mpx's.
     fn run<E: Dtype + crate::precision::Precision<Elem = E>>(
         xs: Vec<E>,
         c: Vec<E>,
