@@ -40,7 +40,8 @@ fn train_epoch(
     // calls do), imported once at the top of the body.
     #[allow(unused_imports)]
     use ::mpx::__private::mpx_runtime::__private::{
-        ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaMapped as _, ViaRejected as _,
+        ByMut as _, Master as _, ViaFull as _, ViaHalf as _, ViaHalfNative as _, ViaMapped as _,
+        ViaRejected as _,
     };
     // The state of the step's masters (the verdict of each one's last backward pass), for
     // this call.

@@ -251,6 +251,38 @@ impl VisitMut for Concrete<'_> {
         syn::visit_mut::visit_type_mut(self, t);
     }
 
+    fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
+        syn::visit_mut::visit_expr_mut(self, e);
+        // the activations written as tensor methods run as mpx's layers, as the layers of the
+        // same names do in the working copy: `x.tanh()` as `nn::Tanh`, `x.try_relu()` as
+        // `nn::ReLU`'s `try_forward`
+        if let syn::Expr::MethodCall(m) = e
+            && m.args.is_empty()
+            && m.turbofish.is_none()
+        {
+            let name = m.method.to_string();
+            let (base, fallible) = match name.strip_prefix("try_") {
+                Some(b) => (b, true),
+                None => (name.as_str(), false),
+            };
+            let layer = match base {
+                "relu" => "ReLU",
+                "tanh" => "Tanh",
+                "sigmoid" => "Sigmoid",
+                _ => return,
+            };
+            let rt = self.rt;
+            let layer = syn::Ident::new(layer, m.method.span());
+            let x = &m.receiver;
+            let call = quote!(#rt::__private::dfdx::nn::Module::try_forward(&#rt::nn::#layer, #x));
+            *e = if fallible {
+                syn::parse_quote!(#call)
+            } else {
+                syn::parse_quote!(#call.unwrap())
+            };
+        }
+    }
+
     fn visit_expr_path_mut(&mut self, e: &mut syn::ExprPath) {
         if e.qself.is_none()
             && let Some((qself, path)) = self.qualified(&e.path)

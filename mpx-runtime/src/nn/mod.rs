@@ -55,6 +55,7 @@ mod mixed;
 mod relu;
 pub(crate) mod scratch;
 mod sublayer;
+mod unary;
 pub mod vit;
 
 pub use convert::*;
@@ -69,6 +70,7 @@ pub use mixed::*;
 pub use relu::ReLU;
 pub use scratch::release_buffers;
 pub use sublayer::FeedForward;
+pub use unary::{Sigmoid, Tanh};
 
 /// Caps the threads each of the layers' GEMMs may use, process-wide (`0`: all available, the
 /// default). A data-parallel run with one rank per core sets 1, so ranks do not contend for

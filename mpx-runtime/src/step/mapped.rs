@@ -49,9 +49,11 @@ use crate::precision::{AMP, Precision, bf16, f16};
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
 ///   ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
 ///   same values and gradients, in vector passes; never fused into the layer before it, so a
-///   step that calls the layers one by one sees what it computes); the other parameter-free
-///   layers (`Tanh`, `Sigmoid`, `FastGeLU`, `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`,
-///   `Cos`, `Dropout`, `DropoutOneIn`) stay themselves;
+///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
+///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
+///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`FastGeLU`,
+///   `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`, `DropoutOneIn`) stay
+///   themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
 ///   such layers map their layers;
 /// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
@@ -193,7 +195,20 @@ macro_rules! layers {
                 working.set_link(linker.link(&self.weight, &self.bias));
             }
         }
-        same!($h: Tanh, Sigmoid, FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        same!($h: FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        // dfdx's `Tanh` and `Sigmoid` as mpx's: computed in f32, rounded once
+        impl HalfLayers<$h> for dfdx::nn::modules::Tanh {
+            type Working = $in<crate::nn::Tanh>;
+        }
+        impl HalfLayers<$h> for crate::nn::Tanh {
+            type Working = $in<crate::nn::Tanh>;
+        }
+        impl HalfLayers<$h> for dfdx::nn::modules::Sigmoid {
+            type Working = $in<crate::nn::Sigmoid>;
+        }
+        impl HalfLayers<$h> for crate::nn::Sigmoid {
+            type Working = $in<crate::nn::Sigmoid>;
+        }
         // dfdx's `ReLU` as mpx's: the same values and gradients, in vector passes
         impl HalfLayers<$h> for dfdx::nn::modules::ReLU {
             type Working = crate::nn::ReLU;

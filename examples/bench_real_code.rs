@@ -1,0 +1,624 @@
+//! Real training loops, f32 against their `#[mixed_step]` conversion (issue 32): the loops of
+//! `tests/real_code/` as their authors wrote them (dfdx's MNIST, DQN and PPO examples, its
+//! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
+//! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
+//! user's own) and a small REINFORCE policy. Each row runs one call of the loop in f32 and in
+//! mixed f16 in interleaved rounds (one of each per round, so a busy neighbour slows both
+//! alike) and reports the medians and their ratio; the last line is the median ratio.
+//!
+//! ```text
+//! cargo run --release --example bench_real_code [-- ROUNDS]
+//! ```
+
+#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+
+use std::time::Duration;
+
+use dfdx::nn::modules::{Linear as DLinear, ReLU as DReLU};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::optim::{Adam, Momentum, Sgd, SgdConfig};
+use dfdx::prelude::*;
+use mpx::mixed_step;
+use mpx::precision::f16;
+use mpx::step::GradScaler;
+
+#[path = "common/measure.rs"]
+mod measure;
+
+#[path = "../tests/real_code/common.rs"]
+pub mod common;
+
+/// The loops as written, in f32.
+#[allow(dead_code, clippy::needless_borrow)]
+mod original {
+    pub use super::common;
+    pub mod mnist {
+        include!("../tests/real_code/mnist.rs");
+    }
+    pub mod dqn {
+        include!("../tests/real_code/dqn.rs");
+    }
+    pub mod ppo {
+        include!("../tests/real_code/ppo.rs");
+    }
+    pub mod housing {
+        include!("../tests/real_code/housing.rs");
+    }
+    pub mod generic {
+        include!("../tests/real_code/generic.rs");
+    }
+    pub mod gan {
+        include!("../tests/real_code/gan.rs");
+    }
+}
+
+/// The same loops converted: the attribute and the scaler.
+#[allow(dead_code, clippy::needless_borrow)]
+mod half {
+    pub use super::common;
+    pub type Scaler = mpx::step::GradScaler<mpx::precision::f16>;
+    pub mod mnist {
+        include!("../tests/real_code/mnist_mixed.rs");
+    }
+    pub mod dqn {
+        include!("../tests/real_code/dqn_mixed.rs");
+    }
+    pub mod ppo {
+        include!("../tests/real_code/ppo_mixed.rs");
+    }
+    pub mod housing {
+        include!("../tests/real_code/housing_mixed.rs");
+    }
+    // generic over its model: the model's own layers in f16 (the compiler warns)
+    #[allow(deprecated)]
+    pub mod generic {
+        include!("../tests/real_code/generic_mixed.rs");
+    }
+    pub mod gan {
+        include!("../tests/real_code/gan_mixed.rs");
+    }
+}
+
+// ---- the shapes users add ----------------------------------------------------------------------
+
+/// A module of the user's own: two linear layers and a ReLU, with the two lines that give its
+/// working copy mpx's layers (`Own`), and the same without them (`Bare`, on dfdx's f16 layers).
+macro_rules! user_module {
+    ($name:ident $(, $derive:path, $fwd:meta)?) => {
+        #[derive(Clone $(, $derive)?)]
+        pub struct $name<E: Dtype, D: Device<E>> {
+            l1: DLinear<16, 64, E, D>,
+            act: DReLU,
+            l2: DLinear<64, 4, E, D>,
+        }
+
+        impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+            TensorCollection<E, D> for $name<E, D>
+        {
+            type To<E2: Dtype, D2: Device<E2>> = $name<E2, D2>;
+            fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+                visitor: &mut V,
+            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+                visitor.visit_fields(
+                    (
+                        Self::module("l1", |s| &s.l1, |s| &mut s.l1),
+                        Self::module("l2", |s| &s.l2, |s| &mut s.l2),
+                    ),
+                    |(l1, l2)| $name { l1, act: DReLU, l2 },
+                )
+            }
+        }
+
+        $(#[$fwd])?
+        impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<64, 16>, E, D, T>>
+            for $name<E, D>
+        {
+            type Output = Tensor<Rank2<64, 4>, E, D, T>;
+            type Error = D::Err;
+            fn try_forward(&self, x: Tensor<Rank2<64, 16>, E, D, T>) -> Result<Self::Output, D::Err> {
+                self.l2.try_forward(self.act.try_forward(self.l1.try_forward(x)?)?)
+            }
+        }
+    };
+}
+user_module!(Own, mpx::HalfLayers, mpx::half_forward);
+user_module!(Bare);
+
+/// A hand-unrolled RNN, a module of the user's own (with the two lines): four steps of
+/// `h = tanh(Wx x_t + Wh h)`, then a linear read-out.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Rnn<E: Dtype, D: Device<E>> {
+    wx: DLinear<8, 32, E, D>,
+    wh: DLinear<32, 32, E, D>,
+    out: DLinear<32, 4, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Rnn<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Rnn<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("wx", |s| &s.wx, |s| &mut s.wx),
+                Self::module("wh", |s| &s.wh, |s| &mut s.wh),
+                Self::module("out", |s| &s.out, |s| &mut s.out),
+            ),
+            |(wx, wh, out)| Rnn { wx, wh, out },
+        )
+    }
+}
+
+type Seq<E, T = NoneTape> = Tensor<Rank2<32, 8>, E, Cpu, T>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
+    Module<(
+        Tensor<Rank2<32, 8>, E, D, T>,
+        Tensor<Rank2<32, 8>, E, D>,
+        Tensor<Rank2<32, 8>, E, D>,
+        Tensor<Rank2<32, 8>, E, D>,
+    )> for Rnn<E, D>
+{
+    type Output = Tensor<Rank2<32, 4>, E, D, T>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        (x0, x1, x2, x3): (
+            Tensor<Rank2<32, 8>, E, D, T>,
+            Tensor<Rank2<32, 8>, E, D>,
+            Tensor<Rank2<32, 8>, E, D>,
+            Tensor<Rank2<32, 8>, E, D>,
+        ),
+    ) -> Result<Self::Output, D::Err> {
+        let mut h = self.wx.try_forward(x0)?.try_tanh()?;
+        for x in [x1, x2, x3] {
+            h = self
+                .wh
+                .try_forward(h)?
+                .try_add(self.wx.try_forward(x)?)?
+                .try_tanh()?;
+        }
+        self.out.try_forward(h)
+    }
+}
+
+/// One step of each shape, written once for f32 and once with the attribute.
+macro_rules! steps {
+    ($f32:ident, $mixed:ident, ($($arg:ident: $ty:ty),*), |$m:ident, $o:ident| $body:block) => {
+        pub fn $f32($m: &mut M, $o: &mut Adam<M, f32, Cpu>, $($arg: $ty),*) -> f32 $body
+        #[mixed_step(scaling = scaler)]
+        pub fn $mixed($m: &mut M, $o: &mut Adam<M, f32, Cpu>, $($arg: $ty,)* scaler: &mut GradScaler) -> f32 $body
+    };
+}
+
+mod own {
+    use super::*;
+    pub type M = Own<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+#[allow(deprecated)] // runs on dfdx's f16 layers: the compiler says so, this benchmark measures it
+mod bare {
+    use super::*;
+    pub type M = Bare<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod rnn {
+    use super::*;
+    pub type M = Rnn<f32, Cpu>;
+    steps!(f32_step, mixed_step, (xs: &[Seq<f32>; 4], y: &Tensor<Rank2<32, 4>, f32, Cpu>), |model, opt| {
+        let [a, b, c, d] = xs.clone();
+        let out = model.forward((a.trace(model.alloc_grads()), b, c, d));
+        let loss = mse_loss(out, y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod policy {
+    use super::*;
+    pub type Structure = (Linear<4, 64>, Tanh, Linear<64, 2>);
+    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
+    steps!(f32_step, mixed_step, (s: &Tensor<Rank2<128, 4>, f32, Cpu>, a: &Tensor<Rank1<128>, usize, Cpu>, ret: &Tensor<Rank1<128>, f32, Cpu>), |model, opt| {
+        // REINFORCE: -mean(log pi(a|s) * return)
+        let logp = model.forward(s.trace(model.alloc_grads())).log_softmax::<Axis<1>>();
+        let chosen = logp.select(a.clone());
+        let loss = (chosen * ret.clone()).mean().negate();
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+// ---- the table ---------------------------------------------------------------------------------
+
+/// One row: the f32 call and the mixed call, measured interleaved.
+fn row(
+    rounds: usize,
+    f32_call: &mut dyn FnMut(),
+    mixed_call: &mut dyn FnMut(),
+) -> (Duration, Duration) {
+    let t = measure::measure(rounds, &mut [f32_call, mixed_call]);
+    (t[0], t[1])
+}
+
+fn sgd_config() -> SgdConfig {
+    SgdConfig {
+        lr: 1e-1,
+        momentum: Some(Momentum::Nesterov(0.9)),
+        weight_decay: None,
+    }
+}
+
+fn main() {
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(15);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let mut rows: Vec<(&str, Duration, Duration)> = Vec::new();
+    let dev = Cpu::seed_from_u64(0);
+
+    // dfdx's MNIST example: two epochs of 8 batches
+    {
+        let data = common::mnist::MnistTrainSet::new(256);
+        let init = dev.build_module::<common::mnist::MlpStructure, f32>();
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::<f16>::default();
+        let (f, m) = row(
+            rounds,
+            &mut || drop(original::mnist::train(&mut a, &mut oa, &data, 1)),
+            &mut || drop(half::mnist::train(&mut b, &mut ob, &data, 1, &mut s)),
+        );
+        rows.push((
+            "mnist (dfdx example, MLP 784-512-128-32-10, batch 32)",
+            f,
+            m,
+        ));
+    }
+    // dfdx's DQN and PPO examples: 3 epochs on a batch of 64 transitions
+    {
+        let mut rng = common::Lcg::new(7);
+        let rows_of =
+            |rng: &mut common::Lcg| -> [[f32; 4]; 64] { std::array::from_fn(|_| rng.normals()) };
+        let state: Tensor<Rank2<64, 4>, f32, Cpu> = dev.tensor(rows_of(&mut rng));
+        let action: Tensor<Rank1<64>, usize, Cpu> =
+            dev.tensor(std::array::from_fn::<usize, 64, _>(|i| (i + 1) % 2));
+        let reward: Tensor<Rank1<64>, f32, Cpu> = dev.tensor(rng.normals::<64>());
+        let done: Tensor<Rank1<64>, f32, Cpu> = dev.zeros();
+        let next: Tensor<Rank2<64, 4>, f32, Cpu> = dev.tensor(rows_of(&mut rng));
+        let init = dev.build_module::<common::rl::QNetworkStructure, f32>();
+        let (mut qa, mut ta, mut qb, mut tb) =
+            (init.clone(), init.clone(), init.clone(), init.clone());
+        let (mut oa, mut ob) = (Sgd::new(&qa, sgd_config()), Sgd::new(&qb, sgd_config()));
+        let mut s = GradScaler::<f16>::default();
+        let (f, m) = row(
+            rounds,
+            &mut || {
+                (qa, ta) = (init.clone(), init.clone());
+                drop(original::dqn::train(
+                    &mut qa, &mut ta, &mut oa, &state, &action, &reward, &done, &next, 3,
+                ))
+            },
+            &mut || {
+                (qb, tb) = (init.clone(), init.clone());
+                drop(half::dqn::train(
+                    &mut qb, &mut tb, &mut ob, &state, &action, &reward, &done, &next, 3, &mut s,
+                ))
+            },
+        );
+        rows.push(("dqn (dfdx example, Q-network 4-64-64-2, batch 64)", f, m));
+        let (mut pa, mut ta, mut pb, mut tb) =
+            (init.clone(), init.clone(), init.clone(), init.clone());
+        let (mut oa, mut ob) = (Sgd::new(&pa, sgd_config()), Sgd::new(&pb, sgd_config()));
+        let mut s = GradScaler::<f16>::default();
+        let adv = reward.clone();
+        let (f, m) = row(
+            rounds,
+            // each call from the same policy: repeated, PPO's surrogate runs away in both
+            &mut || {
+                (pa, ta) = (init.clone(), init.clone());
+                drop(original::ppo::train(
+                    &mut pa, &mut ta, &mut oa, &state, &action, &adv, 3,
+                ))
+            },
+            &mut || {
+                (pb, tb) = (init.clone(), init.clone());
+                drop(half::ppo::train(
+                    &mut pb, &mut tb, &mut ob, &state, &action, &adv, 3, &mut s,
+                ))
+            },
+        );
+        rows.push(("ppo (dfdx example, policy 4-64-64-2, batch 64)", f, m));
+    }
+    // dfdx's housing struct: 16 batches of 32
+    {
+        let mut rng = common::Lcg::new(13);
+        let batches: Vec<_> = (0..16)
+            .map(|_| {
+                let (mut x, mut y) = (Vec::new(), Vec::new());
+                for _ in 0..32 {
+                    let (a, b) = (rng.uniform() * 4.0 - 2.0, rng.uniform() * 4.0 - 2.0);
+                    x.extend([a, b]);
+                    y.push(f32::from(u8::from((a * a + b * b).sqrt() > 1.0)));
+                }
+                (
+                    dev.tensor_from_vec(x, (32usize, Const::<2>)),
+                    dev.tensor_from_vec(y, (32usize, Const::<1>)),
+                )
+            })
+            .collect();
+        let (mut pa, mut pb) = (
+            original::housing::Predictor::new(3),
+            half::housing::Predictor::new(3),
+        );
+        let mut s = GradScaler::<f16>::default();
+        let (f, m) = row(
+            rounds,
+            &mut || {
+                for (x, y) in &batches {
+                    pa.learn_batch(x.clone(), y.clone());
+                }
+            },
+            &mut || {
+                for (x, y) in &batches {
+                    pb.learn_batch(x.clone(), y.clone(), &mut s);
+                }
+            },
+        );
+        rows.push((
+            "housing (dfdx example, MLP 2-32-32-1 in a struct, batch 32)",
+            f,
+            m,
+        ));
+    }
+    // dfdx's generic train loop: 100 batches of 5
+    {
+        type M = <Linear<10, 2> as BuildOnDevice<Cpu, f32>>::Built;
+        let mut rng = common::Lcg::new(5);
+        let data: Vec<(
+            Tensor<Rank2<5, 10>, f32, Cpu>,
+            Tensor<Rank2<5, 2>, f32, Cpu>,
+        )> = (0..100)
+            .map(|_| {
+                (
+                    dev.tensor(std::array::from_fn::<[f32; 10], 5, _>(|_| rng.normals())),
+                    dev.tensor([[0.0, 1.0]; 5]),
+                )
+            })
+            .collect();
+        let init: M = dev.build_module::<Linear<10, 2>, f32>();
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Sgd::new(&a, Default::default()),
+            Sgd::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::<f16>::default();
+        let (f, m) = row(
+            rounds,
+            &mut || {
+                original::generic::classification_train(
+                    &mut a,
+                    &mut oa,
+                    cross_entropy_with_logits_loss,
+                    data.clone().into_iter(),
+                    1,
+                )
+                .unwrap()
+            },
+            &mut || {
+                half::generic::classification_train(
+                    &mut b,
+                    &mut ob,
+                    cross_entropy_with_logits_loss,
+                    data.clone().into_iter(),
+                    1,
+                    &mut s,
+                )
+                .unwrap()
+            },
+        );
+        rows.push((
+            "generic (dfdx example, Linear 10-2 generic over its model, batch 5)",
+            f,
+            m,
+        ));
+    }
+    // a GAN: 40 iterations of two models
+    {
+        let mut rng = common::Lcg::new(21);
+        let (real, noise): (
+            Vec<Tensor<Rank2<32, 2>, f32, Cpu>>,
+            Vec<Tensor<Rank2<32, 4>, f32, Cpu>>,
+        ) = (0..40)
+            .map(|_| {
+                let r: [[f32; 2]; 32] = std::array::from_fn(|_| {
+                    let a = rng.uniform() * std::f32::consts::TAU;
+                    [1.0 + 2.0 * a.cos(), -1.0 + 2.0 * a.sin()]
+                });
+                let n: [[f32; 4]; 32] = std::array::from_fn(|_| rng.normals());
+                (dev.tensor(r), dev.tensor(n))
+            })
+            .unzip();
+        let (g0, d0) = (
+            dev.build_module::<common::gan::GeneratorStructure, f32>(),
+            dev.build_module::<common::gan::DiscriminatorStructure, f32>(),
+        );
+        let (mut ga, mut da, mut gb, mut db) = (g0.clone(), d0.clone(), g0, d0);
+        let (mut goa, mut doa) = (
+            Adam::new(&ga, Default::default()),
+            Adam::new(&da, Default::default()),
+        );
+        let (mut gob, mut dob) = (
+            Adam::new(&gb, Default::default()),
+            Adam::new(&db, Default::default()),
+        );
+        let mut s = GradScaler::<f16>::default();
+        let (f, m) = row(
+            rounds,
+            &mut || {
+                drop(original::gan::train(
+                    &mut ga, &mut da, &mut goa, &mut doa, &real, &noise,
+                ))
+            },
+            &mut || {
+                drop(half::gan::train(
+                    &mut gb, &mut db, &mut gob, &mut dob, &real, &noise, &mut s,
+                ))
+            },
+        );
+        rows.push(("gan (two MLPs 4-32-2 and 2-32-1, batch 32)", f, m));
+    }
+    // the user's own module, with the two lines and without
+    {
+        let x: Tensor<Rank2<64, 16>, f32, Cpu> = dev.sample_normal();
+        let y: Tensor<Rank2<64, 4>, f32, Cpu> = dev.sample_normal();
+        let init = own::M::build(&dev);
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::default();
+        let (f, m) = row(
+            rounds * 20,
+            &mut || {
+                std::hint::black_box(own::f32_step(&mut a, &mut oa, &x, &y));
+            },
+            &mut || {
+                std::hint::black_box(own::mixed_step(&mut b, &mut ob, &x, &y, &mut s));
+            },
+        );
+        rows.push((
+            "a module of the user's own (16-64-4, batch 64), #[derive(HalfLayers)]",
+            f,
+            m,
+        ));
+        let init = bare::M::build(&dev);
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::default();
+        let (f, m) = row(
+            rounds * 20,
+            &mut || {
+                std::hint::black_box(bare::f32_step(&mut a, &mut oa, &x, &y));
+            },
+            &mut || {
+                std::hint::black_box(bare::mixed_step(&mut b, &mut ob, &x, &y, &mut s));
+            },
+        );
+        rows.push((
+            "the same module without the two lines (dfdx's f16 layers)",
+            f,
+            m,
+        ));
+    }
+    // a hand-unrolled RNN
+    {
+        let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());
+        let y: Tensor<Rank2<32, 4>, f32, Cpu> = dev.sample_normal();
+        let init = rnn::M::build(&dev);
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::default();
+        let (f, m) = row(
+            rounds * 20,
+            &mut || {
+                std::hint::black_box(rnn::f32_step(&mut a, &mut oa, &xs, &y));
+            },
+            &mut || {
+                std::hint::black_box(rnn::mixed_step(&mut b, &mut ob, &xs, &y, &mut s));
+            },
+        );
+        rows.push((
+            "a hand-unrolled RNN, 4 steps of 8-32 (a module of the user's own), batch 32",
+            f,
+            m,
+        ));
+    }
+    // a REINFORCE policy
+    {
+        let s_: Tensor<Rank2<128, 4>, f32, Cpu> = dev.sample_normal();
+        let a_: Tensor<Rank1<128>, usize, Cpu> =
+            dev.tensor(std::array::from_fn::<usize, 128, _>(|i| i % 2));
+        let r_: Tensor<Rank1<128>, f32, Cpu> = dev.sample_normal();
+        let init = dev.build_module::<policy::Structure, f32>();
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::default();
+        let (f, m) = row(
+            rounds * 20,
+            &mut || {
+                std::hint::black_box(policy::f32_step(&mut a, &mut oa, &s_, &a_, &r_));
+            },
+            &mut || {
+                std::hint::black_box(policy::mixed_step(&mut b, &mut ob, &s_, &a_, &r_, &mut s));
+            },
+        );
+        rows.push((
+            "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128",
+            f,
+            m,
+        ));
+    }
+
+    println!("real loops, f32 against `#[mixed_step]` f16, medians of interleaved rounds, {cpu}");
+    println!("| loop | f32 | mixed | mixed / f32 |");
+    println!("|---|---|---|---|");
+    let mut ratios = Vec::new();
+    for (name, f, m) in &rows {
+        let r = m.as_secs_f64() / f.as_secs_f64();
+        ratios.push(r);
+        println!(
+            "| {name} | {:.3} ms | {:.3} ms | {r:.2} |",
+            f.as_secs_f64() * 1e3,
+            m.as_secs_f64() * 1e3
+        );
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "median mixed / f32 over {} loops: {:.2}",
+        ratios.len(),
+        ratios[ratios.len() / 2]
+    );
+}
