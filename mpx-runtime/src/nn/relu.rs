@@ -82,8 +82,9 @@ fn forward_pass(y: FloatSliceMut<'_>, mask: Option<&mut [u8]>) {
             }
         }
         (FloatSliceMut::F32(v), None) => {
-            v.iter_mut()
-                .for_each(|y| *y = if *y > 0.0 { *y } else { 0.0 });
+            for y in v.iter_mut() {
+                *y = if *y > 0.0 { *y } else { 0.0 };
+            }
         }
         (FloatSliceMut::F16(v), Some(mask)) => {
             for (y, m) in v.iter_mut().zip(mask) {
@@ -93,8 +94,9 @@ fn forward_pass(y: FloatSliceMut<'_>, mask: Option<&mut [u8]>) {
             }
         }
         (FloatSliceMut::F16(v), None) => {
-            v.iter_mut()
-                .for_each(|y| *y = half::f16::from_bits(f16_relu(y.to_bits())));
+            for y in v.iter_mut() {
+                *y = half::f16::from_bits(f16_relu(y.to_bits()));
+            }
         }
     }
 }
@@ -146,7 +148,7 @@ where
                 (FloatSliceMut::F16(g), _) => {
                     let mut wide = scratch::take::<f32>(n);
                     E::widen(&dz, &mut wide);
-                    crate::precision::convert::add_f32_into_f16(&wide, g);
+                    mpx_kernels::convert::add_f32_into_f16(&wide, g);
                 }
                 (FloatSliceMut::F32(_), FloatSlice::F16(_)) => {
                     return Err(CpuError::WrongNumElements);
@@ -164,7 +166,7 @@ mod tests {
     use half::f16;
 
     /// Output and gradient bits of `relu(x) * c + x` (the gradient of `x` gets a second
-    /// contribution besides the ReLU's), with dfdx's ReLU or mpx's.
+    /// contribution besides the `ReLU`'s), with dfdx's `ReLU` or mpx's.
     fn run<E: Dtype + crate::precision::Precision<Elem = E>>(
         xs: Vec<E>,
         c: Vec<E>,
