@@ -67,17 +67,27 @@
 //! | [`boundary`] | compile-time precision boundaries: a half model where the f32 master belongs is an error that says what to do |
 //! | [`nn`] | mixed-ready layers: a fused `Linear`, layer norm, attention, a transformer encoder, a ViT |
 //! | [`mx`] | OCP Microscaling (MX) block formats: quantization, fake quantization, `MxLinear` |
+//! | [`threads`] | how many threads mpx's kernels use: [`set_max_threads`](threads::set_max_threads) (process-wide), [`with_threads`](threads::with_threads) (one thread, one closure) |
 //!
 //! The attribute macros ([`macro@mixed_step`], [`macro@full_precision`], [`macro@autocast`],
 //! [`derive@Cast`]) generate calls into these modules and nothing else: everything they write can
 //! be written by hand (`examples/mixed_step-expanded.rs` shows one expansion in full).
+//!
+//! # Safety
+//! mpx's `unsafe` code (SIMD kernels, slice views, a thread pool) is all in one crate,
+//! [`mpx-kernels`](https://docs.rs/mpx-kernels), behind safe functions; its crate docs state how
+//! each is made sound. This crate and `mpx-runtime` forbid `unsafe_code` (`mpx-runtime` allows it
+//! on one module each with the `cuda` and `mpi` features: see its crate docs).
 #![warn(missing_docs, unreachable_pub, clippy::pedantic)]
+#![forbid(unsafe_code)]
 
 pub use mpx_macros::{Cast, HalfLayers, autocast, full_precision, half_forward, mixed_step};
 /// Data-parallel training over MPI (feature `mpi`): see [`mpx_runtime::distributed`].
 #[cfg(feature = "mpi")]
 pub use mpx_runtime::distributed;
-pub use mpx_runtime::{boundary, cast, finite, mx, nn, policy, precision, region, scaling, step};
+pub use mpx_runtime::{
+    boundary, cast, finite, mx, nn, policy, precision, region, scaling, step, threads,
+};
 
 pub mod prelude {
     //! The names most mixed-precision code uses, for a glob import beside dfdx's prelude.

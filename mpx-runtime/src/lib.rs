@@ -12,17 +12,33 @@
 //! | [`step`] | the mixed-precision step: mixed gradients, skip-on-overflow updates |
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
-//! | [`nn`] | mixed-ready layers (a fused `Linear`, layer norm, attention, transformer encoder, ViT) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes; internal, not a public API) |
+//! | [`nn`] | mixed-ready layers (a fused `Linear`, layer norm, attention, transformer encoder, ViT) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes, in the `mpx-kernels` crate) |
+//! | [`threads`] | the kernels' thread knobs: how many threads a GEMM uses, process-wide or per thread |
+//!
+//! # Safety
+//! This crate has no `unsafe` code: every `unsafe` operation mpx needs (SIMD kernels, slice
+//! views, the thread pool) is in the `mpx-kernels` crate, behind safe functions, and its crate
+//! docs state how each is made sound. Two modules are exceptions, each only with its feature,
+//! where `unsafe_code` is allowed on that module alone (and denied everywhere else):
+//! `step::device::cuda` (feature `cuda`, kernel launches through cudarc) and `distributed`
+//! (feature `mpi`, the `Send` and `Sync` of its reducer). Without those features the crate
+//! forbids `unsafe_code`.
+
+// No `unsafe` here: it lives in `mpx-kernels`. The two feature-gated exceptions (see the crate
+// docs) allow it on their own modules, which `forbid` would not let them do.
+#![cfg_attr(not(any(feature = "cuda", feature = "mpi")), forbid(unsafe_code))]
+#![cfg_attr(any(feature = "cuda", feature = "mpi"), deny(unsafe_code))]
 
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
 pub mod boundary;
 pub mod cast;
+// `unsafe impl Send/Sync for Reducer` (an MPI communicator's handle), until it is removed there.
 #[cfg(feature = "mpi")]
+#[allow(unsafe_code)]
 pub mod distributed;
 pub mod finite;
-pub(crate) mod kernels;
 pub mod mx;
 pub mod nn;
 pub mod policy;
@@ -31,10 +47,22 @@ pub mod region;
 pub mod scaling;
 pub mod step;
 
+pub use mpx_kernels::threads;
+
 /// Hooks into mpx's GEMM for its own benchmarks and tests (force a path or a thread count, time a
-/// product). Not a public API: it may change in any release.
+/// product, read the error bounds). Not a public API: it may change in any release. The thread
+/// knobs here are [`threads`]' own.
 #[doc(hidden)]
-pub use kernels::bench as __bench;
+pub mod __bench {
+    pub use crate::precision::FloatSlice;
+    pub use mpx_kernels::threads::{
+        available_threads, max_threads, set_max_threads, use_scoped_threads, with_threads,
+    };
+    pub use mpx_kernels::{
+        Calibration, KernelError, KernelPath, MatRef, active_path, bf16_error_bound, calibration,
+        f32_error_bound, fp16_error_bound, gemm, gemm_nanos, gemm_on, peak_fma_flops, with_path,
+    };
+}
 
 /// dfdx, for paths in code the macros generate. Not a public API.
 #[doc(hidden)]

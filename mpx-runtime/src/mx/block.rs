@@ -6,8 +6,12 @@
 //! rounding ([`Codec`]). No tables are searched, no float `log2` is taken and nothing is allocated
 //! per block.
 //!
-//! On x86-64 CPUs with AVX2 the kernels run a copy compiled for AVX2 (chosen at run time); the
-//! portable build targets SSE2 only. Both compute the same bits.
+//! On x86-64 CPUs with AVX2 the kernels run a copy compiled for AVX2, chosen at run time by
+//! [`mpx_kernels::with_avx2`]: the row loops below and everything they call are
+//! `#[inline(always)]`, so they are inlined into that copy ([`QuantizeRows`] and its siblings are
+//! the tasks it runs). The portable build targets SSE2 only. Both compute the same bits.
+
+use mpx_kernels::{Avx2Task, with_avx2};
 
 use super::element::Rounding;
 use super::element::{Codec, decode_table_256, pow2};
@@ -125,25 +129,13 @@ impl Kernel {
         scales: &mut [u8],
         elems: &mut [u8],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { self.quantize_rows_avx2(layout, x, scales, elems) };
-        }
-        self.quantize_rows_impl(layout, x, scales, elems);
-    }
-
-    /// [`quantize_rows`](Kernel::quantize_rows) compiled for AVX2 (8 lanes instead of SSE2's 4).
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn quantize_rows_avx2(
-        &self,
-        layout: Layout,
-        x: &[f32],
-        scales: &mut [u8],
-        elems: &mut [u8],
-    ) {
-        self.quantize_rows_impl(layout, x, scales, elems);
+        with_avx2(QuantizeRows {
+            kernel: self,
+            layout,
+            x,
+            scales,
+            elems,
+        });
     }
 
     #[inline(always)]
@@ -202,25 +194,13 @@ impl Kernel {
         elems: &[u8],
         out: &mut [f32],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { self.dequantize_rows_avx2(layout, scales, elems, out) };
-        }
-        self.dequantize_rows_impl(layout, scales, elems, out);
-    }
-
-    /// [`dequantize_rows`](Kernel::dequantize_rows) compiled for AVX2.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn dequantize_rows_avx2(
-        &self,
-        layout: Layout,
-        scales: &[u8],
-        elems: &[u8],
-        out: &mut [f32],
-    ) {
-        self.dequantize_rows_impl(layout, scales, elems, out);
+        with_avx2(DequantizeRows {
+            kernel: self,
+            layout,
+            scales,
+            elems,
+            out,
+        });
     }
 
     #[inline(always)]
@@ -291,19 +271,12 @@ impl Kernel {
 
     /// Quantizes and dequantizes `layout.rows` rows in one pass, without packing.
     pub(crate) fn quantize_dequantize_rows(&self, layout: Layout, x: &[f32], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { self.quantize_dequantize_rows_avx2(layout, x, out) };
-        }
-        self.quantize_dequantize_rows_impl(layout, x, out);
-    }
-
-    /// [`quantize_dequantize_rows`](Kernel::quantize_dequantize_rows) compiled for AVX2.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn quantize_dequantize_rows_avx2(&self, layout: Layout, x: &[f32], out: &mut [f32]) {
-        self.quantize_dequantize_rows_impl(layout, x, out);
+        with_avx2(QuantizeDequantizeRows {
+            kernel: self,
+            layout,
+            x,
+            out,
+        });
     }
 
     #[inline(always)]
@@ -333,6 +306,59 @@ impl Kernel {
                 }
             }
         }
+    }
+}
+
+/// [`Kernel::quantize_rows`] as a task of [`with_avx2`].
+struct QuantizeRows<'a> {
+    kernel: &'a Kernel,
+    layout: Layout,
+    x: &'a [f32],
+    scales: &'a mut [u8],
+    elems: &'a mut [u8],
+}
+
+impl Avx2Task for QuantizeRows<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let k = self.kernel;
+        k.quantize_rows_impl(self.layout, self.x, self.scales, self.elems);
+    }
+}
+
+/// [`Kernel::dequantize_rows`] as a task of [`with_avx2`].
+struct DequantizeRows<'a> {
+    kernel: &'a Kernel,
+    layout: Layout,
+    scales: &'a [u8],
+    elems: &'a [u8],
+    out: &'a mut [f32],
+}
+
+impl Avx2Task for DequantizeRows<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let k = self.kernel;
+        k.dequantize_rows_impl(self.layout, self.scales, self.elems, self.out);
+    }
+}
+
+/// [`Kernel::quantize_dequantize_rows`] as a task of [`with_avx2`].
+struct QuantizeDequantizeRows<'a> {
+    kernel: &'a Kernel,
+    layout: Layout,
+    x: &'a [f32],
+    out: &'a mut [f32],
+}
+
+impl Avx2Task for QuantizeDequantizeRows<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn run(self) {
+        let k = self.kernel;
+        k.quantize_dequantize_rows_impl(self.layout, self.x, self.out);
     }
 }
 

@@ -18,10 +18,10 @@
 use dfdx::shapes::{Const, Dim, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
+use mpx_kernels::gemm;
 
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, view, widen};
 use super::scratch;
-use crate::kernels::gemm;
 use crate::precision::Precision;
 
 /// A `(B, S, N)` tensor.

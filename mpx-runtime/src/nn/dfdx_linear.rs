@@ -8,9 +8,9 @@ use dfdx::nn::{BuildModule, Module};
 use dfdx::shapes::{Dtype, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tape, Tensor};
 use dfdx::tensor_ops::Device;
+use mpx_kernels::Activation;
 
 use super::fused_linear::fused_linear;
-use crate::kernels::Activation;
 use crate::precision::Precision;
 
 /// The fields `weight` and `bias` of a layer with dfdx-`Linear`'s parameters, as its

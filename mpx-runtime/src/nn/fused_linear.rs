@@ -6,14 +6,13 @@
 use dfdx::shapes::{Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
+use mpx_kernels::{
+    Activation, KernelError, MatRef, ReluMask, add_f32_into, bias_act_into, gemm,
+    relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
+};
 
 use super::half_ops::{grad_slice, round_in_place, shape_err};
 use super::scratch::{self, Buf};
-use crate::kernels::{Activation, KernelError};
-use crate::kernels::{
-    MatRef, ReluMask, add_f32_into, bias_act_into, gemm, relu_mask_bias_grad_f16,
-    relu_mask_bias_grad_f32,
-};
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
 use crate::step::Link;
 

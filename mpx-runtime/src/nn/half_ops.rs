@@ -5,9 +5,9 @@
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
+use mpx_kernels::{KernelError, MatRef, add_f32_into};
 
 use super::scratch::{self, Buf};
-use crate::kernels::{KernelError, MatRef, add_f32_into};
 use crate::precision::{FloatSlice, Precision};
 
 /// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32, in

@@ -1,5 +1,5 @@
 //! [`Linear`] and [`LinearReLU`]: dfdx's `Linear` (optionally followed by a `ReLU`) as one fused
-//! operation on the tape, computed by mpx's [kernels](crate::kernels).
+//! operation on the tape, computed by mpx's kernels (the `mpx-kernels` crate).
 //!
 //! - **Forward:** one GEMM `X·Wᵀ` (f32 sums), then one pass adding the bias, applying the
 //!   activation and rounding to the layer's dtype.
@@ -45,9 +45,9 @@ use super::fused_linear::fused_linear;
 use super::layer_impls::native_module;
 use super::mixed::MixedModule;
 use crate::cast::{Cast, FloatLeaves};
-pub use crate::kernels::{Activation, KernelError};
 use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
 use crate::step::Link;
+pub use mpx_kernels::{Activation, KernelError};
 
 /// The activation a [`FusedLinear`] applies, as a marker type ([`act::Identity`],
 /// [`act::ReLU`]; dfdx builds modules from types).

@@ -4,6 +4,7 @@ use dfdx::nn::Module;
 use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
+use mpx_kernels::Activation;
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
@@ -11,7 +12,6 @@ use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, module_collection, native_module};
 use super::linear::Linear;
 use super::mixed::MixedModule;
-use crate::kernels::Activation;
 use crate::precision::Precision;
 use crate::region::FullPrecision;
 

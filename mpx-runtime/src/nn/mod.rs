@@ -74,7 +74,8 @@ pub use unary::{Sigmoid, Tanh};
 
 /// Caps the threads each of the layers' GEMMs may use, process-wide (`0`: all available, the
 /// default). A data-parallel run with one rank per core sets 1, so ranks do not contend for
-/// cores. Results are bit-identical for any count.
+/// cores. Results are bit-identical for any count. The same knob as
+/// [`threads::set_max_threads`](crate::threads::set_max_threads), where the others are.
 ///
 /// # Examples
 /// ```
@@ -82,5 +83,5 @@ pub use unary::{Sigmoid, Tanh};
 /// mpx_runtime::nn::set_gemm_threads(0); // back to all cores
 /// ```
 pub fn set_gemm_threads(n: usize) {
-    crate::kernels::set_max_threads(n);
+    crate::threads::set_max_threads(n);
 }

@@ -148,7 +148,7 @@ where
                 (FloatSliceMut::F16(g), _) => {
                     let mut wide = scratch::take::<f32>(n);
                     E::widen(&dz, &mut wide);
-                    crate::precision::convert::add_f32_into_f16(&wide, g);
+                    mpx_kernels::convert::add_f32_into_f16(&wide, g);
                 }
                 (FloatSliceMut::F32(_), FloatSlice::F16(_)) => {
                     return Err(CpuError::WrongNumElements);

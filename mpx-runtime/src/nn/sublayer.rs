@@ -7,13 +7,13 @@ use dfdx::nn::modules::{Linear as DfdxLinear, ReLU, Residual};
 use dfdx::shapes::{Const, Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::{Device, TryAdd};
+use mpx_kernels::Activation;
 
 use super::fused_linear::fused_linear;
 use super::layer_norm::LayerNorm1D;
 use super::layer_norm_kernel::add_layer_norm;
 use super::linear::Linear;
 use super::mixed::MixedModule;
-use crate::kernels::Activation;
 use crate::precision::Precision;
 
 /// The feed-forward part of a transformer block (encoder or decoder): `x + Linear(ReLU(Linear(x)))`, all in the half

@@ -3,7 +3,9 @@
 use dfdx::dtypes::AMP;
 use half::{bf16, f16};
 
-use super::slices::{amp_as_f16, amp_as_f16_mut, f16_as_amp_mut, sized};
+use mpx_kernels::{amp, convert};
+
+use super::slices::sized;
 use super::{DType, FloatSlice, FloatSliceMut, HalfPrecision, Precision, sealed};
 
 impl sealed::Sealed for f32 {
@@ -18,7 +20,7 @@ impl sealed::Sealed for f16 {
 }
 impl sealed::Sealed for AMP<f16> {
     fn scratch<'a>(_: &'a mut Vec<f32>, tmp16: &'a mut Vec<f16>, n: usize) -> &'a mut [AMP<f16>] {
-        f16_as_amp_mut(sized(tmp16, n))
+        amp::from_f16_mut(sized(tmp16, n))
     }
 }
 impl sealed::Sealed for bf16 {
@@ -55,10 +57,10 @@ impl Precision for f16 {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [f16]) {
-        super::convert::round_f16(src, dst);
+        convert::round_f16(src, dst);
     }
     fn widen(src: &[f16], dst: &mut [f32]) {
-        super::convert::widen_f16(src, dst);
+        convert::widen_f16(src, dst);
     }
     fn floats(values: &[f16]) -> FloatSlice<'_> {
         FloatSlice::F16(values)
@@ -82,16 +84,16 @@ impl Precision for AMP<f16> {
     const DTYPE: DType = DType::Float16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [AMP<f16>]) {
-        super::convert::round_f16(src, amp_as_f16_mut(dst));
+        convert::round_f16(src, amp::as_f16_mut(dst));
     }
     fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
-        super::convert::widen_f16(amp_as_f16(src), dst);
+        convert::widen_f16(amp::as_f16(src), dst);
     }
     fn floats(values: &[AMP<f16>]) -> FloatSlice<'_> {
-        FloatSlice::F16(amp_as_f16(values))
+        FloatSlice::F16(amp::as_f16(values))
     }
     fn floats_mut(values: &mut [AMP<f16>]) -> FloatSliceMut<'_> {
-        FloatSliceMut::F16(amp_as_f16_mut(values))
+        FloatSliceMut::F16(amp::as_f16_mut(values))
     }
     fn share<
         S: dfdx::shapes::Shape,
@@ -112,10 +114,10 @@ impl Precision for bf16 {
     const DTYPE: DType = DType::BFloat16;
     const IDENTITY: bool = false;
     fn round(src: &[f32], dst: &mut [f32]) {
-        super::convert::round_bf16(src, dst);
+        convert::round_bf16(src, dst);
     }
     fn widen(src: &[f32], dst: &mut [f32]) {
-        super::convert::round_bf16(src, dst);
+        convert::round_bf16(src, dst);
     }
     fn floats(values: &[f32]) -> FloatSlice<'_> {
         FloatSlice::Bf16(values)

@@ -39,18 +39,18 @@
 //! assert!(bf16::EMULATED);
 //! ```
 
-pub(crate) mod convert;
 mod dtype;
 mod impls;
 mod slices;
-mod views;
 
 pub use dfdx::dtypes::AMP;
 pub use dtype::DType;
 pub use half::{bf16, f16};
-pub use slices::round_to_bf16;
+/// Defined with the SIMD conversions (`mpx-kernels`).
+pub use mpx_kernels::convert::round_to_bf16;
+/// The view pair, defined with the kernels that take it (`mpx-kernels`).
+pub use mpx_kernels::{FloatSlice, FloatSliceMut};
 pub(crate) use slices::sized;
-pub use views::{FloatSlice, FloatSliceMut};
 
 mod sealed {
     /// Seals [`Precision`](super::Precision): only mpx implements it, for `f32`, `f16`,
@@ -120,9 +120,28 @@ pub trait Precision: sealed::Sealed + 'static + Copy + Send + Sync + std::fmt::D
 
     /// The stored values, to read (emulated bf16: [`FloatSlice::Bf16`], f32 values read as
     /// bf16).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::precision::{AMP, FloatSlice, Precision, bf16, f16};
+    /// assert!(matches!(f32::floats(&[1.0]), FloatSlice::F32(&[1.0])));
+    /// assert!(matches!(<AMP<f16>>::floats(&[AMP(f16::ONE)]), FloatSlice::F16(v) if v == [f16::ONE]));
+    /// assert!(matches!(bf16::floats(&[1.0]), FloatSlice::Bf16(_)));
+    /// assert_eq!(bf16::floats(&[1.0, 2.0]).len(), 2);
+    /// ```
     fn floats(values: &[Self::Elem]) -> FloatSlice<'_>;
 
     /// The stored values, to write (emulated bf16: its f32 storage).
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_runtime::precision::{AMP, FloatSliceMut, Precision, f16};
+    /// let mut v = [AMP(f16::ONE)];
+    /// if let FloatSliceMut::F16(h) = <AMP<f16>>::floats_mut(&mut v) {
+    ///     h[0] = f16::from_f32(2.0);
+    /// }
+    /// assert_eq!(v[0].0, f16::from_f32(2.0));
+    /// ```
     fn floats_mut(values: &mut [Self::Elem]) -> FloatSliceMut<'_>;
 
     /// An f32 tensor as this precision's, sharing its buffer, where casting changes nothing

@@ -262,11 +262,11 @@ mod cpu {
     use super::{FullOp, HalfOp, Pair, SeedOp};
     use crate::cast::grad_slice;
     use crate::finite::{add_scaled_checked, all_finite_f32};
-    use crate::kernels::{every_part, zip_parts};
     use crate::precision::{FloatSlice, Precision};
     use crate::step::error::StepError;
     use crate::step::link::RegionLinks;
     use crate::step::slots::MasterSlot;
+    use mpx_kernels::{every_part, zip_parts};
 
     /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation
     /// cache on (the working copy's tensors and their half gradients are allocated on it, so a
@@ -593,5 +593,11 @@ mod cpu {
     }
 }
 
+// The one module of this crate with `unsafe` (besides `distributed`'s `Send`/`Sync`): it launches
+// mpx's own CUDA kernels on dfdx's gradient buffers through cudarc, whose `launch` is unsafe (it
+// cannot check a kernel's parameter types). The launches take dfdx's `Cuda` buffers of dfdx's
+// element types, are built only with CUDA and run only on a GPU, so they stay next to the code
+// that owns those buffers; each checks its lengths first and says why it is sound (`// SAFETY:`).
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
 mod cuda;

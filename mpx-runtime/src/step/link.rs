@@ -18,10 +18,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
+use mpx_kernels::zip_parts;
 
 use super::slots::MasterSlot;
 use crate::finite::add_scaled_checked;
-use crate::kernels::zip_parts;
 
 /// What the linked layers of one forward pass share with its backward bridge. Named by the
 /// sealed device trait, reachable by nobody outside the crate.

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use super::driver::{gemm_on, gemm_threads};
 use super::{KernelError, KernelPath, MatRef};
-use crate::precision::FloatSlice;
+use crate::FloatSlice;
 
 /// What the first-use calibration measured: the candidates for f32 arithmetic (the paths that
 /// compute the same bits), the time each took on the probe products, and the one chosen, for
@@ -68,7 +68,13 @@ const PROBES_THIN: [(usize, usize, usize, bool); 4] = [
 const ROUNDS: usize = 5;
 
 /// The calibration of this process, run on the first call and cached (see the
-/// module docs above).
+/// crate docs).
+///
+/// # Examples
+/// ```
+/// let c = mpx_kernels::calibration();
+/// assert!(c.chosen.is_supported() && c.chosen_thin.is_supported());
+/// ```
 pub fn calibration() -> &'static Calibration {
     static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
     CALIBRATION.get_or_init(|| {
@@ -176,8 +182,15 @@ pub(crate) fn forced_path() -> Option<KernelPath> {
 }
 
 /// The path f32 products called on this thread use: the one forced by [`with_path`], else
-/// `detected_path` (f16 and bf16 operands with their own instructions take those when none is
-/// forced, see the module docs above).
+/// the [calibration](calibration)'s choice for ordinary products (f16 and bf16 operands with
+/// their own instructions take those when none is forced, see the crate docs).
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{KernelPath, active_path, with_path};
+/// assert_eq!(with_path(KernelPath::Portable, active_path)?, KernelPath::Portable);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
 pub fn active_path() -> KernelPath {
     forced_path().unwrap_or_else(detected_path)
 }
@@ -187,6 +200,20 @@ pub fn active_path() -> KernelPath {
 ///
 /// # Errors
 /// [`KernelError::Unsupported`] if this CPU lacks the path's instructions; `f` does not run.
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{KernelPath, MatRef, gemm, with_path};
+///
+/// let a = MatRef::row_major_f32(&[1.0, 2.0], 1, 2)?;
+/// let b = MatRef::row_major_f32(&[3.0, 4.0], 2, 1)?;
+/// for path in KernelPath::supported() {
+///     let mut c = [0.0f32];
+///     with_path(path, || gemm(a, b, &mut c, false))??;
+///     assert_eq!(c, [11.0], "{path:?}");
+/// }
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
 pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, KernelError> {
     struct Restore(Option<KernelPath>);
     impl Drop for Restore {
@@ -206,13 +233,31 @@ pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, Kernel
 
 /// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
 /// [`with_path`], else the one chosen for these operands: f16 and bf16
-/// operands on their own instructions where the CPU has them, everything else on
-/// `detected_path`. `C` is
-/// row-major `A.rows x B.cols` f32.
+/// operands on their own instructions where the CPU has them, everything else on the
+/// [calibration](calibration)'s choice. `C` is row-major `A.rows x B.cols` f32. Every path reads
+/// f16 and bf16 operands as they are and sums in f32 (the error bounds of the
+/// [crate docs](crate#error-bounds)).
 ///
 /// # Errors
 /// [`KernelError::InnerMismatch`], [`KernelError::OperandTooShort`] or
 /// [`KernelError::OutputLength`] when the shapes do not fit.
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_kernels::{MatRef, gemm};
+///
+/// // x·Wᵀ with f16 operands: W is stored as 3 x 2 (out x in), read transposed
+/// let x: Vec<f16> = [1.0f32, 2.0].map(f16::from_f32).to_vec();
+/// let w: Vec<f16> = [1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0].map(f16::from_f32).to_vec();
+/// let mut y = [0.0f32; 3];
+/// gemm(MatRef::row_major_f16(&x, 1, 2)?, MatRef::row_major_f16(&w, 3, 2)?.t(), &mut y, false)?;
+/// assert_eq!(y, [1.0, 2.0, 3.0]);
+/// gemm(MatRef::row_major_f16(&x, 1, 2)?, MatRef::row_major_f16(&w, 3, 2)?.t(), &mut y, true)?;
+/// assert_eq!(y, [2.0, 4.0, 6.0]); // accumulated
+/// assert!(gemm(MatRef::row_major_f16(&x, 1, 2)?, MatRef::row_major_f16(&w, 3, 2)?, &mut y, false).is_err());
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
 pub fn gemm(
     a: MatRef<'_>,
     b: MatRef<'_>,

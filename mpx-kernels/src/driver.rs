@@ -36,12 +36,22 @@ use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
 use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, transpose, zip_parts};
-use crate::precision::FloatSlice;
+use crate::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
 ///
 /// # Errors
 /// As [`gemm`](super::path::gemm), and [`KernelError::Unsupported`] if this CPU lacks the path.
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{KernelPath, MatRef, gemm_on};
+/// let a = MatRef::row_major_f32(&[1.0, 2.0, 3.0, 4.0], 2, 2)?;
+/// let mut c = [0.0f32; 4];
+/// gemm_on(KernelPath::Portable, a, a.t(), &mut c, false)?; // A·Aᵀ
+/// assert_eq!(c, [5.0, 11.0, 11.0, 25.0]);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
 pub fn gemm_on<'a>(
     path: KernelPath,
     a: MatRef<'a>,
@@ -216,7 +226,7 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         FloatSlice::F16(v) => {
             let buf = grown(buf, n);
             zip_parts(buf, &v[..n], &|d, s| {
-                crate::precision::convert::widen_f16(s, d);
+                crate::convert::widen_f16(s, d);
                 true
             });
             buf
@@ -224,7 +234,7 @@ fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
         FloatSlice::Bf16(v) => {
             let buf = grown(buf, n);
             zip_parts(buf, &v[..n], &|d, s| {
-                crate::precision::convert::round_bf16(s, d);
+                crate::convert::round_bf16(s, d);
                 true
             });
             buf
@@ -284,7 +294,7 @@ pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, pa
         |packed, _, _| {
             let halves: &[f16] = packed.reinterpret_cast();
             let dst = &mut dst[done * width * kc..];
-            crate::precision::convert::widen_f16(halves, &mut dst[..halves.len()]);
+            crate::convert::widen_f16(halves, &mut dst[..halves.len()]);
         },
     );
 }
@@ -304,7 +314,19 @@ impl Drop for CountTime {
 
 /// Total wall-clock nanoseconds spent inside [`gemm`](super::path::gemm) / [`gemm_on`] calls so far, summed over
 /// calling threads: the difference across a training step is that step's matmul time (for
-/// profiling; costs two clock reads per call).
+/// profiling; costs two clock reads per call). A process-wide counter (see the crate docs'
+/// [Process-wide state](crate#process-wide-state)): other threads' products count too.
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{MatRef, gemm, gemm_nanos};
+/// let before = gemm_nanos();
+/// let a = MatRef::row_major_f32(&[1.0; 64 * 64], 64, 64)?;
+/// let mut c = vec![0.0f32; 64 * 64];
+/// gemm(a, a, &mut c, false)?;
+/// assert!(gemm_nanos() > before);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
 pub fn gemm_nanos() -> u64 {
     GEMM_NANOS.load(Ordering::Relaxed)
 }

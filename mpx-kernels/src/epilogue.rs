@@ -9,9 +9,10 @@ use half::slice::HalfFloatSliceExt;
 
 use super::KernelError;
 use super::relu_mask::{MaskValue, Simd, word};
-use crate::precision::FloatSliceMut;
+use crate::FloatSliceMut;
 
-/// The activation fused after a Linear layer's GEMM.
+/// The activation fused after a Linear layer's GEMM (mpx re-exports it as
+/// `mpx::nn::Activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activation {
     /// `y = z`.
@@ -40,7 +41,20 @@ fn expect_len(what: &'static str, len: usize, expected: usize) -> Result<(), Ker
 /// [`KernelError::EmptyRow`] if `bias` is empty, [`KernelError::NotWholeRows`] if `acc` is not a
 /// whole number of rows of `bias.len()`, [`KernelError::Length`] if `out`'s length differs from
 /// `acc`'s.
-pub(crate) fn bias_act_into(
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_kernels::{Activation, FloatSliceMut, bias_act_into};
+///
+/// // two rows of three GEMM sums, a bias, ReLU, written as f16
+/// let mut acc = [1.0f32, -2.0, 0.5, -1.0, 3.0, 0.0];
+/// let mut out = [f16::ZERO; 6];
+/// bias_act_into(&mut acc, &[0.5, 0.5, -1.0], Activation::ReLU, FloatSliceMut::F16(&mut out))?;
+/// assert_eq!(out.map(f16::to_f32), [1.5, 0.0, 0.0, 0.0, 3.5, 0.0]);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
+pub fn bias_act_into(
     acc: &mut [f32],
     bias: &[f32],
     act: Activation,
@@ -74,7 +88,7 @@ pub(crate) fn bias_act_into(
                 } else {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += *b);
                 }
-                crate::precision::convert::round_f16(row, orow);
+                crate::convert::round_f16(row, orow);
             }
         }
     }
@@ -84,20 +98,41 @@ pub(crate) fn bias_act_into(
 /// `ReLU`'s derivative as one bit per element (set: the output was positive, the gradient passes).
 /// Made from the layer's output in the forward pass, so the backward needs neither the output
 /// nor the pre-activation (1/16 of an f16 activation's memory).
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::ReluMask;
+/// let mask = ReluMask::from_f32(&[1.0, 0.0, -0.0, f32::NAN, f32::INFINITY]);
+/// assert_eq!(mask.len(), 5);
+/// assert_eq!((0..6).map(|i| mask.get(i)).collect::<Vec<_>>(), [true, false, false, false, true, false]);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ReluMask {
+pub struct ReluMask {
     bits: Vec<u64>,
     len: usize,
 }
 
 impl ReluMask {
     /// The mask of `ReLU` outputs `y` in f16: `y > 0` (sign clear, not zero, not NaN; +inf passes).
-    pub(crate) fn from_f16(y: &[f16]) -> Self {
+    ///
+    /// # Examples
+    /// ```
+    /// use half::f16;
+    /// let mask = mpx_kernels::ReluMask::from_f16(&[f16::ONE, f16::NEG_ONE]);
+    /// assert!(mask.get(0) && !mask.get(1));
+    /// ```
+    pub fn from_f16(y: &[f16]) -> Self {
         Self::from_values::<u16>(y.reinterpret_cast())
     }
 
     /// The mask of `ReLU` outputs `y` in f32: `y > 0`.
-    pub(crate) fn from_f32(y: &[f32]) -> Self {
+    ///
+    /// # Examples
+    /// ```
+    /// let mask = mpx_kernels::ReluMask::from_f32(&[2.0, -2.0]);
+    /// assert!(mask.get(0) && !mask.get(1));
+    /// ```
+    pub fn from_f32(y: &[f32]) -> Self {
         Self::from_values(y)
     }
 
@@ -149,12 +184,33 @@ impl ReluMask {
     }
 
     /// Number of elements.
-    pub(crate) fn len(&self) -> usize {
+    ///
+    /// # Examples
+    /// ```
+    /// assert_eq!(mpx_kernels::ReluMask::from_f32(&[1.0; 70]).len(), 70);
+    /// ```
+    pub fn len(&self) -> usize {
         self.len
     }
 
+    /// `true` for the mask of no elements.
+    ///
+    /// # Examples
+    /// ```
+    /// assert!(mpx_kernels::ReluMask::from_f32(&[]).is_empty());
+    /// ```
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Whether element `i` passes (false past the end).
-    pub(crate) fn get(&self, i: usize) -> bool {
+    ///
+    /// # Examples
+    /// ```
+    /// let mask = mpx_kernels::ReluMask::from_f32(&[1.0]);
+    /// assert!(mask.get(0) && !mask.get(1));
+    /// ```
+    pub fn get(&self, i: usize) -> bool {
         i < self.len && (self.bits[i / 64] >> (i % 64)) & 1 == 1
     }
 
@@ -190,7 +246,22 @@ impl ReluMask {
 /// [`KernelError::EmptyRow`] if `bias_grad` is empty, [`KernelError::NotWholeRows`] if `dy` is
 /// not whole rows of `bias_grad.len()`, [`KernelError::Length`] if the mask's length differs from
 /// `dy`'s.
-pub(crate) fn relu_mask_bias_grad_f16(
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// use mpx_kernels::{ReluMask, relu_mask_bias_grad_f16};
+///
+/// let y = [f16::ONE, f16::ZERO, f16::ONE, f16::ONE]; // the forward's outputs, 2 x 2
+/// let mask = ReluMask::from_f16(&y);
+/// let mut dy = [f16::from_f32(0.5); 4];
+/// let mut bias_grad = [0.0f32; 2];
+/// relu_mask_bias_grad_f16(&mut dy, Some(&mask), &mut bias_grad)?;
+/// assert_eq!(dy[1], f16::ZERO); // masked
+/// assert_eq!(bias_grad, [1.0, 0.5]);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
+pub fn relu_mask_bias_grad_f16(
     dy: &mut [f16],
     mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
@@ -221,7 +292,7 @@ pub(crate) fn relu_mask_bias_grad_f16(
         }
         for (dc, gc) in drow.chunks(256).zip(bias_grad.chunks_mut(256)) {
             let b = &mut buf[..dc.len()];
-            crate::precision::convert::widen_f16(dc, b);
+            crate::convert::widen_f16(dc, b);
             gc.iter_mut().zip(b.iter()).for_each(|(g, v)| *g += *v);
         }
     }
@@ -232,7 +303,16 @@ pub(crate) fn relu_mask_bias_grad_f16(
 ///
 /// # Errors
 /// As [`relu_mask_bias_grad_f16`].
-pub(crate) fn relu_mask_bias_grad_f32(
+///
+/// # Examples
+/// ```
+/// let mut dy = [1.0f32, 2.0, 3.0, 4.0];
+/// let mut bias_grad = [0.0f32; 2];
+/// mpx_kernels::relu_mask_bias_grad_f32(&mut dy, None, &mut bias_grad)?; // no ReLU: sums only
+/// assert_eq!(bias_grad, [4.0, 6.0]);
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
+pub fn relu_mask_bias_grad_f32(
     dy: &mut [f32],
     mask: Option<&ReluMask>,
     bias_grad: &mut [f32],
@@ -294,11 +374,21 @@ fn whole_rows(
 ///
 /// # Errors
 /// [`KernelError::Length`] if the lengths differ.
-pub(crate) fn add_f32_into(src: &[f32], dst: FloatSliceMut<'_>) -> Result<(), KernelError> {
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{FloatSliceMut, add_f32_into};
+/// let mut grad = [1.0f32, 2.0];
+/// add_f32_into(&[0.5, 0.5], FloatSliceMut::F32(&mut grad))?;
+/// assert_eq!(grad, [1.5, 2.5]);
+/// assert!(add_f32_into(&[1.0], FloatSliceMut::F32(&mut grad)).is_err());
+/// # Ok::<(), mpx_kernels::KernelError>(())
+/// ```
+pub fn add_f32_into(src: &[f32], dst: FloatSliceMut<'_>) -> Result<(), KernelError> {
     expect_len("dst", dst.len(), src.len())?;
     match dst {
         FloatSliceMut::F32(d) => d.iter_mut().zip(src).for_each(|(d, s)| *d += *s),
-        FloatSliceMut::F16(d) => crate::precision::convert::add_f32_into_f16(src, d),
+        FloatSliceMut::F16(d) => crate::convert::add_f32_into_f16(src, d),
     }
     Ok(())
 }

@@ -224,14 +224,28 @@ fn post(job: &Arc<Job>, extra: usize) {
 const PAR_MIN_VALUES: usize = 1 << 17;
 
 /// Runs `part` on matching parts of `dst` and `src` (cut at the same offsets, in multiples of 64
-/// values), one part per thread that [`max_threads`](super::max_threads) allows, on the calling
+/// values), one part per thread that [`max_threads`](crate::threads::max_threads) allows, on the calling
 /// thread and helpers of the pool; a short pass runs whole on the calling thread. Returns whether
 /// every call returned `true`. For element-wise passes over a model's worth of values (a
 /// gradient's unscaled sum, a master's rounding), whose result does not depend on the cut.
 ///
+/// A panic in `part` is re-raised on the calling thread once every part has run.
+///
 /// # Panics
-/// If the lengths differ.
-pub(crate) fn zip_parts<A: Send, B: Sync>(
+/// If the lengths differ, or a call of `part` panicked.
+///
+/// # Examples
+/// ```
+/// // an unscale-and-check pass: `dst += src / 8`, and whether every sum is finite
+/// let src = vec![8.0f32; 1 << 18];
+/// let mut dst = vec![1.0f32; 1 << 18];
+/// let finite = mpx_kernels::zip_parts(&mut dst, &src, &|d, s| {
+///     d.iter_mut().zip(s).for_each(|(d, s)| *d += s / 8.0);
+///     d.iter().all(|v| v.is_finite())
+/// });
+/// assert!(finite && dst.iter().all(|&v| v == 2.0));
+/// ```
+pub fn zip_parts<A: Send, B: Sync>(
     dst: &mut [A],
     src: &[B],
     part: &(dyn Fn(&mut [A], &[B]) -> bool + Sync),
@@ -240,7 +254,7 @@ pub(crate) fn zip_parts<A: Send, B: Sync>(
     let threads = if dst.len() < PAR_MIN_VALUES {
         1
     } else {
-        super::max_threads()
+        crate::threads::max_threads()
     };
     if threads <= 1 {
         return part(dst, src);
@@ -264,7 +278,17 @@ pub(crate) fn zip_parts<A: Send, B: Sync>(
 }
 
 /// [`zip_parts`] over one slice, read only: whether `part` returned `true` for every part.
-pub(crate) fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync)) -> bool {
+///
+/// # Panics
+/// If a call of `part` panicked.
+///
+/// # Examples
+/// ```
+/// let v = vec![1.0f32; 1 << 18];
+/// assert!(mpx_kernels::every_part(&v, &|p| p.iter().all(|x| x.is_finite())));
+/// assert!(!mpx_kernels::every_part(&v, &|p| p.iter().all(|&x| x > 1.0)));
+/// ```
+pub fn every_part<B: Sync>(src: &[B], part: &(dyn Fn(&[B]) -> bool + Sync)) -> bool {
     // a slice of `()` to pair with: zero-sized, so nothing is allocated
     let mut units = vec![(); src.len()];
     zip_parts(&mut units, src, &|_, s| part(s))

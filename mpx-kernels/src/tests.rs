@@ -1,11 +1,11 @@
-//! Every supported path against an f64 reference, within the bounds stated in the module docs.
+//! Every supported path against an f64 reference, within the bounds stated in the crate docs.
 
 use half::f16;
 
 use super::path::detected_path;
 use super::strided::Packing;
+use super::threads::{available_threads, max_threads, with_threads};
 use super::*;
-use crate::precision::{FloatSlice, FloatSliceMut};
 
 /// Deterministic values in [-1, 1) (a small LCG), some exact zeros.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -670,7 +670,7 @@ fn f16_operands_pack_widened_in_one_pass_as_packed_then_widened() {
             (state >> 40) as u16
         })
         .collect();
-    if !crate::precision::convert::has_f16c() {
+    if !crate::convert::has_f16c() {
         println!("skipped: this CPU lacks F16C (the one-pass widening is not used here)");
     }
     let stored = [
@@ -977,7 +977,7 @@ fn bf16_gemm_model(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumulate: bo
             unreachable!("bf16 operands")
         };
         let mut r = [0.0f32];
-        crate::precision::round_to_bf16(&[v[i * m.row_stride() + j * m.col_stride()]], &mut r);
+        crate::convert::round_to_bf16(&[v[i * m.row_stride() + j * m.col_stride()]], &mut r);
         r[0].to_bits() >> 16
     };
     let (m, n, k) = (a.rows(), b.cols(), a.cols());

@@ -1,11 +1,33 @@
-//! f16 <-> f32 slice conversions in one SIMD loop (F16C, detected at run time), and the fused
-//! `f16 += f32` pass of a gradient written into an f16 buffer.
+//! Slice conversions between f32 and f16 or bf16, one SIMD loop per slice where the CPU has the
+//! instructions (F16C for f16, AVX2 for bf16; detected at run time), and the fused `f16 += f32`
+//! pass of a gradient written into an f16 buffer.
 //!
 //! The `half` crate's slice conversions use the same instructions, but through a function call
 //! per 8 values; on the small tensors of a mixed step that call dominates. The results are the
 //! same bits: widening is exact, and rounding is the instruction's round-to-nearest-even (the
 //! values past the last full group of 8 go through the same instruction, padded). Without F16C
-//! the `half` crate's own conversions run.
+//! the `half` crate's own conversions run; without AVX2, [`round_to_bf16`]'s portable loop.
+//!
+//! # Safety
+//! Each function checks that its two slices have one length (and panics otherwise) before it
+//! calls a SIMD loop, and calls one only where [`has_f16c`] or `has_avx2` detected its
+//! instructions. The loops read and write whole groups of 8 values through unaligned loads and
+//! stores of those groups; the values past the last whole group go through the same loop on a
+//! padded copy on the stack.
+//!
+//! # Examples
+//! ```
+//! use half::f16;
+//! use mpx_kernels::convert::{add_f32_into_f16, round_f16, widen_f16};
+//!
+//! let mut h = [f16::ZERO; 3];
+//! round_f16(&[1.5, 65520.0, -0.0], &mut h);
+//! assert!(h[1].is_infinite()); // past f16's max, 65504
+//! add_f32_into_f16(&[0.25, 0.0, 1.0], &mut h);
+//! let mut w = [0.0f32; 3];
+//! widen_f16(&h, &mut w);
+//! assert_eq!(w, [1.75, f32::INFINITY, 1.0]);
+//! ```
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -35,8 +57,15 @@ fn dispatch<S, D>(
 }
 
 /// Whether the CPU converts with F16C (and AVX, for the 256-bit registers); detected once.
+///
+/// # Examples
+/// ```
+/// if mpx_kernels::convert::has_f16c() {
+///     println!("f16 conversions run 8 values per instruction");
+/// }
+/// ```
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn has_f16c() -> bool {
+pub fn has_f16c() -> bool {
     use std::sync::OnceLock;
     static F16C: OnceLock<bool> = OnceLock::new();
     *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
@@ -44,40 +73,75 @@ pub(crate) fn has_f16c() -> bool {
 
 /// Whether the CPU has AVX2; detected once.
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
 }
 
-/// No F16C off x86-64.
+/// Whether the CPU converts with F16C: never off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn has_f16c() -> bool {
+pub fn has_f16c() -> bool {
     false
 }
 
 /// No AVX2 off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     false
 }
 
-/// `dst[i] = src[i]` widened to f32 (exact). The lengths must match.
-pub(crate) fn widen_f16(src: &[f16], dst: &mut [f32]) {
+/// `dst[i] = src[i]` widened to f32 (exact).
+///
+/// # Panics
+/// When the lengths differ.
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// let mut out = [0.0f32; 2];
+/// mpx_kernels::convert::widen_f16(&[f16::ONE, f16::MAX], &mut out);
+/// assert_eq!(out, [1.0, 65504.0]);
+/// ```
+pub fn widen_f16(src: &[f16], dst: &mut [f32]) {
     let simd = has_f16c().then_some(x86::widen as Simd<_, _>);
     dispatch("widen_f16", src, dst, simd, <[f16]>::convert_to_f32_slice);
 }
 
-/// `dst[i] = src[i]` rounded to f16 (nearest, ties to even). The lengths must match.
-pub(crate) fn round_f16(src: &[f32], dst: &mut [f16]) {
+/// `dst[i] = src[i]` rounded to f16 (nearest, ties to even; past f16's range to infinity).
+///
+/// # Panics
+/// When the lengths differ.
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// let mut out = [f16::ZERO; 2];
+/// // 1 + 2^-11 lies halfway between two f16 values: it rounds to the even one, 1.0
+/// mpx_kernels::convert::round_f16(&[1.0 + 2f32.powi(-11), 65520.0], &mut out);
+/// assert_eq!(out[0], f16::ONE);
+/// assert!(out[1].is_infinite());
+/// ```
+pub fn round_f16(src: &[f32], dst: &mut [f16]) {
     let simd = has_f16c().then_some(x86::round as Simd<_, _>);
     dispatch("round_f16", src, dst, simd, |s, d| {
         d.convert_from_f32_slice(s);
     });
 }
 
-/// `dst[i] = round_f16(f32(dst[i]) + src[i])`: the f32 sum rounded once. The lengths must match.
-pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
+/// `dst[i] = round_f16(f32(dst[i]) + src[i])`: the f32 sum rounded once.
+///
+/// # Panics
+/// When the lengths differ.
+///
+/// # Examples
+/// ```
+/// use half::f16;
+/// let mut acc = [f16::ONE; 2];
+/// mpx_kernels::convert::add_f32_into_f16(&[0.5, -1.0], &mut acc);
+/// assert_eq!(acc, [f16::from_f32(1.5), f16::ZERO]);
+/// ```
+pub fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
     let simd = has_f16c().then_some(x86::add_into as Simd<_, _>);
     dispatch("add_f32_into_f16", src, dst, simd, |src, dst| {
         let mut buf = [0.0f32; 256];
@@ -91,17 +155,51 @@ pub(crate) fn add_f32_into_f16(src: &[f32], dst: &mut [f16]) {
 }
 
 /// `dst[i] = src[i]` rounded to bf16 (nearest, ties to even; NaN quieted), kept in f32: the same
-/// bits as [`round_to_bf16`](crate::precision::round_to_bf16), 8 values per AVX2 instruction where
-/// the CPU has it. The lengths must match.
-pub(crate) fn round_bf16(src: &[f32], dst: &mut [f32]) {
+/// bits as [`round_to_bf16`], 8 values per AVX2 instruction where the CPU has it.
+///
+/// # Panics
+/// When the lengths differ.
+///
+/// # Examples
+/// ```
+/// let mut out = [0.0f32; 2];
+/// // 1 + 2^-9 is not a bf16 value: it rounds to 1.0 (ties to even)
+/// mpx_kernels::convert::round_bf16(&[1.0 + 1.0 / 512.0, 3.0], &mut out);
+/// assert_eq!(out, [1.0, 3.0]);
+/// ```
+pub fn round_bf16(src: &[f32], dst: &mut [f32]) {
     let simd = has_avx2().then_some(x86::round_bf16 as Simd<_, _>);
-    dispatch(
-        "round_bf16",
-        src,
-        dst,
-        simd,
-        crate::precision::round_to_bf16,
+    dispatch("round_bf16", src, dst, simd, round_to_bf16);
+}
+
+/// Rounds f32 values to the nearest bf16 value (ties to even), keeping f32 storage. NaN stays NaN
+/// and values past bf16's max round to infinity, as `half::bf16::from_f32` does. Portable Rust
+/// (the compiler vectorises it); [`round_bf16`] computes the same bits with AVX2 where the CPU
+/// has it.
+///
+/// # Panics
+/// When `src` and `dst` differ in length.
+///
+/// # Examples
+/// ```
+/// let mut out = [0.0f32; 1];
+/// mpx_kernels::convert::round_to_bf16(&[1.0 + 3.0 / 256.0], &mut out);
+/// assert_eq!(out[0], 1.0 + 4.0 / 256.0);
+/// ```
+pub fn round_to_bf16(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "round_to_bf16: slices differ in length"
     );
+    // Bit-level round-to-nearest-even on the upper 16 bits; branch-free so it vectorises.
+    for (d, s) in dst.iter_mut().zip(src) {
+        let b = s.to_bits();
+        let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+        let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+        let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;
+        *d = f32::from_bits(if is_nan { quiet_nan } else { rounded });
+    }
 }
 
 /// Never called: [`has_f16c`] and [`has_avx2`] are `false` off x86-64.
@@ -314,7 +412,7 @@ mod tests {
             let mut ours = vec![0.0f32; n];
             let mut theirs = vec![0.0f32; n];
             round_bf16(&src, &mut ours);
-            crate::precision::round_to_bf16(&src, &mut theirs);
+            round_to_bf16(&src, &mut theirs);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ours), bits(&theirs), "n = {n}");
         }

@@ -6,11 +6,27 @@
 
 use super::KernelError;
 
-use crate::precision::FloatSlice;
+use crate::FloatSlice;
 use half::f16;
 
 /// A `rows x cols` matrix view: element `(i, j)` is `values[i * row_stride + j * col_stride]`.
 /// A transpose is the same values with the strides swapped ([`MatRef::t`]).
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{FloatSlice, KernelError, MatRef};
+///
+/// let w = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+/// let m = MatRef::row_major_f32(&w, 2, 3)?;
+/// let t = m.t(); // 3 x 2, the same values
+/// assert_eq!((t.rows(), t.cols(), t.row_stride(), t.col_stride()), (3, 2, 1, 3));
+/// // every element a view reaches must lie in its slice
+/// assert!(matches!(
+///     MatRef::new(FloatSlice::F32(&w), 2, 3, 4, 1),
+///     Err(KernelError::OperandTooShort { needed: 7, len: 6, .. })
+/// ));
+/// # Ok::<(), KernelError>(())
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
     values: FloatSlice<'a>,
@@ -95,17 +111,17 @@ impl<'a> MatRef<'a> {
     }
 
     /// The values.
-    pub(crate) fn values(&self) -> FloatSlice<'a> {
+    pub fn values(&self) -> FloatSlice<'a> {
         self.values
     }
 
     /// Distance between rows.
-    pub(crate) fn row_stride(&self) -> usize {
+    pub fn row_stride(&self) -> usize {
         self.row_stride
     }
 
     /// Distance between columns.
-    pub(crate) fn col_stride(&self) -> usize {
+    pub fn col_stride(&self) -> usize {
         self.col_stride
     }
 

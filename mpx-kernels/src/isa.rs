@@ -1,7 +1,7 @@
 //! [`KernelPath`]: the instruction sets the kernels have, and which of them this CPU runs (read
 //! at run time; never from `-C target-cpu`). Which one a product uses is [`path`](super::path)'s.
 
-/// The instruction set a kernel runs on. See the kernels' module docs for what each does with
+/// The instruction set a kernel runs on. See the [crate docs](crate#paths) for what each does with
 /// f32, f16 and bf16 operands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
@@ -20,7 +20,7 @@ pub enum KernelPath {
 
 impl KernelPath {
     /// Every path, the widest instructions first (which is fastest depends on the CPU: see
-    /// [`calibration`]).
+    /// [`calibration`](crate::calibration)).
     pub const ALL: [KernelPath; 5] = [
         KernelPath::Avx512Fp16,
         KernelPath::Avx512Bf16,

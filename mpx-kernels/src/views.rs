@@ -1,23 +1,26 @@
 //! The view pair: a slice of values in some precision, to read ([`FloatSlice`]) or to write
 //! ([`FloatSliceMut`]). Every place mpx looks at stored values without knowing their type at
-//! compile time takes one of the two: the finiteness checks, the tree visitors of
-//! [`FloatLeaves`](crate::cast::FloatLeaves) and the GEMM's operands and destinations.
+//! compile time takes one of the two: the finiteness checks, the tree visitors of mpx's
+//! `cast::FloatLeaves`, and here the GEMM's operands and the element-wise passes' destinations.
+//! mpx re-exports both from `mpx::precision`, where `Precision::floats` and
+//! `Precision::floats_mut` make them from a precision's stored values.
 
 use half::f16;
 
-/// Values of one precision, to read: what [`Precision::floats`](super::Precision::floats)
-/// returns, what the tree visitors pass and what mpx's GEMM multiplies.
+/// Values of one precision, to read: what mpx's `Precision::floats` returns, what its tree
+/// visitors pass and what [`gemm`](crate::gemm) multiplies (through a [`MatRef`](crate::MatRef)).
 ///
 /// `Bf16` is f32 storage that holds (or is to be read as) emulated bf16 values: the GEMM rounds
 /// it to bf16 while packing; bit-level checks read it as the f32 values it stores.
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::precision::{AMP, FloatSlice, Precision, bf16, f16};
-/// assert!(matches!(f32::floats(&[1.0]), FloatSlice::F32(&[1.0])));
-/// assert!(matches!(<AMP<f16>>::floats(&[AMP(f16::ONE)]), FloatSlice::F16(v) if v == [f16::ONE]));
-/// assert!(matches!(bf16::floats(&[1.0]), FloatSlice::Bf16(_)));
-/// assert_eq!(bf16::floats(&[1.0, 2.0]).len(), 2);
+/// use half::f16;
+/// use mpx_kernels::FloatSlice;
+/// let h = [f16::ONE, f16::ZERO];
+/// assert!(matches!(FloatSlice::F16(&h), FloatSlice::F16(v) if v[0] == f16::ONE));
+/// // f32 storage read as bf16 values: the GEMM rounds them to bf16 while packing
+/// assert_eq!(FloatSlice::Bf16(&[1.0, 2.0]).len(), 2);
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub enum FloatSlice<'a> {
@@ -34,7 +37,7 @@ impl FloatSlice<'_> {
     ///
     /// # Examples
     /// ```
-    /// use mpx_runtime::precision::FloatSlice;
+    /// use mpx_kernels::FloatSlice;
     /// assert_eq!(FloatSlice::F32(&[1.0, 2.0]).len(), 2);
     /// ```
     #[must_use]
@@ -49,7 +52,7 @@ impl FloatSlice<'_> {
     ///
     /// # Examples
     /// ```
-    /// use mpx_runtime::precision::FloatSlice;
+    /// use mpx_kernels::FloatSlice;
     /// assert!(FloatSlice::F16(&[]).is_empty());
     /// ```
     #[must_use]
@@ -58,19 +61,19 @@ impl FloatSlice<'_> {
     }
 }
 
-/// Values of one precision, to write: what [`Precision::floats_mut`](super::Precision::floats_mut)
-/// returns, what the in-place visitors
-/// ([`FloatLeaves::visit_floats_mut`](crate::cast::FloatLeaves::visit_floats_mut)) pass and where
-/// mpx's element-wise kernels write. Emulated bf16 is written as its f32 storage.
+/// Values of one precision, to write: what mpx's `Precision::floats_mut` returns, what its
+/// in-place visitors (`FloatLeaves::visit_floats_mut`) pass and where the element-wise passes
+/// ([`bias_act_into`](crate::bias_act_into), [`add_f32_into`](crate::add_f32_into)) write.
+/// Emulated bf16 is written as its f32 storage.
 ///
 /// # Examples
 /// ```
-/// use mpx_runtime::precision::{AMP, FloatSliceMut, Precision, f16};
-/// let mut v = [AMP(f16::ONE)];
-/// if let FloatSliceMut::F16(h) = <AMP<f16>>::floats_mut(&mut v) {
-///     h[0] = f16::from_f32(2.0);
-/// }
-/// assert_eq!(v[0].0, f16::from_f32(2.0));
+/// use half::f16;
+/// use mpx_kernels::{FloatSliceMut, add_f32_into};
+/// let mut v = [f16::ONE];
+/// add_f32_into(&[1.0], FloatSliceMut::F16(&mut v))?;
+/// assert_eq!(v[0], f16::from_f32(2.0));
+/// # Ok::<(), mpx_kernels::KernelError>(())
 /// ```
 #[derive(Debug)]
 pub enum FloatSliceMut<'a> {
@@ -85,7 +88,7 @@ impl FloatSliceMut<'_> {
     ///
     /// # Examples
     /// ```
-    /// use mpx_runtime::precision::FloatSliceMut;
+    /// use mpx_kernels::FloatSliceMut;
     /// assert_eq!(FloatSliceMut::F32(&mut [1.0, 2.0]).len(), 2);
     /// ```
     #[must_use]
@@ -100,7 +103,7 @@ impl FloatSliceMut<'_> {
     ///
     /// # Examples
     /// ```
-    /// use mpx_runtime::precision::FloatSliceMut;
+    /// use mpx_kernels::FloatSliceMut;
     /// assert!(FloatSliceMut::F16(&mut []).is_empty());
     /// ```
     #[must_use]

@@ -4,7 +4,7 @@
 //!
 //! # Layout
 //! The operands are rounded to bf16 (nearest, ties to even, NaN quieted: the bits of
-//! [`round_to_bf16`](crate::precision::round_to_bf16)) and packed as pairs along k: a panel of A
+//! [`round_to_bf16`](crate::convert::round_to_bf16)) and packed as pairs along k: a panel of A
 //! holds, for each pair `q` of a k block, the `MR` values `(A[i][2q], A[i][2q + 1])` as one
 //! 32-bit word each; a panel of B the `NR` words `(B[2q][j], B[2q + 1][j])`. An odd k block
 //! ends with a pair whose second value is `+0.0` in both operands.
@@ -63,7 +63,7 @@ pub(crate) fn pack(dst: &mut [u32], a: Src<'_, f32>, b: Src<'_, f32>, part: Part
 }
 
 /// `x` rounded to bf16 (nearest, ties to even; a NaN quieted): the bits of
-/// [`round_to_bf16`](crate::precision::round_to_bf16), as the 16-bit pattern.
+/// [`round_to_bf16`](crate::convert::round_to_bf16), as the 16-bit pattern.
 #[inline(always)]
 pub(super) fn bf16_bits(x: f32) -> u32 {
     let b = x.to_bits();

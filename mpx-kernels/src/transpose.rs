@@ -60,7 +60,7 @@ fn fits(
     (pc, kc): (usize, usize),
     ls: usize,
 ) -> bool {
-    if w == 0 || !w.is_multiple_of(8) || !crate::precision::convert::has_f16c() {
+    if w == 0 || !w.is_multiple_of(8) || !crate::convert::has_f16c() {
         return false;
     }
     assert!(panel >= w * kc);
