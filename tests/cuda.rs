@@ -46,7 +46,7 @@ fn cfg() -> AdamConfig {
 }
 
 /// One mixed step by hand, on the runtime API; returns the loss.
-fn mixed_step<H: Precision, L: LossScale>(
+fn mixed_step<H: mpx::precision::Stored, L: LossScale>(
     model: &mut Mixed<Model>,
     opt: &mut Adam<Model, f32, Cuda>,
     scaler: &mut Scaler<H, L>,
@@ -156,7 +156,7 @@ fn an_overflowing_scale_is_skipped_and_backed_off() {
 
 /// Trains the MLP for `steps` steps in precision `H` from the same start as f32; returns the
 /// final loss and the parameters.
-fn train<H: Precision>(steps: usize) -> (f32, Vec<f32>)
+fn train<H: mpx::precision::Stored>(steps: usize) -> (f32, Vec<f32>)
 where
     Cuda: MixedDevice<H>,
     WorkingCopy<H, Model, Cuda>:
