@@ -3,13 +3,13 @@
 
 use dfdx::nn::modules::{self, Repeated};
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::shapes::{Const, Dim, Dtype};
+use dfdx::shapes::{Const, Dtype};
 use dfdx::tensor::{Cpu, CpuError, NoneTape, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
 use super::convert::dfdx_layer;
 use super::encoder::TransformerEncoder;
-use super::layer_impls::{build_on_device, module_collection, native_module};
+use super::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
@@ -201,23 +201,12 @@ dfdx_layer!(Transformer[const M, const H, const A, const B, const F]);
 /// The block on `(S, M)` and `(B, S, M)` targets, with `(S2, M)` and `(B, S2, M)` memories.
 macro_rules! block_forward {
     ([$($g:ident),+] ($($t:ident),+) ($($m:ident),+)) => {
-        impl<const M: usize, const H: usize, const F: usize, E, P, $($g,)+ T>
-            MixedModule<
-                P,
-                (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>),
-            > for TransformerDecoderBlock<M, H, F, E, Cpu>
-        where
-            E: Precision<Elem = E> + Dtype,
-            P: Precision<Elem = E>,
-            Cpu: Device<E>,
-            $($g: Dim,)+
-            T: Tape<E, Cpu>,
-        {
-            type Output = Tensor<($($t,)+ Const<M>), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                (tgt, mem): (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>),
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            TransformerDecoderBlock[const M, const H, const F], dims [$($g),+],
+            fn(
+                self,
+                (tgt, mem): (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>)
+            ) -> Tensor<($($t,)+ Const<M>), E, Cpu, T> {
                 let (tgt, tape) = tgt.split_tape();
                 let x = MixedModule::<P, _>::try_mixed_forward(
                     &self.self_attn,

@@ -2,12 +2,11 @@
 //! mixed-ready [`LayerNorm1D`] and [`MultiHeadAttention`].
 
 use dfdx::nn::modules::Repeated;
-use dfdx::shapes::{Const, Dim, Dtype};
-use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::shapes::{Const, Dtype};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tensor};
 
 use super::convert::dfdx_layer;
-use super::layer_impls::{build_on_device, module_collection, native_module};
+use super::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
@@ -84,21 +83,11 @@ dfdx_layer!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm
 /// The block on `(S, M)` and `(B, S, M)` sequences.
 macro_rules! block_forward {
     ($($d:ident),+) => {
-        impl<const M: usize, const H: usize, const F: usize, E, P, $($d,)+ T>
-            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
-            for TransformerEncoderBlock<M, H, F, E, Cpu>
-        where
-            E: Precision<Elem = E> + Dtype,
-            P: Precision<Elem = E>,
-            Cpu: Device<E>,
-            $($d: Dim,)+
-            T: Tape<E, Cpu>,
-        {
-            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                src: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            TransformerEncoderBlock[const M, const H, const F], dims [$($d),+],
+            fn(self, src: Tensor<($($d,)+ Const<M>), E, Cpu, T>)
+                -> Tensor<($($d,)+ Const<M>), E, Cpu, T>
+            {
                 let (src, tape) = src.split_tape();
                 let x = MixedModule::<P, _>::try_mixed_forward(
                     &self.self_attn,

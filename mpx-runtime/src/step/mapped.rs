@@ -484,12 +484,7 @@ macro_rules! tuple {
         }
     };
 }
-tuple!(A.0);
-tuple!(A.0, B.1);
-tuple!(A.0, B.1, C.2);
-tuple!(A.0, B.1, C.2, D.3);
-tuple!(A.0, B.1, C.2, D.3, G.4);
-tuple!(A.0, B.1, C.2, D.3, G.4, J.5);
+crate::for_tuples!(tuple);
 
 #[cfg(test)]
 mod tests {

@@ -2,13 +2,11 @@
 
 use crate::nn::Linear;
 use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
-use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
+use dfdx::tensor::{Cpu, OwnedTape, Storage, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, MeanTo};
 
-use crate::nn::dfdx_linear::linear_in;
-use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use crate::nn::{LayerNorm1D, MixedModule};
-use crate::precision::Precision;
 use crate::region::FullPrecision;
 
 /// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
@@ -60,52 +58,25 @@ fn layer_norm_f32<B: Dim, const M: usize>(
     x.normalize::<Axis<1>>(eps) * gamma + beta
 }
 
-impl<const M: usize, const C: usize, E, P, B, S, T>
-    MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>> for ClassificationHead<M, C, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    S: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
-
+mixed_module! {
+    ClassificationHead[const M, const C], dims [B, S],
     /// Mean over the tokens, then the head.
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, S, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, x: Tensor<(B, S, Const<M>), E, Cpu, T>) -> Tensor<(B, Const<C>), E, Cpu, T> {
         let eps = self.norm.epsilon;
         let pooled = FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| {
             layer_norm_f32(ln, eps, x.mean::<(B, Const<M>), Axis<1>>())
         })?;
-        let out = (pooled.shape().0, Const::<C>);
-        linear_in::<P, E, M, C, _, _, _>(&self.linear, pooled, out)
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, pooled)
     }
 }
 
-impl<const M: usize, const C: usize, E, P, B, T> MixedModule<P, Tensor<(B, Const<M>), E, Cpu, T>>
-    for ClassificationHead<M, C, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
-
+mixed_module! {
+    ClassificationHead[const M, const C], dims [B],
     /// One pooled token (a class token) per example: the head without pooling.
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, x: Tensor<(B, Const<M>), E, Cpu, T>) -> Tensor<(B, Const<C>), E, Cpu, T> {
         let eps = self.norm.epsilon;
         let normed =
             FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| layer_norm_f32(ln, eps, x))?;
-        let out = (normed.shape().0, Const::<C>);
-        linear_in::<P, E, M, C, _, _, _>(&self.linear, normed, out)
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, normed)
     }
 }

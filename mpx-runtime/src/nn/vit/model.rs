@@ -1,13 +1,11 @@
 //! [`Vit`]: patch embedding, position embedding, transformer encoder, classification head.
 
-use dfdx::shapes::{Const, Dim, Dtype};
-use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::shapes::{Const, Dtype};
+use dfdx::tensor::{Cpu, Storage, Tensor};
 
 use super::{ClassificationHead, PatchEmbedding, PositionEmbedding};
-use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use crate::nn::{MixedModule, TransformerEncoder};
-use crate::precision::Precision;
 
 /// A Vision Transformer for flattened square images `(B, PIXELS)`: `PATCHES` patches of
 /// `PATCH_DIM` pixels embedded to width `MODEL`, plus a learned position embedding, through
@@ -73,33 +71,10 @@ native_module!(
     Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES]
 );
 
-impl<
-    const PIXELS: usize,
-    const PATCH_DIM: usize,
-    const PATCHES: usize,
-    const MODEL: usize,
-    const HEADS: usize,
-    const FF: usize,
-    const LAYERS: usize,
-    const CLASSES: usize,
-    E,
-    P,
-    B,
-    T,
-> MixedModule<P, Tensor<(B, Const<PIXELS>), E, Cpu, T>>
-    for Vit<PIXELS, PATCH_DIM, PATCHES, MODEL, HEADS, FF, LAYERS, CLASSES, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<CLASSES>), E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        images: Tensor<(B, Const<PIXELS>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+mixed_module! {
+    Vit[const PIXELS, const PATCH_DIM, const PATCHES, const MODEL, const HEADS, const FF, const LAYERS, const CLASSES],
+    dims [B],
+    fn(self, images: Tensor<(B, Const<PIXELS>), E, Cpu, T>) -> Tensor<(B, Const<CLASSES>), E, Cpu, T> {
         let x = MixedModule::<P, _>::try_mixed_forward(&self.patch_embed, images)?;
         let x = MixedModule::<P, _>::try_mixed_forward(&self.pos_embed, x)?;
         let x = MixedModule::<P, _>::try_mixed_forward(&self.encoder, x)?;

@@ -6,8 +6,7 @@ use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
 use crate::nn::MixedModule;
-use crate::nn::dfdx_linear::linear_in;
-use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use crate::precision::Precision;
 
 /// Integer square root (the largest `r` with `r * r <= n`), at compile time.
@@ -136,23 +135,11 @@ module_collection!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, 
 
 native_module!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M]);
 
-impl<const PIXELS: usize, const PATCH_DIM: usize, const PATCHES: usize, const M: usize, E, P, B, T>
-    MixedModule<P, Tensor<(B, Const<PIXELS>), E, Cpu, T>>
-    for PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<PATCHES>, Const<M>), E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        images: Tensor<(B, Const<PIXELS>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
-        let patches = Self::try_patchify(images)?;
-        let out = (patches.shape().0, Const::<PATCHES>, Const::<M>);
-        linear_in::<P, E, PATCH_DIM, M, _, _, _>(&self.linear, patches, out)
+mixed_module! {
+    PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], dims [B],
+    fn(self, images: Tensor<(B, Const<PIXELS>), E, Cpu, T>)
+        -> Tensor<(B, Const<PATCHES>, Const<M>), E, Cpu, T>
+    {
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, Self::try_patchify(images)?)
     }
 }
