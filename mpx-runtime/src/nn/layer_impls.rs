@@ -71,6 +71,29 @@ macro_rules! build_on_device {
 }
 pub(crate) use build_on_device;
 
+/// Declares an `mpx::nn` layer made of other layers: the struct, generic over its consts (with
+/// their defaults), then its element `E` (default `f32`) and device `D` (default `Cpu`); and its
+/// `TensorCollection` ([`module_collection!`]), which visits the fields in declaration order.
+macro_rules! composite_layer {
+    (
+        $(#[$attr:meta])*
+        $vis:vis struct $name:ident<$(const $c:ident $(= $default:ident)?),+ $(,)?> {
+            $($(#[$fattr:meta])* $fvis:vis $f:ident: $t:ty),+ $(,)?
+        }
+    ) => {
+        $(#[$attr])*
+        $vis struct $name<
+            $(const $c: usize $(= $default)?,)+
+            E: dfdx::shapes::Dtype = f32,
+            D: dfdx::tensor::Storage<E> = dfdx::tensor::Cpu,
+        > {
+            $($(#[$fattr])* $fvis $f: $t,)+
+        }
+        $crate::nn::layer_impls::module_collection!($name [$(const $c),+] { $($f),+ });
+    };
+}
+pub(crate) use composite_layer;
+
 /// Implements dfdx's `TensorCollection` for an `mpx::nn` layer: visits the named fields, in the
 /// order given (the order of the parameters and of their names in a saved model).
 ///

@@ -9,59 +9,59 @@ use mpx_kernels::Activation;
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
 use super::fused_linear::fused_linear;
-use super::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
+use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::linear::Linear;
 use super::mixed::MixedModule;
 use crate::region::FullPrecision;
 
-/// Multi-head attention, as dfdx's
-/// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
-/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
-///
-/// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
-/// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
-/// sums, output rounded once to the half type), and the attention of all heads is one op
-/// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
-/// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
-///
-/// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
-/// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
-/// `NUM_HEADS` (a compile-time error otherwise).
-///
-/// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
-/// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
-/// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
-/// `forward` panics there, as dfdx's does on an error.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::MultiHeadAttention;
-/// use mpx_runtime::precision::f16;
-/// let dev = Cpu::default();
-/// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
-/// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
-/// let x = x.to_dtype::<f16>();
-/// let y = mha.forward(x);
-/// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
-/// ```
-#[derive(Debug, Clone)]
-pub struct MultiHeadAttention<
-    const EMBED_DIM: usize,
-    const NUM_HEADS: usize,
-    const K_DIM: usize = EMBED_DIM,
-    const V_DIM: usize = EMBED_DIM,
-    E: Dtype = f32,
-    D: Storage<E> = Cpu,
-> {
-    /// Query projection.
-    pub w_q: Linear<EMBED_DIM, K_DIM, E, D>,
-    /// Key projection.
-    pub w_k: Linear<EMBED_DIM, K_DIM, E, D>,
-    /// Value projection.
-    pub w_v: Linear<EMBED_DIM, V_DIM, E, D>,
-    /// Output projection.
-    pub w_o: Linear<V_DIM, EMBED_DIM, E, D>,
+composite_layer! {
+    /// Multi-head attention, as dfdx's
+    /// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
+    /// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
+    ///
+    /// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
+    /// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
+    /// sums, output rounded once to the half type), and the attention of all heads is one op
+    /// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
+    /// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
+    ///
+    /// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
+    /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
+    /// `NUM_HEADS` (a compile-time error otherwise).
+    ///
+    /// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
+    /// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
+    /// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
+    /// `forward` panics there, as dfdx's does on an error.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::MultiHeadAttention;
+    /// use mpx_runtime::precision::f16;
+    /// let dev = Cpu::default();
+    /// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
+    /// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+    /// let x = x.to_dtype::<f16>();
+    /// let y = mha.forward(x);
+    /// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct MultiHeadAttention<
+        const EMBED_DIM,
+        const NUM_HEADS,
+        const K_DIM = EMBED_DIM,
+        const V_DIM = EMBED_DIM,
+    > {
+        /// Query projection.
+        pub w_q: Linear<EMBED_DIM, K_DIM, E, D>,
+        /// Key projection.
+        pub w_k: Linear<EMBED_DIM, K_DIM, E, D>,
+        /// Value projection.
+        pub w_v: Linear<EMBED_DIM, V_DIM, E, D>,
+        /// Output projection.
+        pub w_o: Linear<V_DIM, EMBED_DIM, E, D>,
+    }
 }
 
 impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
@@ -75,7 +75,6 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
 }
 
 build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
-module_collection!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 
 dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 native_module!(MultiHeadAttention[const M, const H, const K, const V]);
