@@ -51,23 +51,50 @@ pub(crate) fn parse_keyed(
     args: TokenStream,
     cx: &mut Ctxt,
     valid: &str,
-    mut on_key: impl FnMut(&str, &syn::meta::ParseNestedMeta<'_>, &mut Ctxt) -> syn::Result<bool>,
+    on_key: impl FnMut(&str, &syn::meta::ParseNestedMeta<'_>, &mut Ctxt) -> syn::Result<bool>,
 ) {
     use syn::parse::Parser;
-    let parser = syn::meta::parser(|meta| {
-        let path = &meta.path;
-        let key = key_of(path);
+    let expected = format!("one of {valid}");
+    let res = syn::meta::parser(keyed(cx, "argument", &expected, on_key)).parse2(args);
+    if let Err(err) = res {
+        cx.push(err);
+    }
+}
+
+/// [`parse_keyed`] for a derive: the arguments of every `#[name(..)]` attribute in `attrs` (the
+/// container's or a field's), an unknown key recorded as "unknown `what` `key`; expected
+/// `expected`".
+pub(crate) fn parse_attrs(
+    attrs: &[syn::Attribute],
+    name: &str,
+    cx: &mut Ctxt,
+    (what, expected): (&str, &str),
+    mut on_key: impl FnMut(&str, &syn::meta::ParseNestedMeta<'_>, &mut Ctxt) -> syn::Result<bool>,
+) {
+    for attr in attrs.iter().filter(|a| a.path().is_ident(name)) {
+        if let Err(err) = attr.parse_nested_meta(keyed(cx, what, expected, &mut on_key)) {
+            cx.push(err);
+        }
+    }
+}
+
+/// The handler of one argument for [`parse_keyed`] and [`parse_attrs`].
+fn keyed<'a>(
+    cx: &'a mut Ctxt,
+    what: &'a str,
+    expected: &'a str,
+    mut on_key: impl FnMut(&str, &syn::meta::ParseNestedMeta<'_>, &mut Ctxt) -> syn::Result<bool> + 'a,
+) -> impl FnMut(syn::meta::ParseNestedMeta<'_>) -> syn::Result<()> + 'a {
+    move |meta| {
+        let key = key_of(&meta.path);
         if !on_key(&key, &meta, cx)? {
             cx.error_spanned(
                 &meta.path,
-                format!("unknown argument `{key}`; expected one of {valid}"),
+                format!("unknown {what} `{key}`; expected {expected}"),
             );
             skip_value(meta.input)?;
         }
         Ok(())
-    });
-    if let Err(err) = parser.parse2(args) {
-        cx.push(err);
     }
 }
 
@@ -270,33 +297,17 @@ pub(crate) fn item_fn(
 
 /// The tokens an item error points at: the item up to its name (not the whole body).
 fn item_head(item: &syn::Item) -> TokenStream {
-    use quote::quote;
+    fn head(keyword: &impl ToTokens, name: &syn::Ident) -> TokenStream {
+        quote::quote!(#keyword #name)
+    }
     match item {
-        syn::Item::Struct(s) => {
-            let (k, i) = (&s.struct_token, &s.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Enum(e) => {
-            let (k, i) = (&e.enum_token, &e.ident);
-            quote!(#k #i)
-        }
+        syn::Item::Struct(s) => head(&s.struct_token, &s.ident),
+        syn::Item::Enum(e) => head(&e.enum_token, &e.ident),
         syn::Item::Impl(i) => i.impl_token.to_token_stream(),
-        syn::Item::Trait(t) => {
-            let (k, i) = (&t.trait_token, &t.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Mod(m) => {
-            let (k, i) = (&m.mod_token, &m.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Const(c) => {
-            let (k, i) = (&c.const_token, &c.ident);
-            quote!(#k #i)
-        }
-        syn::Item::Static(s) => {
-            let (k, i) = (&s.static_token, &s.ident);
-            quote!(#k #i)
-        }
+        syn::Item::Trait(t) => head(&t.trait_token, &t.ident),
+        syn::Item::Mod(m) => head(&m.mod_token, &m.ident),
+        syn::Item::Const(c) => head(&c.const_token, &c.ident),
+        syn::Item::Static(s) => head(&s.static_token, &s.ident),
         other => other.to_token_stream(),
     }
 }

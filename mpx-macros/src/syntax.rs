@@ -6,22 +6,13 @@ use crate::ctxt::Ctxt;
 /// The precision traits a generic parameter may be bounded by to be taken as the half type.
 const PRECISION_TRAITS: [&str; 2] = ["Precision", "HalfPrecision"];
 
-/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one;
-/// otherwise an error on `ident` naming the attribute `#[<attr>]`.
-pub(crate) fn find_half(
-    generics: &syn::Generics,
-    ident: &syn::Ident,
-    attr: &str,
-    cx: &mut Ctxt,
-) -> Option<syn::Type> {
+/// The type parameters bounded by a trait whose last path segment is one of `traits`, in their
+/// own list or in the where clause, each once, in order.
+pub(crate) fn params_bounded_by(generics: &syn::Generics, traits: &[&str]) -> Vec<syn::Ident> {
     let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
-        bounds.iter().any(|b| match b {
-            syn::TypeParamBound::Trait(t) => t
-                .path
-                .segments
-                .last()
-                .is_some_and(|s| PRECISION_TRAITS.iter().any(|n| s.ident == n)),
-            _ => false,
+        bounds.iter().any(|b| {
+            matches!(b, syn::TypeParamBound::Trait(t)
+                if t.path.segments.last().is_some_and(|s| traits.iter().any(|n| s.ident == n)))
         })
     };
     let mut found: Vec<syn::Ident> = generics
@@ -41,6 +32,18 @@ pub(crate) fn find_half(
             }
         }
     }
+    found
+}
+
+/// The type parameter bounded by `Precision` or `HalfPrecision`, when there is exactly one;
+/// otherwise an error on `ident` naming the attribute `#[<attr>]`.
+pub(crate) fn find_half(
+    generics: &syn::Generics,
+    ident: &syn::Ident,
+    attr: &str,
+    cx: &mut Ctxt,
+) -> Option<syn::Type> {
+    let mut found = params_bounded_by(generics, &PRECISION_TRAITS);
     match found.len() {
         1 => {
             let id = found.remove(0);

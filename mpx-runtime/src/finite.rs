@@ -58,34 +58,28 @@ fn no_bad_chunk<T>(values: &[T], bad: impl Fn(&[T]) -> bool) -> bool {
     !chunks.any(&bad) && !bad(chunks.remainder())
 }
 
-/// `true` when no element of `values` is NaN or infinite.
-#[inline]
-fn finite_f32(values: &[f32]) -> bool {
-    no_bad_chunk(values, |c| fold_f32(c) & 0x8000_0000 != 0)
+/// For each float type `$t` (bits `$u`): `fn $finite(values: &[$t]) -> bool`, `true` when no
+/// element of `values` is NaN or infinite, and `fn $fold(chunk: &[$t]) -> $u`, which ORs
+/// `(b & $abs) + $exp1` over a chunk's bit patterns `b` (`$abs` clears the sign, `$exp1` is the
+/// exponent's lowest bit): the top bit `$top` ends up set iff some exponent is all ones (0xff for
+/// f32, 0x1f for f16).
+macro_rules! finite_by_bits {
+    ($($finite:ident, $fold:ident: $t:ty as $u:ty, $abs:literal, $exp1:literal, $top:literal;)+) => {$(
+        #[inline]
+        fn $finite(values: &[$t]) -> bool {
+            no_bad_chunk(values, |c| $fold(c) & $top != 0)
+        }
+
+        #[inline]
+        fn $fold(chunk: &[$t]) -> $u {
+            chunk.iter().fold(0, |acc, x| acc | (x.to_bits() & $abs).wrapping_add($exp1))
+        }
+    )+};
 }
 
-/// ORs `(b & 0x7fff_ffff) + 0x0080_0000` over a chunk's bit patterns `b`: bit 31 ends up set iff
-/// some exponent is 0xff.
-#[inline]
-fn fold_f32(chunk: &[f32]) -> u32 {
-    chunk.iter().fold(0u32, |acc, x| {
-        acc | (x.to_bits() & 0x7fff_ffff).wrapping_add(0x0080_0000)
-    })
-}
-
-/// `true` when no element of `values` is NaN or infinite.
-#[inline]
-fn finite_f16(values: &[f16]) -> bool {
-    no_bad_chunk(values, |c| fold_f16(c) & 0x8000 != 0)
-}
-
-/// ORs `(b & 0x7fff) + 0x0400` over a chunk's bit patterns `b`: bit 15 ends up set iff some
-/// exponent is 0x1f.
-#[inline]
-fn fold_f16(chunk: &[f16]) -> u16 {
-    chunk.iter().fold(0u16, |acc, x| {
-        acc | (x.to_bits() & 0x7fff).wrapping_add(0x0400)
-    })
+finite_by_bits! {
+    finite_f32, fold_f32: f32 as u32, 0x7fff_ffff, 0x0080_0000, 0x8000_0000;
+    finite_f16, fold_f16: f16 as u16, 0x7fff, 0x0400, 0x8000;
 }
 
 /// `true` when the leaf `values` holds no NaN or infinity (emulated bf16: its f32 storage).

@@ -29,6 +29,21 @@
 #![cfg_attr(not(any(feature = "cuda", feature = "mpi")), forbid(unsafe_code))]
 #![cfg_attr(any(feature = "cuda", feature = "mpi"), deny(unsafe_code))]
 
+/// Invokes the macro `$m` once for each tuple arity mpx implements its traits for (1 to 6
+/// elements), as `$m!(A.0, B.1, ..)`: each element's type parameter and index. The names leave
+/// out `E`, `F` and `H`, which the impls use for an element type, a family and a precision.
+macro_rules! for_tuples {
+    ($m:ident) => {
+        $m!(A.0);
+        $m!(A.0, B.1);
+        $m!(A.0, B.1, C.2);
+        $m!(A.0, B.1, C.2, D.3);
+        $m!(A.0, B.1, C.2, D.3, G.4);
+        $m!(A.0, B.1, C.2, D.3, G.4, J.5);
+    };
+}
+pub(crate) use for_tuples;
+
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;

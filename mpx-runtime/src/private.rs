@@ -11,7 +11,7 @@ use crate::precision::Precision;
 use crate::scaling::LossScale;
 use crate::step::iteration::Site;
 use crate::step::{
-    FullInput, GradScaler, HalfInput, HalfLayers, HalfOutput, Mapped, MixedDevice, Plain,
+    FullInput, GradScaler, HalfInput, HalfLayers, HalfOutput, Kind, Mapped, MixedDevice, Plain,
     StepError, Verdict, WorkingCopy,
 };
 
@@ -194,6 +194,26 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B> Forward<'_, H, L
             None => panic!("a mixed forward pass ran twice"),
         }
     }
+
+    /// The forward pass on the master's working copy of kind `K` (every rung but `ViaFull`):
+    /// `f` runs on it and the input rounded to `H`; the output comes back in f32.
+    fn on_working<K, Y, F>(&mut self, f: F) -> Y::Full
+    where
+        R: Borrowed,
+        R::Model: MasterModel<D>,
+        K: Kind<H, R::Model, D>,
+        X: HalfInput<H, D>,
+        Y: HalfOutput<H, D>,
+        F: FnOnce(&mut K::Copy, X::Half) -> Y,
+    {
+        let (master, input) = self.take();
+        let m = master.shared();
+        let cell = self.masters.cell(m);
+        match self.scaler.run::<R::Model, K, X, Y, F>(m, &cell, input, f) {
+            Ok(y) => y,
+            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
+        }
+    }
 }
 
 /// The forward pass of `master` on `input` through `scaler`.
@@ -253,16 +273,7 @@ where
         Y: HalfOutput<H>,
         F: FnOnce(&mut <R::Model as HalfLayers<H>>::Working, X::Half) -> Y,
     {
-        let (master, input) = self.take();
-        let m = master.shared();
-        let cell = self.masters.cell(m);
-        match self
-            .scaler
-            .run::<R::Model, Mapped, X, Y, F>(m, &cell, input, f)
-        {
-            Ok(y) => y,
-            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
-        }
+        self.on_working::<Mapped, Y, F>(f)
     }
 }
 
@@ -279,104 +290,71 @@ impl NativeOn<Cpu> for f32 {}
 #[cfg(feature = "cuda")]
 impl<H: crate::precision::Stored> NativeOn<dfdx::tensor::Cuda> for H {}
 
-/// The forward pass on the half working copy made of the model's own layers, in a half
-/// precision dfdx's CPU layers are slow in (f16, `AMP<f16>`): the compiler warns at the step.
-pub trait ViaHalf<H: Precision, D: MixedDevice<H>> {
-    /// The master model.
-    type Model: MasterModel<D>;
-    /// The input.
-    type Input: HalfInput<H, D>;
-    /// Runs `f` on the working copy and the input rounded to `H`; the output comes back in f32.
+/// A rung on the working copy made of the model's own layers ([`Plain`]): the trait `$name`,
+/// implemented on the middle rung (see [`Forward`]) for device `$dev` and the precisions `$on`
+/// names there, with the method's attributes (a deprecation where the compiler should warn).
+macro_rules! via_plain {
+    (
+        $(#[$doc:meta])*
+        trait $name:ident for $dev:ty [$($d:ident)?] where H: $on:path;
+        $(#[$attr:meta])*
+    ) => {
+        $(#[$doc])*
+        pub trait $name<H: Precision, D: MixedDevice<H>> {
+            /// The master model.
+            type Model: MasterModel<D>;
+            /// The input.
+            type Input: HalfInput<H, D>;
+            /// Runs `f` on the working copy and the input rounded to `H`; the output comes back in
+            /// f32.
+            $(#[$attr])*
+            fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
+            where
+                Y: HalfOutput<H, D>,
+                F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, <Self::Input as HalfInput<H, D>>::Half) -> Y;
+        }
+
+        // the second `&mut` is the ladder's middle rung (see `Forward`)
+        #[allow(clippy::mut_mut)]
+        impl<H, L, $($d,)? R, X, C, B> $name<H, $dev> for &mut &mut Forward<'_, H, L, $dev, R, X, C, B>
+        where
+            H: Precision + $on,
+            L: LossScale,
+            $dev: MixedDevice<H>,
+            R: Borrowed,
+            R::Model: MasterModel<$dev>,
+            H: crate::precision::Stored,
+            WorkingCopy<H, R::Model, $dev>:
+                dfdx::nn::tensor_collection::TensorCollection<H::Elem, $dev> + Takes<C, X::Half>,
+            X: HalfInput<H, $dev>,
+        {
+            type Model = R::Model;
+            type Input = X;
+            #[allow(deprecated)]
+            fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
+            where
+                Y: HalfOutput<H, $dev>,
+                F: FnOnce(&mut WorkingCopy<H, R::Model, $dev>, X::Half) -> Y,
+            {
+                self.on_working::<Plain, Y, F>(f)
+            }
+        }
+    };
+}
+
+via_plain! {
+    /// The forward pass on the half working copy made of the model's own layers, in a half
+    /// precision dfdx's CPU layers are slow in (f16, `AMP<f16>`): the compiler warns at the step.
+    trait ViaHalf for Cpu [] where H: DfdxSlow;
     #[deprecated(
         note = "mpx: this forward pass runs on the model's own layers in half precision, dfdx's f16 layers, which on the CPU are slower than f32: a layer of the model has no mpx counterpart (a module of your own, or one of dfdx's layers mpx does not map, such as its convolutions), or the step is generic over its model. For a module of your own, add `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl, and it runs on mpx's layers; a step generic over its model `M` runs them once `M` is bounded `M: mpx::step::HalfLayers<f16>`; or keep dfdx's layers and silence this with `#[allow(deprecated)]` on the step (see docs/dsl.md, \"Modules of your own\")"
     )]
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
-    where
-        Y: HalfOutput<H, D>,
-        F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, <Self::Input as HalfInput<H, D>>::Half) -> Y;
 }
 
-// the second `&mut` is the ladder's middle rung (see `Forward`)
-#[allow(clippy::mut_mut)]
-impl<H, L, R, X, C, B> ViaHalf<H, Cpu> for &mut &mut Forward<'_, H, L, Cpu, R, X, C, B>
-where
-    H: Precision + DfdxSlow,
-    L: LossScale,
-    Cpu: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<Cpu>,
-    H: crate::precision::Stored,
-    WorkingCopy<H, R::Model, Cpu>:
-        dfdx::nn::tensor_collection::TensorCollection<H::Elem, Cpu> + Takes<C, X::Half>,
-    X: HalfInput<H, Cpu>,
-{
-    type Model = R::Model;
-    type Input = X;
-    #[allow(deprecated)]
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
-    where
-        Y: HalfOutput<H, Cpu>,
-        F: FnOnce(&mut WorkingCopy<H, R::Model, Cpu>, X::Half) -> Y,
-    {
-        let (master, input) = self.take();
-        let m = master.shared();
-        let cell = self.masters.cell(m);
-        match self
-            .scaler
-            .run::<R::Model, Plain, X, Y, F>(m, &cell, input, f)
-        {
-            Ok(y) => y,
-            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
-        }
-    }
-}
-
-/// The forward pass on the working copy made of the model's own layers where they are not slow:
-/// f32 on the CPU (the machinery alone), any stored precision on a GPU.
-pub trait ViaHalfNative<H: Precision, D: MixedDevice<H>> {
-    /// The master model.
-    type Model: MasterModel<D>;
-    /// The input.
-    type Input: HalfInput<H, D>;
-    /// Runs `f` on the working copy and the input rounded to `H`; the output comes back in f32.
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
-    where
-        Y: HalfOutput<H, D>,
-        F: FnOnce(&mut WorkingCopy<H, Self::Model, D>, <Self::Input as HalfInput<H, D>>::Half) -> Y;
-}
-
-// the second `&mut` is the ladder's middle rung (see `Forward`)
-#[allow(clippy::mut_mut)]
-impl<H, L, D, R, X, C, B> ViaHalfNative<H, D> for &mut &mut Forward<'_, H, L, D, R, X, C, B>
-where
-    H: Precision + NativeOn<D>,
-    L: LossScale,
-    D: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<D>,
-    H: crate::precision::Stored,
-    WorkingCopy<H, R::Model, D>:
-        dfdx::nn::tensor_collection::TensorCollection<H::Elem, D> + Takes<C, X::Half>,
-    X: HalfInput<H, D>,
-{
-    type Model = R::Model;
-    type Input = X;
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y::Full
-    where
-        Y: HalfOutput<H, D>,
-        F: FnOnce(&mut WorkingCopy<H, R::Model, D>, X::Half) -> Y,
-    {
-        let (master, input) = self.take();
-        let m = master.shared();
-        let cell = self.masters.cell(m);
-        match self
-            .scaler
-            .run::<R::Model, Plain, X, Y, F>(m, &cell, input, f)
-        {
-            Ok(y) => y,
-            Err(e) => panic!("mixed-precision forward pass failed: {e}"),
-        }
-    }
+via_plain! {
+    /// The forward pass on the working copy made of the model's own layers where they are not
+    /// slow: f32 on the CPU (the machinery alone), any stored precision on a GPU.
+    trait ViaHalfNative for D [D] where H: NativeOn<D>;
 }
 
 /// The forward pass in f32, on the master itself.
@@ -391,81 +369,34 @@ pub trait ViaFull<R, X, D: dfdx::tensor_ops::Device<f32>> {
         F: FnOnce(R, X::Plain) -> Y;
 }
 
-impl<H, L, D, R, X> ViaFull<R, X, D> for Forward<'_, H, L, D, R, X, call::Forward, fallback::Warn>
-where
-    H: Precision,
-    L: LossScale,
-    D: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<D>,
-{
-    #[allow(deprecated)]
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y
-    where
-        X: FullInput<D>,
-        F: FnOnce(R, X::Plain) -> Y,
-    {
-        full(self, f)
-    }
+/// `ViaFull` on the last rung, for each call a forward pass makes.
+macro_rules! via_full {
+    ($($call:ty),*) => {$(
+        #[allow(deprecated)]
+        impl<H, L, D, R, X> ViaFull<R, X, D> for Forward<'_, H, L, D, R, X, $call, fallback::Warn>
+        where
+            H: Precision,
+            L: LossScale,
+            D: MixedDevice<H>,
+            R: Borrowed,
+            R::Model: MasterModel<D>,
+        {
+            fn __mpx_forward<Y, F>(&mut self, f: F) -> Y
+            where
+                X: FullInput<D>,
+                F: FnOnce(R, X::Plain) -> Y,
+            {
+                let (master, input) = self.take();
+                let cell = self.masters.cell(master.shared());
+                match self.scaler.run_full::<R::Model, X>(master.shared(), &cell, input) {
+                    Ok(x) => f(master, x),
+                    Err(e) => panic!("mixed-precision forward pass failed: {e}"),
+                }
+            }
+        }
+    )*};
 }
-
-#[allow(deprecated)]
-impl<H, L, D, R, X> ViaFull<R, X, D>
-    for Forward<'_, H, L, D, R, X, call::ForwardMut, fallback::Warn>
-where
-    H: Precision,
-    L: LossScale,
-    D: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<D>,
-{
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y
-    where
-        X: FullInput<D>,
-        F: FnOnce(R, X::Plain) -> Y,
-    {
-        full(self, f)
-    }
-}
-
-#[allow(deprecated)]
-impl<H, L, D, R, X> ViaFull<R, X, D> for Forward<'_, H, L, D, R, X, call::Field, fallback::Warn>
-where
-    H: Precision,
-    L: LossScale,
-    D: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<D>,
-{
-    fn __mpx_forward<Y, F>(&mut self, f: F) -> Y
-    where
-        X: FullInput<D>,
-        F: FnOnce(R, X::Plain) -> Y,
-    {
-        full(self, f)
-    }
-}
-
-fn full<H, L, D, R, X, C, B, Y, F>(fwd: &mut Forward<'_, H, L, D, R, X, C, B>, f: F) -> Y
-where
-    H: Precision,
-    L: LossScale,
-    D: MixedDevice<H>,
-    R: Borrowed,
-    R::Model: MasterModel<D>,
-    X: FullInput<D>,
-    F: FnOnce(R, X::Plain) -> Y,
-{
-    let (master, input) = fwd.take();
-    let cell = fwd.masters.cell(master.shared());
-    match fwd
-        .scaler
-        .run_full::<R::Model, X>(master.shared(), &cell, input)
-    {
-        Ok(x) => f(master, x),
-        Err(e) => panic!("mixed-precision forward pass failed: {e}"),
-    }
-}
+via_full!(call::Forward, call::ForwardMut, call::Field);
 
 /// A step whose `half = ..` names a precision its forward pass cannot run in.
 #[diagnostic::on_unimplemented(

@@ -4,7 +4,7 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned;
 
-use crate::ctxt::{Ctxt, crate_path, key_of, set_once, skip_value};
+use crate::ctxt::{Ctxt, parse_attrs, set_crate, set_once};
 
 /// Keys a container `#[cast(...)]` accepts.
 pub(super) const CONTAINER_KEYS: &str = "`dtype`, `crate`";
@@ -47,40 +47,34 @@ pub(super) struct Input<'a> {
 pub(super) fn parse<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Input<'a> {
     let mut dtype = None;
     let mut krate = None;
-    for attr in input.attrs.iter().filter(|a| a.path().is_ident("cast")) {
-        let res = attr.parse_nested_meta(|meta| {
-            let key = key_of(&meta.path);
-            match key.as_str() {
-                "dtype" => {
-                    let v: syn::Ident = meta.value()?.parse().map_err(|e| {
-                        syn::Error::new(e.span(), "`dtype` takes a type parameter name: `#[cast(dtype = E)]`")
-                    })?;
-                    set_once(cx, &meta.path, &mut dtype, v, "dtype");
-                }
-                "crate" => {
-                    let v = crate_path(&meta)?;
-                    set_once(cx, &meta.path, &mut krate, v, "crate");
-                }
-                "skip" => {
-                    cx.error_spanned(
-                        &meta.path,
-                        "`skip` belongs on a field, not on the struct; expected one of `dtype`, `crate` here",
-                    );
-                }
-                _ => {
-                    cx.error_spanned(
-                        &meta.path,
-                        format!("unknown argument `{key}`; expected one of {CONTAINER_KEYS}"),
-                    );
-                    skip_value(meta.input)?;
-                }
+    let expected = format!("one of {CONTAINER_KEYS}");
+    parse_attrs(
+        &input.attrs,
+        "cast",
+        cx,
+        ("argument", &expected),
+        |key, meta, cx| match key {
+            "dtype" => {
+                let v: syn::Ident = meta.value()?.parse().map_err(|e| {
+                    syn::Error::new(
+                        e.span(),
+                        "`dtype` takes a type parameter name: `#[cast(dtype = E)]`",
+                    )
+                })?;
+                set_once(cx, &meta.path, &mut dtype, v, "dtype");
+                Ok(true)
             }
-            Ok(())
-        });
-        if let Err(err) = res {
-            cx.push(err);
-        }
-    }
+            "crate" => set_crate(meta, cx, &mut krate),
+            "skip" => {
+                cx.error_spanned(
+                    &meta.path,
+                    "`skip` belongs on a field, not on the struct; expected one of `dtype`, `crate` here",
+                );
+                Ok(true)
+            }
+            _ => Ok(false),
+        },
+    );
 
     let (kind, fields) = match &input.data {
         syn::Data::Struct(data) => (Kind::Struct, parse_fields(&data.fields, cx)),
@@ -110,24 +104,19 @@ fn parse_fields<'a>(fields: &'a syn::Fields, cx: &mut Ctxt) -> Vec<Field<'a>> {
                 }),
             };
             let mut skip = None;
-            for attr in f.attrs.iter().filter(|a| a.path().is_ident("cast")) {
-                let res = attr.parse_nested_meta(|meta| {
-                    let key = key_of(&meta.path);
-                    if key == "skip" {
+            parse_attrs(
+                &f.attrs,
+                "cast",
+                cx,
+                ("field argument", FIELD_KEYS),
+                |key, meta, cx| {
+                    let known = key == "skip";
+                    if known {
                         set_once(cx, &meta.path, &mut skip, meta.path.clone(), "skip");
-                    } else {
-                        cx.error_spanned(
-                            &meta.path,
-                            format!("unknown field argument `{key}`; expected {FIELD_KEYS}"),
-                        );
-                        skip_value(meta.input)?;
                     }
-                    Ok(())
-                });
-                if let Err(err) = res {
-                    cx.push(err);
-                }
-            }
+                    Ok(known)
+                },
+            );
             Field {
                 member,
                 ty: &f.ty,

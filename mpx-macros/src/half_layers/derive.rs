@@ -6,7 +6,7 @@ use quote::quote;
 use syn::visit_mut::VisitMut;
 
 use super::{param_bounded_by, working_name};
-use crate::ctxt::{Ctxt, crate_path, key_of, runtime_path, set_once, skip_value};
+use crate::ctxt::{Ctxt, parse_attrs, runtime_path, set_crate, set_parsed};
 
 /// Keys the struct's `#[half_layers(..)]` accepts.
 const CONTAINER_KEYS: &str = "`dtype`, `device`, `crate`";
@@ -116,40 +116,20 @@ fn container_args(
     cx: &mut Ctxt,
 ) -> (Option<syn::Path>, Option<syn::Ident>, Option<syn::Ident>) {
     let (mut krate, mut dtype, mut device) = (None, None, None);
-    for attr in input
-        .attrs
-        .iter()
-        .filter(|a| a.path().is_ident("half_layers"))
-    {
-        let res = attr.parse_nested_meta(|meta| {
-            let key = key_of(&meta.path);
-            match key.as_str() {
-                "dtype" => {
-                    let v: syn::Ident = meta.value()?.parse()?;
-                    set_once(cx, &meta.path, &mut dtype, v, "dtype");
-                }
-                "device" => {
-                    let v: syn::Ident = meta.value()?.parse()?;
-                    set_once(cx, &meta.path, &mut device, v, "device");
-                }
-                "crate" => {
-                    let v = crate_path(&meta)?;
-                    set_once(cx, &meta.path, &mut krate, v, "crate");
-                }
-                _ => {
-                    cx.error_spanned(
-                        &meta.path,
-                        format!("unknown argument `{key}`; expected one of {CONTAINER_KEYS}"),
-                    );
-                    skip_value(meta.input)?;
-                }
-            }
-            Ok(())
-        });
-        if let Err(err) = res {
-            cx.push(err);
-        }
-    }
+    let expected = format!("one of {CONTAINER_KEYS}");
+    let what = ("argument", expected.as_str());
+    parse_attrs(
+        &input.attrs,
+        "half_layers",
+        cx,
+        what,
+        |key, meta, cx| match key {
+            "dtype" => set_parsed(meta, cx, &mut dtype, "dtype"),
+            "device" => set_parsed(meta, cx, &mut device, "device"),
+            "crate" => set_crate(meta, cx, &mut krate),
+            _ => Ok(false),
+        },
+    );
     (krate, dtype, device)
 }
 
@@ -173,28 +153,18 @@ fn fields<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Vec<Field<'a>> {
         }
     };
     let mut out = Vec::new();
+    let field_expected = format!("one of {FIELD_KEYS}");
     for (i, f) in data.fields.iter().enumerate() {
         let (mut keep, mut state) = (false, false);
-        for attr in f.attrs.iter().filter(|a| a.path().is_ident("half_layers")) {
-            let res = attr.parse_nested_meta(|meta| {
-                let key = key_of(&meta.path);
-                match key.as_str() {
-                    "keep" => keep = true,
-                    "state" => state = true,
-                    _ => {
-                        cx.error_spanned(
-                            &meta.path,
-                            format!("unknown argument `{key}`; expected one of {FIELD_KEYS}"),
-                        );
-                        skip_value(meta.input)?;
-                    }
-                }
-                Ok(())
-            });
-            if let Err(err) = res {
-                cx.push(err);
+        let what = ("argument", field_expected.as_str());
+        parse_attrs(&f.attrs, "half_layers", cx, what, |key, _, _| {
+            match key {
+                "keep" => keep = true,
+                "state" => state = true,
+                _ => return Ok(false),
             }
-        }
+            Ok(true)
+        });
         let last = match &f.ty {
             syn::Type::Path(p) if p.qself.is_none() => {
                 p.path.segments.last().map(|s| s.ident.to_string())

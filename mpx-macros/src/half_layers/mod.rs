@@ -41,28 +41,6 @@ fn working_name(name: &syn::Ident) -> syn::Ident {
 /// The type parameter bounded by a trait whose last path segment is one of `traits` (`Dtype` for
 /// the element type; `Device`, `Storage` for the device), when there is exactly one.
 fn param_bounded_by(generics: &syn::Generics, traits: &[&str]) -> Option<syn::Ident> {
-    let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
-        bounds.iter().any(|b| {
-            matches!(b, syn::TypeParamBound::Trait(t)
-                if t.path.segments.last().is_some_and(|s| traits.iter().any(|n| s.ident == n)))
-        })
-    };
-    let mut found: Vec<syn::Ident> = generics
-        .type_params()
-        .filter(|p| bounded(&p.bounds))
-        .map(|p| p.ident.clone())
-        .collect();
-    if let Some(w) = &generics.where_clause {
-        for pred in &w.predicates {
-            if let syn::WherePredicate::Type(pt) = pred
-                && let syn::Type::Path(tp) = &pt.bounded_ty
-                && let Some(id) = tp.path.get_ident()
-                && bounded(&pt.bounds)
-                && !found.contains(id)
-            {
-                found.push(id.clone());
-            }
-        }
-    }
+    let mut found = crate::syntax::params_bounded_by(generics, traits);
     (found.len() == 1).then(|| found.remove(0))
 }

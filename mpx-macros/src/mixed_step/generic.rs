@@ -306,25 +306,16 @@ fn elem_of(half: &TokenStream, root: &TokenStream) -> TokenStream {
 
 #[cfg(test)]
 mod tests {
+    use proc_macro2::TokenStream;
     use quote::quote;
 
-    #[test]
-    fn a_generic_step_is_specialised_to_f32_on_the_cpu_with_working_copy_bounds() {
+    /// `#[mixed_step(args)]` on `fn train<generics>(params) -> Result<(), D::Err>`, a step generic
+    /// over its model, element and device: its expansion, without spaces.
+    fn expand_train(args: TokenStream, generics: &TokenStream, params: &TokenStream) -> String {
         let out = crate::mixed_step::expand(
-            quote!(scaling = scaler),
+            args,
             quote!(
-                fn train<
-                    I: Trace<E, D>,
-                    M: ModuleMut<I::Traced, Error = D::Err> + TensorCollection<E, D>,
-                    O: Optimizer<M, D, E>,
-                    E: Dtype,
-                    D: Device<E>,
-                >(
-                    model: &mut M,
-                    opt: &mut O,
-                    x: I,
-                    scaler: &mut GradScaler<bf16>,
-                ) -> Result<(), D::Err> {
+                fn train<#generics>(#params) -> Result<(), D::Err> {
                     let grads = model.try_alloc_grads()?;
                     let y = model.try_forward_mut(x.traced(grads))?;
                     let grads = y.mean().try_backward()?;
@@ -333,7 +324,22 @@ mod tests {
                 }
             ),
         );
-        let s = out.to_string().replace(' ', "");
+        out.to_string().replace(' ', "")
+    }
+
+    #[test]
+    fn a_generic_step_is_specialised_to_f32_on_the_cpu_with_working_copy_bounds() {
+        let s = expand_train(
+            quote!(scaling = scaler),
+            &quote!(
+                I: Trace<E, D>,
+                M: ModuleMut<I::Traced, Error = D::Err> + TensorCollection<E, D>,
+                O: Optimizer<M, D, E>,
+                E: Dtype,
+                D: Device<E>,
+            ),
+            &quote!(model: &mut M, opt: &mut O, x: I, scaler: &mut GradScaler<bf16>),
+        );
         // E and D are gone, replaced by f32 and Cpu (and D::Err by CpuError).
         assert!(s.contains("fntrain<I:Trace<f32,::mpx::__private::mpx_runtime::__dfdx::tensor::Cpu>,M:ModuleMut<I::Traced,Error=::mpx::__private::mpx_runtime::__dfdx::tensor::CpuError>"), "{s}");
         assert!(!s.contains("E:Dtype") && !s.contains("D:Device"), "{s}");
@@ -353,31 +359,23 @@ mod tests {
 
     #[test]
     fn a_generic_step_that_names_cuda_is_specialised_to_cuda() {
-        let out = crate::mixed_step::expand(
+        let s = expand_train(
             quote!(scaling = scaler, half = f16),
-            quote!(
-                fn train<
-                    M: ModuleMut<Tensor<Rank2<4, 8>, E, D, OwnedTape<E, D>>, Error = D::Err>
-                        + TensorCollection<E, D>,
-                    O: Optimizer<M, D, E>,
-                    E: Dtype,
-                    D: Device<E>,
-                >(
-                    model: &mut M,
-                    opt: &mut O,
-                    x: Tensor<Rank2<4, 8>, E, D>,
-                    scaler: &mut GradScaler<f16>,
-                    _on: &Cuda,
-                ) -> Result<(), D::Err> {
-                    let grads = model.try_alloc_grads()?;
-                    let y = model.try_forward_mut(x.traced(grads))?;
-                    let grads = y.mean().try_backward()?;
-                    opt.update(model, &grads).unwrap();
-                    Ok(())
-                }
+            &quote!(
+                M: ModuleMut<Tensor<Rank2<4, 8>, E, D, OwnedTape<E, D>>, Error = D::Err>
+                    + TensorCollection<E, D>,
+                O: Optimizer<M, D, E>,
+                E: Dtype,
+                D: Device<E>,
+            ),
+            &quote!(
+                model: &mut M,
+                opt: &mut O,
+                x: Tensor<Rank2<4, 8>, E, D>,
+                scaler: &mut GradScaler<f16>,
+                _on: &Cuda,
             ),
         );
-        let s = out.to_string().replace(' ', "");
         let cuda = "::mpx::__private::mpx_runtime::__dfdx::tensor::Cuda";
         assert!(s.contains(&format!("->Result<(),{cuda}Error>")), "{s}");
         assert!(

@@ -222,29 +222,31 @@ struct Bindings {
     pairs: Vec<(Vec<String>, syn::Expr)>,
 }
 
+impl Bindings {
+    /// Records `value` bound to the names `names` finds (`bound_names` of a pattern,
+    /// `assigned_names` of an assignment's left side).
+    fn bind(&mut self, names: impl FnOnce(&mut HashSet<String>), value: &syn::Expr) {
+        let mut found = HashSet::new();
+        names(&mut found);
+        self.pairs
+            .push((found.into_iter().collect(), value.clone()));
+    }
+}
+
 impl<'ast> Visit<'ast> for Bindings {
     fn visit_local(&mut self, l: &'ast syn::Local) {
         if let Some(init) = &l.init {
-            let mut names = HashSet::new();
-            bound_names(&l.pat, &mut names);
-            self.pairs
-                .push((names.into_iter().collect(), (*init.expr).clone()));
+            self.bind(|n| bound_names(&l.pat, n), &init.expr);
         }
         syn::visit::visit_local(self, l);
     }
     fn visit_expr_assign(&mut self, a: &'ast syn::ExprAssign) {
-        let mut names = HashSet::new();
-        assigned_names(&a.left, &mut names);
-        self.pairs
-            .push((names.into_iter().collect(), (*a.right).clone()));
+        self.bind(|n| assigned_names(&a.left, n), &a.right);
         syn::visit::visit_expr_assign(self, a);
     }
     fn visit_expr_for_loop(&mut self, f: &'ast syn::ExprForLoop) {
         // `for x in batches_of_traced` binds `x` from the iterator.
-        let mut names = HashSet::new();
-        bound_names(&f.pat, &mut names);
-        self.pairs
-            .push((names.into_iter().collect(), (*f.expr).clone()));
+        self.bind(|n| bound_names(&f.pat, n), &f.expr);
         syn::visit::visit_expr_for_loop(self, f);
     }
     fn visit_item(&mut self, _: &'ast syn::Item) {}

@@ -544,15 +544,14 @@ fn hash_words(words: impl IntoIterator<Item = u64>) -> u64 {
 }
 
 /// The scaler's hook after each backward pass (`GradScaler::backward`): counts the
-/// micro-batch, and in the last one agrees with the other ranks and averages the master's
-/// gradients. Returns the agreed finiteness after the last micro-batch, `None` before it or
-/// without a reducer.
+/// micro-batch (`finite`: whether its gradients and loss were), and in the last one agrees with
+/// the other ranks and averages the master's gradients. Returns the agreed finiteness after the
+/// last micro-batch, `None` before it or without a reducer.
 pub(crate) fn after_backward(
     reducer: Option<&mut Reducer>,
     slots: &[&MasterSlot],
     grads: &mut Gradients<f32, Cpu>,
-    grads_finite: bool,
-    loss_finite: bool,
+    finite: bool,
     scale: f32,
     counters: [u64; 2],
 ) -> Result<Option<bool>, DistributedError> {
@@ -560,7 +559,7 @@ pub(crate) fn after_backward(
         return Ok(None);
     };
     r.seen += 1;
-    r.local_finite &= grads_finite && loss_finite;
+    r.local_finite &= finite;
     if r.seen < r.accumulation {
         return Ok(None);
     }

@@ -309,57 +309,35 @@ impl Kernel {
     }
 }
 
-/// [`Kernel::quantize_rows`] as a task of [`with_avx2`].
-struct QuantizeRows<'a> {
-    kernel: &'a Kernel,
-    layout: Layout,
-    x: &'a [f32],
-    scales: &'a mut [u8],
-    elems: &'a mut [u8],
+/// A method of [`Kernel`] on a layout and its slices, as a task of [`with_avx2`]: the struct
+/// `$task` holds the kernel, the layout and the named slices, and runs `kernel.$method(layout,
+/// slices..)`.
+macro_rules! avx2_task {
+    ($($(#[$doc:meta])* $task:ident($($f:ident: $t:ty),+) => $method:ident;)+) => {$(
+        $(#[$doc])*
+        struct $task<'a> {
+            kernel: &'a Kernel,
+            layout: Layout,
+            $($f: $t,)+
+        }
+
+        impl Avx2Task for $task<'_> {
+            type Output = ();
+            #[inline(always)]
+            fn run(self) {
+                self.kernel.$method(self.layout, $(self.$f),+);
+            }
+        }
+    )+};
 }
 
-impl Avx2Task for QuantizeRows<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        let k = self.kernel;
-        k.quantize_rows_impl(self.layout, self.x, self.scales, self.elems);
-    }
-}
-
-/// [`Kernel::dequantize_rows`] as a task of [`with_avx2`].
-struct DequantizeRows<'a> {
-    kernel: &'a Kernel,
-    layout: Layout,
-    scales: &'a [u8],
-    elems: &'a [u8],
-    out: &'a mut [f32],
-}
-
-impl Avx2Task for DequantizeRows<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        let k = self.kernel;
-        k.dequantize_rows_impl(self.layout, self.scales, self.elems, self.out);
-    }
-}
-
-/// [`Kernel::quantize_dequantize_rows`] as a task of [`with_avx2`].
-struct QuantizeDequantizeRows<'a> {
-    kernel: &'a Kernel,
-    layout: Layout,
-    x: &'a [f32],
-    out: &'a mut [f32],
-}
-
-impl Avx2Task for QuantizeDequantizeRows<'_> {
-    type Output = ();
-    #[inline(always)]
-    fn run(self) {
-        let k = self.kernel;
-        k.quantize_dequantize_rows_impl(self.layout, self.x, self.out);
-    }
+avx2_task! {
+    /// [`Kernel::quantize_rows`] as a task of [`with_avx2`].
+    QuantizeRows(x: &'a [f32], scales: &'a mut [u8], elems: &'a mut [u8]) => quantize_rows_impl;
+    /// [`Kernel::dequantize_rows`] as a task of [`with_avx2`].
+    DequantizeRows(scales: &'a [u8], elems: &'a [u8], out: &'a mut [f32]) => dequantize_rows_impl;
+    /// [`Kernel::quantize_dequantize_rows`] as a task of [`with_avx2`].
+    QuantizeDequantizeRows(x: &'a [f32], out: &'a mut [f32]) => quantize_dequantize_rows_impl;
 }
 
 /// Splits `layout.rows` rows into row ranges whose packed element storage starts on a byte
@@ -382,75 +360,67 @@ pub(crate) fn row_ranges(layout: Layout, bits: u32, threads: usize) -> Vec<(usiz
         .collect()
 }
 
-/// Runs `f(layout of the part, first row, rows' data, scales, packed elements)` on each row range,
-/// on scoped threads when there is more than one.
-pub(crate) fn for_row_ranges<X: Sync, F>(
-    layout: Layout,
-    bits: u32,
-    threads: usize,
-    x: &[X],
-    scales: &mut [u8],
-    elems: &mut [u8],
-    f: F,
-) where
-    F: Fn(Layout, &[X], &mut [u8], &mut [u8]) + Sync,
-{
-    let ranges = row_ranges(layout, bits, threads);
-    if ranges.len() <= 1 {
-        f(layout, x, scales, elems);
-        return;
-    }
-    std::thread::scope(|s| {
-        let (mut x, mut scales, mut elems) = (x, scales, elems);
-        for &(r0, r1) in &ranges {
-            let part = layout.with_rows(r1 - r0);
-            let (xa, xb) = x.split_at(part.len());
-            let (sa, sb) = std::mem::take(&mut scales).split_at_mut(part.num_blocks());
-            let nbytes = if r1 == layout.rows {
-                elems.len()
-            } else {
-                packed_len(part.len(), bits)
-            };
-            let (ea, eb) = std::mem::take(&mut elems).split_at_mut(nbytes);
-            (x, scales, elems) = (xb, sb, eb);
-            let f = &f;
-            s.spawn(move || f(part, xa, sa, ea));
-        }
-    });
+/// A slice whose rows a row range takes its part of: shared (`&[T]`) or mutable (`&mut [T]`).
+pub(crate) trait RowSlice: Sized + Send {
+    /// How many values it holds.
+    fn count(&self) -> usize;
+    /// The first `at` values, and the rest.
+    fn split(self, at: usize) -> (Self, Self);
 }
 
-/// Like [`for_row_ranges`] for dequantization: read-only codes, mutable output.
-pub(crate) fn for_row_ranges_out<F>(
+impl<T: Sync> RowSlice for &[T] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}
+
+impl<T: Send> RowSlice for &mut [T] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
+/// Runs `f(layout of the part, its values, its scales, its packed elements)` on each row range,
+/// on scoped threads when there is more than one: a part takes its rows of `values` (one per
+/// element: the data to quantize, or the output of a dequantization), its blocks of `scales` and
+/// its bytes of `elems`.
+pub(crate) fn for_row_ranges<X: RowSlice, S: RowSlice, P: RowSlice, F>(
     layout: Layout,
     bits: u32,
     threads: usize,
-    scales: &[u8],
-    elems: &[u8],
-    out: &mut [f32],
+    values: X,
+    scales: S,
+    elems: P,
     f: F,
 ) where
-    F: Fn(Layout, &[u8], &[u8], &mut [f32]) + Sync,
+    F: Fn(Layout, X, S, P) + Sync,
 {
     let ranges = row_ranges(layout, bits, threads);
     if ranges.len() <= 1 {
-        f(layout, scales, elems, out);
+        f(layout, values, scales, elems);
         return;
     }
     std::thread::scope(|s| {
-        let (mut scales, mut elems, mut out) = (scales, elems, out);
+        let (mut values, mut scales, mut elems) = (values, scales, elems);
         for &(r0, r1) in &ranges {
             let part = layout.with_rows(r1 - r0);
-            let (sa, sb) = scales.split_at(part.num_blocks());
+            let (xa, xb) = values.split(part.len());
+            let (sa, sb) = scales.split(part.num_blocks());
             let nbytes = if r1 == layout.rows {
-                elems.len()
+                elems.count()
             } else {
                 packed_len(part.len(), bits)
             };
-            let (ea, eb) = elems.split_at(nbytes);
-            let (oa, ob) = std::mem::take(&mut out).split_at_mut(part.len());
-            (scales, elems, out) = (sb, eb, ob);
+            let (ea, eb) = elems.split(nbytes);
+            (values, scales, elems) = (xb, sb, eb);
             let f = &f;
-            s.spawn(move || f(part, sa, ea, oa));
+            s.spawn(move || f(part, xa, sa, ea));
         }
     });
 }

@@ -6,7 +6,6 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 
 use dfdx::nn::modules::Linear;
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::nn::{BuildModule, BuildOnDevice, Module, NonMutableModule};
 use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
 use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
@@ -17,7 +16,7 @@ use super::error::MxError;
 use super::fake_quant::MxFakeQuant;
 use super::spec::MxSpec;
 use super::tensor::MxTensor;
-use crate::nn::dfdx_linear::linear_params;
+use crate::nn::dfdx_linear::linear_collection;
 use crate::nn::{Dfdx, IntoLayers};
 
 /// What an [`MxLinear`] quantizes to, as a type (dfdx builds modules from types):
@@ -168,23 +167,10 @@ impl<const I: usize, const O: usize, C, E: Dtype, D: Storage<E>> NonMutableModul
 {
 }
 
-impl<const I: usize, const O: usize, C: MxConfig, E: Dtype, D: Device<E>> TensorCollection<E, D>
-    for MxLinear<I, O, C, E, D>
-where
-    Linear<I, O, E, D>: BuildModule<D, E>,
-{
-    type To<E2: Dtype, D2: Device<E2>> = MxLinear<I, O, C, E2, D2>;
-
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(linear_params!(), |(weight, bias)| MxLinear {
-            weight,
-            bias,
-            config: PhantomData,
-        })
-    }
-}
+linear_collection!(
+    [C: MxConfig] MxLinear<I, O, C, E, D> => MxLinear<I, O, C, E2, D2>,
+    |weight, bias| MxLinear { weight, bias, config: PhantomData },
+);
 
 impl<const I: usize, const O: usize, C: MxConfig> MxLinear<I, O, C, f32, Cpu> {
     /// The weight for this forward pass, transposed to `(I, O)`, on tape `T`.

@@ -1,6 +1,6 @@
 //! [`MxTensor`]: a quantized tensor in packed storage, and [`quantize_dequantize`].
 
-use super::block::{Kernel, Layout, for_row_ranges, for_row_ranges_out};
+use super::block::{Kernel, Layout, for_row_ranges};
 use super::element::MxFormat;
 use super::element::Rounding;
 use super::error::MxError;
@@ -106,8 +106,8 @@ impl MxTensor {
             bits,
             thread_count(threads),
             data,
-            &mut self.scales,
-            &mut self.elements,
+            &mut self.scales[..],
+            &mut self.elements[..],
             |layout, x, s, e| kernel.quantize_rows(layout, x, s, e),
         );
         Ok(())
@@ -264,14 +264,14 @@ impl MxTensor {
 
     fn decode_into(&self, out: &mut [f32], threads: usize) {
         let kernel = Kernel::new(&self.spec);
-        for_row_ranges_out(
+        for_row_ranges(
             self.layout,
             kernel.codec.storage_bits,
             threads,
-            &self.scales,
-            &self.elements,
             out,
-            |layout, s, e, o| kernel.dequantize_rows(layout, s, e, o),
+            &self.scales[..],
+            &self.elements[..],
+            |layout, o, s, e| kernel.dequantize_rows(layout, s, e, o),
         );
     }
 

@@ -93,15 +93,38 @@ where
     }
 }
 
+/// [`IntoLayers`] impls, each `Layer => Family` (the layer is already in the family: it stays as
+/// it is) or `Layer => Family: Output` (it converts by `From`), for the generic parameters in
+/// brackets; doc comments go on the method.
+macro_rules! into_layers {
+    ($generics:tt $($(#[$doc:meta])* $from:ty => $fam:ty $(: $to:ty)?),+ $(,)?) => {$(
+        $crate::nn::convert::into_layers!(@one $generics $(#[$doc])* $from => $fam $(: $to)?);
+    )+};
+    (@one [$($g:tt)*] $(#[$doc:meta])* $from:ty => $fam:ty) => {
+        impl<$($g)*> $crate::nn::IntoLayers<$fam> for $from {
+            type Output = Self;
+            $(#[$doc])*
+            fn into_layers(self, _: $fam) -> Self {
+                self
+            }
+        }
+    };
+    (@one [$($g:tt)*] $(#[$doc:meta])* $from:ty => $fam:ty: $to:ty) => {
+        impl<$($g)*> $crate::nn::IntoLayers<$fam> for $from {
+            type Output = $to;
+            $(#[$doc])*
+            fn into_layers(self, _: $fam) -> Self::Output {
+                self.into()
+            }
+        }
+    };
+}
+pub(crate) use into_layers;
+
 /// Layers that are the same in every family.
 macro_rules! unchanged {
     ($($t:ty),* $(,)?) => {
-        $(impl<F> IntoLayers<F> for $t {
-            type Output = $t;
-            fn into_layers(self, _: F) -> Self::Output {
-                self
-            }
-        })*
+        into_layers!([F] $($t => F),*);
     };
 }
 
@@ -134,12 +157,7 @@ macro_rules! tuple {
         }
     };
 }
-tuple!(A.0);
-tuple!(A.0, B.1);
-tuple!(A.0, B.1, C.2);
-tuple!(A.0, B.1, C.2, D.3);
-tuple!(A.0, B.1, C.2, D.3, G.4);
-tuple!(A.0, B.1, C.2, D.3, G.4, H.5);
+crate::for_tuples!(tuple);
 
 /// Implements [`IntoLayers`] for an `mpx::nn` layer with a dfdx counterpart of the same name and
 /// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`];
@@ -166,38 +184,13 @@ macro_rules! dfdx_layer {
         $crate::nn::convert::dfdx_layer!($name [$(const $c),*]);
     };
     ($name:ident [$(const $c:ident),*]) => {
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            $crate::nn::IntoLayers<$crate::nn::Mpx> for $name<$($c,)* E, D>
-        {
-            type Output = Self;
-            fn into_layers(self, _: $crate::nn::Mpx) -> Self {
-                self
-            }
-        }
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            $crate::nn::IntoLayers<$crate::nn::Dfdx> for dfdx::nn::modules::$name<$($c,)* E, D>
-        {
-            type Output = Self;
-            fn into_layers(self, _: $crate::nn::Dfdx) -> Self {
-                self
-            }
-        }
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            $crate::nn::IntoLayers<$crate::nn::Mpx> for dfdx::nn::modules::$name<$($c,)* E, D>
-        {
-            type Output = $name<$($c,)* E, D>;
-            fn into_layers(self, _: $crate::nn::Mpx) -> Self::Output {
-                self.into()
-            }
-        }
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            $crate::nn::IntoLayers<$crate::nn::Dfdx> for $name<$($c,)* E, D>
-        {
-            type Output = dfdx::nn::modules::$name<$($c,)* E, D>;
-            fn into_layers(self, _: $crate::nn::Dfdx) -> Self::Output {
-                self.into()
-            }
-        }
+        $crate::nn::convert::into_layers!(
+            [$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>]
+            $name<$($c,)* E, D> => $crate::nn::Mpx,
+            dfdx::nn::modules::$name<$($c,)* E, D> => $crate::nn::Dfdx,
+            dfdx::nn::modules::$name<$($c,)* E, D> => $crate::nn::Mpx: $name<$($c,)* E, D>,
+            $name<$($c,)* E, D> => $crate::nn::Dfdx: dfdx::nn::modules::$name<$($c,)* E, D>,
+        );
     };
 }
 pub(crate) use dfdx_layer;

@@ -3,62 +3,58 @@
 
 use dfdx::nn::modules::{self, Repeated};
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
-use dfdx::shapes::{Const, Dim, Dtype};
+use dfdx::shapes::{Const, Dtype};
 use dfdx::tensor::{Cpu, CpuError, NoneTape, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
 use super::convert::dfdx_layer;
 use super::encoder::TransformerEncoder;
-use super::layer_impls::{build_on_device, module_collection, native_module};
+use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
 use super::mixed::MixedModule;
 use super::sublayer::{FeedForward, add_norm, feed_forward_norm};
 use crate::precision::{AMP, Precision, f16};
 
-/// A transformer decoder block, as dfdx's
-/// [`TransformerDecoderBlock`](dfdx::nn::modules::TransformerDecoderBlock) (post-norm: same
-/// fields, same operation order): `x = norm1(tgt + self_attn(tgt));
-/// x = norm2(x + mh_attn(x, mem, mem)); norm3(ff(x))`, on a `(target, memory)` pair.
-///
-/// Its layer norms and attention softmax run in f32. In a half precision each residual add is
-/// fused into the layer norm after it (the sum in f32, not rounded), and the attention
-/// projections and feed-forward `Linear`s run as fused ops on mpx's GEMM; in f32 the block runs
-/// dfdx's operations.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::TransformerDecoderBlock;
-/// use mpx_runtime::precision::f16;
-/// let dev = Cpu::default();
-/// let block = dev.build_module::<TransformerDecoderBlock<8, 2, 16>, f16>();
-/// let tgt: Tensor<Rank3<1, 3, 8>, f32, Cpu> = dev.sample_normal();
-/// let mem: Tensor<Rank3<1, 5, 8>, f32, Cpu> = dev.sample_normal();
-/// let (tgt, mem) = (tgt.to_dtype::<f16>(), mem.to_dtype::<f16>());
-/// let y = block.forward((tgt, mem));
-/// assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
-/// ```
-#[derive(Debug, Clone)]
-pub struct TransformerDecoderBlock<
-    const MODEL_DIM: usize,
-    const NUM_HEADS: usize,
-    const FF_DIM: usize,
-    E: Dtype = f32,
-    D: Storage<E> = Cpu,
-> {
-    /// Self-attention over the target.
-    pub self_attn: MultiHeadAttention<MODEL_DIM, NUM_HEADS, MODEL_DIM, MODEL_DIM, E, D>,
-    /// Layer norm after the self-attention's residual add.
-    pub norm1: LayerNorm1D<MODEL_DIM, E, D>,
-    /// Attention of the target over the memory (the encoder's output).
-    pub mh_attn: MultiHeadAttention<MODEL_DIM, NUM_HEADS, MODEL_DIM, MODEL_DIM, E, D>,
-    /// Layer norm after the memory attention's residual add.
-    pub norm2: LayerNorm1D<MODEL_DIM, E, D>,
-    /// Feed-forward network with its residual.
-    pub ff: FeedForward<MODEL_DIM, FF_DIM, E, D>,
-    /// Layer norm after the feed-forward residual.
-    pub norm3: LayerNorm1D<MODEL_DIM, E, D>,
+composite_layer! {
+    /// A transformer decoder block, as dfdx's
+    /// [`TransformerDecoderBlock`](dfdx::nn::modules::TransformerDecoderBlock) (post-norm: same
+    /// fields, same operation order): `x = norm1(tgt + self_attn(tgt));
+    /// x = norm2(x + mh_attn(x, mem, mem)); norm3(ff(x))`, on a `(target, memory)` pair.
+    ///
+    /// Its layer norms and attention softmax run in f32. In a half precision each residual add is
+    /// fused into the layer norm after it (the sum in f32, not rounded), and the attention
+    /// projections and feed-forward `Linear`s run as fused ops on mpx's GEMM; in f32 the block runs
+    /// dfdx's operations.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::TransformerDecoderBlock;
+    /// use mpx_runtime::precision::f16;
+    /// let dev = Cpu::default();
+    /// let block = dev.build_module::<TransformerDecoderBlock<8, 2, 16>, f16>();
+    /// let tgt: Tensor<Rank3<1, 3, 8>, f32, Cpu> = dev.sample_normal();
+    /// let mem: Tensor<Rank3<1, 5, 8>, f32, Cpu> = dev.sample_normal();
+    /// let (tgt, mem) = (tgt.to_dtype::<f16>(), mem.to_dtype::<f16>());
+    /// let y = block.forward((tgt, mem));
+    /// assert!(y.array()[0].iter().flatten().all(|v| v.is_finite()));
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct TransformerDecoderBlock<const MODEL_DIM, const NUM_HEADS, const FF_DIM> {
+        /// Self-attention over the target.
+        pub self_attn: MultiHeadAttention<MODEL_DIM, NUM_HEADS, MODEL_DIM, MODEL_DIM, E, D>,
+        /// Layer norm after the self-attention's residual add.
+        pub norm1: LayerNorm1D<MODEL_DIM, E, D>,
+        /// Attention of the target over the memory (the encoder's output).
+        pub mh_attn: MultiHeadAttention<MODEL_DIM, NUM_HEADS, MODEL_DIM, MODEL_DIM, E, D>,
+        /// Layer norm after the memory attention's residual add.
+        pub norm2: LayerNorm1D<MODEL_DIM, E, D>,
+        /// Feed-forward network with its residual.
+        pub ff: FeedForward<MODEL_DIM, FF_DIM, E, D>,
+        /// Layer norm after the feed-forward residual.
+        pub norm3: LayerNorm1D<MODEL_DIM, E, D>,
+    }
 }
 
 /// A stack of `NUM_LAYERS` [`TransformerDecoderBlock`]s, as dfdx's `TransformerDecoder` (a
@@ -84,32 +80,32 @@ pub struct TransformerDecoder<
     D: Storage<E> = Cpu,
 >(pub Repeated<TransformerDecoderBlock<MODEL_DIM, NUM_HEADS, FF_DIM, E, D>, NUM_LAYERS>);
 
-/// An encoder-decoder transformer, as dfdx's `Transformer`: the decoder attends to the encoder's
-/// output; `forward((src, tgt))`.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::Transformer;
-/// let dev = Cpu::default();
-/// let t = dev.build_module::<Transformer<8, 2, 1, 1, 16>, f32>();
-/// let y = t.forward((dev.sample_normal::<Rank2<5, 8>>(), dev.sample_normal::<Rank2<3, 8>>()));
-/// assert_eq!(y.shape(), &(Const::<3>, Const::<8>));
-/// ```
-#[derive(Debug, Clone)]
-pub struct Transformer<
-    const MODEL_DIM: usize,
-    const NUM_HEADS: usize,
-    const NUM_ENCODER_LAYERS: usize,
-    const NUM_DECODER_LAYERS: usize,
-    const FF_DIM: usize,
-    E: Dtype = f32,
-    D: Storage<E> = Cpu,
-> {
-    /// The encoder.
-    pub encoder: TransformerEncoder<MODEL_DIM, NUM_HEADS, FF_DIM, NUM_ENCODER_LAYERS, E, D>,
-    /// The decoder.
-    pub decoder: TransformerDecoder<MODEL_DIM, NUM_HEADS, FF_DIM, NUM_DECODER_LAYERS, E, D>,
+composite_layer! {
+    /// An encoder-decoder transformer, as dfdx's `Transformer`: the decoder attends to the encoder's
+    /// output; `forward((src, tgt))`.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::Transformer;
+    /// let dev = Cpu::default();
+    /// let t = dev.build_module::<Transformer<8, 2, 1, 1, 16>, f32>();
+    /// let y = t.forward((dev.sample_normal::<Rank2<5, 8>>(), dev.sample_normal::<Rank2<3, 8>>()));
+    /// assert_eq!(y.shape(), &(Const::<3>, Const::<8>));
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct Transformer<
+        const MODEL_DIM,
+        const NUM_HEADS,
+        const NUM_ENCODER_LAYERS,
+        const NUM_DECODER_LAYERS,
+        const FF_DIM,
+    > {
+        /// The encoder.
+        pub encoder: TransformerEncoder<MODEL_DIM, NUM_HEADS, FF_DIM, NUM_ENCODER_LAYERS, E, D>,
+        /// The decoder.
+        pub decoder: TransformerDecoder<MODEL_DIM, NUM_HEADS, FF_DIM, NUM_DECODER_LAYERS, E, D>,
+    }
 }
 
 build_on_device!(TransformerDecoderBlock[const M, const H, const F]);
@@ -118,11 +114,6 @@ build_on_device!(TransformerDecoder[const M, const H, const F, const L]);
 native_module!(TransformerDecoder[const M, const H, const F, const L]);
 build_on_device!(Transformer[const M, const H, const A, const B, const F]);
 native_module!(Transformer[const M, const H, const A, const B, const F]);
-
-module_collection!(TransformerDecoderBlock[const M, const H, const F] {
-    self_attn, norm1, mh_attn, norm2, ff, norm3
-});
-module_collection!(Transformer[const M, const H, const A, const B, const F] { encoder, decoder });
 
 /// `TensorCollection` of the decoder stack, for each float element: its one field, `0`, as
 /// dfdx's visits it.
@@ -201,23 +192,12 @@ dfdx_layer!(Transformer[const M, const H, const A, const B, const F]);
 /// The block on `(S, M)` and `(B, S, M)` targets, with `(S2, M)` and `(B, S2, M)` memories.
 macro_rules! block_forward {
     ([$($g:ident),+] ($($t:ident),+) ($($m:ident),+)) => {
-        impl<const M: usize, const H: usize, const F: usize, E, P, $($g,)+ T>
-            MixedModule<
-                P,
-                (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>),
-            > for TransformerDecoderBlock<M, H, F, E, Cpu>
-        where
-            E: Precision<Elem = E> + Dtype,
-            P: Precision<Elem = E>,
-            Cpu: Device<E>,
-            $($g: Dim,)+
-            T: Tape<E, Cpu>,
-        {
-            type Output = Tensor<($($t,)+ Const<M>), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                (tgt, mem): (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>),
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            TransformerDecoderBlock[const M, const H, const F], dims [$($g),+],
+            fn(
+                self,
+                (tgt, mem): (Tensor<($($t,)+ Const<M>), E, Cpu, T>, Tensor<($($m,)+ Const<M>), E, Cpu>)
+            ) -> Tensor<($($t,)+ Const<M>), E, Cpu, T> {
                 let (tgt, tape) = tgt.split_tape();
                 let x = MixedModule::<P, _>::try_mixed_forward(
                     &self.self_attn,

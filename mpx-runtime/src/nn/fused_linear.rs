@@ -1,9 +1,8 @@
 //! [`fused_linear`]: `y = act(x·Wᵀ + b)` as one op on the tape, on mpx's kernels, forward and
-//! backward: the op of the fused [`Linear`](super::Linear) and of the layers that hold dfdx's
-//! `Linear` ([`linear_in`](super::dfdx_linear::linear_in), the attention's projections, the
-//! encoder's feed-forward).
+//! backward: the op of the fused [`Linear`](super::Linear), also run by the layers made of it
+//! (the attention's projections, the encoder's feed-forward) with another activation.
 
-use dfdx::shapes::{Dtype, HasShape, Rank1, Rank2, Shape};
+use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 use mpx_kernels::{
@@ -12,9 +11,9 @@ use mpx_kernels::{
 };
 
 use super::half_ops::{grad_slice, round_in_place, shape_err};
+use super::linear::FusedLinear;
 use super::scratch::{self, Buf};
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
-use crate::step::Link;
 
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
@@ -92,10 +91,10 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
     use_dw(&mut dw)
 }
 
-/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values), shaped `out`, in precision `P`:
-/// the fused op of [`FusedLinear`](super::FusedLinear), also run by the layers that hold dfdx's
-/// `Linear` ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward, the
-/// ViT's patch embedding and head) on their `weight` and `bias`.
+/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values) with the weight and bias of layer
+/// `l`, shaped `out`, in precision `P`: the fused op of [`FusedLinear`] (`act` its own
+/// activation), also run by the layers made of mpx's `Linear`
+/// ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward).
 ///
 /// - Forward: one GEMM (f32 sums) per `ROW_CHUNK` rows, then one pass adding the bias, applying
 ///   the activation and rounding to the element type; for emulated bf16 (f32 storage) the output
@@ -112,11 +111,9 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
 /// multiplies into pooled buffers ([`scratch`]) and gives them back when its GEMM is done. The
 /// pool then holds one layer's operands at a time, not a copy of every layer's input and weight
 /// from the forward to the backward.
-pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
-    weight: &Tensor<Rank2<O, I>, E, Cpu>,
-    bias: &Tensor<Rank1<O>, E, Cpu>,
+pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, A, Sx, Sy, T>(
+    l: &FusedLinear<I, O, E, Cpu, A>,
     act: Activation,
-    link: Option<&Link>,
     x: Tensor<Sx, E, Cpu, T>,
     out: Sy,
 ) -> Result<Tensor<Sy, E, Cpu, T>, CpuError>
@@ -128,29 +125,18 @@ where
     Sy: Shape,
     T: Tape<E, Cpu>,
 {
+    let (weight, bias, link) = (&l.weight, &l.bias, l.link());
     let (x, mut tape) = x.try_contiguous()?.split_tape();
     let rows = x.shape().num_elements() / I;
     let (xv, wv) = (read(&x), read(weight));
     let mut b32 = scratch::take::<f32>(O);
     E::widen(&read(bias), &mut b32);
     let mut y = vec![E::default(); rows * O];
-    // f32 sums for at most ROW_CHUNK rows at a time, so the buffer stays small at any batch
-    let mut acc = scratch::take::<f32>(rows.min(ROW_CHUNK) * O);
-    for (xc, yc) in xv.chunks(ROW_CHUNK * I).zip(y.chunks_mut(ROW_CHUNK * O)) {
-        let r = xc.len() / I;
-        let acc = &mut acc[..r * O];
-        gemm(
-            MatRef::row_major(P::floats(xc), r, I).map_err(shape_err)?,
-            MatRef::row_major(P::floats(&wv), O, I)
-                .map_err(shape_err)?
-                .t(),
-            acc,
-            false,
-        )
-        .map_err(shape_err)?;
-        bias_act_into(acc, &b32, act, E::floats_mut(yc)).map_err(shape_err)?;
-    }
-    drop((acc, b32, xv, wv));
+    let w = MatRef::row_major(P::floats(&wv), O, I).map_err(shape_err)?;
+    by_row_chunks::<P, E>(&xv, I, w.t(), &mut y, |acc, yc| {
+        bias_act_into(acc, &b32, act, E::floats_mut(yc))
+    })?;
+    drop((b32, xv, wv));
     round_in_place::<P>(&mut y);
     let mask = (T::OWNS_TAPE && act == Activation::ReLU).then(|| relu_mask_of(&y));
     // Inside a mixed step's forward pass, the master tensors this weight and bias stand for:
@@ -207,20 +193,32 @@ fn input_grad<
     wv: &[E],
     gx: &mut [E],
 ) -> Result<(), CpuError> {
-    let rows = dz.len() / O;
-    let mut dx = scratch::take::<f32>(rows.min(ROW_CHUNK) * I);
-    for (dzc, gxc) in dz.chunks(ROW_CHUNK * O).zip(gx.chunks_mut(ROW_CHUNK * I)) {
-        let r = dzc.len() / O;
-        let dx = &mut dx[..r * I];
-        gemm(
-            MatRef::row_major(P::floats(dzc), r, O).map_err(shape_err)?,
-            MatRef::row_major(P::floats(wv), O, I).map_err(shape_err)?,
-            dx,
-            false,
-        )
-        .map_err(shape_err)?;
-        add_f32_into(dx, E::floats_mut(gxc)).map_err(shape_err)?;
+    let w = MatRef::row_major(P::floats(wv), O, I).map_err(shape_err)?;
+    by_row_chunks::<P, E>(dz, O, w, gx, |dx, gxc| {
+        add_f32_into(dx, E::floats_mut(gxc))?;
         round_in_place::<P>(gxc);
+        Ok(())
+    })
+}
+
+/// `a·b` (`a` of `k` values a row, `b` of `k` rows) for `ROW_CHUNK` rows of `a` at a time, so the
+/// f32 sums stay small at any batch: each chunk's product goes to `finish` with the rows of `out`
+/// it stands for (`out` has as many values a row as `b` has columns).
+fn by_row_chunks<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype>(
+    a: &[E],
+    k: usize,
+    b: MatRef<'_>,
+    out: &mut [E],
+    mut finish: impl FnMut(&mut [f32], &mut [E]) -> Result<(), KernelError>,
+) -> Result<(), CpuError> {
+    let (rows, n) = (a.len() / k, b.cols());
+    let mut sums = scratch::take::<f32>(rows.min(ROW_CHUNK) * n);
+    for (ac, oc) in a.chunks(ROW_CHUNK * k).zip(out.chunks_mut(ROW_CHUNK * n)) {
+        let r = ac.len() / k;
+        let sums = &mut sums[..r * n];
+        let a = MatRef::row_major(P::floats(ac), r, k).map_err(shape_err)?;
+        gemm(a, b, sums, false).map_err(shape_err)?;
+        finish(sums, oc).map_err(shape_err)?;
     }
     Ok(())
 }

@@ -1,15 +1,13 @@
 //! [`LayerNorm1D`]: dfdx's layer norm with its statistics (and affine transform) in f32.
 
-use dfdx::nn::tensor_collection::{ModuleVisitor, ScalarOptions, TensorCollection, TensorOptions};
-use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape, Rank1};
-use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{BroadcastTo, Device};
+use dfdx::nn::tensor_collection::{ScalarOptions, TensorOptions};
+use dfdx::shapes::{Axis, Const, Dtype, HasShape, Rank1};
+use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tensor};
+use dfdx::tensor_ops::BroadcastTo;
 
 use super::convert::dfdx_layer;
-use super::layer_impls::{build_on_device, native_module};
+use super::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use super::layer_norm_kernel::add_layer_norm;
-use super::mixed::MixedModule;
-use crate::precision::Precision;
 use crate::region::FullPrecision;
 
 /// Layer normalization over the last axis, as dfdx's
@@ -48,49 +46,15 @@ pub struct LayerNorm1D<const M: usize, E: Dtype = f32, D: Storage<E> = Cpu> {
 build_on_device!(LayerNorm1D[const M]);
 native_module!(LayerNorm1D[const M]);
 
-impl<const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D> for LayerNorm1D<M, E, D> {
-    type To<E2: Dtype, D2: Device<E2>> = LayerNorm1D<M, E2, D2>;
+module_collection!(LayerNorm1D[const M] {
+    tensor gamma: TensorOptions::reset_to_ones(),
+    tensor beta: TensorOptions::reset_to_zeros(),
+    scalar epsilon: ScalarOptions::from_default(1e-5),
+});
 
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            (
-                Self::tensor(
-                    "gamma",
-                    |s| &s.gamma,
-                    |s| &mut s.gamma,
-                    TensorOptions::reset_to_ones(),
-                ),
-                Self::tensor(
-                    "beta",
-                    |s| &s.beta,
-                    |s| &mut s.beta,
-                    TensorOptions::reset_to_zeros(),
-                ),
-                Self::scalar(
-                    "epsilon",
-                    |s| &s.epsilon,
-                    |s| &mut s.epsilon,
-                    ScalarOptions::from_default(1e-5),
-                ),
-            ),
-            |(gamma, beta, epsilon)| LayerNorm1D {
-                gamma,
-                beta,
-                epsilon,
-            },
-        )
-    }
-}
-
-impl<const M: usize, E: Precision<Elem = E> + Dtype, P: Precision<Elem = E>, T: Tape<E, Cpu>>
-    MixedModule<P, Tensor<Rank1<M>, E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
-where
-    Cpu: Device<E>,
-{
-    type Output = Tensor<Rank1<M>, E, Cpu, T>;
-    fn try_mixed_forward(&self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Result<Self::Output, CpuError> {
+mixed_module! {
+    LayerNorm1D[const M], dims [],
+    fn(self, x: Tensor<Rank1<M>, E, Cpu, T>) -> Tensor<Rank1<M>, E, Cpu, T> {
         let eps = self.epsilon;
         if !P::IDENTITY {
             return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);
@@ -106,16 +70,9 @@ where
 /// Batched inputs: the statistics run over the last axis `$ax`, as in dfdx.
 macro_rules! batched {
     ($ax:literal; $($d:ident),+) => {
-        impl<$($d: Dim,)+ const M: usize, E: Precision<Elem = E> + Dtype, P: Precision<Elem = E>, T: Tape<E, Cpu>>
-            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>> for LayerNorm1D<M, E, Cpu>
-        where
-            Cpu: Device<E>,
-        {
-            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                x: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            LayerNorm1D[const M], dims [$($d),+],
+            fn(self, x: Tensor<($($d,)+ Const<M>), E, Cpu, T>) -> Tensor<($($d,)+ Const<M>), E, Cpu, T> {
                 let eps = self.epsilon;
                 if !P::IDENTITY {
                     return add_layer_norm::<P, E, M, _, T>(x, None, &self.gamma, &self.beta, eps);

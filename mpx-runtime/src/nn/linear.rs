@@ -33,17 +33,15 @@ use std::fmt::Debug;
 
 use dfdx::nn::modules::Linear as DfdxLinear;
 use dfdx::nn::modules::ReLU as DfdxReLU;
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::nn::{BuildModule, BuildOnDevice, Module};
-use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank1, Rank2};
-use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
+use dfdx::shapes::{Const, Dtype, HasShape, Rank1, Rank2};
+use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::convert::{Dfdx, IntoLayers, Mpx};
-use super::dfdx_linear::linear_params;
+use super::convert::{Dfdx, Mpx, into_layers};
+use super::dfdx_linear::linear_collection;
 use super::fused_linear::fused_linear;
-use super::layer_impls::native_module;
-use super::mixed::MixedModule;
+use super::layer_impls::{mixed_module, native_module};
 use crate::cast::{Cast, FloatLeaves};
 use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
 use crate::step::Link;
@@ -289,21 +287,10 @@ macro_rules! build {
 build!(Linear, act::Identity);
 build!(LinearReLU, act::ReLU);
 
-impl<const I: usize, const O: usize, E: Dtype, D: Device<E>, A: FusedActivation>
-    TensorCollection<E, D> for FusedLinear<I, O, E, D, A>
-where
-    DfdxLinear<I, O, E, D>: BuildModule<D, E>,
-{
-    type To<E2: Dtype, D2: Device<E2>> = FusedLinear<I, O, E2, D2, A>;
-
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(linear_params!(), |(weight, bias)| {
-            FusedLinear::new(weight, bias)
-        })
-    }
-}
+linear_collection!(
+    [A: FusedActivation] FusedLinear<I, O, E, D, A> => FusedLinear<I, O, E2, D2, A>,
+    |weight, bias| FusedLinear::new(weight, bias),
+);
 
 // ---- conversions -------------------------------------------------------------------------------
 
@@ -352,55 +339,22 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> From<LinearReLU<I,
     }
 }
 
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Mpx>
-    for DfdxLinear<I, O, E, D>
-{
-    type Output = Linear<I, O, E, D>;
+into_layers!(
+    [const I: usize, const O: usize, E: Dtype, D: Storage<E>]
     /// dfdx's `Linear` to the fused [`Linear`].
-    fn into_layers(self, _: Mpx) -> Self::Output {
-        self.into()
-    }
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
-    for DfdxLinear<I, O, E, D>
-{
-    type Output = Self;
+    DfdxLinear<I, O, E, D> => Mpx: Linear<I, O, E, D>,
     /// Already dfdx's.
-    fn into_layers(self, _: Dfdx) -> Self {
-        self
-    }
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A> IntoLayers<Mpx>
-    for FusedLinear<I, O, E, D, A>
-{
-    type Output = Self;
-    /// Already mpx's.
-    fn into_layers(self, _: Mpx) -> Self {
-        self
-    }
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
-    for Linear<I, O, E, D>
-{
-    type Output = DfdxLinear<I, O, E, D>;
+    DfdxLinear<I, O, E, D> => Dfdx,
     /// The fused [`Linear`] back to dfdx's.
-    fn into_layers(self, _: Dfdx) -> Self::Output {
-        self.into()
-    }
-}
-
-impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> IntoLayers<Dfdx>
-    for LinearReLU<I, O, E, D>
-{
-    type Output = (DfdxLinear<I, O, E, D>, DfdxReLU);
+    Linear<I, O, E, D> => Dfdx: DfdxLinear<I, O, E, D>,
     /// The fused [`LinearReLU`] back to dfdx's `(Linear, ReLU)`.
-    fn into_layers(self, _: Dfdx) -> Self::Output {
-        self.into()
-    }
-}
+    LinearReLU<I, O, E, D> => Dfdx: (DfdxLinear<I, O, E, D>, DfdxReLU),
+);
+into_layers!(
+    [const I: usize, const O: usize, E: Dtype, D: Storage<E>, A]
+    /// Already mpx's.
+    FusedLinear<I, O, E, D, A> => Mpx,
+);
 
 // ---- casts -------------------------------------------------------------------------------------
 
@@ -435,20 +389,9 @@ cast_for!(f32, f16, AMP<f16>);
 /// emulated bf16 (f32 storage) the output and the gradients are rounded to bf16.
 macro_rules! mixed_forward {
     ($($d:ident),*) => {
-        impl<const I: usize, const O: usize, E, P, A, $($d: Dim,)* T>
-            MixedModule<P, Tensor<($($d,)* Const<I>,), E, Cpu, T>> for FusedLinear<I, O, E, Cpu, A>
-        where
-            E: Precision<Elem = E> + Dtype,
-            P: Precision<Elem = E>,
-            A: FusedActivation,
-            Cpu: Device<E>,
-            T: Tape<E, Cpu>,
-        {
-            type Output = Tensor<($($d,)* Const<O>,), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                x: Tensor<($($d,)* Const<I>,), E, Cpu, T>,
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            FusedLinear[const I, const O]; A: FusedActivation, dims [$($d),*],
+            fn(self, x: Tensor<($($d,)* Const<I>,), E, Cpu, T>) -> Tensor<($($d,)* Const<O>,), E, Cpu, T> {
                 if P::IDENTITY {
                     // dfdx's own op in f32: bit for bit what dfdx's `Linear` (and `ReLU`) give
                     let y = self.as_dfdx().try_forward(x)?;
@@ -459,11 +402,9 @@ macro_rules! mixed_forward {
                 }
                 #[allow(non_snake_case)]
                 let ($($d,)* _,) = *x.shape();
-                fused_linear::<P, E, I, O, _, _, T>(
-                    &self.weight,
-                    &self.bias,
+                fused_linear::<P, E, I, O, _, _, _, T>(
+                    self,
                     self.act.activation(),
-                    self.link.as_ref(),
                     x,
                     ($($d,)* Const::<O>,),
                 )

@@ -1,68 +1,67 @@
 //! [`MultiHeadAttention`]: dfdx's attention with its scaled softmax in f32.
 
 use dfdx::nn::Module;
-use dfdx::shapes::{Axes4, Axis, Const, Dim, Dtype, HasShape};
-use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{BroadcastTo, Device, PermuteTo, ReshapeTo, TryMatMul};
+use dfdx::shapes::{Axes4, Axis, Const, Dtype, HasShape};
+use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, PermuteTo, ReshapeTo, TryMatMul};
 use mpx_kernels::Activation;
 
 use super::attention_core::attention_core;
 use super::convert::dfdx_layer;
 use super::fused_linear::fused_linear;
-use super::layer_impls::{build_on_device, module_collection, native_module};
+use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::linear::Linear;
 use super::mixed::MixedModule;
-use crate::precision::Precision;
 use crate::region::FullPrecision;
 
-/// Multi-head attention, as dfdx's
-/// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
-/// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
-///
-/// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
-/// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
-/// sums, output rounded once to the half type), and the attention of all heads is one op
-/// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
-/// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
-///
-/// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
-/// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
-/// `NUM_HEADS` (a compile-time error otherwise).
-///
-/// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
-/// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
-/// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
-/// `forward` panics there, as dfdx's does on an error.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::MultiHeadAttention;
-/// use mpx_runtime::precision::f16;
-/// let dev = Cpu::default();
-/// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
-/// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
-/// let x = x.to_dtype::<f16>();
-/// let y = mha.forward(x);
-/// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
-/// ```
-#[derive(Debug, Clone)]
-pub struct MultiHeadAttention<
-    const EMBED_DIM: usize,
-    const NUM_HEADS: usize,
-    const K_DIM: usize = EMBED_DIM,
-    const V_DIM: usize = EMBED_DIM,
-    E: Dtype = f32,
-    D: Storage<E> = Cpu,
-> {
-    /// Query projection.
-    pub w_q: Linear<EMBED_DIM, K_DIM, E, D>,
-    /// Key projection.
-    pub w_k: Linear<EMBED_DIM, K_DIM, E, D>,
-    /// Value projection.
-    pub w_v: Linear<EMBED_DIM, V_DIM, E, D>,
-    /// Output projection.
-    pub w_o: Linear<V_DIM, EMBED_DIM, E, D>,
+composite_layer! {
+    /// Multi-head attention, as dfdx's
+    /// [`MultiHeadAttention`](dfdx::nn::modules::MultiHeadAttention) (same fields `w_q`, `w_k`,
+    /// `w_v`, `w_o`, same operation order), with `softmax(q k^T / sqrt(d))` in f32.
+    ///
+    /// In f32 it runs dfdx's operations (bit-identical to dfdx's layer). In a half precision (f16,
+    /// `AMP<f16>`, emulated bf16) it runs fused ops on mpx's GEMM: each projection is one op (f32
+    /// sums, output rounded once to the half type), and the attention of all heads is one op
+    /// reading the projections in place: `q·kᵀ` summed in f32 and kept in f32, the scaled softmax in
+    /// f32, the weights rounded to the half type, `weights·v` summed in f32 and rounded once.
+    ///
+    /// Inputs as dfdx's: a `(q, k, v)` tuple or one tensor (self-attention), batched `(B, S, M)` or
+    /// not `(S, M)`. `K_DIM` and `V_DIM` default to `EMBED_DIM` and must be multiples of
+    /// `NUM_HEADS` (a compile-time error otherwise).
+    ///
+    /// `try_forward` (and `try_forward_in`) return `CpuError::WrongNumElements`, the shape error of
+    /// dfdx's CPU device, when a sequence is empty (no queries or no keys: the softmax has nothing to
+    /// weigh), when `q`, `k` and `v` differ in batch size, or when `k` and `v` differ in length;
+    /// `forward` panics there, as dfdx's does on an error.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::MultiHeadAttention;
+    /// use mpx_runtime::precision::f16;
+    /// let dev = Cpu::default();
+    /// let mha = dev.build_module::<MultiHeadAttention<8, 2>, f16>();
+    /// let x: Tensor<Rank3<2, 3, 8>, f32, Cpu> = dev.sample_normal();
+    /// let x = x.to_dtype::<f16>();
+    /// let y = mha.forward(x);
+    /// assert!(y.array().iter().flatten().flatten().all(|v| v.is_finite()));
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct MultiHeadAttention<
+        const EMBED_DIM,
+        const NUM_HEADS,
+        const K_DIM = EMBED_DIM,
+        const V_DIM = EMBED_DIM,
+    > {
+        /// Query projection.
+        pub w_q: Linear<EMBED_DIM, K_DIM, E, D>,
+        /// Key projection.
+        pub w_k: Linear<EMBED_DIM, K_DIM, E, D>,
+        /// Value projection.
+        pub w_v: Linear<EMBED_DIM, V_DIM, E, D>,
+        /// Output projection.
+        pub w_o: Linear<V_DIM, EMBED_DIM, E, D>,
+    }
 }
 
 impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D: Storage<E>>
@@ -76,7 +75,6 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
 }
 
 build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
-module_collection!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 
 dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 native_module!(MultiHeadAttention[const M, const H, const K, const V]);
@@ -84,25 +82,12 @@ native_module!(MultiHeadAttention[const M, const H, const K, const V]);
 /// A batched `(B, S, M)` tensor of element `E`.
 type Seq<B, S, const M: usize, E, T = dfdx::tensor::NoneTape> = Tensor<(B, S, Const<M>), E, Cpu, T>;
 
-impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, B, S1, S2, T>
-    MixedModule<P, (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>)>
-    for MultiHeadAttention<M, H, K, V, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    S1: Dim,
-    S2: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Seq<B, S1, M, E, T>;
-
+mixed_module! {
+    MultiHeadAttention[const M, const H, const K, const V], dims [B, S1, S2],
     /// Batched attention of queries `q` over keys `k` and values `v`.
-    fn try_mixed_forward(
-        &self,
-        (q, k, v): (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>),
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, (q, k, v): (Seq<B, S1, M, E, T>, Seq<B, S2, M, E>, Seq<B, S2, M, E>))
+        -> Seq<B, S1, M, E, T>
+    {
         #[allow(clippy::let_unit_value)]
         let () = Self::TYPE_CHECK;
         let b = q.shape().0;
@@ -120,43 +105,14 @@ where
         if !P::IDENTITY {
             // Half precision: the projections and the whole attention core as fused ops on
             // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
-            let (wv, wk, wq, wo) = (&self.w_v, &self.w_k, &self.w_q, &self.w_o);
             let id = Activation::Identity;
             let v = v.retaped::<T>();
-            let v = fused_linear::<P, E, M, V, _, _, _>(
-                &wv.weight,
-                &wv.bias,
-                id,
-                wv.link(),
-                v,
-                (b, s2, Const),
-            )?;
+            let v = fused_linear::<P, E, M, V, _, _, _, _>(&self.w_v, id, v, (b, s2, Const))?;
             let k = k.retaped::<T>();
-            let k = fused_linear::<P, E, M, K, _, _, _>(
-                &wk.weight,
-                &wk.bias,
-                id,
-                wk.link(),
-                k,
-                (b, s2, Const),
-            )?;
-            let q = fused_linear::<P, E, M, K, _, _, _>(
-                &wq.weight,
-                &wq.bias,
-                id,
-                wq.link(),
-                q,
-                (b, s1, Const),
-            )?;
+            let k = fused_linear::<P, E, M, K, _, _, _, _>(&self.w_k, id, k, (b, s2, Const))?;
+            let q = fused_linear::<P, E, M, K, _, _, _, _>(&self.w_q, id, q, (b, s1, Const))?;
             let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
-            return fused_linear::<P, E, V, M, _, _, _>(
-                &wo.weight,
-                &wo.bias,
-                id,
-                wo.link(),
-                tokens,
-                (b, s1, Const),
-            );
+            return fused_linear::<P, E, V, M, _, _, _, _>(&self.w_o, id, tokens, (b, s1, Const));
         }
 
         let v = self.w_v.as_dfdx().try_forward(v.retaped::<T>())?;
@@ -183,34 +139,17 @@ where
     }
 }
 
-impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, S1, S2, T>
-    MixedModule<
-        P,
-        (
-            Tensor<(S1, Const<M>), E, Cpu, T>,
-            Tensor<(S2, Const<M>), E, Cpu>,
-            Tensor<(S2, Const<M>), E, Cpu>,
-        ),
-    > for MultiHeadAttention<M, H, K, V, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    S1: Dim,
-    S2: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(S1, Const<M>), E, Cpu, T>;
-
+mixed_module! {
+    MultiHeadAttention[const M, const H, const K, const V], dims [S1, S2],
     /// Unbatched attention: a batch of one, as dfdx does it.
-    fn try_mixed_forward(
-        &self,
+    fn(
+        self,
         (q, k, v): (
             Tensor<(S1, Const<M>), E, Cpu, T>,
             Tensor<(S2, Const<M>), E, Cpu>,
             Tensor<(S2, Const<M>), E, Cpu>,
-        ),
-    ) -> Result<Self::Output, CpuError> {
+        )
+    ) -> Tensor<(S1, Const<M>), E, Cpu, T> {
         let s1 = q.shape().0;
         let s2 = k.shape().0;
         if v.shape().0.size() != s2.size() {
@@ -227,21 +166,11 @@ where
 /// Self-attention: one tensor is query, key and value (its tape goes with the query).
 macro_rules! self_attention {
     ($($d:ident),+) => {
-        impl<const M: usize, const H: usize, const K: usize, const V: usize, E, P, $($d,)+ T>
-            MixedModule<P, Tensor<($($d,)+ Const<M>), E, Cpu, T>>
-            for MultiHeadAttention<M, H, K, V, E, Cpu>
-        where
-            E: Precision<Elem = E> + Dtype,
-            P: Precision<Elem = E>,
-            Cpu: Device<E>,
-            $($d: Dim,)+
-            T: Tape<E, Cpu>,
-        {
-            type Output = Tensor<($($d,)+ Const<M>), E, Cpu, T>;
-            fn try_mixed_forward(
-                &self,
-                src: Tensor<($($d,)+ Const<M>), E, Cpu, T>,
-            ) -> Result<Self::Output, CpuError> {
+        mixed_module! {
+            MultiHeadAttention[const M, const H, const K, const V], dims [$($d),+],
+            fn(self, src: Tensor<($($d,)+ Const<M>), E, Cpu, T>)
+                -> Tensor<($($d,)+ Const<M>), E, Cpu, T>
+            {
                 let (src, tape) = src.split_tape();
                 MixedModule::<P, _>::try_mixed_forward(
                     self,

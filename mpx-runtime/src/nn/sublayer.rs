@@ -90,22 +90,9 @@ where
     let shape = *x.shape();
     let hidden = shape.with_last();
     let (l1, _, l2) = &ff.0;
-    let h = fused_linear::<P, E, M, F, _, _, _>(
-        &l1.weight,
-        &l1.bias,
-        Activation::ReLU,
-        l1.link(),
-        x.clone().put_tape(tape),
-        hidden,
-    )?;
-    let f = fused_linear::<P, E, F, M, _, _, _>(
-        &l2.weight,
-        &l2.bias,
-        Activation::Identity,
-        l2.link(),
-        h,
-        shape,
-    )?;
+    let x_in = x.clone().put_tape(tape);
+    let h = fused_linear::<P, E, M, F, _, _, _, _>(l1, Activation::ReLU, x_in, hidden)?;
+    let f = fused_linear::<P, E, F, M, _, _, _, _>(l2, Activation::Identity, h, shape)?;
     add_layer_norm::<P, E, M, S, T>(f, Some(x), &norm.gamma, &norm.beta, norm.epsilon)
 }
 

@@ -52,88 +52,70 @@ impl Precision for f32 {
     }
 }
 
-impl Precision for f16 {
-    type Elem = f16;
-    const DTYPE: DType = DType::Float16;
-    const IDENTITY: bool = false;
-    fn round(src: &[f32], dst: &mut [f16]) {
-        convert::round_f16(src, dst);
-    }
-    fn widen(src: &[f16], dst: &mut [f32]) {
-        convert::widen_f16(src, dst);
-    }
-    fn floats(values: &[f16]) -> FloatSlice<'_> {
-        FloatSlice::F16(values)
-    }
-    fn floats_mut(values: &mut [f16]) -> FloatSliceMut<'_> {
-        FloatSliceMut::F16(values)
-    }
-    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<f16>>(
-        _: &dfdx::tensor::Tensor<S, f32, D>,
-    ) -> Option<dfdx::tensor::Tensor<S, f16, D>> {
-        None
-    }
-}
-impl HalfPrecision for f16 {
-    const EMULATED: bool = false;
-    const MAX: f32 = 65504.0;
+/// `Precision` and `HalfPrecision` for a half precision that casts (`IDENTITY` false, `share`
+/// gives `None`): its element type and dtype, its format, and the functions on slices of its
+/// elements: `round` (f32 values into them), `widen` (back to f32), `floats` and `floats_mut`
+/// (how they read as floats).
+macro_rules! half_precision {
+    (
+        $p:ty: Elem = $e:ty, DTYPE = $dtype:ident, EMULATED = $emulated:literal, MAX = $max:expr;
+        $round:path, $widen:path, $floats:path, $floats_mut:path $(,)?
+    ) => {
+        impl Precision for $p {
+            type Elem = $e;
+            const DTYPE: DType = DType::$dtype;
+            const IDENTITY: bool = false;
+            fn round(src: &[f32], dst: &mut [$e]) {
+                $round(src, dst);
+            }
+            fn widen(src: &[$e], dst: &mut [f32]) {
+                $widen(src, dst);
+            }
+            fn floats(values: &[$e]) -> FloatSlice<'_> {
+                $floats(values)
+            }
+            fn floats_mut(values: &mut [$e]) -> FloatSliceMut<'_> {
+                $floats_mut(values)
+            }
+            fn share<
+                S: dfdx::shapes::Shape,
+                D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<$e>,
+            >(
+                _: &dfdx::tensor::Tensor<S, f32, D>,
+            ) -> Option<dfdx::tensor::Tensor<S, $e, D>> {
+                None
+            }
+        }
+        impl HalfPrecision for $p {
+            const EMULATED: bool = $emulated;
+            const MAX: f32 = $max;
+        }
+    };
 }
 
-impl Precision for AMP<f16> {
-    type Elem = AMP<f16>;
-    const DTYPE: DType = DType::Float16;
-    const IDENTITY: bool = false;
-    fn round(src: &[f32], dst: &mut [AMP<f16>]) {
-        convert::round_f16(src, amp::as_f16_mut(dst));
+half_precision!(f16: Elem = f16, DTYPE = Float16, EMULATED = false, MAX = 65504.0;
+    convert::round_f16, convert::widen_f16, FloatSlice::F16, FloatSliceMut::F16);
+half_precision!(AMP<f16>: Elem = AMP<f16>, DTYPE = Float16, EMULATED = false, MAX = 65504.0;
+    amp_views::round, amp_views::widen, amp_views::floats, amp_views::floats_mut);
+half_precision!(bf16: Elem = f32, DTYPE = BFloat16, EMULATED = true, MAX = 3.389_531_4e38;
+    convert::round_bf16, convert::round_bf16, FloatSlice::Bf16, FloatSliceMut::F32);
+
+/// `AMP<f16>`'s functions: f16's, on f16 views of its slices.
+mod amp_views {
+    use super::{AMP, FloatSlice, FloatSliceMut, amp, f16};
+
+    pub(super) fn round(src: &[f32], dst: &mut [AMP<f16>]) {
+        super::convert::round_f16(src, amp::as_f16_mut(dst));
     }
-    fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
-        convert::widen_f16(amp::as_f16(src), dst);
+    pub(super) fn widen(src: &[AMP<f16>], dst: &mut [f32]) {
+        super::convert::widen_f16(amp::as_f16(src), dst);
     }
-    fn floats(values: &[AMP<f16>]) -> FloatSlice<'_> {
+    pub(super) fn floats(values: &[AMP<f16>]) -> FloatSlice<'_> {
         FloatSlice::F16(amp::as_f16(values))
     }
-    fn floats_mut(values: &mut [AMP<f16>]) -> FloatSliceMut<'_> {
+    pub(super) fn floats_mut(values: &mut [AMP<f16>]) -> FloatSliceMut<'_> {
         FloatSliceMut::F16(amp::as_f16_mut(values))
     }
-    fn share<
-        S: dfdx::shapes::Shape,
-        D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<AMP<f16>>,
-    >(
-        _: &dfdx::tensor::Tensor<S, f32, D>,
-    ) -> Option<dfdx::tensor::Tensor<S, AMP<f16>, D>> {
-        None
-    }
-}
-impl HalfPrecision for AMP<f16> {
-    const EMULATED: bool = false;
-    const MAX: f32 = 65504.0;
-}
-
-impl Precision for bf16 {
-    type Elem = f32;
-    const DTYPE: DType = DType::BFloat16;
-    const IDENTITY: bool = false;
-    fn round(src: &[f32], dst: &mut [f32]) {
-        convert::round_bf16(src, dst);
-    }
-    fn widen(src: &[f32], dst: &mut [f32]) {
-        convert::round_bf16(src, dst);
-    }
-    fn floats(values: &[f32]) -> FloatSlice<'_> {
-        FloatSlice::Bf16(values)
-    }
-    fn floats_mut(values: &mut [f32]) -> FloatSliceMut<'_> {
-        FloatSliceMut::F32(values)
-    }
-    fn share<S: dfdx::shapes::Shape, D: dfdx::tensor::Storage<f32> + dfdx::tensor::Storage<f32>>(
-        _: &dfdx::tensor::Tensor<S, f32, D>,
-    ) -> Option<dfdx::tensor::Tensor<S, f32, D>> {
-        None
-    }
-}
-impl HalfPrecision for bf16 {
-    const EMULATED: bool = true;
-    const MAX: f32 = 3.389_531_4e38;
 }
 
 #[cfg(test)]

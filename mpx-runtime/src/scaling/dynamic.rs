@@ -233,41 +233,32 @@ impl Default for DynamicLossScaleBuilder {
     }
 }
 
+/// The builder's setters: `name(value: T) => field = expression;` sets one field and hands the
+/// builder back; [`build`](DynamicLossScaleBuilder::build) checks the values.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($v:ident: $t:ty) => $field:ident = $value:expr;)+) => {$(
+        $(#[$doc])*
+        #[must_use]
+        pub fn $name(mut self, $v: $t) -> Self {
+            self.$field = $value;
+            self
+        }
+    )+};
+}
+
 impl DynamicLossScaleBuilder {
-    /// The starting scale (default 2^15). It may lie below the min scale, as in jmp.
-    #[must_use]
-    pub fn initial(mut self, scale: f32) -> Self {
-        self.initial = scale;
-        self
-    }
-
-    /// Consecutive finite steps before the scale grows (default 2000; at least 1).
-    #[must_use]
-    pub fn period(mut self, period: u32) -> Self {
-        self.period = period;
-        self
-    }
-
-    /// Growth and backoff factor (default 2; finite and greater than 1).
-    #[must_use]
-    pub fn factor(mut self, factor: f32) -> Self {
-        self.factor = factor;
-        self
-    }
-
-    /// The floor a backoff stops at (default 1; finite and greater than 2^-128, so that
-    /// its reciprocal is finite).
-    #[must_use]
-    pub fn min_scale(mut self, min: f32) -> Self {
-        self.min_scale = min;
-        self
-    }
-
-    /// A ceiling applied on every adjust (default: none). `65504.0` gives mpx's clip.
-    #[must_use]
-    pub fn max_scale(mut self, max: f32) -> Self {
-        self.max_scale = Some(max);
-        self
+    setters! {
+        /// The starting scale (default 2^15). It may lie below the min scale, as in jmp.
+        initial(scale: f32) => initial = scale;
+        /// Consecutive finite steps before the scale grows (default 2000; at least 1).
+        period(period: u32) => period = period;
+        /// Growth and backoff factor (default 2; finite and greater than 1).
+        factor(factor: f32) => factor = factor;
+        /// The floor a backoff stops at (default 1; finite and greater than 2^-128, so that
+        /// its reciprocal is finite).
+        min_scale(min: f32) => min_scale = min;
+        /// A ceiling applied on every adjust (default: none). `65504.0` gives mpx's clip.
+        max_scale(max: f32) => max_scale = Some(max);
     }
 
     /// Checks the values and builds the scale, with its counter at 0.

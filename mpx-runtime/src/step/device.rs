@@ -533,14 +533,9 @@ mod cpu {
             scale: f32,
             counters: [u64; 2],
         ) -> Result<Option<bool>, StepError> {
+            let finite = grads_finite && loss_finite;
             Ok(crate::distributed::after_backward(
-                reducer,
-                slots,
-                grads,
-                grads_finite,
-                loss_finite,
-                scale,
-                counters,
+                reducer, slots, grads, finite, scale, counters,
             )?)
         }
 

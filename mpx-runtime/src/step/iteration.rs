@@ -99,14 +99,19 @@ mod tests {
         cell.lock().consumed();
     }
 
+    /// One master's whole pass: its backward pass reaches it, then its update at `s`.
+    fn pass(it: &mut Iteration, cell: &Cell, s: Site, applied: bool) -> [Option<bool>; 2] {
+        waiting(cell);
+        it.reached(cell);
+        done(cell);
+        it.updated(cell, s, applied)
+    }
+
     #[test]
     fn one_site_closes_at_every_update() {
         let (mut it, cell, s) = (Iteration::default(), Cell::default(), site());
         for applied in [true, false, true] {
-            waiting(&cell);
-            it.reached(&cell);
-            done(&cell);
-            assert_eq!(it.updated(&cell, s, applied), [None, Some(applied)]);
+            assert_eq!(pass(&mut it, &cell, s, applied), [None, Some(applied)]);
         }
     }
 
@@ -133,24 +138,12 @@ mod tests {
         let mut it = Iteration::default();
         let (d, g) = (Cell::default(), Cell::default());
         let (sd, sg) = (site(), site());
-        waiting(&d);
-        it.reached(&d);
-        done(&d);
-        assert_eq!(it.updated(&d, sd, true), [None, Some(true)]);
-        waiting(&g);
-        it.reached(&g);
-        done(&g);
+        assert_eq!(pass(&mut it, &d, sd, true), [None, Some(true)]);
         // the discriminator took part in the last iteration and has not updated in this one
-        assert_eq!(it.updated(&g, sg, true), [None, None]);
+        assert_eq!(pass(&mut it, &g, sg, true), [None, None]);
         for _ in 0..3 {
-            waiting(&d);
-            it.reached(&d);
-            done(&d);
-            assert_eq!(it.updated(&d, sd, true), [None, Some(true)]);
-            waiting(&g);
-            it.reached(&g);
-            done(&g);
-            assert_eq!(it.updated(&g, sg, true), [None, None]);
+            assert_eq!(pass(&mut it, &d, sd, true), [None, Some(true)]);
+            assert_eq!(pass(&mut it, &g, sg, true), [None, None]);
         }
     }
 

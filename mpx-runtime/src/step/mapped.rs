@@ -172,16 +172,38 @@ macro_rules! link_decoder_block {
     }};
 }
 
+/// A decoder stack's blocks.
+macro_rules! link_decoder {
+    ($m:expr, $w:expr, $l:expr) => {{
+        for (m, w) in $m.0.modules.iter().zip(&mut $w.0.modules) {
+            link_decoder_block!(m, w, $l);
+        }
+    }};
+}
+
 /// An encoder-decoder transformer's blocks.
 macro_rules! link_transformer {
     ($m:expr, $w:expr, $l:expr) => {{
         for (m, w) in $m.encoder.modules.iter().zip(&mut $w.encoder.modules) {
             link_encoder_block!(m, w, $l);
         }
-        for (m, w) in $m.decoder.0.modules.iter().zip(&mut $w.decoder.0.modules) {
-            link_decoder_block!(m, w, $l);
-        }
+        link_decoder!($m.decoder, $w.decoder, $l);
     }};
+}
+
+/// `HalfLayers` in `$h` of dfdx's layers whose working copy is mpx's counterpart (in `$in`,
+/// reached by `$get`), each `Dfdx => Mpx [const A, ..] by link_macro`: `link_macro!(master,
+/// working, linker)` links the working copy's fused layers to the master's tensors.
+macro_rules! linked {
+    ($h:ty, $in:ident, $get:ident: $($dfdx:ident => $mpx:ident [$(const $c:ident),*] by $link:ident;)+) => {$(
+        impl<$(const $c: usize),*> HalfLayers<$h> for $dfdx<$($c,)* f32, Cpu> {
+            type Working = $in<crate::nn::$mpx<$($c,)* <$h as Precision>::Elem, Cpu>>;
+            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+                let working = $get(working);
+                $link!(self, working, linker);
+            }
+        }
+    )+};
 }
 
 /// dfdx's `Linear` to mpx's fused one, the layers without parameters to themselves, and dfdx's
@@ -242,58 +264,17 @@ macro_rules! layers {
         impl<const M: usize> HalfLayers<$h> for DfdxLayerNorm1D<M, f32, Cpu> {
             type Working = $in<crate::nn::LayerNorm1D<M, <$h as Precision>::Elem, Cpu>>;
         }
-        impl<const M: usize, const NH: usize, const K: usize, const V: usize> HalfLayers<$h>
-            for DfdxMultiHeadAttention<M, NH, K, V, f32, Cpu>
-        {
-            type Working =
-                $in<crate::nn::MultiHeadAttention<M, NH, K, V, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                let working = $get(working);
-                link_attention!(self, working, linker);
-            }
-        }
-        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
-            for DfdxEncoderBlock<M, NH, F, f32, Cpu>
-        {
-            type Working =
-                $in<crate::nn::TransformerEncoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                let working = $get(working);
-                link_encoder_block!(self, working, linker);
-            }
-        }
-        impl<const M: usize, const NH: usize, const F: usize> HalfLayers<$h>
-            for DfdxDecoderBlock<M, NH, F, f32, Cpu>
-        {
-            type Working =
-                $in<crate::nn::TransformerDecoderBlock<M, NH, F, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                let working = $get(working);
-                link_decoder_block!(self, working, linker);
-            }
-        }
-        impl<const M: usize, const NH: usize, const F: usize, const L: usize> HalfLayers<$h>
-            for DfdxDecoder<M, NH, F, L, f32, Cpu>
-        {
-            type Working =
-                $in<crate::nn::TransformerDecoder<M, NH, F, L, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                let working = $get(working);
-                for (m, w) in self.0.modules.iter().zip(&mut working.0.modules) {
-                    link_decoder_block!(m, w, linker);
-                }
-            }
-        }
-        impl<const M: usize, const NH: usize, const A: usize, const B: usize, const F: usize>
-            HalfLayers<$h> for DfdxTransformer<M, NH, A, B, F, f32, Cpu>
-        {
-            type Working =
-                $in<crate::nn::Transformer<M, NH, A, B, F, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                let working = $get(working);
-                link_transformer!(self, working, linker);
-            }
-        }
+        linked!($h, $in, $get:
+            DfdxMultiHeadAttention => MultiHeadAttention [const M, const NH, const K, const V]
+                by link_attention;
+            DfdxEncoderBlock => TransformerEncoderBlock [const M, const NH, const F]
+                by link_encoder_block;
+            DfdxDecoderBlock => TransformerDecoderBlock [const M, const NH, const F]
+                by link_decoder_block;
+            DfdxDecoder => TransformerDecoder [const M, const NH, const F, const L] by link_decoder;
+            DfdxTransformer => Transformer [const M, const NH, const A, const B, const F]
+                by link_transformer;
+        );
     };
 }
 
@@ -484,12 +465,7 @@ macro_rules! tuple {
         }
     };
 }
-tuple!(A.0);
-tuple!(A.0, B.1);
-tuple!(A.0, B.1, C.2);
-tuple!(A.0, B.1, C.2, D.3);
-tuple!(A.0, B.1, C.2, D.3, G.4);
-tuple!(A.0, B.1, C.2, D.3, G.4, J.5);
+crate::for_tuples!(tuple);
 
 #[cfg(test)]
 mod tests {

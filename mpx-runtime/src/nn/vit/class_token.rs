@@ -1,12 +1,11 @@
 //! [`ClassToken`]: a learned token put in front of every sequence, read out by the head.
 
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
+use dfdx::nn::tensor_collection::TensorOptions;
 use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape, Rank1};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryConcatAlong};
 
-use crate::nn::MixedModule;
-use crate::nn::layer_impls::{build_on_device, native_module};
+use crate::nn::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use crate::precision::Precision;
 
 /// A ViT class token: a learned `M`-vector prepended to each `(S, M)` sequence of a batch,
@@ -36,23 +35,7 @@ pub struct ClassToken<const M: usize, E: Dtype = f32, D: Storage<E> = Cpu> {
     pub token: Tensor<Rank1<M>, E, D>,
 }
 
-impl<const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D> for ClassToken<M, E, D> {
-    type To<E2: Dtype, D2: Device<E2>> = ClassToken<M, E2, D2>;
-
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            Self::tensor(
-                "token",
-                |s| &s.token,
-                |s| &mut s.token,
-                TensorOptions::reset_to_zeros(),
-            ),
-            |token| ClassToken { token },
-        )
-    }
-}
+module_collection!(ClassToken[const M] { tensor token: TensorOptions::reset_to_zeros() });
 
 build_on_device!(ClassToken[const M]);
 native_module!(ClassToken[const M]);
@@ -86,21 +69,9 @@ where
     }
 }
 
-impl<const M: usize, E, P, B, S, T> MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>>
-    for ClassToken<M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    S: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, usize, Const<M>), E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, S, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+mixed_module! {
+    ClassToken[const M], dims [B, S],
+    fn(self, x: Tensor<(B, S, Const<M>), E, Cpu, T>) -> Tensor<(B, usize, Const<M>), E, Cpu, T> {
         let (b, s, _) = *x.shape();
         let (x, tape) = x.split_tape();
         let x = x.try_reshape_like(&(b, s.size(), Const::<M>))?;

@@ -1,46 +1,44 @@
 //! [`ClassificationHead`]: pool the tokens, normalize in f32, project to class logits.
 
 use crate::nn::Linear;
-use dfdx::shapes::{Axis, Const, Dim, Dtype, HasShape};
-use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tape, Tensor};
-use dfdx::tensor_ops::{BroadcastTo, Device, MeanTo};
+use dfdx::shapes::{Axis, Const, Dim, HasShape};
+use dfdx::tensor::{Cpu, OwnedTape, Tensor};
+use dfdx::tensor_ops::{BroadcastTo, MeanTo};
 
-use crate::nn::dfdx_linear::linear_in;
-use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use crate::nn::{LayerNorm1D, MixedModule};
-use crate::precision::Precision;
 use crate::region::FullPrecision;
 
-/// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
-/// [`LayerNorm1D`] and a `Linear` to `C` logits; on a `(B, M)` input (a class token already
-/// taken out), the layer norm and the `Linear` only.
-///
-/// The mean and the layer norm run in one f32 region; the `Linear` in the half type.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::vit::ClassificationHead;
-/// let dev = Cpu::default();
-/// let head = dev.build_module::<ClassificationHead<8, 3>, f32>();
-/// let tokens: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal();
-/// let logits = head.forward(tokens.clone());
-/// // The same as the head on the mean token.
-/// let pooled = head.forward(tokens.mean::<Rank2<2, 8>, _>());
-/// assert_eq!(logits.array(), pooled.array());
-/// ```
-#[derive(Debug, Clone)]
-pub struct ClassificationHead<const M: usize, const C: usize, E: Dtype = f32, D: Storage<E> = Cpu> {
-    /// Layer norm of the pooled token.
-    pub norm: LayerNorm1D<M, E, D>,
-    /// Projection to the class logits.
-    pub linear: Linear<M, C, E, D>,
+composite_layer! {
+    /// A ViT classification head: on a `(B, S, M)` sequence, the mean over its `S` tokens, a
+    /// [`LayerNorm1D`] and a `Linear` to `C` logits; on a `(B, M)` input (a class token already
+    /// taken out), the layer norm and the `Linear` only.
+    ///
+    /// The mean and the layer norm run in one f32 region; the `Linear` in the half type.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::vit::ClassificationHead;
+    /// let dev = Cpu::default();
+    /// let head = dev.build_module::<ClassificationHead<8, 3>, f32>();
+    /// let tokens: Tensor<Rank3<2, 5, 8>, f32, Cpu> = dev.sample_normal();
+    /// let logits = head.forward(tokens.clone());
+    /// // The same as the head on the mean token.
+    /// let pooled = head.forward(tokens.mean::<Rank2<2, 8>, _>());
+    /// assert_eq!(logits.array(), pooled.array());
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct ClassificationHead<const M, const C> {
+        /// Layer norm of the pooled token.
+        pub norm: LayerNorm1D<M, E, D>,
+        /// Projection to the class logits.
+        pub linear: Linear<M, C, E, D>,
+    }
 }
 
 build_on_device!(ClassificationHead[const M, const C]);
 native_module!(ClassificationHead[const M, const C]);
-
-module_collection!(ClassificationHead[const M, const C] { norm, linear });
 
 /// dfdx's `LayerNorm1D` on `(B, M)`, in f32, inside a region.
 fn layer_norm_f32<B: Dim, const M: usize>(
@@ -60,52 +58,25 @@ fn layer_norm_f32<B: Dim, const M: usize>(
     x.normalize::<Axis<1>>(eps) * gamma + beta
 }
 
-impl<const M: usize, const C: usize, E, P, B, S, T>
-    MixedModule<P, Tensor<(B, S, Const<M>), E, Cpu, T>> for ClassificationHead<M, C, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    S: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
-
+mixed_module! {
+    ClassificationHead[const M, const C], dims [B, S],
     /// Mean over the tokens, then the head.
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, S, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, x: Tensor<(B, S, Const<M>), E, Cpu, T>) -> Tensor<(B, Const<C>), E, Cpu, T> {
         let eps = self.norm.epsilon;
         let pooled = FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| {
             layer_norm_f32(ln, eps, x.mean::<(B, Const<M>), Axis<1>>())
         })?;
-        let out = (pooled.shape().0, Const::<C>);
-        linear_in::<P, E, M, C, _, _, _>(&self.linear, pooled, out)
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, pooled)
     }
 }
 
-impl<const M: usize, const C: usize, E, P, B, T> MixedModule<P, Tensor<(B, Const<M>), E, Cpu, T>>
-    for ClassificationHead<M, C, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<C>), E, Cpu, T>;
-
+mixed_module! {
+    ClassificationHead[const M, const C], dims [B],
     /// One pooled token (a class token) per example: the head without pooling.
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, x: Tensor<(B, Const<M>), E, Cpu, T>) -> Tensor<(B, Const<C>), E, Cpu, T> {
         let eps = self.norm.epsilon;
         let normed =
             FullPrecision::<P>::try_run_with(&self.norm, x, |ln, x| layer_norm_f32(ln, eps, x))?;
-        let out = (normed.shape().0, Const::<C>);
-        linear_in::<P, E, M, C, _, _, _>(&self.linear, normed, out)
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, normed)
     }
 }

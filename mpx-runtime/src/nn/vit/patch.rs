@@ -6,8 +6,7 @@ use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
 use dfdx::tensor_ops::{Device, PermuteTo, ReshapeTo};
 
 use crate::nn::MixedModule;
-use crate::nn::dfdx_linear::linear_in;
-use crate::nn::layer_impls::{build_on_device, module_collection, native_module};
+use crate::nn::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use crate::precision::Precision;
 
 /// Integer square root (the largest `r` with `r * r <= n`), at compile time.
@@ -19,35 +18,30 @@ const fn isqrt(n: usize) -> usize {
     r
 }
 
-/// Cuts flattened square images `(B, PIXELS)` into `PATCHES` square patches of `PATCH_DIM`
-/// pixels (row-major patches, each flattened row-major) and projects each to `M` features:
-/// `(B, PATCHES, M)`. The projection is a dfdx `Linear` in the half type (field `linear`).
-///
-/// `PIXELS`, `PATCH_DIM` and `PATCHES` must be squares with `PIXELS = PATCH_DIM * PATCHES`
-/// (a compile-time error otherwise): 8x8 images in 2x2 patches are
-/// `PatchEmbedding<64, 4, 16, M>`, in 4x4 patches `PatchEmbedding<64, 16, 4, M>`.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::vit::PatchEmbedding;
-/// let dev = Cpu::default();
-/// let embed = dev.build_module::<PatchEmbedding<64, 16, 4, 8>, f32>();
-/// let images: Tensor<Rank2<2, 64>, f32, Cpu> = dev.sample_uniform();
-/// let tokens = embed.forward(images);
-/// assert_eq!(tokens.shape(), &(Const::<2>, Const::<4>, Const::<8>));
-/// ```
-#[derive(Debug, Clone)]
-pub struct PatchEmbedding<
-    const PIXELS: usize,
-    const PATCH_DIM: usize,
-    const PATCHES: usize,
-    const M: usize,
-    E: Dtype = f32,
-    D: Storage<E> = Cpu,
-> {
-    /// The projection of one flattened patch.
-    pub linear: Linear<PATCH_DIM, M, E, D>,
+composite_layer! {
+    /// Cuts flattened square images `(B, PIXELS)` into `PATCHES` square patches of `PATCH_DIM`
+    /// pixels (row-major patches, each flattened row-major) and projects each to `M` features:
+    /// `(B, PATCHES, M)`. The projection is a dfdx `Linear` in the half type (field `linear`).
+    ///
+    /// `PIXELS`, `PATCH_DIM` and `PATCHES` must be squares with `PIXELS = PATCH_DIM * PATCHES`
+    /// (a compile-time error otherwise): 8x8 images in 2x2 patches are
+    /// `PatchEmbedding<64, 4, 16, M>`, in 4x4 patches `PatchEmbedding<64, 16, 4, M>`.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::nn::vit::PatchEmbedding;
+    /// let dev = Cpu::default();
+    /// let embed = dev.build_module::<PatchEmbedding<64, 16, 4, 8>, f32>();
+    /// let images: Tensor<Rank2<2, 64>, f32, Cpu> = dev.sample_uniform();
+    /// let tokens = embed.forward(images);
+    /// assert_eq!(tokens.shape(), &(Const::<2>, Const::<4>, Const::<8>));
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct PatchEmbedding<const PIXELS, const PATCH_DIM, const PATCHES, const M> {
+        /// The projection of one flattened patch.
+        pub linear: Linear<PATCH_DIM, M, E, D>,
+    }
 }
 
 impl<
@@ -132,27 +126,14 @@ where
 }
 
 build_on_device!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], checks: Self);
-module_collection!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M] { linear });
 
 native_module!(PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M]);
 
-impl<const PIXELS: usize, const PATCH_DIM: usize, const PATCHES: usize, const M: usize, E, P, B, T>
-    MixedModule<P, Tensor<(B, Const<PIXELS>), E, Cpu, T>>
-    for PatchEmbedding<PIXELS, PATCH_DIM, PATCHES, M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<PATCHES>, Const<M>), E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        images: Tensor<(B, Const<PIXELS>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
-        let patches = Self::try_patchify(images)?;
-        let out = (patches.shape().0, Const::<PATCHES>, Const::<M>);
-        linear_in::<P, E, PATCH_DIM, M, _, _, _>(&self.linear, patches, out)
+mixed_module! {
+    PatchEmbedding[const PIXELS, const PATCH_DIM, const PATCHES, const M], dims [B],
+    fn(self, images: Tensor<(B, Const<PIXELS>), E, Cpu, T>)
+        -> Tensor<(B, Const<PATCHES>, Const<M>), E, Cpu, T>
+    {
+        MixedModule::<P, _>::try_mixed_forward(&self.linear, Self::try_patchify(images)?)
     }
 }

@@ -1,13 +1,11 @@
 //! [`PositionEmbedding`]: a learned `(SEQ, M)` tensor added to every sequence of a batch.
 
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
-use dfdx::shapes::{Const, Dim, Dtype, HasShape, Rank2};
-use dfdx::tensor::{Cpu, CpuError, Storage, Tape, Tensor};
+use dfdx::nn::tensor_collection::TensorOptions;
+use dfdx::shapes::{Const, Dtype, HasShape, Rank2};
+use dfdx::tensor::{Cpu, Storage, Tensor};
 use dfdx::tensor_ops::{BroadcastTo, Device, ReshapeTo, TryAdd};
 
-use crate::nn::MixedModule;
-use crate::nn::layer_impls::{build_on_device, native_module};
-use crate::precision::Precision;
+use crate::nn::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 
 /// A learned position embedding: `x + pos` for `x` of shape `(B, SEQ, M)` or `(SEQ, M)`, the
 /// add in the half type (a residual-style add).
@@ -54,84 +52,36 @@ fn sinusoid<const SEQ: usize, const M: usize, E: Dtype, D: Device<E>>(
     Ok(())
 }
 
-impl<const SEQ: usize, const M: usize, E: Dtype, D: Device<E>> TensorCollection<E, D>
-    for PositionEmbedding<SEQ, M, E, D>
-{
-    type To<E2: Dtype, D2: Device<E2>> = PositionEmbedding<SEQ, M, E2, D2>;
-
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(
-            Self::tensor(
-                "pos",
-                |s| &s.pos,
-                |s| &mut s.pos,
-                TensorOptions::reset_with(sinusoid::<SEQ, M, E, D>),
-            ),
-            |pos| PositionEmbedding { pos },
-        )
-    }
-}
+module_collection!(PositionEmbedding[const SEQ, const M] {
+    tensor pos: TensorOptions::reset_with(sinusoid::<SEQ, M, E, D>),
+});
 
 build_on_device!(PositionEmbedding[const SEQ, const M]);
 native_module!(PositionEmbedding[const SEQ, const M]);
 
-impl<const SEQ: usize, const M: usize, E, P, B, T>
-    MixedModule<P, Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>>
-    for PositionEmbedding<SEQ, M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+mixed_module! {
+    PositionEmbedding[const SEQ, const M], dims [B],
+    fn(self, x: Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>)
+        -> Tensor<(B, Const<SEQ>, Const<M>), E, Cpu, T>
+    {
         let shape = *x.shape();
         x.try_add(self.pos.retaped::<T>().try_broadcast_like(&shape)?)
     }
 }
 
-impl<const SEQ: usize, const M: usize, E, P, T> MixedModule<P, Tensor<Rank2<SEQ, M>, E, Cpu, T>>
-    for PositionEmbedding<SEQ, M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<Rank2<SEQ, M>, E, Cpu, T>;
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<Rank2<SEQ, M>, E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+mixed_module! {
+    PositionEmbedding[const SEQ, const M], dims [],
+    fn(self, x: Tensor<Rank2<SEQ, M>, E, Cpu, T>) -> Tensor<Rank2<SEQ, M>, E, Cpu, T> {
         x.try_add(self.pos.retaped::<T>())
     }
 }
 
-/// A sequence whose length is only known at run time (after a
-/// [`ClassToken`](super::ClassToken)); it must be `SEQ` long.
-impl<const SEQ: usize, const M: usize, E, P, B, T>
-    MixedModule<P, Tensor<(B, usize, Const<M>), E, Cpu, T>> for PositionEmbedding<SEQ, M, E, Cpu>
-where
-    E: Precision<Elem = E> + Dtype,
-    P: Precision<Elem = E>,
-    Cpu: Device<E>,
-    B: Dim,
-    T: Tape<E, Cpu>,
-{
-    type Output = Tensor<(B, usize, Const<M>), E, Cpu, T>;
-
+mixed_module! {
+    /// A sequence whose length is only known at run time (after a
+    /// [`ClassToken`](super::ClassToken)); it must be `SEQ` long.
+    PositionEmbedding[const SEQ, const M], dims [B],
     /// Panics when the sequence is not `SEQ` long, as dfdx's shape checks do.
-    fn try_mixed_forward(
-        &self,
-        x: Tensor<(B, usize, Const<M>), E, Cpu, T>,
-    ) -> Result<Self::Output, CpuError> {
+    fn(self, x: Tensor<(B, usize, Const<M>), E, Cpu, T>) -> Tensor<(B, usize, Const<M>), E, Cpu, T> {
         let shape = *x.shape();
         assert_eq!(
             shape.1, SEQ,
