@@ -21,7 +21,8 @@
 //! copy).
 //!
 //! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
-//! rounds alternate), so a noisy neighbour slows all configurations alike. Peak heap comes from a
+//! rounds alternate), so a noisy neighbour slows all configurations alike; each round starts
+//! with two untimed steps, so each configuration is timed in its own steady state. Peak heap comes from a
 //! counting global allocator: "step" is the peak during one step above the heap in use just
 //! before it (model, optimizer state, reused buffers and the batch already resident); "process"
 //! is the absolute peak of the process during that step.
@@ -226,6 +227,9 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Untimed steps at the start of each configuration's round.
+const SETTLE: usize = 2;
+
 #[derive(Default)]
 struct Acc {
     total: Vec<f64>,
@@ -245,16 +249,20 @@ impl Acc {
         self.fwd_bwd.push(ms(fwd + bwd));
         self.opt.push(ms(opt));
     }
-    /// Runs `step` `n` times, recording its times when `keep` (the rounds after the warm-up).
+    /// Runs `step` `SETTLE + n` times, recording the last `n` when `keep` (the rounds after the
+    /// warm-up).
     fn run(
         &mut self,
         n: usize,
         keep: bool,
         mut step: impl FnMut() -> (Duration, Duration, Duration),
     ) {
-        for _ in 0..n {
+        // Two untimed steps first: a row that follows another finds the allocator in the
+        // other's state (glibc has given its freed large blocks back, and the first steps fault
+        // their pages in again), which a loop of one kind of step never sees.
+        for i in 0..n + SETTLE {
             let r = step();
-            if keep {
+            if keep && i >= SETTLE {
                 self.step(r);
             }
         }

@@ -12,6 +12,12 @@ pub fn median(mut v: Vec<Duration>) -> Duration {
 
 /// Runs each closure once per round, interleaved, for `rounds` rounds (after one warm-up round),
 /// and returns the median duration of each.
+///
+/// In every round each closure first runs once untimed, then once timed: a closure that follows
+/// another finds the allocator in the other's state (glibc has given the other's freed large
+/// blocks back to the system, and the next call faults its pages in again), which a loop that
+/// runs one kind of step never sees. The settling call measures each closure in its own steady
+/// state.
 pub fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
     for op in ops.iter_mut() {
         op();
@@ -19,6 +25,7 @@ pub fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
     let mut times = vec![Vec::with_capacity(rounds); ops.len()];
     for _ in 0..rounds {
         for (i, op) in ops.iter_mut().enumerate() {
+            op();
             let t = Instant::now();
             op();
             times[i].push(t.elapsed());
