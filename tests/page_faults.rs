@@ -71,5 +71,4 @@ fn main() {
     println!(
         "a scaler leaves the allocator as it is: ok ({fresh} faults per round of 8 MiB before, {after} after)"
     );
-
 }

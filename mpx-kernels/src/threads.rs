@@ -52,7 +52,7 @@ thread_local! {
 
 /// Caps the threads of every GEMM in the process at `n`; `0` restores the default (all
 /// available threads). [`with_threads`] overrides it on its thread. Results are bit-identical
-/// for any count. (mpx's `nn::set_gemm_threads` is this function.)
+/// for any count.
 ///
 /// # Examples
 /// ```

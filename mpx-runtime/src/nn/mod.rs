@@ -71,17 +71,3 @@ pub use relu::ReLU;
 pub use scratch::release_buffers;
 pub use sublayer::FeedForward;
 pub use unary::{Sigmoid, Tanh};
-
-/// Caps the threads each of the layers' GEMMs may use, process-wide (`0`: all available, the
-/// default). A data-parallel run with one rank per core sets 1, so ranks do not contend for
-/// cores. Results are bit-identical for any count. The same knob as
-/// [`threads::set_max_threads`](crate::threads::set_max_threads), where the others are.
-///
-/// # Examples
-/// ```
-/// mpx_runtime::nn::set_gemm_threads(1);
-/// mpx_runtime::nn::set_gemm_threads(0); // back to all cores
-/// ```
-pub fn set_gemm_threads(n: usize) {
-    crate::threads::set_max_threads(n);
-}
