@@ -778,6 +778,62 @@ fn a_learner_that_names_every_field_keeps_its_scaler_in_the_optimizer() {
     assert!(rel(&values(&learner.model), &values(&twin)) < 1e-2);
 }
 
+// ---- a boxed model ------------------------------------------------------------------------------
+
+/// An agent that keeps its model in a `Box` and its gradients between steps, and updates the
+/// model through `&mut *self.model` (the forward pass reaches it by auto-deref).
+struct BoxedAgent {
+    model: Box<Lin>,
+    opt: Sgd<Lin, f32, Cpu>,
+    grads: Option<Gradients<f32, Cpu>>,
+    scaler: GradScaler,
+}
+
+impl BoxedAgent {
+    #[mixed_step(scaling = self.scaler)]
+    fn learn(&mut self, x: &X3) -> f32 {
+        let grads = self
+            .grads
+            .take()
+            .unwrap_or_else(|| self.model.alloc_grads());
+        let loss = self.model.forward(x.trace(grads)).square().mean();
+        let value = loss.array();
+        let mut grads = loss.backward();
+        self.opt.update(&mut *self.model, &grads).unwrap();
+        self.model.zero_grads(&mut grads);
+        self.grads = Some(grads);
+        value
+    }
+}
+
+#[test]
+fn a_boxed_model_updated_through_a_deref_trains_like_its_f32_twin() {
+    let dev = Cpu::seed_from_u64(16);
+    let init: Lin = dev.build_module::<Linear<4, 2>, f32>();
+    let x: X3 = dev.sample_normal();
+    let mut agent = BoxedAgent {
+        opt: Sgd::new(&init, SgdConfig::default()),
+        model: Box::new(init.clone()),
+        grads: None,
+        scaler: GradScaler::default(),
+    };
+    let mut twin = init;
+    let mut opt = Sgd::new(&twin, SgdConfig::default());
+    for _ in 0..3 {
+        agent.learn(&x);
+        let g = twin
+            .forward(x.trace(twin.alloc_grads()))
+            .square()
+            .mean()
+            .backward();
+        opt.update(&mut twin, &g).unwrap();
+    }
+    let last = agent.scaler.last_step().unwrap();
+    assert!(last.is_applied() && last.mpx_layers && last.precision == DType::Float16);
+    assert_eq!(agent.scaler.applied_steps(), 3);
+    assert!(rel(&values(&*agent.model), &values(&twin)) < 1e-2);
+}
+
 // ---- a step generic over its model, bounded to run mpx's layers ------------------------------
 
 /// dfdx's generic-train-loop shape, with the model bounded `HalfLayers<f16>`: the step runs the

@@ -103,8 +103,17 @@ pub(crate) fn place(mut e: &syn::Expr) -> &syn::Expr {
 }
 
 /// Normalised tokens of a place, to compare the model of a forward pass with the one updated.
+/// Leading derefs go too: `*self.model` (a boxed model) and `*m` name the model `self.model` and
+/// `m` reach, as method calls auto-deref.
 pub(crate) fn key(e: &syn::Expr) -> String {
-    place(e).to_token_stream().to_string().replace(' ', "")
+    let mut e = place(e);
+    while let syn::Expr::Unary(u) = e {
+        if !matches!(u.op, syn::UnOp::Deref(_)) {
+            break;
+        }
+        e = place(&u.expr);
+    }
+    e.to_token_stream().to_string().replace(' ', "")
 }
 
 /// `opt.update(master, &grads)`: (optimizer, master, grads).
