@@ -112,8 +112,14 @@ model!(
 );
 
 fn main() {
-    if std::env::args().any(|a| a == "--profile-xor") {
-        let _ = xor::run(200_000);
+    // `--profile xor|mlp|policy`: one pair for a profiler, many rounds
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        match args.get(i + 1).map(String::as_str) {
+            Some("mlp") => drop(mlp::run(100_000)),
+            Some("policy") => drop(policy::run(10_000)),
+            _ => drop(xor::run(200_000)),
+        }
         return;
     }
     let rounds: usize = std::env::args()
