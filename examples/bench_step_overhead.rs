@@ -126,15 +126,7 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(2001);
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
+    let cpu = measure::cpu_name();
     println!(
         "mixed f16 step (`#[mixed_step]`, mapped) vs dfdx's f32 step, median of {rounds} interleaved rounds, {cpu}"
     );

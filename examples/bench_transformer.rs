@@ -108,14 +108,7 @@ fn main() {
             &mut || lbf = bf16_step(&mut mbf, &mut obf, tokens.clone(), labels.clone(), &mut sbf),
         ],
     );
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
+    let cpu = measure::cpu_name();
     println!(
         "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {cpu}",
         args.rounds

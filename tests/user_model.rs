@@ -251,6 +251,12 @@ type Normed = (
     Linear<24, 5>,
     Tanh,
 );
+type Gated = (
+    Linear<12, 24>,
+    Sigmoid,
+    Residual<(Linear<24, 24>, ReLU)>,
+    Linear<24, 5>,
+);
 
 /// A literal in the element type a closure body computes in.
 trait Lit {
@@ -338,6 +344,17 @@ fn layers_called_one_by_one_compute_what_the_users_code_says() {
     });
     assert_close("Normed output", &got, &want);
     assert_close("Normed gradients", &gh, &g32);
+    // a sigmoid read before and after, a residual block and the layers inside it
+    let (got, want, gh, g32) = one_by_one!(Gated, 6, |m, x, T| {
+        let (z, tape) = m.0.forward(x).split_tape();
+        let s = m.1.forward(z.clone().put_tape(tape)) - z * T::lit(0.25);
+        let r = m.2.forward(s);
+        let (r, tape) = r.split_tape();
+        let inner = m.2.0.1.forward(m.2.0.0.forward(r.clone().put_tape(tape)));
+        m.3.forward(inner + r)
+    });
+    assert_close("Gated output", &got, &want);
+    assert_close("Gated gradients", &gh, &g32);
 }
 
 // ---- clones and evaluation -------------------------------------------------------------------

@@ -34,6 +34,19 @@ pub fn measure(rounds: usize, ops: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
     times.into_iter().map(median).collect()
 }
 
+/// The CPU's model name, from `/proc/cpuinfo` (benchmarks name the CPU they ran on).
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
 /// Gigabytes per second for `bytes` moved in `d`.
 pub fn gbs(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
