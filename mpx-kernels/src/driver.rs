@@ -24,7 +24,6 @@
 //! other core busy compiling, 14.3 -> 12.4 ms in f32 and 12.0 -> 8.7 ms in bf16.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -73,7 +72,6 @@ pub(crate) fn gemm_threads<'a>(
     threads: usize,
 ) -> Result<(), KernelError> {
     check(path, &a, &b, c)?;
-    let _count = CountTime(std::time::Instant::now());
     let (m, n, k) = (a.rows(), b.cols(), a.cols());
     if m == 0 || n == 0 || k == 0 {
         if !accumulate {
@@ -297,38 +295,6 @@ pub(super) fn pack_widened(dst: &mut [f32], a: Src<'_, u16>, b: Src<'_, u16>, pa
             crate::convert::widen_f16(halves, &mut dst[..halves.len()]);
         },
     );
-}
-
-/// Nanoseconds spent in [`gemm_on`] (all threads, since the process started).
-static GEMM_NANOS: AtomicU64 = AtomicU64::new(0);
-
-/// Adds the time since its start to [`GEMM_NANOS`] when dropped (on every return path).
-struct CountTime(std::time::Instant);
-
-impl Drop for CountTime {
-    fn drop(&mut self) {
-        let ns = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        GEMM_NANOS.fetch_add(ns, Ordering::Relaxed);
-    }
-}
-
-/// Total wall-clock nanoseconds spent inside [`gemm`](super::path::gemm) / [`gemm_on`] calls so far, summed over
-/// calling threads: the difference across a training step is that step's matmul time (for
-/// profiling; costs two clock reads per call). A process-wide counter (see the crate docs'
-/// [Process-wide state](crate#process-wide-state)): other threads' products count too.
-///
-/// # Examples
-/// ```
-/// use mpx_kernels::{MatRef, gemm, gemm_nanos};
-/// let before = gemm_nanos();
-/// let a = MatRef::row_major_f32(&[1.0; 64 * 64], 64, 64)?;
-/// let mut c = vec![0.0f32; 64 * 64];
-/// gemm(a, a, &mut c, false)?;
-/// assert!(gemm_nanos() > before);
-/// # Ok::<(), mpx_kernels::KernelError>(())
-/// ```
-pub fn gemm_nanos() -> u64 {
-    GEMM_NANOS.load(Ordering::Relaxed)
 }
 
 /// Runs the product on up to `threads` threads, packing the operands' values as they are

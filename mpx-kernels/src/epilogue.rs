@@ -80,7 +80,7 @@ pub fn bias_act_into(
             }
         }
         (act, FloatSliceMut::F16(o)) => {
-            for (row, orow) in rows.zip(o.chunks_exact_mut(cols)) {
+            for row in rows {
                 if act == Activation::ReLU {
                     row.iter_mut()
                         .zip(bias)
@@ -88,8 +88,10 @@ pub fn bias_act_into(
                 } else {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += *b);
                 }
-                crate::convert::round_f16(row, orow);
             }
+            // one conversion pass over every row (a call per row costs more than its work
+            // on narrow layers)
+            crate::convert::round_f16(acc, o);
         }
     }
     Ok(())

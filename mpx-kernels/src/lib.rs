@@ -20,7 +20,7 @@
 //! | [`zip_parts`], [`every_part`] | element-wise passes over long slices, cut over the pool's threads |
 //! | [`with_avx2`], [`Avx2Task`] | safe code run in a copy compiled for AVX2 where the CPU has it (mpx's MX block codec) |
 //! | [`threads`] | how many threads a product uses: [`set_max_threads`](threads::set_max_threads), [`with_threads`](threads::with_threads), ... |
-//! | [`with_path`], [`calibration`], [`peak_fma_flops`], [`gemm_nanos`], the error bounds | forcing and measuring the kernels (mpx's benchmarks and tests) |
+//! | [`with_path`], [`calibration`], [`peak_fma_flops`], the error bounds | forcing and measuring the kernels (mpx's benchmarks and tests) |
 //!
 //! # Examples
 //! ```
@@ -102,8 +102,6 @@
 //!   (process-wide, for a benchmark). mpx re-exports the module as `mpx::threads`.
 //! - [`with_path`]'s per-thread forced path, and the [`calibration`] (process-wide, measured once
 //!   on first use), with the CPU feature detections (cached once).
-//! - [`gemm_nanos`]: a process-wide counter of the time spent in [`gemm`] / [`gemm_on`], summed
-//!   over calling threads, for profiling (two clock reads per product).
 //! - The pool's helper threads (started on first use, one per extra thread asked for, kept for
 //!   the life of the process; see [Threads](#threads)).
 //! - Per-thread scratch buffers, grown to the largest product seen and kept, so no product pays
@@ -213,7 +211,7 @@ mod transpose;
 mod views;
 
 pub use dispatch::{Avx2Task, with_avx2};
-pub use driver::{gemm_nanos, gemm_on};
+pub use driver::gemm_on;
 pub use epilogue::{
     Activation, ReluMask, add_f32_into, bias_act_into, relu_mask_bias_grad_f16,
     relu_mask_bias_grad_f32,

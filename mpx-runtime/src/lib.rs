@@ -75,7 +75,7 @@ pub mod __bench {
     };
     pub use mpx_kernels::{
         Calibration, KernelError, KernelPath, MatRef, active_path, bf16_error_bound, calibration,
-        f32_error_bound, fp16_error_bound, gemm, gemm_nanos, gemm_on, peak_fma_flops, with_path,
+        f32_error_bound, fp16_error_bound, gemm, gemm_on, peak_fma_flops, with_path,
     };
 }
 

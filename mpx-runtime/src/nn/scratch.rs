@@ -6,7 +6,8 @@
 //! a page fault for every 4 KiB the first write touches, so the ops take them from one
 //! process-wide pool and give them back when done ([`Buf`]'s `drop`). The pool only grows: after
 //! the first step it holds what the ops held at once at their peak, and later steps take those
-//! buffers again (best fit by capacity) without allocating.
+//! buffers again (best fit by capacity) without allocating. Buffers under 64 KiB skip the pool:
+//! the allocator keeps such blocks itself, and its fast path costs less than the pool's lock.
 //!
 //! A buffer's contents are whatever its last user left: every caller overwrites the values it
 //! reads (a copy, or a GEMM with `accumulate = false`), or clears them first.
@@ -14,6 +15,15 @@
 use std::any::Any;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, PoisonError};
+
+/// Buffers below this many bytes are allocated and freed as they come: the allocator serves
+/// them from memory it keeps (no page faults), faster than the pool's lock and search.
+const SMALL_BYTES: usize = 64 << 10;
+
+/// Whether `n` values of `T` are a small buffer (see [`SMALL_BYTES`]).
+fn small<T>(n: usize) -> bool {
+    n.saturating_mul(std::mem::size_of::<T>()) < SMALL_BYTES
+}
 
 /// Most buffers the pool keeps; beyond that a returned buffer is freed (a bound for programs that
 /// run many different models at once, far above what one model's step holds).
@@ -33,6 +43,12 @@ pub(crate) struct Buf<T: Copy + Default + Send + 'static> {
 /// A buffer of `n` values (see [`Buf`]): the pool's best fit of element type `T` (the smallest
 /// capacity that holds `n`, else the largest, grown), or a new one.
 pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
+    if small::<T>(n) {
+        return Buf {
+            values: vec![T::default(); n],
+            n,
+        };
+    }
     let found = {
         let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
         let mut best: Option<(usize, usize)> = None;
@@ -112,7 +128,7 @@ impl<T: Copy + Default + Send + 'static> DerefMut for Buf<T> {
 impl<T: Copy + Default + Send + 'static> Drop for Buf<T> {
     fn drop(&mut self) {
         let values = std::mem::take(&mut self.values);
-        if values.capacity() == 0 {
+        if values.capacity() == 0 || small::<T>(values.capacity()) {
             return;
         }
         let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
@@ -152,7 +168,8 @@ mod tests {
         // element type of its own (see above)
         #[derive(Clone, Copy, Default, PartialEq, Debug)]
         struct C(u16);
-        let n = 50_021;
+        // both takes above the small-buffer bound
+        let n = 150_021;
         let mut first = take::<C>(n);
         first.fill(C(7));
         let at = first.as_ptr();
@@ -172,5 +189,17 @@ mod tests {
         let small = take::<B>(999_999);
         let large = take::<B>(1_999_999);
         assert_eq!((small.as_ptr(), large.as_ptr()), (pa, pb));
+    }
+
+    #[test]
+    fn a_small_buffer_never_enters_the_pool() {
+        #[derive(Clone, Copy, Default, PartialEq, Debug)]
+        struct D(u32);
+        let n = SMALL_BYTES / 4 - 1;
+        let b = take::<D>(n);
+        assert_eq!(b.len(), n);
+        drop(b);
+        let pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        assert!(!pool.iter().any(|b| b.is::<Vec<D>>()));
     }
 }

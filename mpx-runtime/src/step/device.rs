@@ -262,7 +262,7 @@ mod cpu {
     use super::{FullOp, HalfOp, Pair, SeedOp};
     use crate::cast::grad_slice;
     use crate::finite::{add_scaled_checked, all_finite_f32};
-    use crate::precision::{FloatSlice, Precision};
+    use crate::precision::{FloatSlice, FloatSliceMut, Precision};
     use crate::step::error::StepError;
     use crate::step::link::RegionLinks;
     use crate::step::slots::MasterSlot;
@@ -460,7 +460,22 @@ mod cpu {
                 let apply: HalfOp<H::Elem, Cpu> =
                     Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
                         let buf = grad_slice::<H::Elem>(g.get_or_alloc_mut(&y)?);
-                        buf.iter_mut().zip(&seed).for_each(|(d, s)| *d += *s);
+                        match (H::floats_mut(buf), H::floats(&seed)) {
+                            // `d + s` in f32, rounded once, as `half`'s `+=` computes it, in
+                            // vector passes instead of one element at a time
+                            (FloatSliceMut::F16(d), FloatSlice::F16(s)) => {
+                                let mut wide = vec![0.0f32; s.len()];
+                                mpx_kernels::convert::widen_f16(s, &mut wide);
+                                mpx_kernels::convert::add_f32_into_f16(&wide, d);
+                            }
+                            (FloatSliceMut::F32(d), FloatSlice::F32(s) | FloatSlice::Bf16(s)) => {
+                                d.iter_mut().zip(s).for_each(|(d, s)| *d += *s);
+                            }
+                            (FloatSliceMut::F32(_), FloatSlice::F16(_))
+                            | (FloatSliceMut::F16(_), _) => {
+                                return Err(CpuError::WrongNumElements);
+                            }
+                        }
                         Ok(())
                     });
                 Ok(apply)
