@@ -124,15 +124,6 @@ fn helpers() -> &'static Mutex<Vec<Arc<Helper>>> {
     HELPERS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-/// Whether [`for_each_block`] uses scoped threads (`std::thread::scope`) instead of the pool: a
-/// switch for the benchmark that compares them.
-static SCOPED: AtomicBool = AtomicBool::new(false);
-
-/// Makes split products use `std::thread::scope` (`true`) or the persistent pool (`false`).
-pub(crate) fn use_scoped_threads(on: bool) {
-    SCOPED.store(on, Ordering::Relaxed);
-}
-
 /// Runs `task(t)` for every `t` in `0..total` on the calling thread and `extra` scoped threads
 /// started for this call, which claim blocks from one counter.
 fn for_each_block_scoped(total: usize, extra: usize, task: &(dyn Fn(usize) + Sync)) {
@@ -163,7 +154,7 @@ pub(crate) fn for_each_block(total: usize, extra: usize, task: &(dyn Fn(usize) +
         (0..total).for_each(task);
         return;
     }
-    if SCOPED.load(Ordering::Relaxed) {
+    if crate::threads::scoped_threads() {
         for_each_block_scoped(total, extra, task);
         return;
     }

@@ -26,7 +26,7 @@
 
 use std::cell::Cell;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use super::KernelError;
 
@@ -120,5 +120,13 @@ pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> Result<R, KernelError
 /// mpx_kernels::threads::use_scoped_threads(false); // the pool again
 /// ```
 pub fn use_scoped_threads(on: bool) {
-    crate::pool::use_scoped_threads(on);
+    SCOPED.store(on, Ordering::Relaxed);
+}
+
+/// The switch of [`use_scoped_threads`]; `false` by default.
+static SCOPED: AtomicBool = AtomicBool::new(false);
+
+/// Whether split products run on `std::thread::scope` instead of the pool.
+pub(crate) fn scoped_threads() -> bool {
+    SCOPED.load(Ordering::Relaxed)
 }

@@ -54,6 +54,7 @@ pub mod cast;
 #[allow(unsafe_code)]
 pub mod distributed;
 pub mod finite;
+mod master;
 pub mod mx;
 pub mod nn;
 pub mod policy;

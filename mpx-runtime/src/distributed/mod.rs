@@ -60,7 +60,6 @@
 mod error;
 mod model;
 mod ring;
-mod scaler;
 
 use std::time::{Duration, Instant};
 
@@ -74,7 +73,7 @@ pub use error::DistributedError;
 pub use mpi;
 
 use crate::finite::all_finite_f32;
-use crate::step::MasterSlot;
+use crate::master::slots::MasterSlot;
 use ring::Half;
 
 /// The type the gradients travel in during the all-reduce.

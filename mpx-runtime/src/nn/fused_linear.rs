@@ -2,7 +2,7 @@
 //! backward: the op of the fused [`Linear`](super::Linear), also run by the layers made of it
 //! (the attention's projections, the encoder's feed-forward) with another activation.
 
-use dfdx::shapes::{Dtype, HasShape, Shape};
+use dfdx::shapes::{Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 use mpx_kernels::{
@@ -11,9 +11,16 @@ use mpx_kernels::{
 };
 
 use super::half_ops::{grad_slice, round_in_place, shape_err};
-use super::linear::FusedLinear;
 use super::scratch::{self, Buf};
+use crate::master::link::Link;
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
+
+/// A linear layer's weight, bias and link, as [`fused_linear`] reads them.
+pub(crate) type LayerParts<'a, const I: usize, const O: usize, E> = (
+    &'a Tensor<Rank2<O, I>, E, Cpu>,
+    &'a Tensor<Rank1<O>, E, Cpu>,
+    Option<&'a Link>,
+);
 
 /// `ReLU`'s mask of outputs `y`.
 fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
@@ -91,8 +98,9 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
     use_dw(&mut dw)
 }
 
-/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values) with the weight and bias of layer
-/// `l`, shaped `out`, in precision `P`: the fused op of [`FusedLinear`] (`act` its own
+/// `y = act(x·Wᵀ + b)` over the last axis of `x` (`I` values) with the weight and bias of
+/// a layer (and its [`Link`], if any), shaped `out`, in precision `P`: the fused op of
+/// `FusedLinear` (`act` its own
 /// activation), also run by the layers made of mpx's `Linear`
 /// ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's feed-forward).
 ///
@@ -111,8 +119,8 @@ fn with_weight_grad<P: Precision<Elem = E>, E: Precision<Elem = E> + Dtype, R>(
 /// multiplies into pooled buffers ([`scratch`]) and gives them back when its GEMM is done. The
 /// pool then holds one layer's operands at a time, not a copy of every layer's input and weight
 /// from the forward to the backward.
-pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, A, Sx, Sy, T>(
-    l: &FusedLinear<I, O, E, Cpu, A>,
+pub(crate) fn fused_linear<P, E, const I: usize, const O: usize, Sx, Sy, T>(
+    (weight, bias, link): LayerParts<'_, I, O, E>,
     act: Activation,
     x: Tensor<Sx, E, Cpu, T>,
     out: Sy,
@@ -125,7 +133,6 @@ where
     Sy: Shape,
     T: Tape<E, Cpu>,
 {
-    let (weight, bias, link) = (&l.weight, &l.bias, l.link());
     let (x, mut tape) = x.try_contiguous()?.split_tape();
     let rows = x.shape().num_elements() / I;
     let (xv, wv) = (read(&x), read(weight));

@@ -43,8 +43,8 @@ use super::dfdx_linear::linear_collection;
 use super::fused_linear::fused_linear;
 use super::layer_impls::{mixed_module, native_module};
 use crate::cast::{Cast, FloatLeaves};
+use crate::master::link::Link;
 use crate::precision::{AMP, FloatSlice, FloatSliceMut, Precision, f16};
-use crate::step::Link;
 pub use mpx_kernels::{Activation, KernelError};
 
 /// The activation a [`FusedLinear`] applies, as a marker type ([`act::Identity`],
@@ -184,6 +184,13 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>, A: FusedActivation
     /// ```
     pub fn activation(&self) -> Activation {
         self.act.activation()
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, A> FusedLinear<I, O, E, Cpu, A> {
+    /// The weight, bias and link the fused op reads.
+    pub(crate) fn parts(&self) -> super::fused_linear::LayerParts<'_, I, O, E> {
+        (&self.weight, &self.bias, self.link())
     }
 }
 
@@ -402,8 +409,8 @@ macro_rules! mixed_forward {
                 }
                 #[allow(non_snake_case)]
                 let ($($d,)* _,) = *x.shape();
-                fused_linear::<P, E, I, O, _, _, _, T>(
-                    self,
+                fused_linear::<P, E, I, O, _, _, T>(
+                    self.parts(),
                     self.act.activation(),
                     x,
                     ($($d,)* Const::<O>,),

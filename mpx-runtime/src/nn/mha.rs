@@ -107,12 +107,12 @@ mixed_module! {
             // mpx's GEMM (f32 sums, softmax in f32, one rounding to P per output).
             let id = Activation::Identity;
             let v = v.retaped::<T>();
-            let v = fused_linear::<P, E, M, V, _, _, _, _>(&self.w_v, id, v, (b, s2, Const))?;
+            let v = fused_linear::<P, E, M, V, _, _, _>(self.w_v.parts(), id, v, (b, s2, Const))?;
             let k = k.retaped::<T>();
-            let k = fused_linear::<P, E, M, K, _, _, _, _>(&self.w_k, id, k, (b, s2, Const))?;
-            let q = fused_linear::<P, E, M, K, _, _, _, _>(&self.w_q, id, q, (b, s1, Const))?;
+            let k = fused_linear::<P, E, M, K, _, _, _>(self.w_k.parts(), id, k, (b, s2, Const))?;
+            let q = fused_linear::<P, E, M, K, _, _, _>(self.w_q.parts(), id, q, (b, s1, Const))?;
             let tokens = attention_core::<P, E, B, S1, S2, K, V, T>(q, k, v, H)?;
-            return fused_linear::<P, E, V, M, _, _, _, _>(&self.w_o, id, tokens, (b, s1, Const));
+            return fused_linear::<P, E, V, M, _, _, _>(self.w_o.parts(), id, tokens, (b, s1, Const));
         }
 
         let v = self.w_v.as_dfdx().try_forward(v.retaped::<T>())?;

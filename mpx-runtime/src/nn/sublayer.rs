@@ -91,8 +91,8 @@ where
     let hidden = shape.with_last();
     let (l1, _, l2) = &ff.0;
     let x_in = x.clone().put_tape(tape);
-    let h = fused_linear::<P, E, M, F, _, _, _, _>(l1, Activation::ReLU, x_in, hidden)?;
-    let f = fused_linear::<P, E, F, M, _, _, _, _>(l2, Activation::Identity, h, shape)?;
+    let h = fused_linear::<P, E, M, F, _, _, _>(l1.parts(), Activation::ReLU, x_in, hidden)?;
+    let f = fused_linear::<P, E, F, M, _, _, _>(l2.parts(), Activation::Identity, h, shape)?;
     add_layer_norm::<P, E, M, S, T>(f, Some(x), &norm.gamma, &norm.beta, norm.epsilon)
 }
 

@@ -7,7 +7,7 @@ use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 
 use super::error::StepError;
-use super::slots::{EachTensor, each_tensor};
+use crate::master::slots::{EachTensor, each_tensor};
 
 /// Visits every trainable tensor's gradient.
 struct EachGrad<'a, F> {

@@ -19,7 +19,7 @@ use dfdx::optim::OptimizerUpdateError;
 use dfdx::tensor::{Gradients, HasErr};
 
 use super::error::StepError;
-use super::slots::{MasterSlot, Slot};
+use crate::master::slots::{MasterSlot, Slot};
 use crate::precision::Precision;
 
 /// A backward op on a half tape.
@@ -70,7 +70,7 @@ impl<H: Precision, D: private::Primitives<H>> MixedDevice<H> for D {}
 
 pub(crate) mod private {
     use super::{FullOp, HalfOp, OptimizerUpdateError, Pair, Precision, SeedOp, StepError};
-    use crate::step::slots::{MasterSlot, SlotDevice};
+    use crate::master::slots::{MasterSlot, SlotDevice};
     use dfdx::shapes::{Rank0, Shape};
     use dfdx::tensor::{Gradients, Tensor, TensorToArray};
     use dfdx::tensor_ops::Device;
@@ -85,7 +85,7 @@ pub(crate) mod private {
         + 'static
     {
         /// What one forward pass's linked layers share with its bridge (the `Cpu`'s
-        /// [`RegionLinks`](crate::step::link::RegionLinks); nothing elsewhere).
+        /// [`RegionLinks`](crate::master::link::RegionLinks); nothing elsewhere).
         type Links: Clone;
         /// Whether gradients are all finite, accumulated over tensors.
         type Finite: Default;
@@ -262,10 +262,10 @@ mod cpu {
     use super::{FullOp, HalfOp, Pair, SeedOp};
     use crate::cast::grad_slice;
     use crate::finite::{add_scaled_checked, all_finite_f32};
+    use crate::master::link::RegionLinks;
+    use crate::master::slots::MasterSlot;
     use crate::precision::{FloatSlice, FloatSliceMut, Precision};
     use crate::step::error::StepError;
-    use crate::step::link::RegionLinks;
-    use crate::step::slots::MasterSlot;
     use mpx_kernels::{every_part, zip_parts};
 
     /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation

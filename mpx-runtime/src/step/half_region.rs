@@ -26,7 +26,7 @@ use dfdx::tensor_ops::{Backward, ReshapeTo};
 
 use super::device::{FullOp, HalfOp, MixedDevice, Pair, SeedOp};
 use super::pending::Cell;
-use super::slots::MasterSlot;
+use crate::master::slots::MasterSlot;
 use crate::precision::Precision;
 
 /// A tensor on its own tape.

@@ -30,97 +30,11 @@ use dfdx::tensor::Cpu;
 use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
-use super::link::Linker;
-use super::working::BuildCx;
+use super::half_layers::{BuildCx, HalfLayers};
 use crate::boundary::MasterModel;
+use crate::master::link::Linker;
 use crate::nn::InBf16;
 use crate::precision::{AMP, Precision, bf16, f16};
-
-/// A master model whose working copy in precision `H` can be made of mpx's layers:
-/// - dfdx's `Linear<I, O>` becomes mpx's fused [`nn::Linear`](crate::nn::Linear) in `H::Elem`,
-///   linked to the master's weight and bias;
-/// - `LayerNorm1D`, `MultiHeadAttention`, the transformer's encoder and decoder blocks,
-///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
-///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
-///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
-///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
-///   master on an applied update; the leaky slope is rounded to `H`);
-/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
-///   ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
-///   same values and gradients, in vector passes; never fused into the layer before it, so a
-///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
-///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
-///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`FastGeLU`,
-///   `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`, `DropoutOneIn`) stay
-///   themselves;
-/// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
-///   such layers map their layers;
-/// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
-///   in a master of f32 elements are themselves in `H`, a fused linear layer linked.
-///
-/// In emulated bf16 (f32 storage) mpx's layers stand in the working copy wrapped in
-/// [`InBf16`], which runs them in bf16.
-///
-/// Each counterpart visits dfdx's tensors and scalars in dfdx's order, with the same shapes and
-/// trainable flags (the working copy is built by position), and takes the same inputs (`(S, M)`
-/// and `(B, S, M)` sequences, attention's `(q, k, v)` tuples).
-///
-/// A model with a layer outside this list (a module of the user's own, dfdx's convolutions)
-/// does not implement it and runs on its plain working copy
-/// ([`WorkingCopy`](super::WorkingCopy)).
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
-/// type Master = (Linear<4, 8>, ReLU, Linear<8, 2>);
-/// type Built = <Master as BuildOnDevice<Cpu, f32>>::Built;
-/// type Working = <Built as HalfLayers<f16>>::Working;
-/// let dev = Cpu::default();
-/// let w = Working::build(&dev);
-/// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
-/// let _: (nn::Linear<4, 8, f16, Cpu>, nn::ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
-/// ```
-pub trait HalfLayers<H: Precision>: MasterModel
-where
-    Cpu: Device<H::Elem>,
-{
-    /// The working copy, made of mpx's layers, with the master's tensors and scalars in the same
-    /// order.
-    type Working: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Self::Working>
-        + Send
-        + Sync
-        + 'static;
-
-    /// Sets what the working copy holds that dfdx's visitors do not carry: a fused layer's link
-    /// to the master tensors it stands for, a leaky `ReLU`'s slope. Called once the working copy
-    /// of a forward pass has been built; layers without any do nothing.
-    ///
-    /// # Examples
-    /// ```
-    /// use dfdx::prelude::*;
-    /// use mpx_runtime::{precision::f16, step::{HalfLayers, Linker}};
-    /// let master = LeakyReLU(0.2f32);
-    /// let mut w = LeakyReLU(f16::from_f32(0.05));
-    /// HalfLayers::<f16>::finish(&master, &mut w, &Linker::none());
-    /// assert_eq!(w.0, f16::from_f32(0.2));
-    /// ```
-    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-        let _ = (working, linker);
-    }
-
-    /// Builds this part's working copy from it as it is now. Layers build as a whole (their
-    /// tensors and scalars filled by position); containers and modules with
-    /// `#[derive(HalfLayers)]` build part by part.
-    ///
-    /// # Errors
-    /// A device error, or a working copy whose layout differs from the master's.
-    #[doc(hidden)]
-    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
-        cx.leaf(self)
-    }
-}
 
 /// mpx's layers in `f16` and `AMP<f16>`: themselves.
 type Native<L> = L;
@@ -480,9 +394,9 @@ mod tests {
     use dfdx::tensor::{CpuError, Tensor};
 
     use crate::cast::CastError;
+    use crate::master::slots::{EachTensor, each_tensor};
     use crate::step::StepError;
     use crate::step::device::private::Primitives;
-    use crate::step::slots::{EachTensor, each_tensor};
     use crate::step::working::{Kind, Mapped};
     use dfdx::nn::BuildModule;
     use dfdx::prelude::{Module, Rank2, SampleTensor};

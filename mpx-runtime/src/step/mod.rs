@@ -52,19 +52,21 @@ mod clip;
 mod device;
 mod error;
 mod full;
+mod half_layers;
 mod half_region;
 pub(crate) mod iteration;
-pub(crate) mod link;
 mod mapped;
 mod mixed;
 mod outcome;
 pub(crate) mod pending;
+#[cfg(feature = "mpi")]
+mod reducer;
 mod report;
 mod scaler;
-pub(crate) mod slots;
 mod with_scaler;
 mod working;
 
+pub use crate::master::link::{Link, Linker};
 pub use checkpoint::ScalerState;
 pub use clip::{clip_grad_norm, grad_norm};
 pub use device::MixedDevice;
@@ -72,19 +74,16 @@ pub use error::StepError;
 #[doc(hidden)]
 pub use full::FullInput;
 #[doc(hidden)]
+pub use half_layers::BuildCx;
+pub use half_layers::HalfLayers;
+#[doc(hidden)]
 pub use half_region::Region;
 pub use half_region::{Batch, HalfInput, HalfOutput};
-pub use link::{Link, Linker};
-pub use mapped::HalfLayers;
 pub use mixed::Mixed;
 pub use outcome::{SkipReason, UpdateOutcome};
 pub use report::StepReport;
 pub use scaler::GradScaler;
 #[doc(hidden)]
 pub use scaler::Verdict;
-#[cfg(feature = "mpi")]
-pub(crate) use slots::MasterSlot;
 pub use with_scaler::WithScaler;
-#[doc(hidden)]
-pub use working::BuildCx;
 pub use working::{Kind, Mapped, Plain, WorkingCopy};

@@ -19,9 +19,9 @@ use super::mixed::Mixed;
 use super::outcome::{SkipReason, UpdateOutcome};
 use super::pending::{Cell, Ran};
 use super::report::StepReport;
-use super::slots::{first_device, trainable_slots};
 use super::working::Kind;
 use crate::boundary::MasterModel;
+use crate::master::slots::{first_device, trainable_slots};
 use crate::precision::{DType, Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
 

@@ -33,10 +33,10 @@ use dfdx::tensor_ops::{Backward, ReshapeTo, SumTo, TryMul};
 
 use super::private::Primitives;
 use super::{FullOp, HalfOp, Pair, SeedOp};
+use crate::master::slots::{MasterSlot, Slot, SlotDevice};
 use crate::precision::{AMP, Precision, f16};
 use crate::region::{Flat, Leaves, RegionDevice, RegionError, Traced32};
 use crate::step::error::StepError;
-use crate::step::slots::{MasterSlot, Slot, SlotDevice};
 
 /// The module name the kernels are loaded under.
 const MODULE: &str = "mpx_step";

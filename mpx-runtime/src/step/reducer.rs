@@ -1,13 +1,13 @@
 //! The [`GradScaler`] methods that attach a [`Reducer`].
 
-use super::Reducer;
+use super::GradScaler;
+use crate::distributed::Reducer;
 use crate::precision::Precision;
 use crate::scaling::LossScale;
-use crate::step::GradScaler;
 
 impl<H: Precision, L: LossScale> GradScaler<H, L>
 where
-    dfdx::tensor::Cpu: crate::step::MixedDevice<H>,
+    dfdx::tensor::Cpu: super::MixedDevice<H>,
 {
     /// Makes this scaler data-parallel: the backward pass of the last micro-batch all-reduces
     /// the master's gradients over `reducer`'s ranks (their mean comes back), and every rank

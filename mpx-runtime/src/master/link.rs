@@ -4,10 +4,10 @@
 //! no rounding of the sums, no transfer pass for them.
 //!
 //! The link is a value stored in the layer when the working copy is built for one forward pass
-//! ([`Linker`], handed to [`HalfLayers::finish`](super::HalfLayers::finish)); it shares the
+//! ([`Linker`], handed to [`HalfLayers::finish`](crate::step::HalfLayers::finish)); it shares the
 //! forward pass's [`RegionLinks`]: the master's gradients, lent by the region's backward bridge
 //! while the half backward runs, the reciprocal of the scale that pass applied, and the half
-//! gradients of inputs whose gradient nothing reads ([`Batch`](super::Batch)), whose `dX = dZ·W`
+//! gradients of inputs whose gradient nothing reads ([`Batch`](crate::step::Batch)), whose `dX = dZ·W`
 //! a linked layer skips. A layer outside a mixed step has no link and writes its gradients as any
 //! dfdx layer does.
 //!
@@ -127,7 +127,7 @@ impl Link {
 }
 
 /// Hands out the links of one forward pass's working copy, to
-/// [`HalfLayers::finish`](super::HalfLayers::finish).
+/// [`HalfLayers::finish`](crate::step::HalfLayers::finish).
 ///
 /// # Examples
 /// ```

@@ -1,0 +1,410 @@
+//! [`HalfLayers`], the trait of a master whose working copy is made of mpx's layers, and how
+//! such a working copy is built for one forward pass ([`BuildCx`]): by walking its own type and
+//! filling each tensor and scalar from the master's by position, every length and trainable
+//! flag checked. The map from dfdx's layers to mpx's, the trait's impls, is `mapped.rs`.
+
+use dfdx::nn::tensor_collection::{
+    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+};
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, Tensor};
+use dfdx::tensor_ops::{Device, ReshapeTo};
+use num_traits::NumCast;
+
+use super::device::MixedDevice;
+use super::device::private::Primitives;
+use super::error::StepError;
+use super::working::{Built, Kind, Mapped};
+use crate::boundary::MasterModel;
+use crate::cast::CastError;
+use crate::master::link::Linker;
+use crate::master::slots::{EachTensor, MasterSlot, Slot, each_tensor};
+use crate::precision::Precision;
+
+/// A master model whose working copy in precision `H` can be made of mpx's layers:
+/// - dfdx's `Linear<I, O>` becomes mpx's fused [`nn::Linear`](crate::nn::Linear) in `H::Elem`,
+///   linked to the master's weight and bias;
+/// - `LayerNorm1D`, `MultiHeadAttention`, the transformer's encoder and decoder blocks,
+///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
+///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
+///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
+/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
+///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
+///   master on an applied update; the leaky slope is rounded to `H`);
+/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
+///   ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
+///   same values and gradients, in vector passes; never fused into the layer before it, so a
+///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
+///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
+///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`FastGeLU`,
+///   `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`, `DropoutOneIn`) stay
+///   themselves;
+/// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
+///   such layers map their layers;
+/// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
+///   in a master of f32 elements are themselves in `H`, a fused linear layer linked.
+///
+/// In emulated bf16 (f32 storage) mpx's layers stand in the working copy wrapped in
+/// [`InBf16`](crate::nn::InBf16), which runs them in bf16.
+///
+/// Each counterpart visits dfdx's tensors and scalars in dfdx's order, with the same shapes and
+/// trainable flags (the working copy is built by position), and takes the same inputs (`(S, M)`
+/// and `(B, S, M)` sequences, attention's `(q, k, v)` tuples).
+///
+/// A model with a layer outside this list (a module of the user's own, dfdx's convolutions)
+/// does not implement it and runs on its plain working copy
+/// ([`WorkingCopy`](super::WorkingCopy)).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::{nn, precision::f16, step::HalfLayers};
+/// type Master = (Linear<4, 8>, ReLU, Linear<8, 2>);
+/// type Built = <Master as BuildOnDevice<Cpu, f32>>::Built;
+/// type Working = <Built as HalfLayers<f16>>::Working;
+/// let dev = Cpu::default();
+/// let w = Working::build(&dev);
+/// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
+/// let _: (nn::Linear<4, 8, f16, Cpu>, nn::ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
+/// ```
+pub trait HalfLayers<H: Precision>: MasterModel
+where
+    Cpu: Device<H::Elem>,
+{
+    /// The working copy, made of mpx's layers, with the master's tensors and scalars in the same
+    /// order.
+    type Working: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Self::Working>
+        + Send
+        + Sync
+        + 'static;
+
+    /// Sets what the working copy holds that dfdx's visitors do not carry: a fused layer's link
+    /// to the master tensors it stands for, a leaky `ReLU`'s slope. Called once the working copy
+    /// of a forward pass has been built; layers without any do nothing.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::{HalfLayers, Linker}};
+    /// let master = LeakyReLU(0.2f32);
+    /// let mut w = LeakyReLU(f16::from_f32(0.05));
+    /// HalfLayers::<f16>::finish(&master, &mut w, &Linker::none());
+    /// assert_eq!(w.0, f16::from_f32(0.2));
+    /// ```
+    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
+        let _ = (working, linker);
+    }
+
+    /// Builds this part's working copy from it as it is now. Layers build as a whole (their
+    /// tensors and scalars filled by position); containers and modules with
+    /// `#[derive(HalfLayers)]` build part by part.
+    ///
+    /// # Errors
+    /// A device error, or a working copy whose layout differs from the master's.
+    #[doc(hidden)]
+    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
+        cx.leaf(self)
+    }
+}
+
+impl<H, M> Kind<H, M, Cpu> for Mapped
+where
+    H: Precision,
+    Cpu: MixedDevice<H>,
+    M: HalfLayers<H>,
+{
+    type Copy = M::Working;
+    const MAPPED: bool = true;
+    #[allow(private_interfaces)]
+    fn build(
+        master: &M,
+        links: &<Cpu as Primitives<H>>::Links,
+        store: &mut <Cpu as Primitives<H>>::Store,
+    ) -> Result<Built<H, Cpu, Self::Copy>, StepError> {
+        let mut cx = BuildCx {
+            store,
+            built: Built::new(()),
+            addrs: Vec::new(),
+            root: master,
+            flags: None,
+        };
+        let copy = master.build_working(&mut cx)?;
+        let BuildCx {
+            built: Built { pairs, state, .. },
+            addrs,
+            ..
+        } = cx;
+        let mut built = Built { copy, pairs, state };
+        master.finish(&mut built.copy, &<Cpu as Primitives<H>>::linker(links));
+        for (pair, &addr) in built.pairs.iter_mut().zip(&addrs) {
+            pair.linked = <Cpu as Primitives<H>>::is_linked(links, addr);
+        }
+        Ok(built)
+    }
+}
+
+/// What a mapped working copy is built with, part by part
+/// ([`HalfLayers::build_working`](super::HalfLayers::build_working)): the store its buffers come
+/// from, and the record of each tensor built (the master tensor it stands for, or the state it
+/// carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]` calls.
+#[doc(hidden)]
+#[allow(missing_debug_implementations)]
+pub struct BuildCx<'a, H: Precision>
+where
+    Cpu: MixedDevice<H>,
+{
+    store: &'a mut <Cpu as Primitives<H>>::Store,
+    built: Built<H, Cpu, ()>,
+    /// The master address of each trainable tensor, in the order of `built.pairs`.
+    addrs: Vec<usize>,
+    /// The whole master, whose walk says which tensors are trainable (read once, when a part
+    /// built field by field holds a tensor of its own).
+    root: &'a dyn Flags,
+    flags: Option<std::collections::HashMap<usize, bool>>,
+}
+
+/// Which tensors of a model are trainable, by address.
+trait Flags {
+    fn flags(&self) -> std::collections::HashMap<usize, bool>;
+}
+
+impl<M: TensorCollection<f32, Cpu>> Flags for M {
+    fn flags(&self) -> std::collections::HashMap<usize, bool> {
+        struct Walk(std::collections::HashMap<usize, bool>);
+        impl EachTensor<f32, Cpu> for Walk {
+            type Error = CpuError;
+            fn tensor<S: Shape>(
+                &mut self,
+                trainable: bool,
+                t: &Tensor<S, f32, Cpu>,
+            ) -> Result<(), CpuError> {
+                self.0.insert(std::ptr::from_ref(t).addr(), trainable);
+                Ok(())
+            }
+        }
+        let mut w = Walk(std::collections::HashMap::new());
+        // a walk that reads cannot fail
+        let _ = each_tensor(self, &mut w, std::convert::identity);
+        w.0
+    }
+}
+
+impl<H: Precision> BuildCx<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    /// The working copy of a layer built as a whole: its tensors and scalars filled by position
+    /// from the master's, in dfdx's visit order.
+    ///
+    /// # Errors
+    /// The working copy's layout differs from the master's.
+    pub fn leaf<M: HalfLayers<H>>(&mut self, master: &M) -> Result<M::Working, StepError> {
+        let mut gather = Gather::default();
+        M::iter_tensors(&mut RecursiveWalker {
+            m: master,
+            f: &mut gather,
+        })?;
+        let first_pair = self.built.pairs.len();
+        let mut fill = Fill::<H> {
+            gather: &mut gather,
+            store: &mut *self.store,
+            built: &mut self.built,
+            first_pair,
+            tensor: 0,
+            scalar: 0,
+        };
+        let copy = M::Working::iter_tensors(&mut RecursiveWalker {
+            m: (),
+            f: &mut fill,
+        })
+        .map_err(StepError::Cast)?
+        .ok_or(StepError::Cast(CastError::NotRebuilt))?;
+        fill.finish()?;
+        self.addrs.extend(gather.trainable_addrs);
+        Ok(copy)
+    }
+
+    /// Master tensor `t`, field `field` of module `M` (a part built field by field), rounded to
+    /// `H`; `trainable`: whether the part's working copy declares it trained.
+    ///
+    /// # Errors
+    /// The master's own walk says otherwise ([`StepError::FieldTrainable`]), or a device error.
+    pub fn tensor<M, S: Shape>(
+        &mut self,
+        t: &Tensor<S, f32, Cpu>,
+        trainable: bool,
+        field: &'static str,
+    ) -> Result<Tensor<S, H::Elem, Cpu>, StepError> {
+        let addr = std::ptr::from_ref(t).addr();
+        let root = self.root;
+        let in_master = self
+            .flags
+            .get_or_insert_with(|| root.flags())
+            .get(&addr)
+            .copied()
+            .unwrap_or(false);
+        if in_master != trainable {
+            return Err(StepError::FieldTrainable {
+                module: std::any::type_name::<M>(),
+                field,
+                trainable: in_master,
+            });
+        }
+        let half = <Cpu as Primitives<H>>::to_working(t, self.store).map_err(StepError::Device)?;
+        if trainable {
+            self.built.trainable(&half, Slot::of(t));
+            self.addrs.push(addr);
+        } else {
+            self.built.state(&half);
+        }
+        Ok(half)
+    }
+}
+
+/// A master tensor seen as one row of values (its buffer shared).
+type Flat = Tensor<(usize,), f32, Cpu>;
+
+/// One walk of the master: every tensor in visit order (flat, sharing the master's buffer), with
+/// its trainable flag, the trainable tensors' slots and addresses, and every scalar.
+#[derive(Default)]
+struct Gather {
+    tensors: Vec<(Flat, bool)>,
+    slots: Vec<Option<MasterSlot>>,
+    trainable_addrs: Vec<usize>,
+    scalars: Vec<f64>,
+}
+
+impl TensorVisitor<f32, Cpu> for Gather {
+    type Viewer = ViewTensorRef;
+    type Err = CpuError;
+    type E2 = f32;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, f32, Cpu>,
+        t: &Tensor<S, f32, Cpu>,
+    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+        let n = t.shape().num_elements();
+        // a contiguous tensor is reshaped in place (its buffer shared, not copied)
+        let flat = t.clone().try_reshape_like(&(n,))?;
+        self.tensors.push((flat, opts.do_gradient_update));
+        if opts.do_gradient_update {
+            self.slots.push(Some(Slot::of(t)));
+            self.trainable_addrs.push(std::ptr::from_ref(t).addr());
+        }
+        Ok(None)
+    }
+
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        _: ScalarOptions<N>,
+        value: &N,
+    ) -> Result<Option<N>, CpuError> {
+        self.scalars.push(value.to_f64().unwrap_or(f64::NAN));
+        Ok(None)
+    }
+}
+
+/// Builds the mapped working copy by walking its own type, filling each tensor and scalar from
+/// the master's in visit order; every length and trainable flag is checked.
+struct Fill<'a, H: Precision>
+where
+    Cpu: MixedDevice<H>,
+{
+    gather: &'a mut Gather,
+    store: &'a mut <Cpu as Primitives<H>>::Store,
+    built: &'a mut Built<H, Cpu, ()>,
+    /// Pairs the parts before this layer recorded.
+    first_pair: usize,
+    tensor: usize,
+    scalar: usize,
+}
+
+impl<H: Precision> Fill<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    /// Checks that the working copy took every tensor and scalar of the master.
+    fn finish(&self) -> Result<(), StepError> {
+        if let Some((src, _)) = self.gather.tensors.get(self.tensor) {
+            return Err(StepError::Cast(CastError::LengthMismatch {
+                index: self.tensor,
+                src: src.shape().0,
+                dst: 0,
+            }));
+        }
+        if self.scalar != self.gather.scalars.len() {
+            return Err(StepError::Cast(CastError::ScalarMismatch {
+                index: self.scalar,
+            }));
+        }
+        Ok(())
+    }
+}
+
+impl<H: Precision> TensorVisitor<H::Elem, Cpu> for Fill<'_, H>
+where
+    Cpu: MixedDevice<H>,
+{
+    type Viewer = ();
+    type Err = CastError;
+    type E2 = H::Elem;
+    type D2 = Cpu;
+
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, H::Elem, Cpu>,
+        (): (),
+    ) -> Result<Option<Tensor<S, H::Elem, Cpu>>, CastError> {
+        let index = self.tensor;
+        let n = opts.shape.num_elements();
+        let Some((source, trainable)) = self.gather.tensors.get(index) else {
+            return Err(CastError::LengthMismatch {
+                index,
+                src: 0,
+                dst: n,
+            });
+        };
+        let (src, trainable) = (source.shape().0, *trainable);
+        if src != n {
+            return Err(CastError::LengthMismatch { index, src, dst: n });
+        }
+        if trainable != opts.do_gradient_update {
+            return Err(CastError::TrainableMismatch { index });
+        }
+        let t = <Cpu as Primitives<H>>::to_working(source, self.store)
+            .and_then(|t| t.try_reshape_like(&opts.shape))
+            .map_err(|_| CastError::LengthMismatch { index, src, dst: n })?;
+        if trainable {
+            let slot = self
+                .gather
+                .slots
+                .get_mut(self.built.pairs.len() - self.first_pair)
+                .and_then(Option::take);
+            let Some(slot) = slot else {
+                return Err(CastError::TrainableMismatch { index });
+            };
+            self.built.trainable(&t, slot);
+        } else {
+            self.built.state(&t);
+        }
+        self.tensor += 1;
+        Ok(Some(t))
+    }
+
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        opts: ScalarOptions<N>,
+        (): (),
+    ) -> Result<Option<N>, CastError> {
+        let index = self.scalar;
+        let value = self
+            .gather
+            .scalars
+            .get(index)
+            .ok_or(CastError::ScalarMismatch { index })?;
+        self.scalar += 1;
+        Ok(Some(N::from(*value).unwrap_or(opts.default)))
+    }
+}
