@@ -261,6 +261,30 @@ fn row(
     (t[0], t[1])
 }
 
+/// One row of a shape written by [`steps!`]: module `$m`'s f32 step and mixed step, each on its
+/// own copy of `$init` with its own Adam, measured interleaved; pushed onto `$rows`.
+macro_rules! adam_row {
+    ($rows:ident, $rounds:expr, $label:expr, $m:ident($init:expr; $($arg:expr),*)) => {{
+        let init = $init;
+        let (mut a, mut b) = (init.clone(), init);
+        let (mut oa, mut ob) = (
+            Adam::new(&a, Default::default()),
+            Adam::new(&b, Default::default()),
+        );
+        let mut s = GradScaler::default();
+        let (f, m) = row(
+            $rounds,
+            &mut || {
+                std::hint::black_box($m::f32_step(&mut a, &mut oa, $($arg),*));
+            },
+            &mut || {
+                std::hint::black_box($m::mixed_step(&mut b, &mut ob, $($arg,)* &mut s));
+            },
+        );
+        $rows.push(($label, f, m));
+    }};
+}
+
 fn sgd_config() -> SgdConfig {
     SgdConfig {
         lr: 1e-1,
@@ -493,106 +517,40 @@ fn main() {
         rows.push(("gan (two MLPs 4-32-2 and 2-32-1, batch 32)", f, m));
     }
     // the user's own module, with the two lines and without
-    {
-        let x: Tensor<Rank2<64, 16>, f32, Cpu> = dev.sample_normal();
-        let y: Tensor<Rank2<64, 4>, f32, Cpu> = dev.sample_normal();
-        let init = own::M::build(&dev);
-        let (mut a, mut b) = (init.clone(), init);
-        let (mut oa, mut ob) = (
-            Adam::new(&a, Default::default()),
-            Adam::new(&b, Default::default()),
-        );
-        let mut s = GradScaler::default();
-        let (f, m) = row(
-            rounds * 20,
-            &mut || {
-                std::hint::black_box(own::f32_step(&mut a, &mut oa, &x, &y));
-            },
-            &mut || {
-                std::hint::black_box(own::mixed_step(&mut b, &mut ob, &x, &y, &mut s));
-            },
-        );
-        rows.push((
-            "a module of the user's own (16-64-4, batch 64), #[derive(HalfLayers)]",
-            f,
-            m,
-        ));
-        let init = bare::M::build(&dev);
-        let (mut a, mut b) = (init.clone(), init);
-        let (mut oa, mut ob) = (
-            Adam::new(&a, Default::default()),
-            Adam::new(&b, Default::default()),
-        );
-        let mut s = GradScaler::default();
-        let (f, m) = row(
-            rounds * 20,
-            &mut || {
-                std::hint::black_box(bare::f32_step(&mut a, &mut oa, &x, &y));
-            },
-            &mut || {
-                std::hint::black_box(bare::mixed_step(&mut b, &mut ob, &x, &y, &mut s));
-            },
-        );
-        rows.push((
-            "the same module without the two lines (dfdx's f16 layers)",
-            f,
-            m,
-        ));
-    }
+    let x: Tensor<Rank2<64, 16>, f32, Cpu> = dev.sample_normal();
+    let y: Tensor<Rank2<64, 4>, f32, Cpu> = dev.sample_normal();
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a module of the user's own (16-64-4, batch 64), #[derive(HalfLayers)]",
+        own(own::M::build(&dev); &x, &y)
+    );
+    adam_row!(
+        rows,
+        rounds * 20,
+        "the same module without the two lines (dfdx's f16 layers)",
+        bare(bare::M::build(&dev); &x, &y)
+    );
     // a hand-unrolled RNN
-    {
-        let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());
-        let y: Tensor<Rank2<32, 4>, f32, Cpu> = dev.sample_normal();
-        let init = rnn::M::build(&dev);
-        let (mut a, mut b) = (init.clone(), init);
-        let (mut oa, mut ob) = (
-            Adam::new(&a, Default::default()),
-            Adam::new(&b, Default::default()),
-        );
-        let mut s = GradScaler::default();
-        let (f, m) = row(
-            rounds * 20,
-            &mut || {
-                std::hint::black_box(rnn::f32_step(&mut a, &mut oa, &xs, &y));
-            },
-            &mut || {
-                std::hint::black_box(rnn::mixed_step(&mut b, &mut ob, &xs, &y, &mut s));
-            },
-        );
-        rows.push((
-            "a hand-unrolled RNN, 4 steps of 8-32 (a module of the user's own), batch 32",
-            f,
-            m,
-        ));
-    }
+    let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());
+    let y: Tensor<Rank2<32, 4>, f32, Cpu> = dev.sample_normal();
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a hand-unrolled RNN, 4 steps of 8-32 (a module of the user's own), batch 32",
+        rnn(rnn::M::build(&dev); &xs, &y)
+    );
     // a REINFORCE policy
-    {
-        let s_: Tensor<Rank2<128, 4>, f32, Cpu> = dev.sample_normal();
-        let a_: Tensor<Rank1<128>, usize, Cpu> =
-            dev.tensor(std::array::from_fn::<usize, 128, _>(|i| i % 2));
-        let r_: Tensor<Rank1<128>, f32, Cpu> = dev.sample_normal();
-        let init = dev.build_module::<policy::Structure, f32>();
-        let (mut a, mut b) = (init.clone(), init);
-        let (mut oa, mut ob) = (
-            Adam::new(&a, Default::default()),
-            Adam::new(&b, Default::default()),
-        );
-        let mut s = GradScaler::default();
-        let (f, m) = row(
-            rounds * 20,
-            &mut || {
-                std::hint::black_box(policy::f32_step(&mut a, &mut oa, &s_, &a_, &r_));
-            },
-            &mut || {
-                std::hint::black_box(policy::mixed_step(&mut b, &mut ob, &s_, &a_, &r_, &mut s));
-            },
-        );
-        rows.push((
-            "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128",
-            f,
-            m,
-        ));
-    }
+    let s_: Tensor<Rank2<128, 4>, f32, Cpu> = dev.sample_normal();
+    let a_: Tensor<Rank1<128>, usize, Cpu> =
+        dev.tensor(std::array::from_fn::<usize, 128, _>(|i| i % 2));
+    let r_: Tensor<Rank1<128>, f32, Cpu> = dev.sample_normal();
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128",
+        policy(dev.build_module::<policy::Structure, f32>(); &s_, &a_, &r_)
+    );
 
     println!("real loops, f32 against `#[mixed_step]` f16, medians of interleaved rounds, {cpu}");
     println!("| loop | f32 | mixed | mixed / f32 |");
