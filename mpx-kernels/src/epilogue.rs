@@ -216,6 +216,30 @@ impl ReluMask {
         i < self.len && (self.bits[i / 64] >> (i % 64)) & 1 == 1
     }
 
+    /// `ReLU`'s backward on its own: zeroes `dy[i]` where bit `i` is clear (+0 in f16 and f32),
+    /// and keeps it where the bit is set.
+    ///
+    /// # Errors
+    /// [`KernelError::Length`] when `dy` is not as long as the mask.
+    ///
+    /// # Examples
+    /// ```
+    /// use mpx_kernels::{FloatSliceMut, ReluMask};
+    /// let mask = ReluMask::from_f32(&[1.0, 0.0, 2.0]);
+    /// let mut dy = [0.5f32, 0.5, -0.5];
+    /// mask.zero_where_clear(FloatSliceMut::F32(&mut dy))?;
+    /// assert_eq!(dy, [0.5, 0.0, -0.5]);
+    /// # Ok::<(), mpx_kernels::KernelError>(())
+    /// ```
+    pub fn zero_where_clear(&self, dy: FloatSliceMut<'_>) -> Result<(), KernelError> {
+        expect_len("dy", dy.len(), self.len)?;
+        match dy {
+            FloatSliceMut::F32(v) => self.apply(0, v, 0.0),
+            FloatSliceMut::F16(v) => self.apply(0, v, f16::ZERO),
+        }
+        Ok(())
+    }
+
     /// Zeroes `row` (elements `start..start + row.len()`) where the mask is clear.
     fn apply<T: Copy>(&self, start: usize, row: &mut [T], zero: T) {
         // whole 64-bit words where aligned, bit by bit at the edges

@@ -10,10 +10,10 @@ use mpx_kernels::{
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 
-use super::half_ops::{grad_slice, round_in_place, shape_err};
+use super::half_ops::{grad_slice, relu_mask_of, round_in_place, shape_err};
 use super::scratch::{self, Buf};
 use crate::master::link::Link;
-use crate::precision::{FloatSlice, FloatSliceMut, Precision};
+use crate::precision::{FloatSliceMut, Precision};
 
 /// A linear layer's weight, bias and link, as [`fused_linear`] reads them.
 pub(crate) type LayerParts<'a, const I: usize, const O: usize, E> = (
@@ -21,14 +21,6 @@ pub(crate) type LayerParts<'a, const I: usize, const O: usize, E> = (
     &'a Tensor<Rank1<O>, E, Cpu>,
     Option<&'a Link>,
 );
-
-/// `ReLU`'s mask of outputs `y`.
-fn relu_mask_of<E: Precision<Elem = E> + Dtype>(y: &[E]) -> ReluMask {
-    match E::floats(y) {
-        FloatSlice::F16(v) => ReluMask::from_f16(v),
-        FloatSlice::F32(v) | FloatSlice::Bf16(v) => ReluMask::from_f32(v),
-    }
-}
 
 /// `ReLU` mask (where given) and bias-gradient column sums, in one pass.
 fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(

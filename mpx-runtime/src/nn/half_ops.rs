@@ -5,7 +5,7 @@
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
-use mpx_kernels::{KernelError, MatRef, add_f32_into};
+use mpx_kernels::{KernelError, MatRef, ReluMask, add_f32_into};
 
 use super::scratch::{self, Buf};
 use crate::precision::{FloatSlice, Precision};
@@ -25,6 +25,14 @@ pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
 
 /// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
 /// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
+/// `ReLU`'s mask of outputs `y`: set where `y > 0` (NaN, zeros and negatives clear).
+pub(crate) fn relu_mask_of<E: Precision<Elem = E> + dfdx::shapes::Dtype>(y: &[E]) -> ReluMask {
+    match E::floats(y) {
+        FloatSlice::F16(v) => ReluMask::from_f16(v),
+        FloatSlice::F32(v) | FloatSlice::Bf16(v) => ReluMask::from_f32(v),
+    }
+}
+
 pub(crate) fn round_in_place<P: Precision>(values: &mut [P::Elem]) {
     if P::DTYPE == <P::Elem as Precision>::DTYPE {
         return;

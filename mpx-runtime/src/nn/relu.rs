@@ -7,7 +7,7 @@ use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
-use super::half_ops::grad_slice;
+use super::half_ops::{grad_slice, relu_mask_of, shape_err};
 use super::mixed::MixedModule;
 use super::scratch;
 use crate::precision::{FloatSlice, FloatSliceMut, Precision};
@@ -58,11 +58,6 @@ where
     }
 }
 
-/// Whether an f16 value, as bits, is greater than 0 (NaN is not): the gradient's mask.
-fn f16_positive(b: u16) -> bool {
-    b.cast_signed() > 0 && b <= 0x7c00
-}
-
 /// `max(x, 0)` as dfdx computes it on f16 (`half`'s `max`): 0 where `x < 0`, `x` itself
 /// everywhere else (NaN and `-0` included).
 fn f16_relu(b: u16) -> u16 {
@@ -71,47 +66,17 @@ fn f16_relu(b: u16) -> u16 {
     if negative { 0 } else { b }
 }
 
-/// `y = max(y, 0)` in place; `mask[i]` (where given) is whether `y[i] > 0`.
-fn forward_pass(y: FloatSliceMut<'_>, mask: Option<&mut [u8]>) {
-    match (y, mask) {
-        (FloatSliceMut::F32(v), Some(mask)) => {
-            for (y, m) in v.iter_mut().zip(mask) {
-                let pos = *y > 0.0;
-                *m = u8::from(pos);
-                *y = if pos { *y } else { 0.0 };
-            }
-        }
-        (FloatSliceMut::F32(v), None) => {
+/// `y = max(y, 0)` in place.
+fn forward_pass(y: FloatSliceMut<'_>) {
+    match y {
+        FloatSliceMut::F32(v) => {
             for y in v.iter_mut() {
                 *y = if *y > 0.0 { *y } else { 0.0 };
             }
         }
-        (FloatSliceMut::F16(v), Some(mask)) => {
-            for (y, m) in v.iter_mut().zip(mask) {
-                let b = y.to_bits();
-                *m = u8::from(f16_positive(b));
-                *y = half::f16::from_bits(f16_relu(b));
-            }
-        }
-        (FloatSliceMut::F16(v), None) => {
+        FloatSliceMut::F16(v) => {
             for y in v.iter_mut() {
                 *y = half::f16::from_bits(f16_relu(y.to_bits()));
-            }
-        }
-    }
-}
-
-/// `dy` where the mask is set, 0 elsewhere.
-fn mask_pass(dy: FloatSliceMut<'_>, mask: &[u8]) {
-    match dy {
-        FloatSliceMut::F32(v) => {
-            for (d, &m) in v.iter_mut().zip(mask) {
-                *d = if m != 0 { *d } else { 0.0 };
-            }
-        }
-        FloatSliceMut::F16(v) => {
-            for (d, &m) in v.iter_mut().zip(mask) {
-                *d = half::f16::from_bits(d.to_bits() & 0u16.wrapping_sub(u16::from(m)));
             }
         }
     }
@@ -130,8 +95,9 @@ where
     let n = shape.num_elements();
     let mut y = vec![E::default(); n];
     x.clone().try_contiguous()?.copy_into(&mut y);
-    let mut mask = vec![0u8; if T::OWNS_TAPE { n } else { 0 }];
-    forward_pass(E::floats_mut(&mut y), T::OWNS_TAPE.then_some(&mut mask[..]));
+    forward_pass(E::floats_mut(&mut y));
+    // where the output is positive, as where the input is (one bit per element)
+    let mask = T::OWNS_TAPE.then(|| relu_mask_of(&y));
     let y = x.device().try_tensor_from_vec(y, shape)?;
     if T::OWNS_TAPE {
         let (x_id, y_id) = (x.ghost(), y.ghost());
@@ -139,7 +105,10 @@ where
         tape.add_backward_op(move |grads| {
             let mut dz = scratch::take::<E>(n);
             dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
-            mask_pass(E::floats_mut(&mut dz), &mask);
+            if let Some(mask) = &mask {
+                mask.zero_where_clear(E::floats_mut(&mut dz))
+                    .map_err(shape_err)?;
+            }
             let gx = grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?);
             match (E::floats_mut(gx), E::floats(&dz)) {
                 (FloatSliceMut::F32(g), FloatSlice::F32(d) | FloatSlice::Bf16(d)) => {

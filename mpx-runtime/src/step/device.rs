@@ -250,8 +250,9 @@ pub(crate) fn check_all<H: Precision, D: MixedDevice<H>>(
 // ---- the Cpu: host slices -----------------------------------------------------------------------
 
 mod cpu {
+    use std::cell::RefCell;
     use std::rc::Rc;
-    use std::sync::{Arc, Mutex, PoisonError};
+    use std::sync::Arc;
 
     use dfdx::optim::OptimizerUpdateError;
     use dfdx::shapes::{HasShape, Shape};
@@ -393,7 +394,7 @@ mod cpu {
             inv: f32,
         ) -> (HalfOp<H::Elem, Cpu>, FullOp<Cpu>) {
             let (x, x32) = (x.ghost(), x32.ghost());
-            let captured: Rc<Mutex<Option<Vec<f32>>>> = Rc::default();
+            let captured: Rc<RefCell<Option<Vec<f32>>>> = Rc::default();
             let capture = Rc::clone(&captured);
             let n = x32.shape().num_elements();
             let inner: HalfOp<H::Elem, Cpu> = Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
@@ -404,14 +405,11 @@ mod cpu {
                         *x *= inv;
                     }
                 }
-                *capture.lock().unwrap_or_else(PoisonError::into_inner) = Some(v);
+                *capture.borrow_mut() = Some(v);
                 Ok(())
             });
             let writer: FullOp<Cpu> = Box::new(move |g: &mut Gradients<f32, Cpu>| {
-                let taken = captured
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
+                let taken = captured.borrow_mut().take();
                 if let Some(v) = taken {
                     let dst = g.get_or_alloc_mut(&x32)?;
                     dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
@@ -464,9 +462,13 @@ mod cpu {
                             // `d + s` in f32, rounded once, as `half`'s `+=` computes it, in
                             // vector passes instead of one element at a time
                             (FloatSliceMut::F16(d), FloatSlice::F16(s)) => {
-                                let mut wide = vec![0.0f32; s.len()];
-                                mpx_kernels::convert::widen_f16(s, &mut wide);
-                                mpx_kernels::convert::add_f32_into_f16(&wide, d);
+                                // widened through a stack buffer: no allocation per step
+                                let mut wide = [0.0f32; 1024];
+                                for (dc, sc) in d.chunks_mut(1024).zip(s.chunks(1024)) {
+                                    let w = &mut wide[..sc.len()];
+                                    mpx_kernels::convert::widen_f16(sc, w);
+                                    mpx_kernels::convert::add_f32_into_f16(w, dc);
+                                }
                             }
                             (FloatSliceMut::F32(d), FloatSlice::F32(s) | FloatSlice::Bf16(s)) => {
                                 d.iter_mut().zip(s).for_each(|(d, s)| *d += *s);
