@@ -1191,3 +1191,34 @@ fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
         assert_eq!(got, expect, "{want:?}");
     }
 }
+
+#[test]
+fn zero_where_clear_keeps_exactly_the_set_lanes_on_both_copies() {
+    // lengths around the 64-value words, values of both signs, NaN and zeros in the outputs
+    for n in [0, 1, 63, 64, 65, 130, 1000] {
+        let y: Vec<f32> = values(n, 7)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| if i % 17 == 3 { f32::NAN } else { *v })
+            .collect();
+        let yh: Vec<f16> = y.iter().map(|v| f16::from_f32(*v)).collect();
+        let dy: Vec<f32> = values(n, 8);
+        let dyh: Vec<f16> = dy.iter().map(|v| f16::from_f32(*v)).collect();
+        let (m, mh) = (ReluMask::from_f32(&y), ReluMask::from_f16(&yh));
+        let mut got = dy.clone();
+        m.zero_where_clear(FloatSliceMut::F32(&mut got)).unwrap();
+        let mut goth = dyh.clone();
+        mh.zero_where_clear(FloatSliceMut::F16(&mut goth)).unwrap();
+        for i in 0..n {
+            let want = if y[i] > 0.0 { dy[i] } else { 0.0 };
+            assert_eq!(got[i].to_bits(), want.to_bits(), "f32 [{i}] of {n}");
+            let wanth = if yh[i].to_f32() > 0.0 { dyh[i] } else { f16::ZERO };
+            assert_eq!(goth[i].to_bits(), wanth.to_bits(), "f16 [{i}] of {n}");
+        }
+        // the baseline copy (what a CPU without AVX2 runs) gives the same bits
+        let mut base = dy.clone();
+        crate::Avx2Task::run(super::epilogue::ZeroWhereClear(&mut base, &m.bits));
+        assert_eq!(base, got, "baseline copy, {n} values");
+        assert!(m.zero_where_clear(FloatSliceMut::F32(&mut vec![0.0; n + 1])).is_err());
+    }
+}
