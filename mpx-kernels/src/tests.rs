@@ -1212,13 +1212,20 @@ fn zero_where_clear_keeps_exactly_the_set_lanes_on_both_copies() {
         for i in 0..n {
             let want = if y[i] > 0.0 { dy[i] } else { 0.0 };
             assert_eq!(got[i].to_bits(), want.to_bits(), "f32 [{i}] of {n}");
-            let wanth = if yh[i].to_f32() > 0.0 { dyh[i] } else { f16::ZERO };
+            let wanth = if yh[i].to_f32() > 0.0 {
+                dyh[i]
+            } else {
+                f16::ZERO
+            };
             assert_eq!(goth[i].to_bits(), wanth.to_bits(), "f16 [{i}] of {n}");
         }
         // the baseline copy (what a CPU without AVX2 runs) gives the same bits
         let mut base = dy.clone();
         crate::Avx2Task::run(super::epilogue::ZeroWhereClear(&mut base, &m.bits));
         assert_eq!(base, got, "baseline copy, {n} values");
-        assert!(m.zero_where_clear(FloatSliceMut::F32(&mut vec![0.0; n + 1])).is_err());
+        assert!(
+            m.zero_where_clear(FloatSliceMut::F32(&mut vec![0.0; n + 1]))
+                .is_err()
+        );
     }
 }
