@@ -62,6 +62,7 @@ pub mod precision;
 pub mod region;
 pub mod scaling;
 pub mod step;
+mod walk;
 
 pub use mpx_kernels::threads;
 

@@ -43,9 +43,7 @@
 
 use std::marker::PhantomData;
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
 use dfdx::tensor::{
     Cpu, CpuError, Gradients, HasErr, Merge, OwnedTape, PutTape, SplitTape, Storage, Tape, Tensor,
@@ -55,6 +53,7 @@ use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
 
 use crate::cast::grad_slice;
 use crate::precision::Precision;
+use crate::walk::Map;
 
 /// Why [`FullPrecision::try_run_with`] failed.
 ///
@@ -399,31 +398,19 @@ struct Widen<'a, E: Dtype, D: Storage<E> + Storage<f32>> {
     leaves: &'a mut Leaves<E, D>,
 }
 
-impl<E: Precision<Elem = E> + Dtype, D: RegionDevice<E> + Device<E>> TensorVisitor<E, D>
+/// The f32 copy keeps every setting of the module (a norm's `epsilon`, dropout's `p`): the
+/// walk carries scalars as they are.
+impl<E: Precision<Elem = E> + Dtype, D: RegionDevice<E> + Device<E>> Map<E, f32, D>
     for Widen<'_, E, D>
 {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = f32;
-    type D2 = D;
+    type Error = D::Err;
 
-    fn visit<S: Shape>(
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, E, D>,
+        trainable: bool,
         t: &Tensor<S, E, D>,
-    ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
-        D::widen_param(t, opts.do_gradient_update, self.leaves).map(Some)
-    }
-
-    /// The f32 copy keeps every setting of the module (a norm's `epsilon`, dropout's `p`).
-    fn visit_scalar<N: num_traits::NumCast>(
-        &mut self,
-        opts: dfdx::nn::tensor_collection::ScalarOptions<N>,
-        value: &N,
-    ) -> Result<Option<N>, D::Err> {
-        Ok(Some(
-            crate::cast::copy_scalar(value).unwrap_or(opts.default),
-        ))
+    ) -> Result<Tensor<S, f32, D>, D::Err> {
+        D::widen_param(t, trainable, self.leaves)
     }
 }
 
@@ -557,13 +544,10 @@ impl<H: Precision> FullPrecision<H> {
         let err = <D as RegionDevice<H>>::region_error;
         let mut leaves = Leaves::new();
         let (x32, tape) = x.enter(&mut leaves).map_err(err)?;
-        let p32 = M::iter_tensors(&mut RecursiveWalker {
-            m: params,
-            f: &mut Widen {
-                leaves: &mut leaves,
-            },
-        })
-        .map_err(err)?;
+        let mut widen = Widen {
+            leaves: &mut leaves,
+        };
+        let p32 = crate::walk::map::<H::Elem, f32, D, M, _>(params, &mut widen).map_err(err)?;
         // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
         // return `None` for its own fields.
         let p32 = p32.ok_or(RegionError::NotRebuilt)?;

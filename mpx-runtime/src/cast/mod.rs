@@ -59,9 +59,10 @@ use crate::precision::{FloatSlice, HalfPrecision, Precision, bf16, f16};
 pub use crate::precision::FloatSliceMut;
 
 pub use module::{
-    CastError, cast_module, copy_scalar, module_visit_floats, module_visit_floats_mut,
-    try_cast_module,
+    CastError, cast_module, module_visit_floats, module_visit_floats_mut, try_cast_module,
 };
+
+pub use crate::walk::copy_scalar;
 
 /// `Cast<P>` and [`FloatLeaves`] for a module of a const-generic layout and a float element,
 /// field by field, for each float element type (f32, f16, `AMP<f16>`): the `cast` fields are

@@ -1,21 +1,18 @@
 //! dfdx modules, walked through `TensorCollection`: a cast of every tensor ([`cast_module`]),
-//! every setting that is not a tensor carried as it is ([`copy_scalar`]).
+//! every setting that is not a tensor carried as it is ([`copy_scalar`](super::copy_scalar)).
 
 use std::marker::PhantomData;
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor, ViewTensorMut,
-    ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, Shape};
-use dfdx::tensor::{Cpu, Tensor};
+use dfdx::tensor::{Cpu, CpuError, Tensor};
 use dfdx::tensor_ops::Device;
 
 use super::FloatSliceMut;
 use super::leaf::{cast_tensor, with_scratch};
 use super::tensor_io::{read_tensor_bits, update_tensor};
 use crate::precision::{FloatSlice, Precision};
-use num_traits::NumCast;
+use crate::walk::{Each, EachMut, Map, each, each_mut, map};
 
 /// Why a module cast failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,54 +62,19 @@ pub enum CastError {
 
 struct Converter<P>(PhantomData<P>);
 
-impl<E: Precision<Elem = E> + Dtype, P: Precision> TensorVisitor<E, Cpu> for Converter<P>
+impl<E: Precision<Elem = E> + Dtype, P: Precision> Map<E, P::Elem, Cpu> for Converter<P>
 where
     Cpu: Device<E> + Device<P::Elem>,
 {
-    type Viewer = ViewTensorRef;
-    type Err = CastError;
-    type E2 = P::Elem;
-    type D2 = Cpu;
+    type Error = CastError;
 
-    fn visit<S: Shape>(
+    fn tensor<S: Shape>(
         &mut self,
-        _: TensorOptions<S, E, Cpu>,
+        _: bool,
         t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, P::Elem, Cpu>>, CastError> {
-        Ok(Some(cast_tensor::<P, E, S>(t)))
+    ) -> Result<Tensor<S, P::Elem, Cpu>, CastError> {
+        Ok(cast_tensor::<P, E, S>(t))
     }
-
-    fn visit_scalar<N: NumCast>(
-        &mut self,
-        opts: ScalarOptions<N>,
-        value: &N,
-    ) -> Result<Option<N>, CastError> {
-        Ok(Some(copy_scalar(value).unwrap_or(opts.default)))
-    }
-}
-
-/// A copy of a module's scalar setting (dfdx hands it to a visitor as `&N` with `N: NumCast`,
-/// which is not `Clone`): exact for integers and for `f32` / `f64` / `f16` values; `None` only
-/// for a value `N` cannot hold as `f64` or `i128`.
-///
-/// # Examples
-/// ```
-/// use mpx_runtime::cast::copy_scalar;
-/// assert_eq!(copy_scalar(&0.2f64), Some(0.2));
-/// assert_eq!(copy_scalar(&1e-5f32), Some(1e-5f32));
-/// assert_eq!(copy_scalar(&u64::MAX), Some(u64::MAX));
-/// assert_eq!(copy_scalar(&-3i32), Some(-3));
-/// ```
-pub fn copy_scalar<N: NumCast>(value: &N) -> Option<N> {
-    // an integer-valued number through i128 (exact for every integer type), else through f64
-    // (exact for every float type mpx meets)
-    if let Some(i) = value.to_i128()
-        && let Some(n) = N::from(i)
-        && n.to_f64() == value.to_f64()
-    {
-        return Some(n);
-    }
-    N::from(value.to_f64()?)
 }
 
 /// Casts every tensor of a dfdx module to precision `P`: mpx's `cast_to_half_precision(model)`
@@ -175,62 +137,40 @@ where
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E> + Device<P::Elem>,
 {
-    M::iter_tensors(&mut RecursiveWalker {
-        m: module,
-        f: &mut Converter::<P>(PhantomData),
-    })?
-    .ok_or(CastError::NotRebuilt)
+    map::<E, P::Elem, Cpu, M, _>(module, &mut Converter::<P>(PhantomData))?
+        .ok_or(CastError::NotRebuilt)
 }
 
 // ---- float leaves of modules -------------------------------------------------------------------
 
-struct FloatsVisitor<'a, 'v> {
-    visit: &'a mut dyn FnMut(FloatSlice<'_>) -> bool,
-    p: PhantomData<&'v ()>,
-}
+struct Floats<'a>(&'a mut dyn FnMut(FloatSlice<'_>) -> bool);
 
 /// Stops a walk early (not an error).
 struct Stop;
 
-impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for FloatsVisitor<'_, '_>
+impl<E: Precision<Elem = E> + Dtype> Each<E, Cpu> for Floats<'_>
 where
     Cpu: Device<E>,
 {
-    type Viewer = ViewTensorRef;
-    type Err = Stop;
-    type E2 = E;
-    type D2 = Cpu;
+    type Error = Stop;
 
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, E, Cpu>,
-        t: &Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, Stop> {
-        let keep_going = with_scratch(|a, b| (self.visit)(read_tensor_bits(t, a, b)));
-        if keep_going { Ok(None) } else { Err(Stop) }
+    fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, E, Cpu>) -> Result<(), Stop> {
+        let keep_going = with_scratch(|a, b| (self.0)(read_tensor_bits(t, a, b)));
+        if keep_going { Ok(()) } else { Err(Stop) }
     }
 }
 
-struct MutVisitor<'a> {
-    visit: &'a mut dyn FnMut(FloatSliceMut<'_>),
-}
+struct FloatsMut<'a>(&'a mut dyn FnMut(FloatSliceMut<'_>));
 
-impl<E: Precision<Elem = E> + Dtype> TensorVisitor<E, Cpu> for MutVisitor<'_>
+impl<E: Precision<Elem = E> + Dtype> EachMut<E, Cpu> for FloatsMut<'_>
 where
     Cpu: Device<E>,
 {
-    type Viewer = ViewTensorMut;
-    type Err = std::convert::Infallible;
-    type E2 = E;
-    type D2 = Cpu;
+    type Error = CpuError;
 
-    fn visit<S: Shape>(
-        &mut self,
-        _: TensorOptions<S, E, Cpu>,
-        t: &mut Tensor<S, E, Cpu>,
-    ) -> Result<Option<Tensor<S, E, Cpu>>, Self::Err> {
-        with_scratch(|a, b| update_tensor(t, a, b, self.visit));
-        Ok(None)
+    fn tensor<S: Shape>(&mut self, _: bool, t: &mut Tensor<S, E, Cpu>) -> Result<(), CpuError> {
+        with_scratch(|a, b| update_tensor(t, a, b, self.0));
+        Ok(())
     }
 }
 
@@ -253,15 +193,7 @@ where
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E>,
 {
-    let mut v = FloatsVisitor {
-        visit,
-        p: PhantomData,
-    };
-    M::iter_tensors(&mut RecursiveWalker {
-        m: module,
-        f: &mut v,
-    })
-    .is_ok()
+    each(module, &mut Floats(visit), |_| Stop).is_ok()
 }
 
 /// [`super::FloatLeaves::visit_floats_mut`] for any dfdx module: lets `visit` rewrite every
@@ -284,9 +216,6 @@ where
     M: TensorCollection<E, Cpu>,
     Cpu: Device<E>,
 {
-    let mut v = MutVisitor { visit };
-    let _ = M::iter_tensors(&mut RecursiveWalker {
-        m: module,
-        f: &mut v,
-    });
+    // neither the Cpu's walk nor `visit` fails
+    let _ = each_mut(module, &mut FloatsMut(visit), std::convert::identity);
 }

@@ -1,14 +1,13 @@
 //! Gradient slots: where one tensor's gradient lives in a `Gradients`, found through a data-free
 //! ghost of the tensor (dfdx keys gradients by the tensor's own id and lets no code outside it
-//! read that id, so a ghost is the only key it hands out), and the one walk over a module's
-//! tensors every step pass is written on ([`each_tensor`]).
+//! read that id, so a ghost is the only key it hands out).
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
 use dfdx::tensor_ops::Device;
+
+use crate::walk::{Each, each};
 
 /// A device whose tensors of element `E` can be keyed by a boxed ghost. On the `Cpu` the box is
 /// `Send + Sync` (so the state that holds it can be); dfdx's `Cuda` device is neither, so a
@@ -136,62 +135,6 @@ where
     }
 }
 
-/// A read-only walk of a module: what it does with each tensor, in visit order. [`each_tensor`]
-/// is the one adapter to dfdx's `TensorVisitor`, so a walk states only its own work.
-pub(crate) trait EachTensor<E: Dtype, D: Device<E>> {
-    /// What stops the walk.
-    type Error;
-    /// One tensor; `trainable`: whether optimizers update it (else it is state, such as batch
-    /// norm's running statistics).
-    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, E, D>)
-    -> Result<(), Self::Error>;
-}
-
-/// Hands every tensor of `m` to `walk`, in visit order, until `walk` returns an error; `err`
-/// converts a device error of the walker itself.
-pub(crate) fn each_tensor<E, D, M, W>(
-    m: &M,
-    walk: &mut W,
-    err: fn(D::Err) -> W::Error,
-) -> Result<(), W::Error>
-where
-    E: Dtype,
-    D: Device<E>,
-    M: TensorCollection<E, D>,
-    W: EachTensor<E, D>,
-{
-    struct Adapter<'a, W: EachTensor<E, D>, E: Dtype, D: Device<E>> {
-        walk: &'a mut W,
-        failed: Option<W::Error>,
-        marker: std::marker::PhantomData<fn() -> (E, D)>,
-    }
-    impl<W: EachTensor<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
-        type Viewer = ViewTensorRef;
-        type Err = D::Err;
-        type E2 = E;
-        type D2 = D;
-        fn visit<S: Shape>(
-            &mut self,
-            opts: TensorOptions<S, E, D>,
-            t: &Tensor<S, E, D>,
-        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
-            if self.failed.is_none()
-                && let Err(e) = self.walk.tensor(opts.do_gradient_update, t)
-            {
-                self.failed = Some(e);
-            }
-            Ok(None)
-        }
-    }
-    let mut adapter = Adapter {
-        walk,
-        failed: None,
-        marker: std::marker::PhantomData,
-    };
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
-    adapter.failed.map_or(Ok(()), Err)
-}
-
 /// The device of `m`'s first tensor, in visit order (`None` for a module without tensors).
 pub(crate) fn first_device<E, D, M>(m: &M) -> Result<Option<D>, D::Err>
 where
@@ -200,7 +143,7 @@ where
     M: TensorCollection<E, D>,
 {
     struct First<D>(Option<D>);
-    impl<E: Dtype, D: Device<E>> EachTensor<E, D> for First<D> {
+    impl<E: Dtype, D: Device<E>> Each<E, D> for First<D> {
         type Error = D::Err;
         fn tensor<S: Shape>(&mut self, _: bool, t: &Tensor<S, E, D>) -> Result<(), D::Err> {
             if self.0.is_none() {
@@ -210,7 +153,7 @@ where
         }
     }
     let mut first = First(None);
-    each_tensor(m, &mut first, std::convert::identity)?;
+    each(m, &mut first, std::convert::identity)?;
     Ok(first.0)
 }
 
@@ -219,7 +162,7 @@ pub(crate) fn trainable_slots<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
     m: &M,
 ) -> Result<Vec<MasterSlot<D>>, D::Err> {
     struct Slots<D: SlotDevice<f32>>(Vec<MasterSlot<D>>);
-    impl<D: SlotDevice<f32>> EachTensor<f32, D> for Slots<D> {
+    impl<D: SlotDevice<f32>> Each<f32, D> for Slots<D> {
         type Error = D::Err;
         fn tensor<S: Shape>(
             &mut self,
@@ -233,6 +176,6 @@ pub(crate) fn trainable_slots<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
         }
     }
     let mut slots = Slots(Vec::new());
-    each_tensor(m, &mut slots, std::convert::identity)?;
+    each(m, &mut slots, std::convert::identity)?;
     Ok(slots.0)
 }

@@ -7,7 +7,7 @@ use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, CpuError, Gradients, Tensor};
 
 use super::error::StepError;
-use crate::master::slots::{EachTensor, each_tensor};
+use crate::walk::{Each, each};
 
 /// Visits every trainable tensor's gradient.
 struct EachGrad<'a, F> {
@@ -15,7 +15,7 @@ struct EachGrad<'a, F> {
     f: F,
 }
 
-impl<F: FnMut(&mut [f32])> EachTensor<f32, Cpu> for EachGrad<'_, F> {
+impl<F: FnMut(&mut [f32])> Each<f32, Cpu> for EachGrad<'_, F> {
     type Error = CpuError;
     fn tensor<S: Shape>(
         &mut self,
@@ -34,7 +34,7 @@ fn each_grad<M: TensorCollection<f32, Cpu>>(
     grads: &mut Gradients<f32, Cpu>,
     f: impl FnMut(&mut [f32]),
 ) -> Result<(), CpuError> {
-    each_tensor(model, &mut EachGrad { grads, f }, std::convert::identity)
+    each(model, &mut EachGrad { grads, f }, std::convert::identity)
 }
 
 /// The global L2 norm of `model`'s gradients in `grads`, summed in f64 (inf or NaN when a

@@ -4,7 +4,7 @@
 //! flag checked. The map from dfdx's layers to mpx's, the trait's impls, is `mapped.rs`.
 
 use dfdx::nn::tensor_collection::{
-    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
+    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor,
 };
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
@@ -18,8 +18,9 @@ use super::working::{Built, Kind, Mapped};
 use crate::boundary::MasterModel;
 use crate::cast::CastError;
 use crate::master::link::Linker;
-use crate::master::slots::{EachTensor, MasterSlot, Slot, each_tensor};
+use crate::master::slots::{MasterSlot, Slot};
 use crate::precision::Precision;
+use crate::walk::{Each, each};
 
 /// A master model whose working copy in precision `H` can be made of mpx's layers:
 /// - dfdx's `Linear<I, O>` becomes mpx's fused [`nn::Linear`](crate::nn::Linear) in `H::Elem`,
@@ -171,7 +172,7 @@ trait Flags {
 impl<M: TensorCollection<f32, Cpu>> Flags for M {
     fn flags(&self) -> std::collections::HashMap<usize, bool> {
         struct Walk(std::collections::HashMap<usize, bool>);
-        impl EachTensor<f32, Cpu> for Walk {
+        impl Each<f32, Cpu> for Walk {
             type Error = CpuError;
             fn tensor<S: Shape>(
                 &mut self,
@@ -184,7 +185,7 @@ impl<M: TensorCollection<f32, Cpu>> Flags for M {
         }
         let mut w = Walk(std::collections::HashMap::new());
         // a walk that reads cannot fail
-        let _ = each_tensor(self, &mut w, std::convert::identity);
+        let _ = each(self, &mut w, std::convert::identity);
         w.0
     }
 }
@@ -200,10 +201,7 @@ where
     /// The working copy's layout differs from the master's.
     pub fn leaf<M: HalfLayers<H>>(&mut self, master: &M) -> Result<M::Working, StepError> {
         let mut gather = Gather::default();
-        M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut gather,
-        })?;
+        each(master, &mut gather, std::convert::identity)?;
         let first_pair = self.built.pairs.len();
         let mut fill = Fill::<H> {
             gather: &mut gather,
@@ -274,35 +272,28 @@ struct Gather {
     scalars: Vec<f64>,
 }
 
-impl TensorVisitor<f32, Cpu> for Gather {
-    type Viewer = ViewTensorRef;
-    type Err = CpuError;
-    type E2 = f32;
-    type D2 = Cpu;
+impl Each<f32, Cpu> for Gather {
+    type Error = CpuError;
 
-    fn visit<S: Shape>(
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, Cpu>,
+        trainable: bool,
         t: &Tensor<S, f32, Cpu>,
-    ) -> Result<Option<Tensor<S, f32, Cpu>>, CpuError> {
+    ) -> Result<(), CpuError> {
         let n = t.shape().num_elements();
         // a contiguous tensor is reshaped in place (its buffer shared, not copied)
         let flat = t.clone().try_reshape_like(&(n,))?;
-        self.tensors.push((flat, opts.do_gradient_update));
-        if opts.do_gradient_update {
+        self.tensors.push((flat, trainable));
+        if trainable {
             self.slots.push(Some(Slot::of(t)));
             self.trainable_addrs.push(std::ptr::from_ref(t).addr());
         }
-        Ok(None)
+        Ok(())
     }
 
-    fn visit_scalar<N: NumCast>(
-        &mut self,
-        _: ScalarOptions<N>,
-        value: &N,
-    ) -> Result<Option<N>, CpuError> {
-        self.scalars.push(value.to_f64().unwrap_or(f64::NAN));
-        Ok(None)
+    fn scalar(&mut self, value: f64) -> Result<(), CpuError> {
+        self.scalars.push(value);
+        Ok(())
     }
 }
 

@@ -394,10 +394,10 @@ mod tests {
     use dfdx::tensor::{CpuError, Tensor};
 
     use crate::cast::CastError;
-    use crate::master::slots::{EachTensor, each_tensor};
     use crate::step::StepError;
     use crate::step::device::private::Primitives;
     use crate::step::working::{Kind, Mapped};
+    use crate::walk::{Each, each};
     use dfdx::nn::BuildModule;
     use dfdx::prelude::{Module, Rank2, SampleTensor};
 
@@ -437,7 +437,7 @@ mod tests {
         Cpu: Device<E>,
     {
         struct Walk(Vec<(usize, bool)>, Vec<f32>);
-        impl<E: Dtype> EachTensor<E, Cpu> for Walk
+        impl<E: Dtype> Each<E, Cpu> for Walk
         where
             Cpu: Device<E>,
         {
@@ -454,7 +454,7 @@ mod tests {
             }
         }
         let mut w = Walk(Vec::new(), Vec::new());
-        each_tensor(m, &mut w, std::convert::identity).unwrap();
+        each(m, &mut w, std::convert::identity).unwrap();
         (w.0, w.1)
     }
 

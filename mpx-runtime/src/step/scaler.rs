@@ -5,7 +5,6 @@ use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::{Arc, PoisonError};
 
-use dfdx::nn::tensor_collection::{RecursiveWalker, TensorOptions, TensorVisitor, ViewTensorMut};
 use dfdx::optim::{Optimizer, OptimizerUpdateError};
 use dfdx::shapes::{HasShape, Rank0, Shape};
 use dfdx::tensor::{AsArray, Cpu, Gradients, HasErr, OwnedTape, Tensor};
@@ -24,6 +23,7 @@ use crate::boundary::MasterModel;
 use crate::master::slots::{first_device, trainable_slots};
 use crate::precision::{DType, Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
+use crate::walk::{EachMut, each_mut};
 
 /// Skips in a row, at a loss scale that does not move, after which a step is an error even
 /// without a limit ([`StepError::ScaleStuck`]): a static scale that overflows every step, or a
@@ -756,46 +756,37 @@ fn write_state<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
     struct Write<'a> {
         state: &'a [f32],
         offset: usize,
-        failed: bool,
+        model: &'static str,
     }
-    impl<D: dfdx::tensor_ops::Device<f32>> TensorVisitor<f32, D> for Write<'_> {
-        type Viewer = ViewTensorMut;
-        type Err = D::Err;
-        type E2 = f32;
-        type D2 = D;
-        fn visit<S: Shape>(
+    impl<D: dfdx::tensor_ops::Device<f32>> EachMut<f32, D> for Write<'_> {
+        type Error = StepError;
+        fn tensor<S: Shape>(
             &mut self,
-            opts: TensorOptions<S, f32, D>,
+            trainable: bool,
             t: &mut Tensor<S, f32, D>,
-        ) -> Result<Option<Tensor<S, f32, D>>, D::Err> {
-            if opts.do_gradient_update || self.failed {
-                return Ok(None);
+        ) -> Result<(), StepError> {
+            if trainable {
+                return Ok(());
             }
             let n = t.shape().num_elements();
-            match self.state.get(self.offset..self.offset + n) {
-                Some(values) => t.copy_from(values),
-                None => self.failed = true,
-            }
+            let values = self.state.get(self.offset..self.offset + n);
+            t.copy_from(values.ok_or(StepError::MasterChanged { model: self.model })?);
             self.offset += n;
-            Ok(None)
+            Ok(())
         }
     }
+    let model = std::any::type_name::<M>();
     let mut write = Write {
         state,
         offset: 0,
-        failed: false,
+        model,
     };
-    M::iter_tensors(&mut RecursiveWalker {
-        m: master,
-        f: &mut write,
-    })
-    .map_err(D::step_error)?;
-    if write.failed || write.offset != state.len() {
-        return Err(StepError::MasterChanged {
-            model: std::any::type_name::<M>(),
-        });
+    each_mut(master, &mut write, D::step_error)?;
+    if write.offset == state.len() {
+        Ok(())
+    } else {
+        Err(StepError::MasterChanged { model })
     }
-    Ok(())
 }
 
 /// The device `master` lives on: that of its first tensor (a master without tensors: the

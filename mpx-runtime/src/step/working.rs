@@ -14,19 +14,17 @@
 //! [`Mapped`], a working copy made of mpx's layers ([`HalfLayers`](super::HalfLayers)), built by walking its own
 //! type and filling its tensors and scalars from the master's by position.
 
-use dfdx::nn::tensor_collection::{
-    RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor, ViewTensorRef,
-};
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::Shape;
 use dfdx::tensor::{Cpu, Tensor};
-use num_traits::NumCast;
 
 use super::device::{MixedDevice, Pair};
 use super::error::StepError;
 use crate::boundary::MasterModel;
-use crate::cast::{CastError, copy_scalar};
-use crate::master::slots::{EachTensor, MasterSlot, Slot, each_tensor};
+use crate::cast::CastError;
+use crate::master::slots::{MasterSlot, Slot};
 use crate::precision::{Precision, Stored};
+use crate::walk::{Each, Map, each};
 
 /// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
 /// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
@@ -104,7 +102,7 @@ impl<H: Precision, D: MixedDevice<H>> StateWatch<H, D> {
         copy: &C,
     ) -> Result<Option<Vec<f32>>, D::Err> {
         struct Read<H, D>(Vec<f32>, std::marker::PhantomData<fn() -> (H, D)>);
-        impl<H: Precision, D: MixedDevice<H>> EachTensor<H::Elem, D> for Read<H, D> {
+        impl<H: Precision, D: MixedDevice<H>> Each<H::Elem, D> for Read<H, D> {
             type Error = D::Err;
             fn tensor<S: Shape>(
                 &mut self,
@@ -124,7 +122,7 @@ impl<H: Precision, D: MixedDevice<H>> StateWatch<H, D> {
             Vec::with_capacity(self.initial.len()),
             std::marker::PhantomData,
         );
-        each_tensor(copy, &mut now, std::convert::identity)?;
+        each(copy, &mut now, std::convert::identity)?;
         let now = now.0;
         let same = now.len() == self.initial.len()
             && now
@@ -218,12 +216,9 @@ where
             built: Built::new(()),
             store,
         };
-        let copy = M::iter_tensors(&mut RecursiveWalker {
-            m: master,
-            f: &mut walk,
-        })
-        .map_err(D::step_error)?
-        .ok_or(StepError::Cast(CastError::NotRebuilt))?;
+        let copy = crate::walk::map::<f32, H::Elem, D, M, _>(master, &mut walk)
+            .map_err(D::step_error)?
+            .ok_or(StepError::Cast(CastError::NotRebuilt))?;
         let Built { pairs, state, .. } = walk.built;
         Ok(Built { copy, pairs, state })
     }
@@ -235,31 +230,20 @@ struct ToHalf<'a, H: Precision, D: MixedDevice<H>> {
     store: &'a mut D::Store,
 }
 
-impl<H: Precision, D: MixedDevice<H>> TensorVisitor<f32, D> for ToHalf<'_, H, D> {
-    type Viewer = ViewTensorRef;
-    type Err = D::Err;
-    type E2 = H::Elem;
-    type D2 = D;
+impl<H: Precision, D: MixedDevice<H>> Map<f32, H::Elem, D> for ToHalf<'_, H, D> {
+    type Error = D::Err;
 
-    fn visit<S: Shape>(
+    fn tensor<S: Shape>(
         &mut self,
-        opts: TensorOptions<S, f32, D>,
+        trainable: bool,
         t: &Tensor<S, f32, D>,
-    ) -> Result<Option<Tensor<S, H::Elem, D>>, D::Err> {
+    ) -> Result<Tensor<S, H::Elem, D>, D::Err> {
         let half = D::to_working(t, self.store)?;
-        if opts.do_gradient_update {
+        if trainable {
             self.built.trainable(&half, Slot::of(t));
         } else {
             self.built.state(&half);
         }
-        Ok(Some(half))
-    }
-
-    fn visit_scalar<N: NumCast>(
-        &mut self,
-        opts: ScalarOptions<N>,
-        value: &N,
-    ) -> Result<Option<N>, D::Err> {
-        Ok(Some(copy_scalar(value).unwrap_or(opts.default)))
+        Ok(half)
     }
 }
