@@ -209,7 +209,7 @@ fn steps<const B: usize>(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let universe = mpi::initialize().ok_or("MPI was initialised already")?;
-    mpx::threads::set_max_threads(1);
+    mpx::settings::set_max_threads(1);
     let world = universe.world();
     let rank = world.rank() as usize;
     buffers(&world, rank)?;

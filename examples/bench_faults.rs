@@ -11,12 +11,15 @@
 //! All train with Adam and a `GradScaler` (what `#[mixed_step]` expands to).
 //!
 //! ```text
-//! cargo run --release --example bench_faults [-- STEPS]
+//! cargo run --release --example bench_faults [-- STEPS] [--keep-buffers]
 //! ```
 //!
+//! With `--keep-buffers` the run holds an `mpx::settings::KeepBuffers`, so the fused ops keep
+//! their large buffers from step to step; without it (mpx's default) they free them.
+//!
 //! A fault is the first touch of a fresh 4 KiB page: a step that allocates a large buffer anew
-//! (and frees it after) pays one per page it writes, unless the allocator kept the pages. The
-//! fused ops pool their own buffers; the tensors a step hands to dfdx (a layer's output, the half
+//! (and frees it after) pays one per page it writes, unless the allocator kept the pages (or a
+//! `KeepBuffers` keeps the fused ops' own buffers); the tensors a step hands to dfdx (a layer's output, the half
 //! batch, the working copy) are dfdx's to free. glibc raises its mmap threshold by itself once a
 //! large block is freed, so that malloc keeps such blocks for reuse;
 //! `MALLOC_MMAP_THRESHOLD_=131072` fixes the threshold at glibc's starting value, which turns that
@@ -117,9 +120,19 @@ macro_rules! train {
 
 fn main() {
     let steps: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
+        .skip(1)
+        .find_map(|a| a.parse().ok())
         .unwrap_or(STEPS);
+    let keep = std::env::args().any(|a| a == "--keep-buffers");
+    let _keep = keep.then(mpx::settings::KeepBuffers::new);
+    println!(
+        "{}",
+        if keep {
+            "the fused ops' buffers kept from step to step (KeepBuffers)"
+        } else {
+            "no buffers kept (mpx's default)"
+        }
+    );
     let dev = Cpu::seed_from_u64(0);
     let report = |what: &str, faults: Option<f64>| match faults {
         Some(f) => println!(

@@ -3,7 +3,9 @@
 //! mixed f16 / bf16 steps against the f32 step, measured interleaved (issue 17's "converting never
 //! slows training" figure for a model built from dfdx's own layers).
 //!
-//! Run: `cargo run --release --example bench_transformer [-- --rounds 21]`
+//! Run: `cargo run --release --example bench_transformer [-- --rounds 21] [--keep-buffers]`
+//! (`--keep-buffers`: the whole run holds an `mpx::settings::KeepBuffers`, so mpx's layers keep
+//! their large buffers from step to step instead of allocating them again).
 
 #[path = "common/measure.rs"]
 mod measure;
@@ -79,10 +81,14 @@ struct Args {
     /// Interleaved rounds (the median is reported).
     #[arg(long, default_value_t = 21)]
     rounds: usize,
+    /// Hold a `KeepBuffers` for the whole run.
+    #[arg(long)]
+    keep_buffers: bool,
 }
 
 fn main() {
     let args = Args::parse();
+    let _keep = args.keep_buffers.then(mpx::settings::KeepBuffers::new);
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Classifier, f32>();
     let (tokens, labels): (Tokens, Labels) = tokens::batch::<BATCH, SEQ, VOCAB, CLASSES, _>(&dev);
@@ -110,8 +116,13 @@ fn main() {
     );
     let cpu = measure::cpu_name();
     println!(
-        "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {cpu}",
-        args.rounds
+        "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {}, {cpu}",
+        args.rounds,
+        if args.keep_buffers {
+            "buffers kept (KeepBuffers)"
+        } else {
+            "no buffers kept (default)"
+        }
     );
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     println!("f32  step {:8.3} ms  loss {l32:.4}", ms(times[0]));

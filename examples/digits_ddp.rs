@@ -307,7 +307,7 @@ fn run<const B: usize>(
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let universe = mpi::initialize().ok_or("MPI was initialised already")?;
-    mpx::threads::set_max_threads(1);
+    mpx::settings::set_max_threads(1);
     let world = universe.world();
     let agree = match world.size() {
         1 => run::<GLOBAL>(&world, &args)?,

@@ -258,9 +258,9 @@ where
     let mut grads = model.alloc_grads();
     let total = epochs * (d.train_len() / BATCH);
     let pb = bar(name, total);
-    // The fused ops' buffers, kept across steps, count toward this run's peak: none are left
-    // from an earlier run.
-    mpx::nn::release_buffers();
+    // The fused ops' buffers are kept from step to step for this run (and count toward its
+    // peak); dropping `keep` at its end frees them.
+    let keep = mpx::settings::KeepBuffers::new();
     let baseline = heap::reset_peak();
     let (mut busy, mut steps) = (Duration::ZERO, 0u32);
     let mut epoch_loss = Vec::with_capacity(epochs);
@@ -321,6 +321,7 @@ where
         );
     }
     let peak_bytes = heap::peak() - baseline;
+    drop(keep);
     pb.finish_and_clear();
     // Inference in the half precision too: a fresh cast of the trained master.
     let half = cast_module::<H, f32, _>(&*model);
@@ -543,9 +544,8 @@ where
     let (half_grads, half_grad_bytes) = retained(|| working.alloc_grads());
     let (_master_grads, master_grad_bytes) = retained(|| master.alloc_grads());
     let xh = cast_to_half_precision::<H, _>(x);
-    // What the tape keeps sits partly in the fused ops' pooled buffers: empty the pool first, so
-    // that they are allocated (and counted) here.
-    mpx::nn::release_buffers();
+    // No `KeepBuffers` lives here: the fused ops' buffers the tape keeps are allocated (and
+    // counted) by this forward pass.
     let (out, activations) = retained(|| working.forward_in::<H, _>(xh.traced(half_grads)));
     drop(out);
     Memory {

@@ -67,7 +67,7 @@
 //! | [`boundary`] | compile-time precision boundaries: a half model where the f32 master belongs is an error that says what to do |
 //! | [`nn`] | mixed-ready layers: a fused `Linear`, layer norm, attention, a transformer encoder, a ViT |
 //! | [`mx`] | OCP Microscaling (MX) block formats: quantization, fake quantization, `MxLinear` |
-//! | [`threads`] | how many threads mpx's kernels use: [`set_max_threads`](threads::set_max_threads) (process-wide), [`with_threads`](threads::with_threads) (one thread, one closure) |
+//! | [`settings`] | mpx's process-wide settings, all opt-in: how many threads the kernels use ([`set_max_threads`](settings::set_max_threads), [`with_threads`](settings::with_threads)), the layers' buffers kept between steps ([`KeepBuffers`](settings::KeepBuffers)) |
 //!
 //! The attribute macros ([`macro@mixed_step`], [`macro@full_precision`], [`macro@autocast`],
 //! [`derive@Cast`]) generate calls into these modules and nothing else: everything they write can
@@ -86,7 +86,7 @@ pub use mpx_macros::{Cast, HalfLayers, autocast, full_precision, half_forward, m
 #[cfg(feature = "mpi")]
 pub use mpx_runtime::distributed;
 pub use mpx_runtime::{
-    boundary, cast, finite, mx, nn, policy, precision, region, scaling, step, threads,
+    boundary, cast, finite, mx, nn, policy, precision, region, scaling, settings, step,
 };
 
 pub mod prelude {

@@ -838,7 +838,7 @@ fn rank_main(what: &str, dir: &std::path::Path) -> ExitCode {
         eprintln!("MPI was initialised already");
         return ExitCode::FAILURE;
     };
-    mpx::threads::set_max_threads(1);
+    mpx::settings::set_max_threads(1);
     let world = universe.world();
     let me = Rank {
         rank: world.rank() as usize,

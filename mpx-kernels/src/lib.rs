@@ -8,7 +8,7 @@
 //! library `mpx`) that needs `unsafe`: **all of mpx's `unsafe` code is here**, behind the safe
 //! functions and types below, and `mpx-runtime` and `mpx` forbid `unsafe_code`. Use it through
 //! `mpx`; its layers ([`mpx::nn`](https://docs.rs/mpx-dfdx/latest/mpx/nn/)) and precisions are the
-//! kernels' users, and `mpx::threads` re-exports [`threads`], the kernels' process-wide knobs.
+//! kernels' users, and `mpx::settings` re-exports the knobs of [`threads`], the kernels' process-wide settings.
 //!
 //! | item | what it is |
 //! |---|---|
@@ -99,7 +99,7 @@
 //! - Knobs, all in [`threads`]: the thread cap of [`set_max_threads`](threads::set_max_threads)
 //!   (process-wide, an atomic), the per-thread override of [`with_threads`](threads::with_threads),
 //!   and the pool-or-scoped-threads switch of [`use_scoped_threads`](threads::use_scoped_threads)
-//!   (process-wide, for a benchmark). mpx re-exports the module as `mpx::threads`.
+//!   (process-wide, for a benchmark). mpx re-exports them in `mpx::settings`.
 //! - [`with_path`]'s per-thread forced path, and the [`calibration`] (process-wide, measured once
 //!   on first use), with the CPU feature detections (cached once).
 //! - The pool's helper threads (started on first use, one per extra thread asked for, kept for

@@ -1,6 +1,6 @@
 //! The kernels' thread knobs, all of them: how many threads one GEMM (and one long element-wise
 //! pass, [`zip_parts`](crate::zip_parts)) may use, and how a split product reaches its threads.
-//! mpx re-exports this module as `mpx::threads`.
+//! mpx re-exports its knobs in `mpx::settings`, next to the layers' kept buffers.
 //!
 //! | knob | scope | default |
 //! |---|---|---|

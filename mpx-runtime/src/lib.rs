@@ -13,7 +13,7 @@
 //! | [`region`] | full-precision regions inside a half-precision graph |
 //! | [`mx`] | OCP Microscaling (MX) block formats |
 //! | [`nn`] | mixed-ready layers (a fused `Linear`, layer norm, attention, transformer encoder, ViT) built on mpx's own CPU kernels (a GEMM for f32, f16 and bf16 operands and fused element-wise passes, in the `mpx-kernels` crate) |
-//! | [`threads`] | the kernels' thread knobs: how many threads a GEMM uses, process-wide or per thread |
+//! | [`settings`] | mpx's process-wide settings, all opt-in: the kernels' threads, buffers kept between steps |
 //!
 //! # Safety
 //! This crate has no `unsafe` code: every `unsafe` operation mpx needs (SIMD kernels, slice
@@ -61,14 +61,13 @@ pub mod policy;
 pub mod precision;
 pub mod region;
 pub mod scaling;
+pub mod settings;
 pub mod step;
 mod walk;
 
-pub use mpx_kernels::threads;
-
 /// Hooks into mpx's GEMM for its own benchmarks and tests (force a path or a thread count, time a
 /// product, read the error bounds). Not a public API: it may change in any release. The thread
-/// knobs here are [`threads`]' own.
+/// settings here are [`settings`]' own.
 #[doc(hidden)]
 pub mod __bench {
     pub use crate::precision::FloatSlice;

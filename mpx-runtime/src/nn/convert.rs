@@ -159,41 +159,69 @@ macro_rules! tuple {
 }
 crate::for_tuples!(tuple);
 
-/// Implements [`IntoLayers`] for an `mpx::nn` layer with a dfdx counterpart of the same name and
-/// parameters, through the layer's two `From` impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`];
-/// each is already in its own family (so models that mix both convert whole).
+/// The one table of mpx's layers that stand for a dfdx layer of the same name, generic
+/// parameters and fields (besides `Linear`, whose mpx counterpart is the fused `FusedLinear`
+/// family: its own lines are in `linear.rs` and `step/mapped.rs`). Each line reads
+/// `Name [const A, ..] { field, .. } by link;`: the fields carried from one family to the other
+/// (none where the layer's two `From` impls are written by hand), and the macro that links a
+/// mixed step's working copy of the layer to its master's tensors.
 ///
-/// `dfdx_layer!(Name[const A, ..] { field, .. })` also writes the two `From` impls, each field
-/// carried across ([`Carry`]: a field of the same type in both moves as it is, a layer converts).
-macro_rules! dfdx_layer {
-    ($name:ident [$(const $c:ident),*] { $($f:ident),+ $(,)? }) => {
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            From<dfdx::nn::modules::$name<$($c,)* E, D>> for $name<$($c,)* E, D>
-        {
-            fn from(m: dfdx::nn::modules::$name<$($c,)* E, D>) -> Self {
-                Self { $($f: $crate::nn::convert::Carry::carry(m.$f)),+ }
-            }
+/// `counterparts!(then)` calls `then! { <the lines> }`. Every map between the families is
+/// derived from it: [`IntoLayers`] and `From` both ways (`dfdx_layers!`, below) and the mixed
+/// step's working copies ([`HalfLayers`](crate::step::HalfLayers) of both families' layers, in
+/// `step/mapped.rs`).
+macro_rules! counterparts {
+    ($then:ident) => {
+        $then! {
+            LayerNorm1D [const M] { gamma, beta, epsilon } by link_none;
+            MultiHeadAttention [const M, const H, const K, const V] { w_q, w_k, w_v, w_o }
+                by link_attention;
+            TransformerEncoderBlock [const M, const H, const F] { self_attn, norm1, ff, norm2 }
+                by link_encoder_block;
+            TransformerDecoderBlock [const M, const H, const F]
+                { self_attn, norm1, mh_attn, norm2, ff, norm3 } by link_decoder_block;
+            TransformerDecoder [const M, const H, const F, const L] {} by link_decoder;
+            Transformer [const M, const H, const A, const B, const F] {} by link_transformer;
         }
-        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
-            From<$name<$($c,)* E, D>> for dfdx::nn::modules::$name<$($c,)* E, D>
-        {
-            fn from(m: $name<$($c,)* E, D>) -> Self {
-                Self { $($f: $crate::nn::convert::Carry::carry(m.$f)),+ }
-            }
-        }
-        $crate::nn::convert::dfdx_layer!($name [$(const $c),*]);
-    };
-    ($name:ident [$(const $c:ident),*]) => {
-        $crate::nn::convert::into_layers!(
-            [$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>]
-            $name<$($c,)* E, D> => $crate::nn::Mpx,
-            dfdx::nn::modules::$name<$($c,)* E, D> => $crate::nn::Dfdx,
-            dfdx::nn::modules::$name<$($c,)* E, D> => $crate::nn::Mpx: $name<$($c,)* E, D>,
-            $name<$($c,)* E, D> => $crate::nn::Dfdx: dfdx::nn::modules::$name<$($c,)* E, D>,
-        );
     };
 }
-pub(crate) use dfdx_layer;
+pub(crate) use counterparts;
+
+/// [`IntoLayers`] for each layer of the [`counterparts`] table, through the layer's two `From`
+/// impls: dfdx's into [`Mpx`], mpx's into [`Dfdx`]; each is already in its own family (so models
+/// that mix both convert whole). Where the table lists fields, the two `From` impls are written
+/// here too, each field carried across ([`Carry`]: a field of the same type in both moves as it
+/// is, a layer converts).
+macro_rules! dfdx_layers {
+    ($($name:ident [$(const $c:ident),*] { $($f:ident),* } by $link:ident;)+) => {$(
+        dfdx_layers!(@from $name [$(const $c),*] { $($f),* });
+        into_layers!(
+            [$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>]
+            super::$name<$($c,)* E, D> => Mpx,
+            dfdx::nn::modules::$name<$($c,)* E, D> => Dfdx,
+            dfdx::nn::modules::$name<$($c,)* E, D> => Mpx: super::$name<$($c,)* E, D>,
+            super::$name<$($c,)* E, D> => Dfdx: dfdx::nn::modules::$name<$($c,)* E, D>,
+        );
+    )+};
+    (@from $name:ident [$(const $c:ident),*] {}) => {};
+    (@from $name:ident [$(const $c:ident),*] { $($f:ident),+ }) => {
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            From<dfdx::nn::modules::$name<$($c,)* E, D>> for super::$name<$($c,)* E, D>
+        {
+            fn from(m: dfdx::nn::modules::$name<$($c,)* E, D>) -> Self {
+                Self { $($f: Carry::carry(m.$f)),+ }
+            }
+        }
+        impl<$(const $c: usize,)* E: dfdx::shapes::Dtype, D: dfdx::tensor::Storage<E>>
+            From<super::$name<$($c,)* E, D>> for dfdx::nn::modules::$name<$($c,)* E, D>
+        {
+            fn from(m: super::$name<$($c,)* E, D>) -> Self {
+                Self { $($f: Carry::carry(m.$f)),+ }
+            }
+        }
+    };
+}
+counterparts!(dfdx_layers);
 
 /// A field of a layer carried into the other family's layer: a tensor or a setting as it is, a
 /// layer converted (dfdx's `Linear` to mpx's and back, a norm, an attention, a feed-forward).

@@ -7,7 +7,6 @@ use dfdx::shapes::{Const, Dtype};
 use dfdx::tensor::{Cpu, CpuError, NoneTape, PutTape, SplitTape, Storage, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
-use super::convert::dfdx_layer;
 use super::encoder::TransformerEncoder;
 use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::layer_norm::LayerNorm1D;
@@ -184,10 +183,6 @@ where
         }
     }
 }
-
-dfdx_layer!(TransformerDecoderBlock[const M, const H, const F] { self_attn, norm1, mh_attn, norm2, ff, norm3 });
-dfdx_layer!(TransformerDecoder[const M, const H, const F, const L]);
-dfdx_layer!(Transformer[const M, const H, const A, const B, const F]);
 
 /// The block on `(S, M)` and `(B, S, M)` targets, with `(S2, M)` and `(B, S2, M)` memories.
 macro_rules! block_forward {

@@ -5,7 +5,6 @@ use dfdx::nn::modules::Repeated;
 use dfdx::shapes::Const;
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tensor};
 
-use super::convert::dfdx_layer;
 use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::layer_norm::LayerNorm1D;
 use super::mha::MultiHeadAttention;
@@ -71,8 +70,6 @@ pub type TransformerEncoder<
 
 build_on_device!(TransformerEncoderBlock[const M, const H, const F]);
 native_module!(TransformerEncoderBlock[const M, const H, const F]);
-
-dfdx_layer!(TransformerEncoderBlock[const M, const H, const F] { self_attn, norm1, ff, norm2 });
 
 /// The block on `(S, M)` and `(B, S, M)` sequences.
 macro_rules! block_forward {

@@ -5,7 +5,6 @@ use dfdx::shapes::{Axis, Const, Dtype, HasShape, Rank1};
 use dfdx::tensor::{Cpu, CpuError, OwnedTape, Storage, Tensor};
 use dfdx::tensor_ops::BroadcastTo;
 
-use super::convert::dfdx_layer;
 use super::layer_impls::{build_on_device, mixed_module, module_collection, native_module};
 use super::layer_norm_kernel::add_layer_norm;
 use crate::region::FullPrecision;
@@ -91,4 +90,3 @@ macro_rules! batched {
 }
 batched!(1; B);
 batched!(2; B, S);
-dfdx_layer!(LayerNorm1D[const M] { gamma, beta, epsilon });

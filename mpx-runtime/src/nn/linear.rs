@@ -22,8 +22,8 @@
 //! its output and gradients to bf16.
 //!
 //! The op's buffers (the input's and the weight's values it keeps for the backward, the f32
-//! sums) come from a pool that keeps them across steps, so a step allocates none of them after
-//! the first; [`release_buffers`](super::release_buffers) frees the pool.
+//! sums) come from the allocator, or, while a program holds a
+//! [`KeepBuffers`](crate::settings::KeepBuffers), from a pool that keeps them across steps.
 //!
 //! The transformer layers ([`MultiHeadAttention`](super::MultiHeadAttention), the encoder's
 //! feed-forward, the ViT's patch embedding and head) run their dfdx `Linear`s through the same

@@ -7,7 +7,6 @@ use dfdx::tensor_ops::{BroadcastTo, PermuteTo, ReshapeTo, TryMatMul};
 use mpx_kernels::Activation;
 
 use super::attention_core::attention_core;
-use super::convert::dfdx_layer;
 use super::fused_linear::fused_linear;
 use super::layer_impls::{build_on_device, composite_layer, mixed_module, native_module};
 use super::linear::Linear;
@@ -76,7 +75,6 @@ impl<const M: usize, const H: usize, const K: usize, const V: usize, E: Dtype, D
 
 build_on_device!(MultiHeadAttention[const M, const H, const K, const V], checks: Self);
 
-dfdx_layer!(MultiHeadAttention[const M, const H, const K, const V] { w_q, w_k, w_v, w_o });
 native_module!(MultiHeadAttention[const M, const H, const K, const V]);
 
 /// A batched `(B, S, M)` tensor of element `E`.

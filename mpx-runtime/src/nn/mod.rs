@@ -68,6 +68,5 @@ pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
 pub use relu::ReLU;
-pub use scratch::release_buffers;
 pub use sublayer::FeedForward;
 pub use unary::{Sigmoid, Tanh};

@@ -1,13 +1,15 @@
-//! The fused ops' buffers, kept across steps: the operand copies a forward pass keeps for its
-//! backward, the copied output gradient, and the f32 sums of the GEMMs.
+//! The fused ops' buffers: the operand copies a forward pass keeps for its backward, the copied
+//! output gradient, and the f32 sums of the GEMMs.
 //!
-//! A training step asks for buffers of the same sizes every time, and most of them are large
-//! (the layer's input, its weight, its f32 weight gradient). Allocating them anew each step costs
-//! a page fault for every 4 KiB the first write touches, so the ops take them from one
-//! process-wide pool and give them back when done ([`Buf`]'s `drop`). The pool only grows: after
-//! the first step it holds what the ops held at once at their peak, and later steps take those
-//! buffers again (best fit by capacity) without allocating. Buffers under 64 KiB skip the pool:
-//! the allocator keeps such blocks itself, and its fast path costs less than the pool's lock.
+//! A training step asks for buffers of the same sizes every time, and some are large (the
+//! layer's input, its weight, its f32 weight gradient). By default each comes from the
+//! allocator and goes back to it when the op is done ([`Buf`]'s `drop`): mpx keeps nothing
+//! between steps. A program that wants the buffers kept (a fresh large block costs a page fault
+//! for every 4 KiB its first write touches) holds a [`KeepBuffers`]: while one lives, returned
+//! buffers go to a pool and later steps take them again (best fit by capacity) without
+//! allocating; when the last one is dropped, the pool is freed. Buffers under 64 KiB never enter
+//! the pool: the allocator keeps such blocks itself, and its fast path costs less than the
+//! pool's lock.
 //!
 //! A buffer's contents are whatever its last user left: every caller overwrites the values it
 //! reads (a copy, or a GEMM with `accumulate = false`), or clears them first.
@@ -29,8 +31,79 @@ fn small<T>(n: usize) -> bool {
 /// run many different models at once, far above what one model's step holds).
 const MAX_KEPT: usize = 256;
 
-/// The free buffers, each a `Vec<T>` for one of the ops' element types.
-static POOL: Mutex<Vec<Box<dyn Any + Send>>> = Mutex::new(Vec::new());
+/// The kept buffers and how many [`KeepBuffers`] values keep them.
+struct Pool {
+    holders: usize,
+    /// Each a `Vec<T>` for one of the ops' element types.
+    free: Vec<Box<dyn Any + Send>>,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    holders: 0,
+    free: Vec::new(),
+});
+
+fn pool() -> std::sync::MutexGuard<'static, Pool> {
+    POOL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// While a `KeepBuffers` lives, the buffers mpx's fused layers free at the end of a step (their
+/// operand copies, output-gradient copies and f32 sums, from 64 KiB up) are kept for the next
+/// step instead of going back to the allocator; dropping the last one frees them. Off by default:
+/// mpx keeps no memory a program did not ask it to keep.
+///
+/// It pays where steps allocate large buffers: on this project's Zen 5 the transformer
+/// benchmark's f16 step runs at x0.37 of f32 without it and x0.33 with it (`docs/benchmarks.md`);
+/// the MLP rows do not move. The kept memory is what one step's fused ops held at once at their
+/// peak (at most 256 buffers). Results are the same with or without it.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::builders;
+/// use mpx_runtime::precision::f16;
+/// use mpx_runtime::settings::KeepBuffers;
+/// let dev = Cpu::default();
+/// let l = dev.build_module::<builders::Linear<256, 256>, f16>();
+/// let keep = KeepBuffers::new(); // for the whole training run
+/// for _ in 0..2 {
+///     let x: Tensor<Rank2<64, 256>, f32, Cpu> = dev.sample_normal();
+///     let _grads = l.forward(x.to_dtype::<f16>().leaky_trace()).sum().backward();
+/// } // the second step reused the first one's buffers
+/// drop(keep); // the kept buffers are freed
+/// ```
+#[must_use = "buffers are kept only while the value lives"]
+#[derive(Debug)]
+pub struct KeepBuffers(());
+
+impl KeepBuffers {
+    /// Starts keeping freed buffers (see [`KeepBuffers`]).
+    pub fn new() -> Self {
+        pool().holders += 1;
+        Self(())
+    }
+}
+
+impl Default for KeepBuffers {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KeepBuffers {
+    fn drop(&mut self) {
+        let freed = {
+            let mut pool = pool();
+            pool.holders -= 1;
+            if pool.holders == 0 {
+                std::mem::take(&mut pool.free)
+            } else {
+                Vec::new()
+            }
+        };
+        drop(freed); // outside the lock
+    }
+}
 
 /// `n` values of type `T` from the pool (returned to it on drop). The values are stale: the
 /// caller overwrites them.
@@ -50,9 +123,9 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         };
     }
     let found = {
-        let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pool = pool();
         let mut best: Option<(usize, usize)> = None;
-        for (i, b) in pool.iter().enumerate() {
+        for (i, b) in pool.free.iter().enumerate() {
             let Some(v) = b.downcast_ref::<Vec<T>>() else {
                 continue;
             };
@@ -66,7 +139,7 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
                 best = Some((i, cap));
             }
         }
-        best.map(|(i, _)| pool.swap_remove(i))
+        best.map(|(i, _)| pool.free.swap_remove(i))
     };
     let mut values = found
         .and_then(|b| b.downcast::<Vec<T>>().ok())
@@ -80,29 +153,6 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         values.resize(values.capacity(), T::default());
     }
     Buf { values, n }
-}
-
-/// Frees the buffers mpx's fused layers keep between steps (their operand copies and work
-/// buffers; see [`Linear`](crate::nn::Linear)); the next forward pass allocates them again.
-///
-/// The pool only grows while training: it holds what the fused ops of one step held at once at
-/// their peak. Call this when a program is done with a model (or before measuring the heap one
-/// step needs), not between steps.
-///
-/// # Examples
-/// ```
-/// use dfdx::prelude::*;
-/// use mpx_runtime::nn::{self, builders};
-/// use mpx_runtime::precision::f16;
-/// let dev = Cpu::default();
-/// let l = dev.build_module::<builders::Linear<64, 64>, f16>();
-/// let x: Tensor<Rank2<8, 64>, f32, Cpu> = dev.sample_normal();
-/// let y = l.forward(x.to_dtype::<f16>().leaky_trace());
-/// let _grads = y.sum().backward(); // the op's buffers went back to the pool
-/// nn::release_buffers();
-/// ```
-pub fn release_buffers() {
-    POOL.lock().unwrap_or_else(PoisonError::into_inner).clear();
 }
 
 /// A zeroed buffer of `n` values (for sums that are added to).
@@ -131,10 +181,13 @@ impl<T: Copy + Default + Send + 'static> Drop for Buf<T> {
         if values.capacity() == 0 || small::<T>(values.capacity()) {
             return;
         }
-        let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-        if pool.len() < MAX_KEPT {
-            pool.push(Box::new(values));
+        let mut pool = pool();
+        if pool.holders > 0 && pool.free.len() < MAX_KEPT {
+            pool.free.push(Box::new(values));
+            return;
         }
+        drop(pool);
+        drop(values); // outside the lock
     }
 }
 
@@ -148,8 +201,22 @@ mod tests {
     #[derive(Clone, Copy, Default)]
     struct B(#[allow(dead_code, reason = "a value of some size; never read")] u64);
 
+    /// Whether the pool holds a buffer of element type `T`.
+    fn kept<T: 'static>() -> bool {
+        pool().free.iter().any(|b| b.is::<Vec<T>>())
+    }
+
+    /// The tests run one at a time, each holding the only `KeepBuffers` values of the process
+    /// (no other test makes one), so that the pool's holders are theirs.
+    fn alone() -> std::sync::MutexGuard<'static, ()> {
+        static ALONE: Mutex<()> = Mutex::new(());
+        ALONE.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     #[test]
     fn a_returned_buffer_is_taken_again_without_allocating() {
+        let _alone = alone();
+        let _keep = KeepBuffers::new();
         let n = 123_457;
         let first = take::<A>(n);
         let at = first.as_ptr();
@@ -168,6 +235,8 @@ mod tests {
         // element type of its own (see above)
         #[derive(Clone, Copy, Default, PartialEq, Debug)]
         struct C(u16);
+        let _alone = alone();
+        let _keep = KeepBuffers::new();
         // both takes above the small-buffer bound
         let n = 150_021;
         let mut first = take::<C>(n);
@@ -183,6 +252,8 @@ mod tests {
 
     #[test]
     fn the_best_fit_is_the_smallest_buffer_that_holds_the_request() {
+        let _alone = alone();
+        let _keep = KeepBuffers::new();
         let (a, b) = (take::<B>(1_000_003), take::<B>(2_000_003));
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         drop((a, b));
@@ -195,11 +266,31 @@ mod tests {
     fn a_small_buffer_never_enters_the_pool() {
         #[derive(Clone, Copy, Default, PartialEq, Debug)]
         struct D(u32);
+        let _alone = alone();
+        let _keep = KeepBuffers::new();
         let n = SMALL_BYTES / 4 - 1;
         let b = take::<D>(n);
         assert_eq!(b.len(), n);
         drop(b);
-        let pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-        assert!(!pool.iter().any(|b| b.is::<Vec<D>>()));
+        assert!(!kept::<D>());
+    }
+
+    #[test]
+    fn without_a_keep_buffers_nothing_is_kept_and_the_last_one_dropped_frees_the_pool() {
+        #[derive(Clone, Copy, Default, PartialEq, Debug)]
+        struct F(u32);
+        let _alone = alone();
+        let n = SMALL_BYTES; // above the small-buffer bound
+        assert_eq!(pool().holders, 0);
+        drop(take::<F>(n));
+        assert!(!kept::<F>(), "nothing is kept by default");
+        let outer = KeepBuffers::new();
+        let inner = KeepBuffers::new();
+        drop(take::<F>(n));
+        assert!(kept::<F>());
+        drop(inner);
+        assert!(kept::<F>(), "kept while one value lives");
+        drop(outer);
+        assert!(pool().free.is_empty(), "freed with the last value");
     }
 }

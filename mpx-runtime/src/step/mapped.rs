@@ -20,10 +20,8 @@
 //! calls the layers one by one, with its own ops between them, sees what dfdx's layers give.
 
 use dfdx::nn::modules::{
-    AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, LayerNorm1D as DfdxLayerNorm1D,
-    Linear as DfdxLinear, MultiHeadAttention as DfdxMultiHeadAttention, Repeated, Residual,
-    SplitInto, Transformer as DfdxTransformer, TransformerDecoder as DfdxDecoder,
-    TransformerDecoderBlock as DfdxDecoderBlock, TransformerEncoderBlock as DfdxEncoderBlock,
+    AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, Linear as DfdxLinear, Repeated,
+    Residual, SplitInto,
 };
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::tensor::Cpu;
@@ -55,6 +53,13 @@ macro_rules! link_linear {
     ($m:expr, $w:expr, $l:expr) => {
         $w.set_link($l.link(&$m.weight, &$m.bias))
     };
+}
+
+/// A layer without fused linear layers: nothing to link.
+macro_rules! link_none {
+    ($m:expr, $w:expr, $l:expr) => {{
+        let _ = ($m, $w, $l);
+    }};
 }
 
 /// An attention's four projections.
@@ -105,20 +110,32 @@ macro_rules! link_transformer {
     }};
 }
 
-/// `HalfLayers` in `$h` of dfdx's layers whose working copy is mpx's counterpart (in `$in`,
-/// reached by `$get`), each `Dfdx => Mpx [const A, ..] by link_macro`: `link_macro!(master,
-/// working, linker)` links the working copy's fused layers to the master's tensors.
-macro_rules! linked {
-    ($h:ty, $in:ident, $get:ident: $($dfdx:ident => $mpx:ident [$(const $c:ident),*] by $link:ident;)+) => {$(
-        impl<$(const $c: usize),*> HalfLayers<$h> for $dfdx<$($c,)* f32, Cpu> {
-            type Working = $in<crate::nn::$mpx<$($c,)* <$h as Precision>::Elem, Cpu>>;
+/// `HalfLayers` of both families' layers in the table of
+/// `nn::convert::counterparts`: dfdx's layer and mpx's
+/// counterpart (in an f32 master) both get mpx's layer in `H` as their working copy, each
+/// precision wrapping it its own way (`$in`, reached by `$get`: [`Native`] or [`InBf16`]), linked
+/// to the master's tensors by the table's link macro.
+macro_rules! counterpart_layers {
+    ($($name:ident [$(const $c:ident),*] { $($f:ident),* } by $link:ident;)+) => {
+        counterpart_layers!(@in f16, Native, native: $($name [$(const $c),*] by $link;)+);
+        counterpart_layers!(@in AMP<f16>, Native, native: $($name [$(const $c),*] by $link;)+);
+        counterpart_layers!(@in bf16, InBf16, in_bf16: $($name [$(const $c),*] by $link;)+);
+    };
+    (@in $h:ty, $in:ident, $get:ident: $($name:ident [$(const $c:ident),*] by $link:ident;)+) => {$(
+        counterpart_layers!(@one $h, $in, $get, dfdx::nn::modules::$name [$(const $c),*] $name by $link);
+        counterpart_layers!(@one $h, $in, $get, crate::nn::$name [$(const $c),*] $name by $link);
+    )+};
+    (@one $h:ty, $in:ident, $get:ident, $($master:ident)::+ [$(const $c:ident),*] $name:ident by $link:ident) => {
+        impl<$(const $c: usize),*> HalfLayers<$h> for $($master)::+<$($c,)* f32, Cpu> {
+            type Working = $in<crate::nn::$name<$($c,)* <$h as Precision>::Elem, Cpu>>;
             fn finish(&self, working: &mut Self::Working, linker: &Linker) {
                 let working = $get(working);
                 $link!(self, working, linker);
             }
         }
-    )+};
+    };
 }
+crate::nn::counterparts!(counterpart_layers);
 
 /// dfdx's `Linear` to mpx's fused one, the layers without parameters to themselves, and dfdx's
 /// layers mpx has no counterpart of to themselves in `H`, for one precision (`$in` wraps mpx's
@@ -175,20 +192,6 @@ macro_rules! layers {
         impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
             type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
         }
-        impl<const M: usize> HalfLayers<$h> for DfdxLayerNorm1D<M, f32, Cpu> {
-            type Working = $in<crate::nn::LayerNorm1D<M, <$h as Precision>::Elem, Cpu>>;
-        }
-        linked!($h, $in, $get:
-            DfdxMultiHeadAttention => MultiHeadAttention [const M, const NH, const K, const V]
-                by link_attention;
-            DfdxEncoderBlock => TransformerEncoderBlock [const M, const NH, const F]
-                by link_encoder_block;
-            DfdxDecoderBlock => TransformerDecoderBlock [const M, const NH, const F]
-                by link_decoder_block;
-            DfdxDecoder => TransformerDecoder [const M, const NH, const F, const L] by link_decoder;
-            DfdxTransformer => Transformer [const M, const NH, const A, const B, const F]
-                by link_transformer;
-        );
     };
 }
 
@@ -226,21 +229,8 @@ macro_rules! own {
                 working.set_link(linker.link(&self.weight, &self.bias));
             }
         }
-        own!(@same $h, $in, $get: LayerNorm1D[const M]);
         own!(@same $h, $in, $get: vit::PositionEmbedding[const N, const M]);
         own!(@same $h, $in, $get: vit::ClassToken[const M]);
-        own!(@same $h, $in, $get: MultiHeadAttention[const M, const NH, const K, const V]
-            |m, w, l| link_attention!(m, w, l));
-        own!(@same $h, $in, $get: TransformerEncoderBlock[const M, const NH, const F]
-            |m, w, l| link_encoder_block!(m, w, l));
-        own!(@same $h, $in, $get: TransformerDecoderBlock[const M, const NH, const F]
-            |m, w, l| link_decoder_block!(m, w, l));
-        own!(@same $h, $in, $get: TransformerDecoder[const M, const NH, const F, const L]
-            |m, w, l| for (m, w) in m.0.modules.iter().zip(&mut w.0.modules) {
-                link_decoder_block!(m, w, l);
-            });
-        own!(@same $h, $in, $get: Transformer[const M, const NH, const A, const B, const F]
-            |m, w, l| link_transformer!(m, w, l));
         own!(@same $h, $in, $get: vit::PatchEmbedding[const P, const PD, const N, const M]
             |m, w, l| link_linear!(m.linear, w.linear, l));
         own!(@same $h, $in, $get: vit::ClassificationHead[const M, const C]
