@@ -12,14 +12,16 @@
 //! through rayon. Peaks are per thread. Times are medians of 11 runs of all 9 products; rounds of
 //! the configurations are interleaved. Then: small products (one thread) on the default choice
 //! and each candidate; and the persistent helper pool against `std::thread::scope` (the layers'
-//! kept buffers and their page faults are `examples/bench_faults`'s). The kernels are reached through `mpx::__bench`, hooks that are not a public API.
+//! kept buffers and their page faults are `examples/bench_faults`'s); and the AVX2 path's blocking,
+//! fixed against sized to this CPU's caches and to Zen 3's (alone: `-- blocking`). The kernels are
+//! reached through `mpx::__bench`, hooks that are not a public API.
 
 use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::__bench::{
-    FloatSlice, KernelPath, MatRef, available_threads, calibration, gemm, gemm_on, peak_fma_flops,
-    use_scoped_threads, with_threads,
+    Caches, FloatSlice, KernelPath, MatRef, Sizing, available_threads, calibration, gemm, gemm_on,
+    peak_fma_flops, use_scoped_threads, with_blocking, with_threads,
 };
 use mpx::precision::f16;
 
@@ -141,6 +143,10 @@ fn main() {
         .enumerate()
         .map(|(i, &(m, n, k, _))| Case::new(i, m, n, k))
         .collect();
+    if std::env::args().any(|a| a == "blocking") {
+        avx2_blocking(&mut cases, &flops);
+        return;
+    }
 
     // peaks
     println!("Peak FMA throughput, one thread (tight loop of 12 independent FMA chains):\n");
@@ -325,6 +331,7 @@ fn main() {
     );
     small_products();
     pool_against_scope(&mut cases);
+    avx2_blocking(&mut cases, &flops);
     println!(
         "\n% of path peak: against the path's per-thread FMA peak above times the threads used (f16 operands on Avx512Fp16: the f16 FMA peak; dfdx: the best f32 SIMD peak). The portable loop is no true peak (it is not vectorised), so the portable rows show none."
     );
@@ -479,4 +486,71 @@ fn pool_against_scope(cases: &mut [Case]) {
         );
     }
     println!("| scope / pool | {:.3} | |", scope.1 / pool.1);
+}
+
+/// The 9 products (f32) on the forced AVX2 path: its fixed blocking of before against blocking
+/// sized to this CPU's caches and to Zen 3's (`mpx_kernels`' `caches.rs`), on one thread and on
+/// all, in interleaved rounds (medians per product, summed), with the AVX2 FMA peak measured in
+/// the same rounds (a busy neighbour slows both alike).
+fn avx2_blocking(cases: &mut [Case], flops: &[f64]) {
+    if !KernelPath::Avx2Fma.is_supported() {
+        println!("\nAVX2 blocking: no AVX2+FMA on this CPU, not measured");
+        return;
+    }
+    let mut peaks = vec![];
+    let here = Caches::detected();
+    let sizings = [
+        ("fixed", Sizing::Fixed),
+        ("this CPU's caches", Sizing::Caches(here)),
+        ("Zen 3's caches", Sizing::Caches(Caches::ZEN3)),
+    ];
+    let mut threads = vec![1, available_threads()];
+    threads.dedup();
+    let configs: Vec<_> = threads
+        .iter()
+        .flat_map(|&th| sizings.iter().map(move |&s| (th, s)))
+        .collect();
+    let rounds = 31;
+    let mut times = vec![vec![vec![]; cases.len()]; configs.len()];
+    for round in 0..=rounds {
+        let t = Instant::now();
+        let f = peak_fma_flops(KernelPath::Avx2Fma, 4_000_000).expect("supported");
+        if round > 0 {
+            peaks.push(f as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        for (ci, &(th, (_, sizing))) in configs.iter().enumerate() {
+            for (si, case) in cases.iter_mut().enumerate() {
+                let t = Instant::now();
+                with_blocking(sizing, || {
+                    with_threads(th, || case.run(Some(KernelPath::Avx2Fma), "f32"))
+                })
+                .expect("threads >= 1");
+                if round > 0 {
+                    times[ci][si].push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+    }
+    let peak = median(peaks);
+    let kib = |b: usize| b >> 10;
+    println!(
+        "\nAVX2 blocking (forced Avx2Fma, f32, the 9 products; medians of {rounds} interleaved rounds). This CPU: L1d {} KiB, L2 {} KiB, L3 {} KiB over {} core(s); Zen 3: L1d 32 KiB, L2 512 KiB, L3 32 MiB over 8 cores. AVX2 FMA peak {peak:.0} GFLOP/s per thread (median over the rounds).\n",
+        kib(here.l1d),
+        kib(here.l2),
+        here.l3.map_or(0, kib),
+        here.l3_cores
+    );
+    println!("| blocking | kc x mc x nc | threads | ms per step | GFLOP/s | % of AVX2 peak |");
+    println!("|---|---|---|---|---|---|");
+    let total_flop: f64 = flops.iter().sum();
+    for (ci, &(th, (name, sizing))) in configs.iter().enumerate() {
+        let total: f64 = times[ci].iter().map(|v| median(v.clone())).sum();
+        let g = total_flop / total / 1e9;
+        let (kc, mc, nc) = sizing.avx2_blocking();
+        println!(
+            "| {name} | {kc} x {mc} x {nc} | {th} | {:.2} | {g:.0} | {:.0}% |",
+            total * 1e3,
+            100.0 * g / (peak * th as f64)
+        );
+    }
 }

@@ -7,18 +7,23 @@
 //! `C`, which is what zeroing `C` and adding gives). Where the values are read from never changes
 //! a bit.
 
+use super::caches;
 use super::strided::{TileA, TileB, Tiles};
 
-const MR: usize = 6;
-const NR: usize = 16;
+const MR: usize = caches::AVX2_TILE.0;
+const NR: usize = caches::AVX2_TILE.1;
 
+/// The kernel with the blocking of [`caches::avx2_blocking`]: `mc` and `nc` sized to this CPU's
+/// caches, `kc` fixed (the k blocks decide where the roundings fall: see [`caches`]).
 pub(crate) fn tiles() -> Tiles {
+    let b = caches::avx2_blocking();
+    debug_assert!(b.mc.is_multiple_of(MR) && b.nc.is_multiple_of(NR));
     Tiles {
         mr: MR,
         nr: NR,
-        kc: 256,
-        mc: 72,
-        nc: 512,
+        kc: b.kc,
+        mc: b.mc,
+        nc: b.nc,
         run: kernel,
     }
 }

@@ -21,6 +21,7 @@
 //! | [`with_avx2`], [`Avx2Task`] | safe code run in a copy compiled for AVX2 where the CPU has it (mpx's MX block codec) |
 //! | [`threads`] | how many threads a product uses: [`set_max_threads`](threads::set_max_threads), [`with_threads`](threads::with_threads), ... |
 //! | [`with_path`], [`calibration`], [`peak_fma_flops`], the error bounds | forcing and measuring the kernels (mpx's benchmarks and tests) |
+//! | [`Caches`] | the data caches' sizes (read once at run time), which size the AVX2 GEMM's blocking |
 //!
 //! # Examples
 //! ```
@@ -188,6 +189,7 @@ pub mod amp;
 mod avx2;
 mod avx512;
 mod bf16;
+mod caches;
 pub mod convert;
 mod dispatch;
 mod driver;
@@ -210,6 +212,9 @@ mod tile;
 mod transpose;
 mod views;
 
+pub use caches::Caches;
+#[doc(hidden)]
+pub use caches::{Sizing, with_blocking};
 pub use dispatch::{Avx2Task, with_avx2};
 pub use driver::gemm_on;
 pub use epilogue::{

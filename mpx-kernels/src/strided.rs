@@ -99,9 +99,6 @@ const B_IN_PLACE_MAX_STRIDE: usize = 256;
 /// A block of at most this many values is read in place whatever its uses (it stays in L1).
 const IN_PLACE_SMALL: usize = 4096;
 
-/// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
-/// over the whole inner dimension, in the BLIS loop order: k blocks, column blocks (B), row
-/// blocks (A), micro-tiles. With `zero`, the block of `C` is overwritten.
 /// Makes `v` at least `n` long (the values are stale: the packing overwrites what it uses).
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
@@ -109,6 +106,9 @@ fn grow(v: &mut Vec<f32>, n: usize) {
     }
 }
 
+/// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
+/// over the whole inner dimension, in the BLIS loop order: k blocks, column blocks (B), row
+/// blocks (A), micro-tiles. With `zero`, the block of `C` is overwritten.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block(
     t: &Tiles,
@@ -124,8 +124,10 @@ pub(crate) fn block(
     let (mr, nr) = (t.mr, t.nr);
     // grown, never shrunk: the packed driver shares these buffers, and a shrink here made its
     // next product grow (and zero) megabytes again
-    grow(&mut buf.a, t.mc.div_ceil(mr) * mr * t.kc);
-    grow(&mut buf.b, t.nc.div_ceil(nr) * nr * t.kc);
+    // (only as much as this block uses: a cache-sized nc of B can reach 4 MiB)
+    let kc_max = t.kc.min(kd);
+    grow(&mut buf.a, t.mc.min(r1 - r0).div_ceil(mr) * mr * kc_max);
+    grow(&mut buf.b, t.nc.min(c1 - c0).div_ceil(nr) * nr * kc_max);
     // edge tiles: -0.0 is the additive identity, so `C += tmp` adds exactly what a full tile adds
     let mut tmp = [-0.0f32; MAX_TILE];
     let tmp = &mut tmp[..mr * nr];

@@ -1229,3 +1229,75 @@ fn zero_where_clear_keeps_exactly_the_set_lanes_on_both_copies() {
         );
     }
 }
+
+/// The AVX2 path's blocking is sized to the caches (`caches.rs`): the sizing must never change a
+/// bit. Shapes with partial tiles both ways, k past two k blocks (`kc = 256`), rows past Zen 3's
+/// `mc = 252` and Zen 5's 510, columns past the tiny set's `nc = 16` and the fixed 512; both
+/// layouts of each operand, overwriting and accumulating, one and three threads.
+#[test]
+fn the_avx2_blocking_sized_to_any_caches_gives_the_same_bits() {
+    use super::{Caches, Sizing, with_blocking};
+    if !KernelPath::Avx2Fma.is_supported() {
+        return;
+    }
+    let sizings = [
+        Sizing::Caches(Caches::ZEN3),
+        Sizing::Caches(caches::ZEN5),
+        Sizing::Caches(caches::SPR),
+        Sizing::Caches(caches::TINY),
+        Sizing::Caches(Caches::detected()),
+    ];
+    // the sizings differ where the shapes reach, and the kernel takes them
+    assert_eq!(Sizing::Caches(caches::TINY).avx2_blocking(), (256, 6, 16));
+    let t = with_blocking(Sizing::Caches(caches::TINY), avx2::tiles);
+    assert_eq!((t.kc, t.mc, t.nc), (256, 6, 16));
+    assert_ne!(
+        Sizing::Caches(Caches::ZEN3).avx2_blocking(),
+        Sizing::Caches(caches::ZEN5).avx2_blocking()
+    );
+    for (m, n, k) in [
+        (37, 70, 600),
+        (523, 35, 517),
+        (13, 1100, 300),
+        (259, 530, 777),
+    ] {
+        let (av, bv) = (values(m * k, 81), values(k * n, 82));
+        let init = values(m * n, 83);
+        let a_views = [
+            MatRef::row_major_f32(&av, m, k).unwrap(),
+            MatRef::row_major_f32(&av, k, m).unwrap().t(),
+        ];
+        let b_views = [
+            MatRef::row_major_f32(&bv, k, n).unwrap(),
+            MatRef::row_major_f32(&bv, n, k).unwrap().t(),
+        ];
+        for (a, b) in a_views.into_iter().zip(b_views) {
+            for init in [None, Some(&init[..])] {
+                for threads in [1, 3] {
+                    let run = |sizing| {
+                        with_blocking(sizing, || bits_packed(Packing::Auto, (a, b), init, threads))
+                    };
+                    let want = run(Sizing::Fixed);
+                    for sizing in sizings {
+                        assert!(
+                            want == run(sizing),
+                            "{sizing:?} {m}x{n}x{k} A {}/{} init {} on {threads}",
+                            a.row_stride(),
+                            a.col_stride(),
+                            init.is_some()
+                        );
+                    }
+                }
+            }
+        }
+        // and the result is right
+        with_blocking(Sizing::Caches(caches::TINY), || {
+            check(
+                KernelPath::Avx2Fma,
+                MatRef::row_major_f32(&av, m, k).unwrap(),
+                MatRef::row_major_f32(&bv, k, n).unwrap(),
+                true,
+            );
+        });
+    }
+}

@@ -75,8 +75,9 @@ pub mod __bench {
         available_threads, max_threads, set_max_threads, use_scoped_threads, with_threads,
     };
     pub use mpx_kernels::{
-        Calibration, KernelError, KernelPath, MatRef, active_path, bf16_error_bound, calibration,
-        f32_error_bound, fp16_error_bound, gemm, gemm_on, peak_fma_flops, with_path,
+        Caches, Calibration, KernelError, KernelPath, MatRef, Sizing, active_path,
+        bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm, gemm_on,
+        peak_fma_flops, with_blocking, with_path,
     };
 }
 
