@@ -1,6 +1,8 @@
 //! A converted step keeps its working copy and gradient buffers across calls: after the first
-//! step, no step allocates anything near the size of the working copy. Measured with a counting
-//! allocator (this test binary's global allocator; counts are per thread).
+//! step, no step allocates anything near the size of the working copy, once the program holds an
+//! `mpx::settings::KeepBuffers` for the fused layers' own work buffers. Without one, mpx keeps
+//! nothing: those buffers are allocated by every step. Measured with a counting allocator (this
+//! test binary's global allocator; counts are per thread).
 
 use dfdx::optim::{Sgd, SgdConfig};
 use dfdx::prelude::*;
@@ -83,19 +85,39 @@ fn a_converted_step_allocates_no_new_working_copy_per_call() {
         grads = Some(step_f32(&mut model, &mut opt, grads.take().unwrap(), &x));
     });
 
-    let mut model = init.clone();
-    let mut opt = Sgd::new(&model, SgdConfig::default());
-    let mut grads = Some(model.alloc_grads());
-    let mut scaler = GradScaler::default();
-    let (first, mixed) = per_call(5, || {
-        grads = Some(step(
-            &mut model,
-            &mut opt,
-            grads.take().unwrap(),
-            &x,
-            &mut scaler,
-        ));
-    });
+    // the mixed step, 6 calls; `keep`: with the layers' buffers kept
+    let mixed_calls = |keep: bool| {
+        let keep = keep.then(mpx::settings::KeepBuffers::new);
+        let mut model = init.clone();
+        let mut opt = Sgd::new(&model, SgdConfig::default());
+        let mut grads = Some(model.alloc_grads());
+        let mut scaler = GradScaler::default();
+        let (first, later) = per_call(5, || {
+            grads = Some(step(
+                &mut model,
+                &mut opt,
+                grads.take().unwrap(),
+                &x,
+                &mut scaler,
+            ));
+        });
+        drop(keep);
+        assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 6);
+        // the step ran on the working copy of mpx's layers (`HalfLayers`), whose cast is measured
+        assert!(scaler.last_step().unwrap().mpx_layers);
+        (first, later)
+    };
+    let (_, unkept) = mixed_calls(false);
+    let (first, mixed) = mixed_calls(true);
+    // Nothing kept by default: every step allocates the fused layers' large buffers, at least the
+    // f32 weight gradient of each 256x256 layer.
+    let weight_grads = 2 * 256 * 256 * 4;
+    for (u, m) in unkept.iter().zip(&mixed) {
+        assert!(
+            *u >= m + weight_grads,
+            "without KeepBuffers a step allocated {u} bytes, with it {m}"
+        );
+    }
     println!(
         "bytes allocated per step: f32 {plain:?}, mixed {mixed:?} (first {first}); working copy {working_copy_bytes}"
     );
@@ -111,7 +133,4 @@ fn a_converted_step_allocates_no_new_working_copy_per_call() {
             "mixed step allocated {m} bytes, the f32 step {p}; the working copy is {working_copy_bytes}"
         );
     }
-    assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 6);
-    // the step ran on the working copy of mpx's layers (`HalfLayers`), whose cast is measured
-    assert!(scaler.last_step().unwrap().mpx_layers);
 }
