@@ -34,7 +34,9 @@ use super::packs::{PackView, Packs, Part, pack_staged};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
-use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, transpose, zip_parts};
+use super::{
+    KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, tiny, transpose, zip_parts,
+};
 use crate::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
@@ -79,6 +81,23 @@ pub(crate) fn gemm_threads<'a>(
         }
         return Ok(());
     }
+    if tiny::gemm(path, &a, &b, c, accumulate) {
+        return Ok(());
+    }
+    blocked(path, a, b, c, accumulate, threads);
+    Ok(())
+}
+
+/// The blocked product of [`gemm_threads`] (checked, not empty), whatever its size.
+pub(crate) fn blocked<'a>(
+    path: KernelPath,
+    a: MatRef<'a>,
+    b: MatRef<'a>,
+    c: &mut [f32],
+    accumulate: bool,
+    threads: usize,
+) {
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
     // each block zeroes its own part of C first (on its thread, just before using it)
     let zero = !accumulate;
     if let (KernelPath::Avx512Fp16, FloatSlice::F16(av), FloatSlice::F16(bv)) =
@@ -96,7 +115,7 @@ pub(crate) fn gemm_threads<'a>(
             cs: b.col_stride(),
         };
         run(&fp16::micro(), (m, n, k), a, b, (c, zero), threads);
-        return Ok(());
+        return;
     }
     if let (KernelPath::Avx512Bf16, FloatSlice::Bf16(av), FloatSlice::Bf16(bv)) =
         (path, a.values(), b.values())
@@ -114,7 +133,7 @@ pub(crate) fn gemm_threads<'a>(
         };
         let pack = |dst: &mut [u32], part| bf16::pack(dst, a, b, part);
         run_packed(&bf16::micro(), 2, (m, n, k), &pack, (c, zero), threads);
-        return Ok(());
+        return;
     }
     let dims = (m, n, k);
     if matches!(
@@ -138,7 +157,7 @@ pub(crate) fn gemm_threads<'a>(
         );
         let pack = |dst: &mut [f32], part| pack_widened(dst, a, b, part);
         run_packed(&avx512::micro(), 1, dims, &pack, (c, zero), threads);
-        return Ok(());
+        return;
     }
     with_wide(|[wa, wb]| {
         let a = Src {
@@ -159,7 +178,6 @@ pub(crate) fn gemm_threads<'a>(
             KernelPath::Portable => run(&portable::micro(), dims, a, b, (c, zero), threads),
         }
     });
-    Ok(())
 }
 
 /// Checks that the path runs here and the shapes fit: `A.cols == B.rows`, both views inside

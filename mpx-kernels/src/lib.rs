@@ -209,6 +209,7 @@ mod relu_mask;
 mod strided;
 pub mod threads;
 mod tile;
+mod tiny;
 mod transpose;
 mod views;
 

@@ -1301,3 +1301,76 @@ fn the_avx2_blocking_sized_to_any_caches_gives_the_same_bits() {
         });
     }
 }
+
+#[test]
+fn tiny_products_give_the_bits_of_the_blocked_kernels() {
+    // shapes at and below the tiny bound: k past one k block (k = 300, 512), thin, square,
+    // every operand layout, f32 and f16, overwriting (with -0.0 sums) and accumulating
+    let shapes = [
+        (1, 1, 1),
+        (4, 2, 2),
+        (1, 1, 300),
+        (2, 1, 256),
+        (1, 1, 512),
+        (8, 8, 8),
+        (3, 5, 7),
+    ];
+    for path in KernelPath::supported() {
+        for (m, n, k) in shapes {
+            assert!(m * n * k <= tiny::TINY_WORK);
+            let (av, bv) = (values(m * k, 91), values(k * n, 92));
+            let (ah, bh): (Vec<f16>, Vec<f16>) = (
+                av.iter().copied().map(f16::from_f32).collect(),
+                bv.iter().copied().map(f16::from_f32).collect(),
+            );
+            let views = |a: FloatSlice<'static>, b: FloatSlice<'static>| {
+                [
+                    (
+                        MatRef::new(a, m, k, k, 1).unwrap(),
+                        MatRef::new(b, k, n, n, 1).unwrap(),
+                    ),
+                    (
+                        MatRef::new(a, k, m, m, 1).unwrap().t(),
+                        MatRef::new(b, n, k, k, 1).unwrap().t(),
+                    ),
+                ]
+            };
+            // leaked: the views need 'static slices for the closure above (a test's few KiB)
+            let (av, bv, ah, bh) = (
+                av.leak() as &[f32],
+                bv.leak() as &[f32],
+                ah.leak() as &[f16],
+                bh.leak() as &[f16],
+            );
+            let mut cases = Vec::new();
+            cases.extend(views(FloatSlice::F32(av), FloatSlice::F32(bv)));
+            cases.extend(views(FloatSlice::F16(ah), FloatSlice::F16(bh)));
+            cases.extend(views(FloatSlice::F32(av), FloatSlice::F16(bh)));
+            for (a, b) in cases {
+                for init in [values(m * n, 93), vec![f32::NAN; m * n]] {
+                    let accumulate = !init[0].is_nan();
+                    let mut tiny_c = init.clone();
+                    if !tiny::gemm(path, &a, &b, &mut tiny_c, accumulate) {
+                        continue; // not an FMA-chain path for these operands
+                    }
+                    let mut blocked_c = init.clone();
+                    driver::blocked(path, a, b, &mut blocked_c, accumulate, 1);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&tiny_c),
+                        bits(&blocked_c),
+                        "{path:?} {m}x{n}x{k} accumulate {accumulate}"
+                    );
+                }
+            }
+        }
+        // the tiny path takes every product it can on an FMA path
+        let ones = [1.0f32; 4];
+        let one = MatRef::row_major_f32(&ones, 2, 2).unwrap();
+        let mut c = [0.0f32; 4];
+        assert_eq!(
+            tiny::gemm(path, &one, &one, &mut c, false),
+            path != KernelPath::Portable
+        );
+    }
+}
