@@ -82,7 +82,10 @@ fn train_epoch(
         // update: the step's own `opt.update(model, &grads)`, run only on a finite verdict; the
         // whole has the type that call has
         {
-            let __mpx_grads = ::mpx::__private::mpx_runtime::__private::shared(&grads);
+            // the gradients argument in a `let` of its own (an inline `&loss.backward()` lives
+            // through the call)
+            let __mpx_grads_arg = &grads;
+            let __mpx_grads = ::mpx::__private::mpx_runtime::__private::shared(__mpx_grads_arg);
             // this update's site (its own static): the scale is adjusted once per iteration,
             // read off the sites that update
             static __MPX_SITE: u8 = 0;

@@ -889,3 +889,139 @@ fn a_step_generic_over_its_model_bounded_half_layers_runs_mpxs_layers() {
     assert!(last.is_applied() && last.mpx_layers && last.precision == DType::Float16);
     assert!(values(&model) != before);
 }
+
+// ---- element-wise ops of a user's own module ---------------------------------------------------
+
+/// A user's gated cell with a residual, written with dfdx's element-wise ops between its
+/// layers: `+` and `-` of tensors, `try_mul` of two tensors and of a tensor and a scalar, next to
+/// index arithmetic and an array length. In the working copy the ops of two f16 tensors run as
+/// mpx's vector ops (dfdx's f16 bits), everything else as written.
+#[derive(Debug, Clone, mpx::HalfLayers)]
+struct Cell<E: Dtype, D: Device<E>> {
+    wx: dfdx::nn::modules::Linear<3, 5, E, D>,
+    wh: dfdx::nn::modules::Linear<5, 5, E, D>,
+    out: dfdx::nn::modules::Linear<5, 2, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Cell<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Cell<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("wx", |s| &s.wx, |s| &mut s.wx),
+                Self::module("wh", |s| &s.wh, |s| &mut s.wh),
+                Self::module("out", |s| &s.out, |s| &mut s.out),
+            ),
+            |(wx, wh, out)| Cell { wx, wh, out },
+        )
+    }
+}
+
+type Seq3 = Tensor<Rank2<4, 3>, f32, Cpu>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
+    Module<(Tensor<Rank2<4, 3>, E, D, T>, Tensor<Rank2<4, 3>, E, D>)> for Cell<E, D>
+{
+    type Output = Tensor<Rank2<4, 2>, E, D, T>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        (x0, x1): (Tensor<Rank2<4, 3>, E, D, T>, Tensor<Rank2<4, 3>, E, D>),
+    ) -> Result<Self::Output, D::Err> {
+        // index arithmetic and a const length stay as written
+        let repeats = [0u8; 2 * 2].len() - 3;
+        let (h, tape) = self.wx.try_forward(x0)?.try_tanh()?.split_tape();
+        let gate = self.wx.try_forward(x1)?.try_sigmoid()?;
+        let mut y = self.wh.try_forward(h.clone().put_tape(tape))? + h.clone();
+        for _ in 0..repeats {
+            y = y - gate.clone();
+            y = y.try_mul(gate.clone())?;
+        }
+        let half = E::from_f32(0.5).expect("0.5 in every element type");
+        self.out.try_forward(y.try_mul(half)? * h)
+    }
+}
+
+type CellF32 = Cell<f32, Cpu>;
+
+#[mixed_step(scaling = scaler)]
+fn cell_step(
+    model: &mut CellF32,
+    opt: &mut Sgd<CellF32, f32, Cpu>,
+    xs: &(Seq3, Seq3),
+    y: &Tensor<Rank2<4, 2>, f32, Cpu>,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let out = model.forward((xs.0.trace(model.alloc_grads()), xs.1.clone()));
+    let loss = mse_loss(out, y.clone());
+    let v = loss.array();
+    // the gradients written inline in the update (a temporary the expansion must keep alive)
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+fn cell_step_f32(
+    model: &mut CellF32,
+    opt: &mut Sgd<CellF32, f32, Cpu>,
+    xs: &(Seq3, Seq3),
+    y: &Tensor<Rank2<4, 2>, f32, Cpu>,
+) -> f32 {
+    let out = model.forward((xs.0.trace(model.alloc_grads()), xs.1.clone()));
+    let loss = mse_loss(out, y.clone());
+    let v = loss.array();
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+#[test]
+fn a_users_cell_with_element_wise_ops_trains_like_its_f32_twin_on_mpxs_layers() {
+    let dev = Cpu::seed_from_u64(11);
+    let init = Cell::<f32, Cpu> {
+        wx: BuildModule::build(&dev),
+        wh: BuildModule::build(&dev),
+        out: BuildModule::build(&dev),
+    };
+    let (mut a, mut b) = (init.clone(), init);
+    let config = SgdConfig {
+        lr: 0.2,
+        ..Default::default()
+    };
+    let (mut oa, mut ob) = (Sgd::new(&a, config), Sgd::new(&b, config));
+    let mut scaler = GradScaler::default();
+    let (mut first, mut last) = (None, (0.0, 0.0));
+    for k in 0..8 {
+        let dev = Cpu::seed_from_u64(200 + k);
+        let xs: (Seq3, Seq3) = (dev.sample_normal(), dev.sample_normal());
+        let y = dev.sample_normal::<Rank2<4, 2>>() * 0.3;
+        last = (
+            cell_step_f32(&mut a, &mut oa, &xs, &y),
+            cell_step(&mut b, &mut ob, &xs, &y, &mut scaler),
+        );
+        first.get_or_insert(last);
+    }
+    let report = scaler.last_step().unwrap();
+    assert!(report.mpx_layers, "the cell ran on mpx's layers");
+    assert_eq!(report.precision, DType::Float16);
+    assert_eq!(scaler.applied_steps() + scaler.skipped_steps(), 8);
+    assert!(
+        scaler.applied_steps() >= 7,
+        "{} steps applied",
+        scaler.applied_steps()
+    );
+    let (f, m) = last;
+    println!("cell losses: first {first:?}, last f32 {f} mixed {m}");
+    assert!(
+        (f - m).abs() <= 1e-2 * f.abs().max(1e-3),
+        "f32 {f} mixed {m}"
+    );
+    let err = rel(&values(&b), &values(&a));
+    assert!(err < 1e-2, "mixed vs f32 parameters after 8 steps: {err:e}");
+    // and training moved them: the twin tolerance is not met by standing still
+    let first = first.unwrap().0;
+    assert!(f < first, "the f32 loss went from {first} to {f}");
+}

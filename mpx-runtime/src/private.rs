@@ -18,6 +18,15 @@ use crate::step::{
 pub use crate::step::pending::Masters;
 pub use dfdx;
 
+/// `a + b`, `a - b`, `a * b` and their `try_` methods in a `#[half_forward]` working copy's
+/// code: mpx's vector op for two f16 tensors of one shape (`HalfOps`), the operator as written
+/// for anything else (`Any*`), by autoref: `(&Operands::new(a, b)).add_op()`.
+pub mod binary {
+    pub use crate::nn::binary::{
+        AnyAdd, AnyMul, AnySub, AnyTryAdd, AnyTryMul, AnyTrySub, HalfOps, Operands,
+    };
+}
+
 /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`
 /// reference (method-call autoref and reborrow), which a plain `&mut expr` cannot do for an
 /// immutable binding of a `&mut` parameter.

@@ -174,18 +174,24 @@ fn twin(
         dev,
         stored,
         rt,
+        consts: 0,
     }
     .visit_item_impl_mut(&mut imp);
     quote!(#imp)
 }
 
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
-/// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s).
+/// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
+/// the activations written as tensor methods and the element-wise `+`, `-`, `*` (and
+/// `try_add`, `try_sub`, `try_mul`) run as mpx's ops where their operands are half tensors.
 struct Concrete<'a> {
     elem: &'a syn::Ident,
     dev: Option<&'a syn::Ident>,
     stored: &'a syn::Type,
     rt: &'a TokenStream,
+    /// How many const contexts (types, const generic arguments, array lengths, const items)
+    /// the visit is inside: no operator there is rewritten.
+    consts: usize,
 }
 
 impl Concrete<'_> {
@@ -226,8 +232,16 @@ impl Concrete<'_> {
     }
 }
 
-impl VisitMut for Concrete<'_> {
-    fn visit_type_mut(&mut self, t: &mut syn::Type) {
+impl Concrete<'_> {
+    /// Runs `f` inside a const context (see [`Concrete::consts`]).
+    fn in_const(&mut self, f: impl FnOnce(&mut Self)) {
+        self.consts += 1;
+        f(self);
+        self.consts -= 1;
+    }
+
+    /// The element type and the device made concrete in a type.
+    fn concrete_type(&mut self, t: &mut syn::Type) {
         if let syn::Type::Path(p) = t
             && p.qself.is_none()
         {
@@ -251,8 +265,76 @@ impl VisitMut for Concrete<'_> {
         syn::visit_mut::visit_type_mut(self, t);
     }
 
+    /// `a op b` (or `a.try_op(b)`) as mpx's op for half tensors, else as written.
+    fn binary(&self, a: &syn::Expr, b: &syn::Expr, method: &str, any: &str) -> syn::Expr {
+        let rt = self.rt;
+        let method = syn::Ident::new(method, proc_macro2::Span::call_site());
+        let any = syn::Ident::new(any, proc_macro2::Span::call_site());
+        syn::parse_quote!({
+            use #rt::__private::binary::{#any as _, HalfOps as _};
+            (&#rt::__private::binary::Operands::new(#a, #b)).#method()
+        })
+    }
+}
+
+impl VisitMut for Concrete<'_> {
+    fn visit_generic_argument_mut(&mut self, g: &mut syn::GenericArgument) {
+        self.in_const(|v| syn::visit_mut::visit_generic_argument_mut(v, g));
+    }
+
+    fn visit_item_const_mut(&mut self, i: &mut syn::ItemConst) {
+        self.in_const(|v| syn::visit_mut::visit_item_const_mut(v, i));
+    }
+
+    fn visit_item_static_mut(&mut self, i: &mut syn::ItemStatic) {
+        self.in_const(|v| syn::visit_mut::visit_item_static_mut(v, i));
+    }
+
+    fn visit_type_mut(&mut self, t: &mut syn::Type) {
+        self.in_const(|v| v.concrete_type(t));
+    }
+
     fn visit_expr_mut(&mut self, e: &mut syn::Expr) {
-        syn::visit_mut::visit_expr_mut(self, e);
+        match e {
+            // an array's length and a `const` block are const contexts
+            syn::Expr::Repeat(r) => {
+                self.visit_expr_mut(&mut r.expr);
+                self.in_const(|v| v.visit_expr_mut(&mut r.len));
+                return;
+            }
+            syn::Expr::Const(c) => {
+                self.in_const(|v| syn::visit_mut::visit_expr_const_mut(v, c));
+                return;
+            }
+            _ => syn::visit_mut::visit_expr_mut(self, e),
+        }
+        if self.consts > 0 {
+            return;
+        }
+        // the element-wise ops of two half tensors run as mpx's (`nn::binary`), anything else
+        // as written
+        let binary = match &*e {
+            syn::Expr::Binary(b) => match b.op {
+                syn::BinOp::Add(_) => Some((&*b.left, &*b.right, "add_op", "AnyAdd")),
+                syn::BinOp::Sub(_) => Some((&*b.left, &*b.right, "sub_op", "AnySub")),
+                syn::BinOp::Mul(_) => Some((&*b.left, &*b.right, "mul_op", "AnyMul")),
+                _ => None,
+            },
+            syn::Expr::MethodCall(m) if m.args.len() == 1 && m.turbofish.is_none() => {
+                let arg = &m.args[0];
+                match m.method.to_string().as_str() {
+                    "try_add" => Some((&*m.receiver, arg, "try_add_op", "AnyTryAdd")),
+                    "try_sub" => Some((&*m.receiver, arg, "try_sub_op", "AnyTrySub")),
+                    "try_mul" => Some((&*m.receiver, arg, "try_mul_op", "AnyTryMul")),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        if let Some((a, b, method, any)) = binary {
+            *e = self.binary(a, b, method, any);
+            return;
+        }
         // the activations written as tensor methods run as mpx's layers, as the layers of the
         // same names do in the working copy: `x.tanh()` as `nn::Tanh`, `x.try_relu()` as
         // `nn::ReLU`'s `try_forward`

@@ -341,8 +341,12 @@ impl Rewriter {
                 // Rust's auto-ref and auto-deref), between the scaler's two halves, each its own
                 // statement (a scaler behind a lock is locked once per half); the expression has
                 // the type the step's own call has.
+                // The gradients argument in a `let` of its own: `&loss.backward()` written inline
+                // keeps its temporary alive through the call (Rust's temporary lifetime
+                // extension), as in the step's own call.
                 quote!({
-                    let __mpx_grads = #root::__private::shared(#grads);
+                    let __mpx_grads_arg = #grads;
+                    let __mpx_grads = #root::__private::shared(__mpx_grads_arg);
                     static __MPX_SITE: u8 = 0;
                     let __mpx_begun = #begin(#scaler, &__mpx_masters, #master_mut, &__MPX_SITE);
                     match __mpx_begun {

@@ -37,6 +37,7 @@
 //! ```
 
 mod attention_core;
+pub(crate) mod binary;
 mod cast;
 mod convert;
 mod decoder;

@@ -1,0 +1,317 @@
+//! `a + b`, `a - b` and `a * b` of two f16 tensors of one shape, as a `#[half_forward]` working
+//! copy runs them: in vector passes, with the same bits as dfdx's f16 ops, which convert every
+//! element through a function call (a user's RNN step spent most of its time there).
+//!
+//! dfdx computes each f16 result in f32 and rounds it once (`f16 + f16` is
+//! `f16::from_f32(a.to_f32() + b.to_f32())`), and accumulates a gradient the same way:
+//! `da += df/da * dy`, the product rounded to f16, then the sum. So does this op: the output
+//! `round(wide(a) op wide(b))`, and on a tape `da = round(wide(da) + wide(round(df/da * dy)))`,
+//! likewise `db`. Operands are made contiguous first (dfdx's own op, with its own backward).
+
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::{ReshapeTo, TryAdd, TryMul, TrySub};
+use half::f16;
+
+use super::half_ops::{grad_slice, widen};
+use super::scratch;
+use crate::precision::Precision;
+
+/// One of the three ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Add,
+    Sub,
+    Mul,
+}
+
+impl Op {
+    fn f(self, a: f32, b: f32) -> f32 {
+        match self {
+            Op::Add => a + b,
+            Op::Sub => a - b,
+            Op::Mul => a * b,
+        }
+    }
+}
+
+/// `a op b` on two f16 tensors of one shape (see the [module docs](self)).
+fn binary<S: Shape, LT, RT>(
+    op: Op,
+    a: Tensor<S, f16, Cpu, LT>,
+    b: Tensor<S, f16, Cpu, RT>,
+) -> Result<Tensor<S, f16, Cpu, LT>, CpuError>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    let (a, a_tape) = a.try_contiguous()?.split_tape();
+    let (b, b_tape) = b.try_contiguous()?.split_tape();
+    let mut tape = a_tape.merge(b_tape);
+    let shape = *a.shape();
+    let n = shape.num_elements();
+    let (wa, wb) = (widen(&a), widen(&b));
+    let mut wide = scratch::take::<f32>(n);
+    for ((y, &x), &z) in wide.iter_mut().zip(wa.iter()).zip(wb.iter()) {
+        *y = op.f(x, z);
+    }
+    let mut y = vec![f16::ZERO; n];
+    f16::round(&wide, &mut y);
+    drop(wide);
+    let y = a.device().try_tensor_from_vec(y, shape)?;
+    if LT::OWNS_TAPE {
+        // `Mul`'s derivatives are the other operand's values
+        let values = (op == Op::Mul).then(|| (narrow(&wa), narrow(&wb)));
+        let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
+        drop((a, b, wa, wb));
+        tape.add_backward_op(move |grads| {
+            let dy = widen_grad(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?), n)?;
+            let (da_dy, db_dy): (Vec<f32>, Vec<f32>) = match (&values, op) {
+                (Some((va, vb)), _) => (derivative(vb, &dy), derivative(va, &dy)),
+                (None, Op::Sub) => {
+                    let minus = dy.iter().map(|g| -g).collect();
+                    (dy, minus)
+                }
+                (None, _) => (dy.clone(), dy),
+            };
+            accumulate(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da_dy)?;
+            accumulate(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db_dy)
+        });
+    }
+    Ok(y.put_tape(tape))
+}
+
+/// f32 values (exact f16 values) back to f16.
+fn narrow(v: &[f32]) -> Vec<f16> {
+    let mut out = vec![f16::ZERO; v.len()];
+    f16::round(v, &mut out);
+    out
+}
+
+/// A gradient entry of `n` values, widened.
+fn widen_grad(g: &[f16], n: usize) -> Result<Vec<f32>, CpuError> {
+    if g.len() != n {
+        return Err(CpuError::WrongNumElements);
+    }
+    let mut out = vec![0.0; n];
+    f16::widen(g, &mut out);
+    Ok(out)
+}
+
+/// `round(d * dy)` per element, widened again: dfdx's f16 product `df * go`.
+fn derivative(d: &[f16], dy: &[f32]) -> Vec<f32> {
+    let mut wide = vec![0.0; d.len()];
+    f16::widen(d, &mut wide);
+    for (w, &g) in wide.iter_mut().zip(dy) {
+        *w *= g;
+    }
+    let rounded = narrow(&wide);
+    f16::widen(&rounded, &mut wide);
+    wide
+}
+
+/// `g = round(wide(g) + add)`: dfdx's f16 `+=`.
+fn accumulate(g: &mut [f16], add: &[f32]) -> Result<(), CpuError> {
+    let mut wide = widen_grad(g, add.len())?;
+    for (w, &x) in wide.iter_mut().zip(add) {
+        *w += x;
+    }
+    f16::round(&wide, g);
+    Ok(())
+}
+
+/// The operands of `a op b` in a `#[half_forward]` working copy's code, for the dispatch of
+/// [`HalfOps`] and [`AnyOps`]: two f16 tensors of one shape take mpx's op, anything else (a
+/// scalar, another element type, numbers) the operator as written. Generated code only.
+#[doc(hidden)]
+#[allow(missing_debug_implementations)]
+pub struct Operands<A, B>(std::cell::Cell<Option<(A, B)>>);
+
+impl<A, B> Operands<A, B> {
+    /// The two operands, in order.
+    pub fn new(a: A, b: B) -> Self {
+        Self(std::cell::Cell::new(Some((a, b))))
+    }
+
+    fn take(&self) -> (A, B) {
+        self.0.take().expect("each operand pair is used once")
+    }
+}
+
+/// The ops on two f16 tensors of one shape (picked first: `(&operands).add_op()`).
+#[doc(hidden)]
+pub trait HalfOps {
+    /// The op's output.
+    type Output;
+    /// The op's fallible output.
+    type TryOutput;
+    /// `a + b`.
+    fn add_op(&self) -> Self::Output;
+    /// `a - b`.
+    fn sub_op(&self) -> Self::Output;
+    /// `a * b`.
+    fn mul_op(&self) -> Self::Output;
+    /// `a.try_add(b)`.
+    fn try_add_op(&self) -> Self::TryOutput;
+    /// `a.try_sub(b)`.
+    fn try_sub_op(&self) -> Self::TryOutput;
+    /// `a.try_mul(b)`.
+    fn try_mul_op(&self) -> Self::TryOutput;
+}
+
+impl<S: Shape, LT, RT> HalfOps for Operands<Tensor<S, f16, Cpu, LT>, Tensor<S, f16, Cpu, RT>>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    type Output = Tensor<S, f16, Cpu, LT>;
+    type TryOutput = Result<Tensor<S, f16, Cpu, LT>, CpuError>;
+    fn add_op(&self) -> Self::Output {
+        self.try_add_op().unwrap()
+    }
+    fn sub_op(&self) -> Self::Output {
+        self.try_sub_op().unwrap()
+    }
+    fn mul_op(&self) -> Self::Output {
+        self.try_mul_op().unwrap()
+    }
+    fn try_add_op(&self) -> Self::TryOutput {
+        let (a, b) = self.take();
+        binary(Op::Add, a, b)
+    }
+    fn try_sub_op(&self) -> Self::TryOutput {
+        let (a, b) = self.take();
+        binary(Op::Sub, a, b)
+    }
+    fn try_mul_op(&self) -> Self::TryOutput {
+        let (a, b) = self.take();
+        binary(Op::Mul, a, b)
+    }
+}
+
+/// The operators as written, for every other pair of operands (picked when [`HalfOps`] does
+/// not apply: `(&operands)` autorefs to `&&Operands`), one trait per op, each with its own
+/// bound.
+macro_rules! any_ops {
+    ($($tr:ident $method:ident: $op:ident::$call:ident -> $out:ty;)*) => {$(
+        #[doc(hidden)]
+        pub trait $tr {
+            /// The operator's output.
+            type Output;
+            /// The operator as written.
+            fn $method(&self) -> Self::Output;
+        }
+        impl<A, B> $tr for &Operands<A, B>
+        where
+            A: $op<B>,
+        {
+            type Output = $out;
+            fn $method(&self) -> Self::Output {
+                let (a, b) = self.take();
+                <A as $op<B>>::$call(a, b)
+            }
+        }
+    )*};
+}
+use std::ops::{Add, Mul, Sub};
+any_ops! {
+    AnyAdd add_op: Add::add -> <A as Add<B>>::Output;
+    AnySub sub_op: Sub::sub -> <A as Sub<B>>::Output;
+    AnyMul mul_op: Mul::mul -> <A as Mul<B>>::Output;
+    AnyTryAdd try_add_op: TryAdd::try_add -> Result<A, <A as HasErr>::Err>;
+    AnyTrySub try_sub_op: TrySub::try_sub -> Result<A, <A as HasErr>::Err>;
+    AnyTryMul try_mul_op: TryMul::try_mul -> Result<A, <A as HasErr>::Err>;
+}
+
+#[cfg(test)]
+mod tests {
+    use dfdx::prelude::*;
+    use half::f16;
+
+    use super::{AnyAdd as _, AnyTryMul as _, HalfOps as _, Operands};
+
+    /// f16 values over the whole range: zeros of both signs, subnormals, values whose sums and
+    /// products overflow, and ordinary ones.
+    fn values(n: usize, seed: u32) -> Vec<f16> {
+        let special = [0.0, -0.0, 6e-8, -3e-5, 65504.0, -60000.0, 1.0, -2.5];
+        (0..n)
+            .map(|i| {
+                let k = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                if i % 5 == 0 {
+                    f16::from_f32(special[(k as usize / 7) % special.len()])
+                } else {
+                    f16::from_f32(((k % 20_001) as f32 - 10_000.0) / 997.0)
+                }
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f16]) -> Vec<u16> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// mpx's op and dfdx's on the same operands (both taped): the output and both gradients
+    /// bit for bit, with a gradient `w` flowing into the output (`sum(y * w)`).
+    #[test]
+    fn the_ops_give_dfdxs_f16_bits_forward_and_backward() {
+        let dev = Cpu::default();
+        let n = 4 * 33;
+        for op in [super::Op::Add, super::Op::Sub, super::Op::Mul] {
+            for seed in [1, 7, 99] {
+                let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
+                    dev.tensor_from_vec(values(n, s), (Const, Const))
+                };
+                let (a, b, w) = (t(seed), t(seed + 1), t(seed + 2));
+                let run = |ours: bool| {
+                    let (ta, tb) = (a.leaky_trace(), b.leaky_trace());
+                    let y = if ours {
+                        super::binary(op, ta, tb).unwrap()
+                    } else {
+                        match op {
+                            super::Op::Add => ta.try_add(tb).unwrap(),
+                            super::Op::Sub => ta.try_sub(tb).unwrap(),
+                            super::Op::Mul => ta.try_mul(tb).unwrap(),
+                        }
+                    };
+                    let out = y.retaped::<NoneTape>().as_vec();
+                    let g = (y * w.clone()).sum().backward();
+                    (out, g.get(&a).as_vec(), g.get(&b).as_vec())
+                };
+                let (ours, theirs) = (run(true), run(false));
+                assert_eq!(bits(&ours.0), bits(&theirs.0), "{op:?} output, seed {seed}");
+                assert_eq!(bits(&ours.1), bits(&theirs.1), "{op:?} da, seed {seed}");
+                assert_eq!(bits(&ours.2), bits(&theirs.2), "{op:?} db, seed {seed}");
+            }
+        }
+    }
+
+    /// Through the dispatch: two f16 tensors (one taped, one not, as in a residual) take mpx's
+    /// op and match dfdx's; anything else takes the operator as written.
+    #[test]
+    #[allow(
+        clippy::needless_borrow,
+        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+    )]
+    fn the_dispatch_takes_mpxs_op_for_half_tensors_and_the_operator_for_the_rest() {
+        let dev = Cpu::default();
+        let a: Tensor<Rank1<6>, f16, Cpu> = dev.tensor_from_vec(values(6, 3), (Const,));
+        let b: Tensor<Rank1<6>, f16, Cpu> = dev.tensor_from_vec(values(6, 4), (Const,));
+        let ours = (&Operands::new(a.leaky_trace(), b.clone()))
+            .try_mul_op()
+            .unwrap();
+        let theirs = a.leaky_trace().try_mul(b.clone()).unwrap();
+        assert_eq!(bits(&ours.as_vec()), bits(&theirs.as_vec()));
+        let (g_ours, g_theirs) = (ours.sum().backward(), theirs.sum().backward());
+        assert_eq!(
+            bits(&g_ours.get(&a).as_vec()),
+            bits(&g_theirs.get(&a).as_vec())
+        );
+        // numbers, an f32 tensor and a tensor times a scalar: the operators as written
+        assert_eq!((&Operands::new(2usize, 3usize)).add_op(), 5);
+        let x: Tensor<Rank1<2>, f32, Cpu> = dev.tensor([1.0, 2.0]);
+        let y = (&Operands::new(x.clone(), x.clone())).add_op();
+        assert_eq!(y.array(), [2.0, 4.0]);
+        let z = (&Operands::new(x, 3.0f32)).try_mul_op().unwrap();
+        assert_eq!(z.array(), [3.0, 6.0]);
+    }
+}
