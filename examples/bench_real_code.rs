@@ -185,6 +185,68 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
     }
 }
 
+/// A module of the user's own with weight tensors of its own (no layers): a residual MLP
+/// `h = tanh(x·W1)`, `y = (h + (h·W2) * g)·W3` with a gate `g = sigmoid(x·Wg)`, with the two lines.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Raw<E: Dtype, D: Device<E>> {
+    w1: Tensor<Rank2<16, 64>, E, D>,
+    w2: Tensor<Rank2<64, 64>, E, D>,
+    wg: Tensor<Rank2<16, 64>, E, D>,
+    w3: Tensor<Rank2<64, 4>, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Raw<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Raw<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        // entries of about 1/4, keeping the activations in range
+        macro_rules! init {
+            () => {
+                TensorOptions::reset_with(|t| {
+                    let b = E::from_f32(0.25).unwrap();
+                    t.try_fill_with_distr(rand_distr::Uniform::new(-b, b))
+                })
+            };
+        }
+        visitor.visit_fields(
+            (
+                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, init!()),
+                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, init!()),
+                Self::tensor("wg", |s| &s.wg, |s| &mut s.wg, init!()),
+                Self::tensor("w3", |s| &s.w3, |s| &mut s.w3, init!()),
+            ),
+            |(w1, w2, wg, w3)| Raw { w1, w2, wg, w3 },
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>> for Raw<E, D> {
+    type Output = Tensor<Rank2<64, 4>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let (x, tape) = x.split_tape();
+        let g = x.clone().try_matmul(self.wg.clone())?.try_sigmoid()?;
+        let (h, tape) = x
+            .put_tape(tape)
+            .try_matmul(self.w1.clone())?
+            .try_tanh()?
+            .split_tape();
+        let y = h
+            .clone()
+            .put_tape(tape)
+            .try_matmul(self.w2.clone())?
+            .try_mul(g)?;
+        (y + h).try_matmul(self.w3.clone())
+    }
+}
+
 /// One step of each shape, written once for f32 and once with the attribute.
 macro_rules! steps {
     ($f32:ident, $mixed:ident, ($($arg:ident: $ty:ty),*), |$m:ident, $o:ident| $body:block) => {
@@ -210,6 +272,18 @@ mod own {
 mod bare {
     use super::*;
     pub type M = Bare<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod raw {
+    use super::*;
+    pub type M = Raw<f32, Cpu>;
     steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
         let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
         let v = loss.array();
@@ -530,6 +604,12 @@ fn main() {
         rounds * 20,
         "the same module without the two lines (dfdx's f16 layers)",
         bare(bare::M::build(&dev); &x, &y)
+    );
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a module of the user's own with weight tensors of its own (matmul, +, *; 16-64-64-4, batch 64)",
+        raw(raw::M::build(&dev); &x, &y)
     );
     // a hand-unrolled RNN
     let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());

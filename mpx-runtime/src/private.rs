@@ -18,13 +18,15 @@ use crate::step::{
 pub use crate::step::pending::Masters;
 pub use dfdx;
 
-/// `a + b`, `a - b`, `a * b` and their `try_` methods in a `#[half_forward]` working copy's
-/// code: mpx's vector op for two f16 tensors of one shape (`HalfOps`), the operator as written
-/// for anything else (`Any*`), by autoref: `(&Operands::new(a, b)).add_op()`.
+/// `a + b`, `a - b`, `a * b`, their `try_` methods and `matmul` / `try_matmul` in a
+/// `#[half_forward]` working copy's code: mpx's op for two f16 tensors (`HalfOps`, of one shape;
+/// `HalfMatMul`, two matrices), the operator as written for anything else (`Any*`), by autoref:
+/// `(&Operands::new(a, b)).add_op()`.
 pub mod binary {
     pub use crate::nn::binary::{
         AnyAdd, AnyMul, AnySub, AnyTryAdd, AnyTryMul, AnyTrySub, HalfOps, Operands,
     };
+    pub use crate::nn::matmul::{AnyMatMul, HalfMatMul};
 }
 
 /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`

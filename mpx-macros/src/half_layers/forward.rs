@@ -182,8 +182,9 @@ fn twin(
 
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
 /// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
-/// the activations written as tensor methods and the element-wise `+`, `-`, `*` (and
-/// `try_add`, `try_sub`, `try_mul`) run as mpx's ops where their operands are half tensors.
+/// the activations written as tensor methods, the element-wise `+`, `-`, `*` (and `try_add`,
+/// `try_sub`, `try_mul`) and `matmul` / `try_matmul` run as mpx's ops where their operands are
+/// half tensors.
 struct Concrete<'a> {
     elem: &'a syn::Ident,
     dev: Option<&'a syn::Ident>,
@@ -270,8 +271,21 @@ impl Concrete<'_> {
         let rt = self.rt;
         let method = syn::Ident::new(method, proc_macro2::Span::call_site());
         let any = syn::Ident::new(any, proc_macro2::Span::call_site());
+        // an operand's own parentheses are not needed as an argument (nor warned about)
+        let unparen = |e: &syn::Expr| -> syn::Expr {
+            match e {
+                syn::Expr::Paren(p) => (*p.expr).clone(),
+                other => other.clone(),
+            }
+        };
+        let (a, b) = (unparen(a), unparen(b));
+        let half = if any == "AnyMatMul" {
+            quote!(HalfMatMul)
+        } else {
+            quote!(HalfOps)
+        };
         syn::parse_quote!({
-            use #rt::__private::binary::{#any as _, HalfOps as _};
+            use #rt::__private::binary::{#any as _, #half as _};
             (&#rt::__private::binary::Operands::new(#a, #b)).#method()
         })
     }
@@ -311,8 +325,8 @@ impl VisitMut for Concrete<'_> {
         if self.consts > 0 {
             return;
         }
-        // the element-wise ops of two half tensors run as mpx's (`nn::binary`), anything else
-        // as written
+        // the element-wise ops and the matrix product of two half tensors run as mpx's
+        // (`nn::binary`, `nn::matmul`), anything else as written
         let binary = match &*e {
             syn::Expr::Binary(b) => match b.op {
                 syn::BinOp::Add(_) => Some((&*b.left, &*b.right, "add_op", "AnyAdd")),
@@ -326,6 +340,8 @@ impl VisitMut for Concrete<'_> {
                     "try_add" => Some((&*m.receiver, arg, "try_add_op", "AnyTryAdd")),
                     "try_sub" => Some((&*m.receiver, arg, "try_sub_op", "AnyTrySub")),
                     "try_mul" => Some((&*m.receiver, arg, "try_mul_op", "AnyTryMul")),
+                    "matmul" => Some((&*m.receiver, arg, "matmul_op", "AnyMatMul")),
+                    "try_matmul" => Some((&*m.receiver, arg, "try_matmul_op", "AnyMatMul")),
                     _ => None,
                 }
             }

@@ -13,7 +13,7 @@ use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, SplitTape, Tape, Tenso
 use dfdx::tensor_ops::{ReshapeTo, TryAdd, TryMul, TrySub};
 use half::f16;
 
-use super::half_ops::{grad_slice, widen};
+use super::half_ops::{accumulate, grad_slice, widen};
 use super::scratch;
 use crate::precision::Precision;
 
@@ -74,8 +74,9 @@ where
                 }
                 (None, _) => (dy.clone(), dy),
             };
-            accumulate(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da_dy)?;
-            accumulate(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db_dy)
+            // dfdx's f16 `+=`: the sum in f32, rounded once
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da_dy)?;
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db_dy)
         });
     }
     Ok(y.put_tape(tape))
@@ -110,16 +111,6 @@ fn derivative(d: &[f16], dy: &[f32]) -> Vec<f32> {
     wide
 }
 
-/// `g = round(wide(g) + add)`: dfdx's f16 `+=`.
-fn accumulate(g: &mut [f16], add: &[f32]) -> Result<(), CpuError> {
-    let mut wide = widen_grad(g, add.len())?;
-    for (w, &x) in wide.iter_mut().zip(add) {
-        *w += x;
-    }
-    f16::round(&wide, g);
-    Ok(())
-}
-
 /// The operands of `a op b` in a `#[half_forward]` working copy's code, for the dispatch of
 /// [`HalfOps`] and [`AnyOps`]: two f16 tensors of one shape take mpx's op, anything else (a
 /// scalar, another element type, numbers) the operator as written. Generated code only.
@@ -133,7 +124,7 @@ impl<A, B> Operands<A, B> {
         Self(std::cell::Cell::new(Some((a, b))))
     }
 
-    fn take(&self) -> (A, B) {
+    pub(crate) fn take(&self) -> (A, B) {
         self.0.take().expect("each operand pair is used once")
     }
 }

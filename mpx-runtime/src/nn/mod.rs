@@ -51,6 +51,7 @@ mod layer_impls;
 mod layer_norm;
 mod layer_norm_kernel;
 pub(crate) mod linear;
+pub(crate) mod matmul;
 mod mha;
 mod mixed;
 mod relu;

@@ -1,0 +1,186 @@
+//! `a.matmul(b)` of two f16 matrices, as a `#[half_forward]` working copy runs it: on mpx's GEMM,
+//! the sums in f32 and rounded once to f16 (as mpx's `Linear` computes `x·Wᵀ`), where dfdx's f16
+//! matmul ran on dfdx's scalar f16 path. The gradients likewise: `dA += dY·Bᵀ` and
+//! `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
+
+use dfdx::shapes::{Dim, HasShape};
+use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::{ReshapeTo, TryMatMul};
+use half::f16;
+use mpx_kernels::{MatRef, gemm};
+
+use super::binary::Operands;
+use super::half_ops::{accumulate, grad_slice, shape_err};
+use super::scratch;
+use crate::precision::Precision;
+
+/// `v` as a row-major `r x c` matrix.
+fn mat(v: &[f16], r: usize, c: usize) -> Result<MatRef<'_>, CpuError> {
+    MatRef::row_major_f16(v, r, c).map_err(shape_err)
+}
+
+/// `a · b` for `a` of `m x k` and `b` of `k x n` f16 values (see the [module docs](self)).
+fn matmul<M: Dim, K: Dim, N: Dim, LT, RT>(
+    a: Tensor<(M, K), f16, Cpu, LT>,
+    b: Tensor<(K, N), f16, Cpu, RT>,
+) -> Result<Tensor<(M, N), f16, Cpu, LT>, CpuError>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    let (a, a_tape) = a.try_contiguous()?.split_tape();
+    let (b, b_tape) = b.try_contiguous()?.split_tape();
+    let mut tape = a_tape.merge(b_tape);
+    let (m, k) = (a.shape().0.size(), a.shape().1.size());
+    let n = b.shape().1.size();
+    if b.shape().0.size() != k {
+        return Err(CpuError::WrongNumElements);
+    }
+    let (mut av, mut bv) = (vec![f16::ZERO; m * k], vec![f16::ZERO; k * n]);
+    a.copy_into(&mut av);
+    b.copy_into(&mut bv);
+    let mut sums = scratch::take::<f32>(m * n);
+    gemm(mat(&av, m, k)?, mat(&bv, k, n)?, &mut sums, false).map_err(shape_err)?;
+    let mut y = vec![f16::ZERO; m * n];
+    f16::round(&sums, &mut y);
+    drop(sums);
+    let y = a
+        .device()
+        .try_tensor_from_vec(y, (a.shape().0, b.shape().1))?;
+    if LT::OWNS_TAPE {
+        let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
+        drop((a, b));
+        tape.add_backward_op(move |grads| {
+            let dy: Vec<f16> = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?).to_vec();
+            let mut sums = scratch::take::<f32>(m * k);
+            // dA = dY · Bᵀ
+            gemm(mat(&dy, m, n)?, mat(&bv, k, n)?.t(), &mut sums, false).map_err(shape_err)?;
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &sums)?;
+            // dB = Aᵀ · dY
+            let mut sums = scratch::take::<f32>(k * n);
+            gemm(mat(&av, m, k)?.t(), mat(&dy, m, n)?, &mut sums, false).map_err(shape_err)?;
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &sums)
+        });
+    }
+    Ok(y.put_tape(tape))
+}
+
+/// `matmul` / `try_matmul` of two f16 matrices (picked first: `(&operands).matmul_op()`).
+#[doc(hidden)]
+pub trait HalfMatMul {
+    /// The product.
+    type Output;
+    /// `a.matmul(b)`.
+    fn matmul_op(&self) -> Self::Output;
+    /// `a.try_matmul(b)`.
+    fn try_matmul_op(&self) -> Result<Self::Output, CpuError>;
+}
+
+impl<M: Dim, K: Dim, N: Dim, LT, RT> HalfMatMul
+    for Operands<Tensor<(M, K), f16, Cpu, LT>, Tensor<(K, N), f16, Cpu, RT>>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    type Output = Tensor<(M, N), f16, Cpu, LT>;
+    fn matmul_op(&self) -> Self::Output {
+        self.try_matmul_op().unwrap()
+    }
+    fn try_matmul_op(&self) -> Result<Self::Output, CpuError> {
+        let (a, b) = self.take();
+        matmul(a, b)
+    }
+}
+
+/// dfdx's `matmul` / `try_matmul` as written, for every other pair of operands (other shapes,
+/// other element types).
+#[doc(hidden)]
+pub trait AnyMatMul {
+    /// The product.
+    type Output;
+    /// The error.
+    type Err;
+    /// `a.matmul(b)`.
+    fn matmul_op(&self) -> Self::Output;
+    /// `a.try_matmul(b)`.
+    fn try_matmul_op(&self) -> Result<Self::Output, Self::Err>;
+}
+
+impl<A: TryMatMul<B>, B> AnyMatMul for &Operands<A, B> {
+    type Output = A::Output;
+    type Err = <A as HasErr>::Err;
+    fn matmul_op(&self) -> Self::Output {
+        let (a, b) = self.take();
+        a.matmul(b)
+    }
+    fn try_matmul_op(&self) -> Result<Self::Output, Self::Err> {
+        let (a, b) = self.take();
+        a.try_matmul(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use dfdx::prelude::*;
+    use half::f16;
+
+    use super::{AnyMatMul as _, HalfMatMul as _, Operands};
+
+    /// Against the f64 product of the same f16 values: the output within one f16 rounding, the
+    /// gradients within one rounding of their f64 values; the untaped and other-typed operands
+    /// take dfdx's matmul.
+    #[test]
+    #[allow(
+        clippy::needless_borrow,
+        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+    )]
+    fn the_product_and_its_gradients_match_an_f64_reference() {
+        let dev = Cpu::seed_from_u64(5);
+        let a32: Tensor<Rank2<7, 13>, f32, Cpu> = dev.sample_normal();
+        let b32: Tensor<Rank2<13, 5>, f32, Cpu> = dev.sample_normal();
+        let w32: Tensor<Rank2<7, 5>, f32, Cpu> = dev.sample_normal();
+        let (a, b, w) = (
+            a32.clone().to_dtype::<f16>(),
+            b32.clone().to_dtype::<f16>(),
+            w32.to_dtype::<f16>(),
+        );
+        let y = (&Operands::new(a.leaky_trace(), b.clone()))
+            .try_matmul_op()
+            .unwrap();
+        let (av, bv, wv) = (a.array(), b.array(), w.array());
+        let f = |v: f16| f64::from(v.to_f32());
+        let close = |got: f16, want: f64, what: &str| {
+            let tol = want.abs() * 2f64.powi(-10) + 1e-6;
+            assert!((f(got) - want).abs() <= tol, "{what}: {got} against {want}");
+        };
+        let yv = y.retaped::<NoneTape>().array();
+        for i in 0..7 {
+            for j in 0..5 {
+                let want: f64 = (0..13).map(|p| f(av[i][p]) * f(bv[p][j])).sum();
+                close(yv[i][j], want, "y");
+            }
+        }
+        // a gradient `w` into the output: dA = w · Bᵀ, dB = Aᵀ · w
+        let g = (y * w.clone()).sum().backward();
+        let da = g.get(&a).array();
+        for i in 0..7 {
+            for p in 0..13 {
+                let want: f64 = (0..5).map(|j| f(wv[i][j]) * f(bv[p][j])).sum();
+                close(da[i][p], want, "dA");
+            }
+        }
+        // both traced: dB = Aᵀ · w
+        let y = (&Operands::new(a.leaky_trace(), b.leaky_trace())).matmul_op();
+        let g = (y * w.clone()).sum().backward();
+        let db = g.get(&b).array();
+        for p in 0..13 {
+            for j in 0..5 {
+                let want: f64 = (0..7).map(|i| f(av[i][p]) * f(wv[i][j])).sum();
+                close(db[p][j], want, "dB");
+            }
+        }
+        // f32 operands: dfdx's matmul, as written
+        let y32 = (&Operands::new(a32.clone(), b32.clone())).matmul_op();
+        assert_eq!(y32.array(), a32.matmul(b32).array());
+    }
+}
