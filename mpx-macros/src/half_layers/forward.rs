@@ -392,3 +392,45 @@ impl VisitMut for Concrete<'_> {
         syn::visit_mut::visit_expr_path_mut(self, e);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    /// The f16 twin's code: the tensor ops go through the dispatch, the const contexts and the
+    /// parentheses do not.
+    #[test]
+    fn the_twin_dispatches_the_ops_and_leaves_const_contexts_alone() {
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<2, 3>, E, D>> for Net<E, D> {
+                    type Output = Tensor<Rank2<2, 3>, E, D>;
+                    type Error = D::Err;
+                    fn try_forward(&self, x: Tensor<Rank2<2, 3>, E, D>) -> Result<Self::Output, D::Err> {
+                        let n = [0u8; 2 * 3].len() + foo::<{ 4 - 1 }>();
+                        let y = (x.clone() + self.b.clone()).try_matmul(self.w.clone())?;
+                        Ok(y * x)
+                    }
+                }
+            },
+        )
+        .to_string()
+        .replace(' ', "");
+        assert!(!out.contains("compile_error"), "{out}");
+        // the user's impl as written, then a twin per precision
+        assert!(out.contains("[0u8;2*3]"), "{out}");
+        assert!(out.contains("foo::<{4-1}>"), "{out}");
+        assert!(out.contains(".add_op()"), "{out}");
+        assert!(out.contains(".try_matmul_op()"), "{out}");
+        assert!(out.contains(".mul_op()"), "{out}");
+        // the operand of the product is the dispatch block itself, not a parenthesised one
+        assert!(out.contains("Operands::new({use"), "{out}");
+        // `.len() + foo()` dispatches too (numbers take the operator as written at run time)
+        assert_eq!(
+            out.matches(".add_op()").count(),
+            2 * super::PRECISIONS.len(),
+            "{out}"
+        );
+    }
+}
