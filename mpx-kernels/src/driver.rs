@@ -84,17 +84,15 @@ pub(crate) fn gemm_threads<'a>(
     if tiny::gemm(path, &a, &b, c, accumulate) {
         return Ok(());
     }
-    blocked(path, a, b, c, accumulate, threads);
+    blocked(path, (a, b), (c, accumulate), threads);
     Ok(())
 }
 
 /// The blocked product of [`gemm_threads`] (checked, not empty), whatever its size.
 pub(crate) fn blocked<'a>(
     path: KernelPath,
-    a: MatRef<'a>,
-    b: MatRef<'a>,
-    c: &mut [f32],
-    accumulate: bool,
+    (a, b): (MatRef<'a>, MatRef<'a>),
+    (c, accumulate): (&mut [f32], bool),
     threads: usize,
 ) {
     let (m, n, k) = (a.rows(), b.cols(), a.cols());

@@ -1354,7 +1354,7 @@ fn tiny_products_give_the_bits_of_the_blocked_kernels() {
                         continue; // not an FMA-chain path for these operands
                     }
                     let mut blocked_c = init.clone();
-                    driver::blocked(path, a, b, &mut blocked_c, accumulate, 1);
+                    driver::blocked(path, (a, b), (&mut blocked_c, accumulate), 1);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&tiny_c),

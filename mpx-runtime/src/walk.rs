@@ -36,6 +36,86 @@ pub(crate) trait Each<E: Dtype, D: Device<E>> {
     }
 }
 
+/// A read or write walk between dfdx and the walk: the walk, and its first error (dfdx's
+/// visitor can only stop on a device error, so a walk's own error is kept and the rest of the
+/// tensors skipped).
+struct Stash<'a, W, Err, Marker> {
+    walk: &'a mut W,
+    failed: Option<Err>,
+    marker: std::marker::PhantomData<fn() -> Marker>,
+}
+
+impl<'a, W, Err, Marker> Stash<'a, W, Err, Marker> {
+    fn new(walk: &'a mut W) -> Self {
+        Self {
+            walk,
+            failed: None,
+            marker: std::marker::PhantomData,
+        }
+    }
+
+    /// Runs `f` on the walk unless it failed already.
+    fn run(&mut self, f: impl FnOnce(&mut W) -> Result<(), Err>) {
+        if self.failed.is_none()
+            && let Err(e) = f(self.walk)
+        {
+            self.failed = Some(e);
+        }
+    }
+
+    /// What the walk ended with.
+    fn finish(self) -> Result<(), Err> {
+        self.failed.map_or(Ok(()), Err)
+    }
+}
+
+/// Marks a [`Stash`] of an [`Each`] walk.
+enum Reads {}
+/// Marks a [`Stash`] of an [`EachMut`] walk.
+enum Writes {}
+
+impl<W: Each<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D>
+    for Stash<'_, W, W::Error, (Reads, E, D)>
+{
+    type Viewer = ViewTensorRef;
+    type Err = D::Err;
+    type E2 = E;
+    type D2 = D;
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, E, D>,
+        t: &Tensor<S, E, D>,
+    ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
+        self.run(|w| w.tensor(opts.do_gradient_update, t));
+        Ok(None)
+    }
+    fn visit_scalar<N: NumCast>(
+        &mut self,
+        _: ScalarOptions<N>,
+        value: &N,
+    ) -> Result<Option<N>, D::Err> {
+        self.run(|w| w.scalar(value.to_f64().unwrap_or(f64::NAN)));
+        Ok(None)
+    }
+}
+
+impl<W: EachMut<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D>
+    for Stash<'_, W, W::Error, (Writes, E, D)>
+{
+    type Viewer = ViewTensorMut;
+    type Err = D::Err;
+    type E2 = E;
+    type D2 = D;
+    fn visit<S: Shape>(
+        &mut self,
+        opts: TensorOptions<S, E, D>,
+        t: &mut Tensor<S, E, D>,
+    ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
+        self.run(|w| w.tensor(opts.do_gradient_update, t));
+        Ok(None)
+    }
+}
+
 /// Hands every tensor and scalar of `m` to `walk`, in visit order, until `walk` returns an
 /// error; `err` converts a device error of the walker itself.
 pub(crate) fn each<E, D, M, W>(
@@ -49,49 +129,9 @@ where
     M: TensorCollection<E, D>,
     W: Each<E, D>,
 {
-    struct Adapter<'a, W: Each<E, D>, E: Dtype, D: Device<E>> {
-        walk: &'a mut W,
-        failed: Option<W::Error>,
-        marker: std::marker::PhantomData<fn() -> (E, D)>,
-    }
-    impl<W: Each<E, D>, E: Dtype, D: Device<E>> Adapter<'_, W, E, D> {
-        fn run(&mut self, f: impl FnOnce(&mut W) -> Result<(), W::Error>) {
-            if self.failed.is_none()
-                && let Err(e) = f(self.walk)
-            {
-                self.failed = Some(e);
-            }
-        }
-    }
-    impl<W: Each<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
-        type Viewer = ViewTensorRef;
-        type Err = D::Err;
-        type E2 = E;
-        type D2 = D;
-        fn visit<S: Shape>(
-            &mut self,
-            opts: TensorOptions<S, E, D>,
-            t: &Tensor<S, E, D>,
-        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
-            self.run(|w| w.tensor(opts.do_gradient_update, t));
-            Ok(None)
-        }
-        fn visit_scalar<N: NumCast>(
-            &mut self,
-            _: ScalarOptions<N>,
-            value: &N,
-        ) -> Result<Option<N>, D::Err> {
-            self.run(|w| w.scalar(value.to_f64().unwrap_or(f64::NAN)));
-            Ok(None)
-        }
-    }
-    let mut adapter = Adapter {
-        walk,
-        failed: None,
-        marker: std::marker::PhantomData,
-    };
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
-    adapter.failed.map_or(Ok(()), Err)
+    let mut stash = Stash::<_, _, (Reads, E, D)>::new(walk);
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut stash }).map_err(err)?;
+    stash.finish()
 }
 
 /// A walk that changes tensors in place, in visit order.
@@ -118,36 +158,9 @@ where
     M: TensorCollection<E, D>,
     W: EachMut<E, D>,
 {
-    struct Adapter<'a, W: EachMut<E, D>, E: Dtype, D: Device<E>> {
-        walk: &'a mut W,
-        failed: Option<W::Error>,
-        marker: std::marker::PhantomData<fn() -> (E, D)>,
-    }
-    impl<W: EachMut<E, D>, E: Dtype, D: Device<E>> TensorVisitor<E, D> for Adapter<'_, W, E, D> {
-        type Viewer = ViewTensorMut;
-        type Err = D::Err;
-        type E2 = E;
-        type D2 = D;
-        fn visit<S: Shape>(
-            &mut self,
-            opts: TensorOptions<S, E, D>,
-            t: &mut Tensor<S, E, D>,
-        ) -> Result<Option<Tensor<S, E, D>>, D::Err> {
-            if self.failed.is_none()
-                && let Err(e) = self.walk.tensor(opts.do_gradient_update, t)
-            {
-                self.failed = Some(e);
-            }
-            Ok(None)
-        }
-    }
-    let mut adapter = Adapter {
-        walk,
-        failed: None,
-        marker: std::marker::PhantomData,
-    };
-    M::iter_tensors(&mut RecursiveWalker { m, f: &mut adapter }).map_err(err)?;
-    adapter.failed.map_or(Ok(()), Err)
+    let mut stash = Stash::<_, _, (Writes, E, D)>::new(walk);
+    M::iter_tensors(&mut RecursiveWalker { m, f: &mut stash }).map_err(err)?;
+    stash.finish()
 }
 
 /// A walk that builds the module again in element type `E2`: each tensor mapped, each scalar

@@ -45,9 +45,7 @@ where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let (a, a_tape) = a.try_contiguous()?.split_tape();
-    let (b, b_tape) = b.try_contiguous()?.split_tape();
-    let mut tape = a_tape.merge(b_tape);
+    let (a, b, mut tape) = contiguous_pair(a, b)?;
     let shape = *a.shape();
     let n = shape.num_elements();
     let (wa, wb) = (widen(&a), widen(&b));
@@ -80,6 +78,23 @@ where
         });
     }
     Ok(y.put_tape(tape))
+}
+
+/// Two f16 operands without their tapes, and the tapes merged.
+pub(crate) type Pair<SA, SB, LT> = (Tensor<SA, f16, Cpu>, Tensor<SB, f16, Cpu>, LT);
+
+/// Two operands made contiguous (dfdx's op, with its own backward) and their tapes merged.
+pub(crate) fn contiguous_pair<SA: Shape, SB: Shape, LT, RT>(
+    a: Tensor<SA, f16, Cpu, LT>,
+    b: Tensor<SB, f16, Cpu, RT>,
+) -> Result<Pair<SA, SB, LT>, CpuError>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    let (a, a_tape) = a.try_contiguous()?.split_tape();
+    let (b, b_tape) = b.try_contiguous()?.split_tape();
+    Ok((a, b, a_tape.merge(b_tape)))
 }
 
 /// f32 values (exact f16 values) back to f16.

@@ -4,12 +4,12 @@
 //! `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
 
 use dfdx::shapes::{Dim, HasShape};
-use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{ReshapeTo, TryMatMul};
+use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::TryMatMul;
 use half::f16;
 use mpx_kernels::{MatRef, gemm};
 
-use super::binary::Operands;
+use super::binary::{Operands, contiguous_pair};
 use super::half_ops::{accumulate, grad_slice, shape_err};
 use super::scratch;
 use crate::precision::Precision;
@@ -28,9 +28,7 @@ where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let (a, a_tape) = a.try_contiguous()?.split_tape();
-    let (b, b_tape) = b.try_contiguous()?.split_tape();
-    let mut tape = a_tape.merge(b_tape);
+    let (a, b, mut tape) = contiguous_pair(a, b)?;
     let (m, k) = (a.shape().0.size(), a.shape().1.size());
     let n = b.shape().1.size();
     if b.shape().0.size() != k {
