@@ -5,7 +5,9 @@
 //!
 //! Run: `cargo run --release --example bench_transformer [-- --rounds 21] [--keep-buffers]`
 //! (`--keep-buffers`: the whole run holds an `mpx::settings::KeepBuffers`, so mpx's layers keep
-//! their large buffers from step to step instead of allocating them again).
+//! their large buffers from step to step instead of allocating them again; `--avx2`: mpx's GEMM
+//! forced to its AVX2 + FMA path, the instructions of a CPU without AVX-512 such as a Zen 3,
+//! while mpx's element-wise passes and dfdx's own f32 kernels keep what this CPU has).
 
 #[path = "common/measure.rs"]
 mod measure;
@@ -84,10 +86,22 @@ struct Args {
     /// Hold a `KeepBuffers` for the whole run.
     #[arg(long)]
     keep_buffers: bool,
+    /// Force mpx's GEMM to its AVX2 + FMA path.
+    #[arg(long)]
+    avx2: bool,
 }
 
 fn main() {
     let args = Args::parse();
+    if args.avx2 {
+        use mpx::__bench::{KernelPath, with_path};
+        with_path(KernelPath::Avx2Fma, || run(&args)).expect("this CPU has AVX2 and FMA");
+    } else {
+        run(&args);
+    }
+}
+
+fn run(args: &Args) {
     let _keep = args.keep_buffers.then(mpx::settings::KeepBuffers::new);
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Classifier, f32>();
@@ -116,13 +130,14 @@ fn main() {
     );
     let cpu = measure::cpu_name();
     println!(
-        "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {}, {cpu}",
+        "dfdx transformer classifier (embedding {VOCAB}x{DIM}, 2 encoder blocks of 4 heads, ff 128, batch {BATCH} x seq {SEQ}), {} rounds, {}, mpx's GEMM on {:?}, {cpu}",
         args.rounds,
         if args.keep_buffers {
             "buffers kept (KeepBuffers)"
         } else {
             "no buffers kept (default)"
-        }
+        },
+        mpx::__bench::active_path()
     );
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     println!("f32  step {:8.3} ms  loss {l32:.4}", ms(times[0]));
