@@ -933,8 +933,10 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
         &self,
         (x0, x1): (Tensor<Rank2<4, 3>, E, D, T>, Tensor<Rank2<4, 3>, E, D>),
     ) -> Result<Self::Output, D::Err> {
-        // index arithmetic and a const length stay as written
-        let repeats = [0u8; 2 * 2].len() - 3;
+        // index arithmetic and a const length stay as written, and so do a helper's methods of
+        // dfdx's names taking `&self` (through a reference, as docs/dsl.md says)
+        let gain = Gain(2);
+        let repeats = [0u8; 2 * 2].len() - (&gain).try_mul(1) - (&gain).try_mul(0) - 1;
         let (h, tape) = self.wx.try_forward(x0)?.try_tanh()?.split_tape();
         let gate = self.wx.try_forward(x1)?.try_sigmoid()?;
         let mut y = self.wh.try_forward(h.clone().put_tape(tape))? + h.clone();
@@ -944,6 +946,15 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
         }
         let half = E::from_f32(0.5).expect("0.5 in every element type");
         self.out.try_forward(y.try_mul(half)? * h)
+    }
+}
+
+/// A helper of the user's own with a method named as dfdx's tensor op, taking `&self`.
+struct Gain(usize);
+
+impl Gain {
+    fn try_mul(&self, x: usize) -> usize {
+        self.0 * x
     }
 }
 

@@ -20,13 +20,12 @@ pub use dfdx;
 
 /// `a + b`, `a - b`, `a * b`, their `try_` methods and `matmul` / `try_matmul` in a
 /// `#[half_forward]` working copy's code: mpx's op for two f16 tensors (`HalfOps`, of one shape;
-/// `HalfMatMul`, two matrices), the operator as written for anything else (`Any*`), by autoref:
-/// `(&Operands::new(a, b)).add_op()`.
+/// `HalfMatMul`, two matrices), `None` for anything else (`AsWritten`), by autoref:
+/// `(&Operands::new(a, b)).add_op()`; on `None` the generated code runs the operator or method
+/// as written on the two values (`Operands::into_inner`).
 pub mod binary {
-    pub use crate::nn::binary::{
-        AnyAdd, AnyMul, AnySub, AnyTryAdd, AnyTryMul, AnyTrySub, HalfOps, Operands,
-    };
-    pub use crate::nn::matmul::{AnyMatMul, HalfMatMul};
+    pub use crate::nn::binary::{AsWritten, HalfOps, Operands};
+    pub use crate::nn::matmul::HalfMatMul;
 }
 
 /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`

@@ -266,11 +266,17 @@ impl Concrete<'_> {
         syn::visit_mut::visit_type_mut(self, t);
     }
 
-    /// `a op b` (or `a.try_op(b)`) as mpx's op for half tensors, else as written.
-    fn binary(&self, a: &syn::Expr, b: &syn::Expr, method: &str, any: &str) -> syn::Expr {
+    /// `a op b` (or `a.method(b)`) as mpx's op where both are half tensors, else exactly as
+    /// written (`written`, given the two operands' names), on the same two values.
+    fn binary(
+        &self,
+        (a, b): (&syn::Expr, &syn::Expr),
+        dispatch: &str,
+        written: impl FnOnce(&syn::Ident, &syn::Ident) -> TokenStream,
+    ) -> syn::Expr {
         let rt = self.rt;
-        let method = syn::Ident::new(method, proc_macro2::Span::call_site());
-        let any = syn::Ident::new(any, proc_macro2::Span::call_site());
+        let site = proc_macro2::Span::call_site();
+        let dispatch = syn::Ident::new(dispatch, site);
         // an operand's own parentheses are not needed as an argument (nor warned about)
         let unparen = |e: &syn::Expr| -> syn::Expr {
             match e {
@@ -279,14 +285,26 @@ impl Concrete<'_> {
             }
         };
         let (a, b) = (unparen(a), unparen(b));
-        let half = if any == "AnyMatMul" {
+        let half = if dispatch.to_string().contains("matmul") {
             quote!(HalfMatMul)
         } else {
             quote!(HalfOps)
         };
+        let (x, y) = (
+            syn::Ident::new("__mpx_a", site),
+            syn::Ident::new("__mpx_b", site),
+        );
+        let written = written(&x, &y);
         syn::parse_quote!({
-            use #rt::__private::binary::{#any as _, #half as _};
-            (&#rt::__private::binary::Operands::new(#a, #b)).#method()
+            use #rt::__private::binary::{AsWritten as _, #half as _};
+            let __mpx_ops = #rt::__private::binary::Operands::new(#a, #b);
+            match (&__mpx_ops).#dispatch() {
+                ::core::option::Option::Some(__mpx_out) => __mpx_out,
+                ::core::option::Option::None => {
+                    let (#x, #y) = __mpx_ops.into_inner();
+                    #written
+                }
+            }
         })
     }
 }
@@ -326,29 +344,44 @@ impl VisitMut for Concrete<'_> {
             return;
         }
         // the element-wise ops and the matrix product of two half tensors run as mpx's
-        // (`nn::binary`, `nn::matmul`), anything else as written
-        let binary = match &*e {
-            syn::Expr::Binary(b) => match b.op {
-                syn::BinOp::Add(_) => Some((&*b.left, &*b.right, "add_op", "AnyAdd")),
-                syn::BinOp::Sub(_) => Some((&*b.left, &*b.right, "sub_op", "AnySub")),
-                syn::BinOp::Mul(_) => Some((&*b.left, &*b.right, "mul_op", "AnyMul")),
-                _ => None,
-            },
-            syn::Expr::MethodCall(m) if m.args.len() == 1 && m.turbofish.is_none() => {
-                let arg = &m.args[0];
-                match m.method.to_string().as_str() {
-                    "try_add" => Some((&*m.receiver, arg, "try_add_op", "AnyTryAdd")),
-                    "try_sub" => Some((&*m.receiver, arg, "try_sub_op", "AnyTrySub")),
-                    "try_mul" => Some((&*m.receiver, arg, "try_mul_op", "AnyTryMul")),
-                    "matmul" => Some((&*m.receiver, arg, "matmul_op", "AnyMatMul")),
-                    "try_matmul" => Some((&*m.receiver, arg, "try_matmul_op", "AnyMatMul")),
+        // (`nn::binary`, `nn::matmul`); any other operands, as written. A method's receiver
+        // that is a field is left alone: moving it out would not compile (and a tensor's
+        // `try_add` / `matmul`, which take it by value, cannot have one there).
+        let rewritten = match &*e {
+            syn::Expr::Binary(bin) => {
+                let dispatch = match bin.op {
+                    syn::BinOp::Add(_) => Some("add_op"),
+                    syn::BinOp::Sub(_) => Some("sub_op"),
+                    syn::BinOp::Mul(_) => Some("mul_op"),
                     _ => None,
-                }
+                };
+                dispatch.map(|d| {
+                    let op = bin.op;
+                    self.binary((&bin.left, &bin.right), d, |x, y| quote!(#x #op #y))
+                })
+            }
+            syn::Expr::MethodCall(m)
+                if m.args.len() == 1
+                    && m.turbofish.is_none()
+                    && !matches!(&*m.receiver, syn::Expr::Field(_)) =>
+            {
+                let dispatch = match m.method.to_string().as_str() {
+                    "try_add" => Some("try_add_op"),
+                    "try_sub" => Some("try_sub_op"),
+                    "try_mul" => Some("try_mul_op"),
+                    "matmul" => Some("matmul_op"),
+                    "try_matmul" => Some("try_matmul_op"),
+                    _ => None,
+                };
+                dispatch.map(|d| {
+                    let method = &m.method;
+                    self.binary((&m.receiver, &m.args[0]), d, |x, y| quote!(#x.#method(#y)))
+                })
             }
             _ => None,
         };
-        if let Some((a, b, method, any)) = binary {
-            *e = self.binary(a, b, method, any);
+        if let Some(r) = rewritten {
+            *e = r;
             return;
         }
         // the activations written as tensor methods run as mpx's layers, as the layers of the
@@ -424,8 +457,11 @@ mod tests {
         assert!(out.contains(".add_op()"), "{out}");
         assert!(out.contains(".try_matmul_op()"), "{out}");
         assert!(out.contains(".mul_op()"), "{out}");
-        // the operand of the product is the dispatch block itself, not a parenthesised one
+        // the operand of the product is the dispatch block itself, not a parenthesised one,
+        // and each op as written follows for any other operands
         assert!(out.contains("Operands::new({use"), "{out}");
+        assert!(out.contains("__mpx_a.try_matmul(__mpx_b)"), "{out}");
+        assert!(out.contains("__mpx_a*__mpx_b"), "{out}");
         // `.len() + foo()` dispatches too (numbers take the operator as written at run time)
         assert_eq!(
             out.matches(".add_op()").count(),

@@ -9,8 +9,8 @@
 //! likewise `db`. Operands are made contiguous first (dfdx's own op, with its own backward).
 
 use dfdx::shapes::{HasShape, Shape};
-use dfdx::tensor::{Cpu, CpuError, HasErr, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{ReshapeTo, TryAdd, TryMul, TrySub};
+use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
+use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
 use super::half_ops::{accumulate, grad_slice, widen};
@@ -127,8 +127,10 @@ fn derivative(d: &[f16], dy: &[f32]) -> Vec<f32> {
 }
 
 /// The operands of `a op b` in a `#[half_forward]` working copy's code, for the dispatch of
-/// [`HalfOps`] and [`AnyOps`]: two f16 tensors of one shape take mpx's op, anything else (a
-/// scalar, another element type, numbers) the operator as written. Generated code only.
+/// [`HalfOps`] and [`AsWritten`]: two f16 tensors of one shape take mpx's op (`Some`); for any
+/// other operands the dispatch gives `None` and the generated code runs the operator or method
+/// exactly as the user wrote it, on the same two values ([`Operands::into_inner`]). Generated
+/// code only.
 #[doc(hidden)]
 #[allow(missing_debug_implementations)]
 pub struct Operands<A, B>(std::cell::Cell<Option<(A, B)>>);
@@ -139,30 +141,36 @@ impl<A, B> Operands<A, B> {
         Self(std::cell::Cell::new(Some((a, b))))
     }
 
+    /// The two operands back, for the op as written (after the dispatch gave `None`).
+    ///
+    /// # Panics
+    /// After an op took them (generated code never asks then).
+    pub fn into_inner(self) -> (A, B) {
+        self.take()
+    }
+
     pub(crate) fn take(&self) -> (A, B) {
         self.0.take().expect("each operand pair is used once")
     }
 }
 
-/// The ops on two f16 tensors of one shape (picked first: `(&operands).add_op()`).
+/// The ops on two f16 tensors of one shape (picked first: `(&operands).add_op()` is `Some`).
 #[doc(hidden)]
 pub trait HalfOps {
     /// The op's output.
     type Output;
-    /// The op's fallible output.
-    type TryOutput;
     /// `a + b`.
-    fn add_op(&self) -> Self::Output;
+    fn add_op(&self) -> Option<Self::Output>;
     /// `a - b`.
-    fn sub_op(&self) -> Self::Output;
+    fn sub_op(&self) -> Option<Self::Output>;
     /// `a * b`.
-    fn mul_op(&self) -> Self::Output;
+    fn mul_op(&self) -> Option<Self::Output>;
     /// `a.try_add(b)`.
-    fn try_add_op(&self) -> Self::TryOutput;
+    fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>>;
     /// `a.try_sub(b)`.
-    fn try_sub_op(&self) -> Self::TryOutput;
+    fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>>;
     /// `a.try_mul(b)`.
-    fn try_mul_op(&self) -> Self::TryOutput;
+    fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>>;
 }
 
 impl<S: Shape, LT, RT> HalfOps for Operands<Tensor<S, f16, Cpu, LT>, Tensor<S, f16, Cpu, RT>>
@@ -171,70 +179,77 @@ where
     RT: Tape<f16, Cpu>,
 {
     type Output = Tensor<S, f16, Cpu, LT>;
-    type TryOutput = Result<Tensor<S, f16, Cpu, LT>, CpuError>;
-    fn add_op(&self) -> Self::Output {
-        self.try_add_op().unwrap()
+    fn add_op(&self) -> Option<Self::Output> {
+        self.try_add_op().map(Result::unwrap)
     }
-    fn sub_op(&self) -> Self::Output {
-        self.try_sub_op().unwrap()
+    fn sub_op(&self) -> Option<Self::Output> {
+        self.try_sub_op().map(Result::unwrap)
     }
-    fn mul_op(&self) -> Self::Output {
-        self.try_mul_op().unwrap()
+    fn mul_op(&self) -> Option<Self::Output> {
+        self.try_mul_op().map(Result::unwrap)
     }
-    fn try_add_op(&self) -> Self::TryOutput {
+    fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        binary(Op::Add, a, b)
+        Some(binary(Op::Add, a, b))
     }
-    fn try_sub_op(&self) -> Self::TryOutput {
+    fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        binary(Op::Sub, a, b)
+        Some(binary(Op::Sub, a, b))
     }
-    fn try_mul_op(&self) -> Self::TryOutput {
+    fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        binary(Op::Mul, a, b)
+        Some(binary(Op::Mul, a, b))
     }
 }
 
-/// The operators as written, for every other pair of operands (picked when [`HalfOps`] does
-/// not apply: `(&operands)` autorefs to `&&Operands`), one trait per op, each with its own
-/// bound.
-macro_rules! any_ops {
-    ($($tr:ident $method:ident: $op:ident::$call:ident -> $out:ty;)*) => {$(
-        #[doc(hidden)]
-        pub trait $tr {
-            /// The operator's output.
-            type Output;
-            /// The operator as written.
-            fn $method(&self) -> Self::Output;
-        }
-        impl<A, B> $tr for &Operands<A, B>
-        where
-            A: $op<B>,
-        {
-            type Output = $out;
-            fn $method(&self) -> Self::Output {
-                let (a, b) = self.take();
-                <A as $op<B>>::$call(a, b)
-            }
-        }
-    )*};
+/// Every other pair of operands (picked when [`HalfOps`] or
+/// [`HalfMatMul`](super::matmul::HalfMatMul) does not apply: `(&operands)` autorefs to
+/// `&&Operands`): `None`, of whatever type the op as written has, which the generated code then
+/// runs.
+#[doc(hidden)]
+pub trait AsWritten {
+    /// `None`: the operator as written runs.
+    fn add_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the operator as written runs.
+    fn sub_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the operator as written runs.
+    fn mul_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the method as written runs.
+    fn try_add_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the method as written runs.
+    fn try_sub_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the method as written runs.
+    fn try_mul_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the method as written runs.
+    fn matmul_op<T>(&self) -> Option<T> {
+        None
+    }
+    /// `None`: the method as written runs.
+    fn try_matmul_op<T>(&self) -> Option<T> {
+        None
+    }
 }
-use std::ops::{Add, Mul, Sub};
-any_ops! {
-    AnyAdd add_op: Add::add -> <A as Add<B>>::Output;
-    AnySub sub_op: Sub::sub -> <A as Sub<B>>::Output;
-    AnyMul mul_op: Mul::mul -> <A as Mul<B>>::Output;
-    AnyTryAdd try_add_op: TryAdd::try_add -> Result<A, <A as HasErr>::Err>;
-    AnyTrySub try_sub_op: TrySub::try_sub -> Result<A, <A as HasErr>::Err>;
-    AnyTryMul try_mul_op: TryMul::try_mul -> Result<A, <A as HasErr>::Err>;
-}
+
+impl<A, B> AsWritten for &Operands<A, B> {}
 
 #[cfg(test)]
 mod tests {
     use dfdx::prelude::*;
     use half::f16;
 
-    use super::{AnyAdd as _, AnyTryMul as _, HalfOps as _, Operands};
+    use super::{AsWritten as _, HalfOps as _, Operands};
 
     /// f16 values over the whole range: zeros of both signs, subnormals, values whose sums and
     /// products overflow, and ordinary ones.
@@ -292,18 +307,19 @@ mod tests {
     }
 
     /// Through the dispatch: two f16 tensors (one taped, one not, as in a residual) take mpx's
-    /// op and match dfdx's; anything else takes the operator as written.
+    /// op and match dfdx's; anything else gives `None`, for the op as written.
     #[test]
     #[allow(
         clippy::needless_borrow,
         reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
     )]
-    fn the_dispatch_takes_mpxs_op_for_half_tensors_and_the_operator_for_the_rest() {
+    fn the_dispatch_takes_mpxs_op_for_half_tensors_and_leaves_the_rest_as_written() {
         let dev = Cpu::default();
         let a: Tensor<Rank1<6>, f16, Cpu> = dev.tensor_from_vec(values(6, 3), (Const,));
         let b: Tensor<Rank1<6>, f16, Cpu> = dev.tensor_from_vec(values(6, 4), (Const,));
         let ours = (&Operands::new(a.leaky_trace(), b.clone()))
             .try_mul_op()
+            .expect("two f16 tensors take mpx's op")
             .unwrap();
         let theirs = a.leaky_trace().try_mul(b.clone()).unwrap();
         assert_eq!(bits(&ours.as_vec()), bits(&theirs.as_vec()));
@@ -312,12 +328,16 @@ mod tests {
             bits(&g_ours.get(&a).as_vec()),
             bits(&g_theirs.get(&a).as_vec())
         );
-        // numbers, an f32 tensor and a tensor times a scalar: the operators as written
-        assert_eq!((&Operands::new(2usize, 3usize)).add_op(), 5);
+        // numbers, f32 tensors, a tensor and a scalar: `None`, and the values come back intact
+        let n = Operands::new(2usize, 3usize);
+        assert!((&n).add_op::<usize>().is_none());
+        assert_eq!(n.into_inner(), (2, 3));
         let x: Tensor<Rank1<2>, f32, Cpu> = dev.tensor([1.0, 2.0]);
-        let y = (&Operands::new(x.clone(), x.clone())).add_op();
-        assert_eq!(y.array(), [2.0, 4.0]);
-        let z = (&Operands::new(x, 3.0f32)).try_mul_op().unwrap();
-        assert_eq!(z.array(), [3.0, 6.0]);
+        let ops = Operands::new(x.clone(), x.clone());
+        assert!((&ops).add_op::<Tensor<Rank1<2>, f32, Cpu>>().is_none());
+        let (l, r) = ops.into_inner();
+        assert_eq!((l + r).array(), [2.0, 4.0]);
+        let ops = Operands::new(x, 3.0f32);
+        assert!((&ops).try_mul_op::<()>().is_none());
     }
 }
