@@ -934,9 +934,9 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
         (x0, x1): (Tensor<Rank2<4, 3>, E, D, T>, Tensor<Rank2<4, 3>, E, D>),
     ) -> Result<Self::Output, D::Err> {
         // index arithmetic and a const length stay as written, and so do a helper's methods of
-        // dfdx's names taking `&self` (through a reference, as docs/dsl.md says)
+        // dfdx's names taking `&self` (called by path, as docs/dsl.md says)
         let gain = Gain(2);
-        let repeats = [0u8; 2 * 2].len() - (&gain).try_mul(1) - (&gain).try_mul(0) - 1;
+        let repeats = [0u8; 2 * 2].len() - Gain::try_mul(&gain, 1) - Gain::try_mul(&gain, 0) - 1;
         let (h, tape) = self.wx.try_forward(x0)?.try_tanh()?.split_tape();
         let gate = self.wx.try_forward(x1)?.try_sigmoid()?;
         let mut y = self.wh.try_forward(h.clone().put_tape(tape))? + h.clone();
