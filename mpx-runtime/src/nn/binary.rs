@@ -202,45 +202,34 @@ where
     }
 }
 
-/// Every other pair of operands (picked when [`HalfOps`] or
-/// [`HalfMatMul`](super::matmul::HalfMatMul) does not apply: `(&operands)` autorefs to
-/// `&&Operands`): `None`, of whatever type the op as written has, which the generated code then
-/// runs.
-#[doc(hidden)]
-pub trait AsWritten {
-    /// `None`: the operator as written runs.
-    fn add_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the operator as written runs.
-    fn sub_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the operator as written runs.
-    fn mul_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the method as written runs.
-    fn try_add_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the method as written runs.
-    fn try_sub_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the method as written runs.
-    fn try_mul_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the method as written runs.
-    fn matmul_op<T>(&self) -> Option<T> {
-        None
-    }
-    /// `None`: the method as written runs.
-    fn try_matmul_op<T>(&self) -> Option<T> {
-        None
-    }
+/// [`AsWritten`] with a `None` method per op.
+macro_rules! as_written {
+    ($($method:ident),*) => {
+        /// Every other pair of operands (picked when [`HalfOps`] or
+        /// [`HalfMatMul`](super::matmul::HalfMatMul) does not apply: `(&operands)` autorefs to
+        /// `&&Operands`): `None`, of whatever type the op as written has, which the generated
+        /// code then runs.
+        #[doc(hidden)]
+        pub trait AsWritten {
+            $(
+                /// `None`: the op as written runs.
+                fn $method<T>(&self) -> Option<T> {
+                    None
+                }
+            )*
+        }
+    };
 }
+as_written!(
+    add_op,
+    sub_op,
+    mul_op,
+    try_add_op,
+    try_sub_op,
+    try_mul_op,
+    matmul_op,
+    try_matmul_op
+);
 
 impl<A, B> AsWritten for &Operands<A, B> {}
 
