@@ -1036,3 +1036,174 @@ fn a_users_cell_with_element_wise_ops_trains_like_its_f32_twin_on_mpxs_layers() 
     let first = first.unwrap().0;
     assert!(f < first, "the f32 loss went from {first} to {f}");
 }
+
+// ---- the twins' ops on every shape of code ---------------------------------------------------
+
+/// A user's module whose forward code mixes the ops `#[half_forward]` dispatches with everything
+/// around them: a broadcast bias (a non-contiguous operand), a scalar of the element type,
+/// negation, a closure, an iterator's sum, a tape split and put back, the square of a value
+/// taken twice. Each precision's twin compiles it as written and trains like the f32 step.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Mixer<E: Dtype, D: Device<E>> {
+    w: Tensor<Rank2<4, 4>, E, D>,
+    b: Tensor<Rank1<4>, E, D>,
+    l: dfdx::nn::modules::Linear<4, 4, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Mixer<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Mixer<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::tensor("w", |s| &s.w, |s| &mut s.w, TensorOptions::reset_to_ones()),
+                Self::tensor("b", |s| &s.b, |s| &mut s.b, TensorOptions::reset_to_zeros()),
+                Self::module("l", |s| &s.l, |s| &mut s.l),
+            ),
+            |(w, b, l)| Mixer { w, b, l },
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>> for Mixer<E, D> {
+    type Output = Tensor<Rank2<3, 4>, E, D, T>;
+    type Error = D::Err;
+    fn try_forward(&self, x: Tensor<Rank2<3, 4>, E, D, T>) -> Result<Self::Output, D::Err> {
+        // broadcast bias (non-contiguous rhs), scalar ops, negation, closures, iterators
+        let y = x.try_matmul(self.w.clone())? + self.b.clone().broadcast();
+        let half = E::from_f32(0.5).unwrap();
+        let y = y * half;
+        let y = -y;
+        let f = |t: Tensor<Rank2<3, 4>, E, D, T>| t.try_mul(half);
+        let y = f(y)?;
+        let n: usize = (0..3).map(|i| i * 2 + 1).sum();
+        let mut y = y;
+        for _ in 0..(n - 8) {
+            y = y.try_sub(
+                self.l
+                    .try_forward(self.b.clone().broadcast::<Rank2<3, 4>, _>())?,
+            )?;
+        }
+        let (y, tape) = y.split_tape();
+        let z = y.clone() * y.clone();
+        let y = y.put_tape(tape) + z;
+        self.l.try_forward(y)
+    }
+}
+
+type MixerF32 = Mixer<f32, Cpu>;
+
+#[mixed_step(scaling = scaler)]
+fn mixer_step(
+    model: &mut MixerF32,
+    opt: &mut Sgd<MixerF32, f32, Cpu>,
+    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let y = model.forward(x.trace(model.alloc_grads()));
+    let loss = y.square().mean();
+    let v = loss.array();
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+fn mixer_step_f32(
+    model: &mut MixerF32,
+    opt: &mut Sgd<MixerF32, f32, Cpu>,
+    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
+) -> f32 {
+    let y = model.forward(x.trace(model.alloc_grads()));
+    let loss = y.square().mean();
+    let v = loss.array();
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+/// `f16`: the ops of half tensors on mpx's kernels, everything else as written.
+#[test]
+fn a_module_with_broadcasts_scalars_closures_and_a_split_tape_trains_like_f32() {
+    let dev = Cpu::seed_from_u64(3);
+    let m: MixerF32 = Mixer {
+        w: dev.sample_normal() * 0.3,
+        b: dev.sample_normal() * 0.1,
+        l: BuildModule::build(&dev),
+    };
+    let (mut a, mut b) = (m.clone(), m);
+    let (mut oa, mut ob) = (
+        Sgd::new(&a, Default::default()),
+        Sgd::new(&b, Default::default()),
+    );
+    let mut s = GradScaler::default();
+    for k in 0..5 {
+        let x: Tensor<Rank2<3, 4>, f32, Cpu> = Cpu::seed_from_u64(k).sample_normal();
+        let (f, h) = (
+            mixer_step_f32(&mut a, &mut oa, &x),
+            mixer_step(&mut b, &mut ob, &x, &mut s),
+        );
+        assert!((f - h).abs() < 2e-2 * f.abs().max(1e-2), "{f} {h}");
+    }
+    assert!(s.last_step().unwrap().mpx_layers);
+}
+
+#[mixed_step(scaling = scaler)]
+fn mixer_step_bf16(
+    model: &mut MixerF32,
+    opt: &mut Sgd<MixerF32, f32, Cpu>,
+    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
+    scaler: &mut GradScaler<mpx::precision::bf16>,
+) -> f32 {
+    let y = model.forward(x.trace(model.alloc_grads()));
+    let loss = y.square().mean();
+    let v = loss.array();
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+#[mixed_step(scaling = scaler)]
+fn mixer_step_amp(
+    model: &mut MixerF32,
+    opt: &mut Sgd<MixerF32, f32, Cpu>,
+    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
+    scaler: &mut GradScaler<mpx::precision::AMP<mpx::precision::f16>>,
+) -> f32 {
+    let y = model.forward(x.trace(model.alloc_grads()));
+    let loss = y.square().mean();
+    let v = loss.array();
+    opt.update(model, &loss.backward()).unwrap();
+    v
+}
+
+/// `bf16` and `AMP<f16>`: every op as written (dfdx's), the same code compiling in each twin.
+#[test]
+fn the_same_module_trains_like_f32_in_bf16_and_amp_f16_too() {
+    let dev = Cpu::seed_from_u64(3);
+    let m: MixerF32 = Mixer {
+        w: dev.sample_normal() * 0.3,
+        b: dev.sample_normal() * 0.1,
+        l: BuildModule::build(&dev),
+    };
+    let (mut a, mut b, mut c) = (m.clone(), m.clone(), m);
+    let (mut oa, mut ob, mut oc) = (
+        Sgd::new(&a, Default::default()),
+        Sgd::new(&b, Default::default()),
+        Sgd::new(&c, Default::default()),
+    );
+    let (mut sb, mut sc) = (
+        GradScaler::<mpx::precision::bf16>::default(),
+        GradScaler::<mpx::precision::AMP<mpx::precision::f16>>::default(),
+    );
+    for k in 0..5 {
+        let x: Tensor<Rank2<3, 4>, f32, Cpu> = Cpu::seed_from_u64(k).sample_normal();
+        let (f, h, g) = (
+            mixer_step_f32(&mut a, &mut oa, &x),
+            mixer_step_bf16(&mut b, &mut ob, &x, &mut sb),
+            mixer_step_amp(&mut c, &mut oc, &x, &mut sc),
+        );
+        assert!((f - h).abs() < 5e-2 * f.abs().max(1e-2), "{f} {h}");
+        assert!((f - g).abs() < 2e-2 * f.abs().max(1e-2), "{f} {g}");
+    }
+}
