@@ -1096,36 +1096,41 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>>
 }
 
 type MixerF32 = Mixer<f32, Cpu>;
+type MixerSgd = Sgd<MixerF32, f32, Cpu>;
+type X34 = Tensor<Rank2<3, 4>, f32, Cpu>;
 
-#[mixed_step(scaling = scaler)]
-fn mixer_step(
-    model: &mut MixerF32,
-    opt: &mut Sgd<MixerF32, f32, Cpu>,
-    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
-    scaler: &mut GradScaler,
-) -> f32 {
-    let y = model.forward(x.trace(model.alloc_grads()));
-    let loss = y.square().mean();
-    let v = loss.array();
-    opt.update(model, &loss.backward()).unwrap();
-    v
+/// One step, written once: in f32 as `$f32`, and through `#[mixed_step]` in each precision.
+macro_rules! mixer_steps {
+    ($f32:ident, $($mixed:ident: $h:ty),* => |$model:ident, $opt:ident, $x:ident| $body:block) => {
+        fn $f32($model: &mut MixerF32, $opt: &mut MixerSgd, $x: &X34) -> f32 $body
+        $(
+            #[mixed_step(scaling = scaler)]
+            fn $mixed(
+                $model: &mut MixerF32,
+                $opt: &mut MixerSgd,
+                $x: &X34,
+                scaler: &mut GradScaler<$h>,
+            ) -> f32 $body
+        )*
+    };
 }
 
-fn mixer_step_f32(
-    model: &mut MixerF32,
-    opt: &mut Sgd<MixerF32, f32, Cpu>,
-    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
-) -> f32 {
-    let y = model.forward(x.trace(model.alloc_grads()));
-    let loss = y.square().mean();
-    let v = loss.array();
-    opt.update(model, &loss.backward()).unwrap();
-    v
-}
+mixer_steps!(mixer_step_f32,
+    mixer_step_f16: f16,
+    mixer_step_bf16: mpx::precision::bf16,
+    mixer_step_amp: mpx::precision::AMP<f16>
+    => |model, opt, x| {
+        let y = model.forward(x.trace(model.alloc_grads()));
+        let loss = y.square().mean();
+        let v = loss.array();
+        opt.update(model, &loss.backward()).unwrap();
+        v
+    }
+);
 
-/// `f16`: the ops of half tensors on mpx's kernels, everything else as written.
-#[test]
-fn a_module_with_broadcasts_scalars_closures_and_a_split_tape_trains_like_f32() {
+/// Five steps of the f32 step and of `mixed` from one start: each mixed loss within `tol`
+/// (relative) of the f32 one.
+fn mixer_tracks_f32(mixed: &mut dyn FnMut(&mut MixerF32, &mut MixerSgd, &X34) -> f32, tol: f32) {
     let dev = Cpu::seed_from_u64(3);
     let m: MixerF32 = Mixer {
         w: dev.sample_normal() * 0.3,
@@ -1137,73 +1142,29 @@ fn a_module_with_broadcasts_scalars_closures_and_a_split_tape_trains_like_f32() 
         Sgd::new(&a, Default::default()),
         Sgd::new(&b, Default::default()),
     );
-    let mut s = GradScaler::default();
     for k in 0..5 {
-        let x: Tensor<Rank2<3, 4>, f32, Cpu> = Cpu::seed_from_u64(k).sample_normal();
+        let x: X34 = Cpu::seed_from_u64(k).sample_normal();
         let (f, h) = (
             mixer_step_f32(&mut a, &mut oa, &x),
-            mixer_step(&mut b, &mut ob, &x, &mut s),
+            mixed(&mut b, &mut ob, &x),
         );
-        assert!((f - h).abs() < 2e-2 * f.abs().max(1e-2), "{f} {h}");
+        assert!((f - h).abs() < tol * f.abs().max(1e-2), "f32 {f} mixed {h}");
     }
+}
+
+/// `f16`: the ops of half tensors on mpx's kernels, everything else as written.
+#[test]
+fn a_module_with_broadcasts_scalars_closures_and_a_split_tape_trains_like_f32() {
+    let mut s = GradScaler::<f16>::default();
+    mixer_tracks_f32(&mut |m, o, x| mixer_step_f16(m, o, x, &mut s), 2e-2);
     assert!(s.last_step().unwrap().mpx_layers);
-}
-
-#[mixed_step(scaling = scaler)]
-fn mixer_step_bf16(
-    model: &mut MixerF32,
-    opt: &mut Sgd<MixerF32, f32, Cpu>,
-    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
-    scaler: &mut GradScaler<mpx::precision::bf16>,
-) -> f32 {
-    let y = model.forward(x.trace(model.alloc_grads()));
-    let loss = y.square().mean();
-    let v = loss.array();
-    opt.update(model, &loss.backward()).unwrap();
-    v
-}
-
-#[mixed_step(scaling = scaler)]
-fn mixer_step_amp(
-    model: &mut MixerF32,
-    opt: &mut Sgd<MixerF32, f32, Cpu>,
-    x: &Tensor<Rank2<3, 4>, f32, Cpu>,
-    scaler: &mut GradScaler<mpx::precision::AMP<mpx::precision::f16>>,
-) -> f32 {
-    let y = model.forward(x.trace(model.alloc_grads()));
-    let loss = y.square().mean();
-    let v = loss.array();
-    opt.update(model, &loss.backward()).unwrap();
-    v
 }
 
 /// `bf16` and `AMP<f16>`: every op as written (dfdx's), the same code compiling in each twin.
 #[test]
 fn the_same_module_trains_like_f32_in_bf16_and_amp_f16_too() {
-    let dev = Cpu::seed_from_u64(3);
-    let m: MixerF32 = Mixer {
-        w: dev.sample_normal() * 0.3,
-        b: dev.sample_normal() * 0.1,
-        l: BuildModule::build(&dev),
-    };
-    let (mut a, mut b, mut c) = (m.clone(), m.clone(), m);
-    let (mut oa, mut ob, mut oc) = (
-        Sgd::new(&a, Default::default()),
-        Sgd::new(&b, Default::default()),
-        Sgd::new(&c, Default::default()),
-    );
-    let (mut sb, mut sc) = (
-        GradScaler::<mpx::precision::bf16>::default(),
-        GradScaler::<mpx::precision::AMP<mpx::precision::f16>>::default(),
-    );
-    for k in 0..5 {
-        let x: Tensor<Rank2<3, 4>, f32, Cpu> = Cpu::seed_from_u64(k).sample_normal();
-        let (f, h, g) = (
-            mixer_step_f32(&mut a, &mut oa, &x),
-            mixer_step_bf16(&mut b, &mut ob, &x, &mut sb),
-            mixer_step_amp(&mut c, &mut oc, &x, &mut sc),
-        );
-        assert!((f - h).abs() < 5e-2 * f.abs().max(1e-2), "{f} {h}");
-        assert!((f - g).abs() < 2e-2 * f.abs().max(1e-2), "{f} {g}");
-    }
+    let mut s = GradScaler::<mpx::precision::bf16>::default();
+    mixer_tracks_f32(&mut |m, o, x| mixer_step_bf16(m, o, x, &mut s), 5e-2);
+    let mut s = GradScaler::<mpx::precision::AMP<f16>>::default();
+    mixer_tracks_f32(&mut |m, o, x| mixer_step_amp(m, o, x, &mut s), 2e-2);
 }

@@ -179,7 +179,7 @@ pub(crate) fn blocking(caches: &Caches, (mr, nr, elem): (usize, usize, usize), k
 /// The fixed blocking the AVX2 path used before it was sized to the caches (kept for
 /// comparison: [`Sizing::Fixed`]).
 pub(crate) const AVX2_FIXED: Blocking = Blocking {
-    kc: 256,
+    kc: AVX2_KC,
     mc: 72,
     nc: 512,
 };
@@ -215,7 +215,7 @@ impl Sizing {
 
 /// The AVX2 kernel's micro-tile and the `kc` its arithmetic fixes (see the module docs).
 pub(crate) const AVX2_TILE: (usize, usize, usize) = (6, 16, 4);
-pub(crate) const AVX2_KC: usize = 256;
+pub(crate) const AVX2_KC: usize = super::tile::KC;
 
 fn avx2_blocking_for(sizing: Sizing) -> Blocking {
     match sizing {

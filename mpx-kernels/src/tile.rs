@@ -17,6 +17,12 @@ use super::pool;
 /// of the packed slices themselves.
 pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], *mut f32, usize);
 
+/// The k block of the FMA micro-kernels (AVX-512's packed ones, AVX2's strided one, and the
+/// element-by-element loop of tiny products): each output element sums one FMA chain per block
+/// of `KC` values and adds it into `C`, so this length decides where the roundings fall, and
+/// every FMA path must use the same one to give the same bits.
+pub(crate) const KC: usize = 256;
+
 /// A micro-kernel and its blocking.
 pub(crate) struct Micro<T> {
     pub(crate) mr: usize,
@@ -34,7 +40,7 @@ impl<T> Micro<T> {
         Self {
             mr,
             nr,
-            kc: 256,
+            kc: KC,
             mc: 64,
             nc: 512,
             run,

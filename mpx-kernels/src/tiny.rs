@@ -13,15 +13,12 @@
 
 use half::f16;
 
+use super::tile::KC;
 use super::{KernelPath, MatRef};
 use crate::FloatSlice;
 
 /// Products of at most this many multiply-adds run here.
 pub(crate) const TINY_WORK: usize = 512;
-
-/// The k block of the FMA micro-kernels (`Micro::new`, the AVX2 blocking): a chain per block,
-/// its sum added into `C`.
-const KC: usize = 256;
 
 /// Runs `C (+)= A·B` here when the product is tiny and `path` computes it with an FMA chain;
 /// `false` (nothing written) otherwise. The caller has checked the shapes and that `path` runs

@@ -271,7 +271,7 @@ impl Concrete<'_> {
     fn binary(
         &self,
         (a, b): (&syn::Expr, &syn::Expr),
-        dispatch: &str,
+        (half, dispatch): (&str, &str),
         written: impl FnOnce(&syn::Ident, &syn::Ident) -> TokenStream,
     ) -> syn::Expr {
         let rt = self.rt;
@@ -285,11 +285,7 @@ impl Concrete<'_> {
             }
         };
         let (a, b) = (unparen(a), unparen(b));
-        let half = if dispatch.to_string().contains("matmul") {
-            quote!(HalfMatMul)
-        } else {
-            quote!(HalfOps)
-        };
+        let half = syn::Ident::new(half, site);
         let (x, y) = (
             syn::Ident::new("__mpx_a", site),
             syn::Ident::new("__mpx_b", site),
@@ -357,7 +353,11 @@ impl VisitMut for Concrete<'_> {
                 };
                 dispatch.map(|d| {
                     let op = bin.op;
-                    self.binary((&bin.left, &bin.right), d, |x, y| quote!(#x #op #y))
+                    self.binary(
+                        (&bin.left, &bin.right),
+                        ("HalfOps", d),
+                        |x, y| quote!(#x #op #y),
+                    )
                 })
             }
             syn::Expr::MethodCall(m)
@@ -366,11 +366,11 @@ impl VisitMut for Concrete<'_> {
                     && !matches!(&*m.receiver, syn::Expr::Field(_)) =>
             {
                 let dispatch = match m.method.to_string().as_str() {
-                    "try_add" => Some("try_add_op"),
-                    "try_sub" => Some("try_sub_op"),
-                    "try_mul" => Some("try_mul_op"),
-                    "matmul" => Some("matmul_op"),
-                    "try_matmul" => Some("try_matmul_op"),
+                    "try_add" => Some(("HalfOps", "try_add_op")),
+                    "try_sub" => Some(("HalfOps", "try_sub_op")),
+                    "try_mul" => Some(("HalfOps", "try_mul_op")),
+                    "matmul" => Some(("HalfMatMul", "matmul_op")),
+                    "try_matmul" => Some(("HalfMatMul", "try_matmul_op")),
                     _ => None,
                 };
                 dispatch.map(|d| {

@@ -14,7 +14,7 @@ use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
 use super::half_ops::{accumulate, grad_slice, widen};
-use super::scratch;
+use super::scratch::{self, Buf};
 use crate::precision::Precision;
 
 /// One of the three ops.
@@ -58,23 +58,32 @@ where
     drop(wide);
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if LT::OWNS_TAPE {
-        // `Mul`'s derivatives are the other operand's values
-        let values = (op == Op::Mul).then(|| (narrow(&wa), narrow(&wb)));
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
+        // `Mul`'s derivatives are the other operand's values: the tensors are kept (their
+        // buffers shared, not copied), as dfdx's own op keeps them
+        let kept = (op == Op::Mul).then(|| (a.clone(), b.clone()));
         drop((a, b, wa, wb));
         tape.add_backward_op(move |grads| {
-            let dy = widen_grad(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?), n)?;
-            let (da_dy, db_dy): (Vec<f32>, Vec<f32>) = match (&values, op) {
-                (Some((va, vb)), _) => (derivative(vb, &dy), derivative(va, &dy)),
-                (None, Op::Sub) => {
-                    let minus = dy.iter().map(|g| -g).collect();
-                    (dy, minus)
+            let g = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?);
+            if g.len() != n {
+                return Err(CpuError::WrongNumElements);
+            }
+            let mut dy = scratch::take::<f32>(n);
+            f16::widen(g, &mut dy);
+            // the contributions to dA and dB
+            let (da, db) = if let Some((a, b)) = &kept {
+                (product(b, &dy), product(a, &dy))
+            } else {
+                let mut db = scratch::take::<f32>(n);
+                db.copy_from_slice(&dy);
+                if op == Op::Sub {
+                    db.iter_mut().for_each(|g| *g = -*g);
                 }
-                (None, _) => (dy.clone(), dy),
+                (dy, db)
             };
             // dfdx's f16 `+=`: the sum in f32, rounded once
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da_dy)?;
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db_dy)
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da)?;
+            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db)
         });
     }
     Ok(y.put_tape(tape))
@@ -97,33 +106,17 @@ where
     Ok((a, b, a_tape.merge(b_tape)))
 }
 
-/// f32 values (exact f16 values) back to f16.
-fn narrow(v: &[f32]) -> Vec<f16> {
-    let mut out = vec![f16::ZERO; v.len()];
-    f16::round(v, &mut out);
-    out
-}
-
-/// A gradient entry of `n` values, widened.
-fn widen_grad(g: &[f16], n: usize) -> Result<Vec<f32>, CpuError> {
-    if g.len() != n {
-        return Err(CpuError::WrongNumElements);
+/// `d * dy` per element for the values `d` of a tensor, rounded to f16 and widened again: dfdx's
+/// f16 product `df * go`, which it rounds before adding it to the gradient.
+fn product<S: Shape>(d: &Tensor<S, f16, Cpu>, dy: &[f32]) -> Buf<f32> {
+    let mut p = widen(d);
+    for (p, &g) in p.iter_mut().zip(dy) {
+        *p *= g;
     }
-    let mut out = vec![0.0; n];
-    f16::widen(g, &mut out);
-    Ok(out)
-}
-
-/// `round(d * dy)` per element, widened again: dfdx's f16 product `df * go`.
-fn derivative(d: &[f16], dy: &[f32]) -> Vec<f32> {
-    let mut wide = vec![0.0; d.len()];
-    f16::widen(d, &mut wide);
-    for (w, &g) in wide.iter_mut().zip(dy) {
-        *w *= g;
-    }
-    let rounded = narrow(&wide);
-    f16::widen(&rounded, &mut wide);
-    wide
+    let mut rounded = scratch::take::<f16>(p.len());
+    f16::round(&p, &mut rounded);
+    f16::widen(&rounded, &mut p);
+    p
 }
 
 /// The operands of `a op b` in a `#[half_forward]` working copy's code, for the dispatch of

@@ -10,8 +10,8 @@ use mpx_kernels::{
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 
-use super::half_ops::{grad_slice, relu_mask_of, round_in_place, shape_err};
-use super::scratch::{self, Buf};
+use super::half_ops::{grad_slice, read, relu_mask_of, round_in_place, shape_err};
+use super::scratch;
 use crate::master::link::Link;
 use crate::precision::{FloatSliceMut, Precision};
 
@@ -37,13 +37,6 @@ fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
 /// Rows per GEMM call in the forward and in `dX`: bounds the f32 sums (`ROW_CHUNK x O` or
 /// `ROW_CHUNK x I` values) whatever the batch.
 const ROW_CHUNK: usize = 512;
-
-/// The values of a tensor (contiguous) in a pooled buffer.
-fn read<S: Shape, E: Precision<Elem = E> + Dtype, T>(t: &Tensor<S, E, Cpu, T>) -> Buf<E> {
-    let mut v = scratch::take(t.shape().num_elements());
-    t.copy_into(&mut v);
-    v
-}
 
 /// `dst += dZᵀ·X` with `dZ` (`rows x O`) and `X` (`rows x I`), summed in f32 and rounded once
 /// into `dst` (`O x I`, of precision `P`): the weight gradient of a layer no scaler links.

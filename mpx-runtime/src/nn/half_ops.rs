@@ -10,15 +10,22 @@ use mpx_kernels::{KernelError, MatRef, ReluMask, add_f32_into};
 use super::scratch::{self, Buf};
 use crate::precision::{FloatSlice, Precision};
 
+/// The values of a tensor (contiguous) in a pooled buffer.
+pub(crate) fn read<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
+    t: &Tensor<S, E, Cpu, T>,
+) -> Buf<E> {
+    let mut v = scratch::take(t.shape().num_elements());
+    t.copy_into(&mut v);
+    v
+}
+
 /// A tensor's values (in logical order; the caller makes it contiguous first) widened to f32, in
 /// a pooled buffer.
 pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     t: &Tensor<S, E, Cpu, T>,
 ) -> Buf<f32> {
-    let n = t.shape().num_elements();
-    let mut h = scratch::take::<E>(n);
-    t.copy_into(&mut h);
-    let mut v = scratch::take::<f32>(n);
+    let h = read(t);
+    let mut v = scratch::take::<f32>(h.len());
     E::widen(&h, &mut v);
     v
 }

@@ -9,7 +9,7 @@ use half::f16;
 use mpx_kernels::{MatRef, gemm};
 
 use super::binary::{Operands, contiguous_pair};
-use super::half_ops::{accumulate, grad_slice, shape_err};
+use super::half_ops::{accumulate, grad_slice, read, shape_err};
 use super::scratch;
 use crate::precision::Precision;
 
@@ -33,9 +33,7 @@ where
     if b.shape().0.size() != k {
         return Err(CpuError::WrongNumElements);
     }
-    let (mut av, mut bv) = (vec![f16::ZERO; m * k], vec![f16::ZERO; k * n]);
-    a.copy_into(&mut av);
-    b.copy_into(&mut bv);
+    let (av, bv) = (read(&a), read(&b));
     let mut sums = scratch::take::<f32>(m * n);
     gemm(mat(&av, m, k)?, mat(&bv, k, n)?, &mut sums, false).map_err(shape_err)?;
     let mut y = vec![f16::ZERO; m * n];
@@ -48,7 +46,9 @@ where
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
         drop((a, b));
         tape.add_backward_op(move |grads| {
-            let dy: Vec<f16> = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?).to_vec();
+            // copied: the operands' entries are written while it is read
+            let mut dy = scratch::take::<f16>(m * n);
+            dy.copy_from_slice(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
             let mut sums = scratch::take::<f32>(m * k);
             // dA = dY · Bᵀ
             gemm(mat(&dy, m, n)?, mat(&bv, k, n)?.t(), &mut sums, false).map_err(shape_err)?;

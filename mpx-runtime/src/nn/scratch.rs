@@ -15,8 +15,8 @@
 //! reads (a copy, or a GEMM with `accumulate = false`), or clears them first.
 //!
 //! A buffer of at most 32 values (a tiny model's: a 2-2-1 net's weights and sums) lives inside
-//! its `Buf`, with no allocation: the 2-2-1 step of `bench_step_overhead` went from 1.99 to 1.87
-//! of f32 with it.
+//! its `Buf`, with no allocation: the 2-2-1 step of `bench_step_overhead` went from 1.99 to 1.88
+//! of f32 with it (2-core Zen 5, the runs at `77ef25f` and `49fe0b6`).
 
 use std::any::Any;
 use std::ops::{Deref, DerefMut};
@@ -56,9 +56,10 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// step instead of going back to the allocator; dropping the last one frees them. Off by default:
 /// mpx keeps no memory a program did not ask it to keep.
 ///
-/// It pays where steps allocate large buffers: on this project's Zen 5 the transformer
-/// benchmark's f16 step runs at x0.37 of f32 without it and x0.33 with it (`docs/benchmarks.md`);
-/// the MLP rows do not move. The kept memory is what one step's fused ops held at once at their
+/// It pays where steps allocate large buffers: on a 2-core Zen 5 the f16 step of
+/// `cargo run --release --example bench_transformer` runs at x0.31 of f32 without it and x0.26
+/// with it (`-- --keep-buffers`; `docs/benchmarks.md`, at `49fe0b6`); the MLP rows of
+/// `bench_step` do not move. The kept memory is what one step's fused ops held at once at their
 /// peak (at most 256 buffers). Results are the same with or without it.
 ///
 /// # Examples
@@ -112,12 +113,17 @@ impl Drop for KeepBuffers {
 /// `n` values of type `T` from the pool (returned to it on drop). The values are stale: the
 /// caller overwrites them.
 pub(crate) struct Buf<T: Copy + Default + Send + 'static> {
-    /// Initialised up to its capacity (see [`take`]); the buffer is its first `n` values.
-    values: Vec<T>,
-    /// The values of a buffer of at most [`INLINE`] values (a tiny model's), in place: no
-    /// allocation at all.
-    inline: [T; INLINE],
+    values: Values<T>,
+    /// The buffer is the first `n` values.
     n: usize,
+}
+
+/// Where a [`Buf`]'s values are.
+enum Values<T> {
+    /// A buffer of at most [`INLINE`] values (a tiny model's), in place: no allocation at all.
+    Inline([T; INLINE]),
+    /// Initialised up to its capacity (see [`take`]).
+    Heap(Vec<T>),
 }
 
 /// Buffers of at most this many values live inside the [`Buf`] itself.
@@ -128,15 +134,13 @@ const INLINE: usize = 32;
 pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     if n <= INLINE {
         return Buf {
-            values: Vec::new(),
-            inline: [T::default(); INLINE],
+            values: Values::Inline([T::default(); INLINE]),
             n,
         };
     }
     if small::<T>(n) {
         return Buf {
-            values: vec![T::default(); n],
-            inline: [T::default(); INLINE],
+            values: Values::Heap(vec![T::default(); n]),
             n,
         };
     }
@@ -171,8 +175,7 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         values.resize(values.capacity(), T::default());
     }
     Buf {
-        values,
-        inline: [T::default(); INLINE],
+        values: Values::Heap(values),
         n,
     }
 }
@@ -187,27 +190,28 @@ pub(crate) fn take_zeroed<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T
 impl<T: Copy + Default + Send + 'static> Deref for Buf<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        if self.n <= INLINE {
-            &self.inline[..self.n]
-        } else {
-            &self.values[..self.n]
+        match &self.values {
+            Values::Inline(v) => &v[..self.n],
+            Values::Heap(v) => &v[..self.n],
         }
     }
 }
 
 impl<T: Copy + Default + Send + 'static> DerefMut for Buf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        if self.n <= INLINE {
-            &mut self.inline[..self.n]
-        } else {
-            &mut self.values[..self.n]
+        match &mut self.values {
+            Values::Inline(v) => &mut v[..self.n],
+            Values::Heap(v) => &mut v[..self.n],
         }
     }
 }
 
 impl<T: Copy + Default + Send + 'static> Drop for Buf<T> {
     fn drop(&mut self) {
-        let values = std::mem::take(&mut self.values);
+        let Values::Heap(values) = &mut self.values else {
+            return;
+        };
+        let values = std::mem::take(values);
         if values.capacity() == 0 || small::<T>(values.capacity()) {
             return;
         }
@@ -296,14 +300,14 @@ mod tests {
     fn a_buffer_of_a_few_values_lives_inline_and_allocates_nothing() {
         for n in [0, 1, INLINE] {
             let mut b = take::<A>(n);
-            assert_eq!(b.values.capacity(), 0, "{n} values");
+            assert!(matches!(b.values, Values::Inline(_)), "{n} values");
             assert_eq!(b.len(), n);
             b.iter_mut().for_each(|v| *v = A(3));
             assert!(b.iter().all(|&v| v == A(3)));
             let z = take_zeroed::<A>(n);
             assert!(z.iter().all(|&v| v == A(0)));
         }
-        assert!(take::<A>(INLINE + 1).values.capacity() > INLINE);
+        assert!(matches!(take::<A>(INLINE + 1).values, Values::Heap(ref v) if v.len() > INLINE));
     }
 
     #[test]

@@ -271,9 +271,10 @@ mod cpu {
 
     /// Working-copy tensors of at least this many bytes are allocated on the store's device,
     /// whose cache hands back the last step's buffers; smaller ones are allocated plainly (on a
-    /// tiny model the cache's bookkeeping costs more than the allocator's fast path: the 2-2-1
-    /// and 16-32-4 steps of `bench_step_overhead` ran 7% and 5% faster with no cache at all,
-    /// the large models the same).
+    /// tiny model the cache's bookkeeping costs more than the allocator's fast path: with no
+    /// cache at all, the 2-2-1 and 16-32-4 steps of `cargo run --release --example
+    /// bench_step_overhead` ran 7% and 5% faster on a 2-core Zen 5, and `bench_step`'s rows a
+    /// and f did not move).
     const CACHED_BYTES: usize = 64 << 10;
 
     /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation
