@@ -142,7 +142,7 @@
 //! 23.2 ms against 19.4 ms per step, quartiles 19.5-27.5 against 15.4-22.1), and 1.06x on a
 //! quieter machine at the commit that made the calibration and the kernels' import graph final
 //! (8.68 against 8.17 ms; `cargo run --release --example bench_kernels`, its helper-threads
-//! table), and 1.085x at `49fe0b6` on a 2-core Zen 5 (6.49 against 5.98 ms). Scoped threads also
+//! table), and 1.088x at `a6fa813` on a 2-core Zen 5 (6.63 against 6.09 ms). Scoped threads also
 //! start with empty packing buffers, so every product pays their allocation and page faults
 //! again; the pool's helpers keep theirs.
 //!

@@ -15,8 +15,8 @@
 //! reads (a copy, or a GEMM with `accumulate = false`), or clears them first.
 //!
 //! A buffer of at most 32 values (a tiny model's: a 2-2-1 net's weights and sums) lives inside
-//! its `Buf`, with no allocation: the 2-2-1 step of `bench_step_overhead` went from 1.99 to 1.88
-//! of f32 with it (2-core Zen 5, the runs at `77ef25f` and `49fe0b6`).
+//! its `Buf`, with no allocation: the 2-2-1 step of `bench_step_overhead` went from 1.99 to 1.85
+//! of f32 with it (2-core Zen 5, the runs at `77ef25f` and `a6fa813`).
 
 use std::any::Any;
 use std::ops::{Deref, DerefMut};
@@ -57,8 +57,8 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// mpx keeps no memory a program did not ask it to keep.
 ///
 /// It pays where steps allocate large buffers: on a 2-core Zen 5 the f16 step of
-/// `cargo run --release --example bench_transformer` runs at x0.31 of f32 without it and x0.26
-/// with it (`-- --keep-buffers`; `docs/benchmarks.md`, at `49fe0b6`); the MLP rows of
+/// `cargo run --release --example bench_transformer` runs at x0.31 of f32 without it and x0.25
+/// with it (`-- --keep-buffers`; `docs/benchmarks.md`, at `a6fa813`); the MLP rows of
 /// `bench_step` do not move. The kept memory is what one step's fused ops held at once at their
 /// peak (at most 256 buffers). Results are the same with or without it.
 ///
