@@ -18,7 +18,8 @@
 //! batch 256 and answers the n step times in ms on one line. Configurations: `f32` (dfdx's f32
 //! step), `f16` (row f: mpx's fused layers, `GradScaler<f16>`), `bf16` (row g, emulated bf16),
 //! `dfdx-f16` (row a: dfdx's layers as `#[mixed_step]` runs them, on mpx's layers in the working
-//! copy).
+//! copy). `--serve --avx2` forces mpx's GEMM onto its AVX2 + FMA path, the instructions of a CPU
+//! without AVX-512 (its element-wise passes keep this CPU's own).
 //!
 //! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
 //! rounds alternate), so a noisy neighbour slows all configurations alike; each round starts
@@ -326,7 +327,13 @@ fn main() {
             .expect("valid")
     };
     if std::env::args().any(|a| a == "--serve") {
-        serve(&dev, &init, dynamic);
+        if std::env::args().any(|a| a == "--avx2") {
+            use mpx::__bench::{KernelPath, with_path};
+            with_path(KernelPath::Avx2Fma, || serve(&dev, &init, dynamic))
+                .expect("this CPU has AVX2 and FMA");
+        } else {
+            serve(&dev, &init, dynamic);
+        }
         return;
     }
 

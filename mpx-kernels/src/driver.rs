@@ -157,7 +157,7 @@ pub(crate) fn blocked<'a>(
         run_packed(&avx512::micro(), 1, dims, &pack, (c, zero), threads);
         return;
     }
-    with_wide(|[wa, wb]| {
+    with_wide(|[wa, wb, _]| {
         let a = Src {
             data: prepared(&a, wa),
             rs: a.row_stride(),
@@ -209,11 +209,12 @@ fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<
     Ok(())
 }
 
-/// Runs `f` with this thread's two reusable buffers for widened or rounded operands (fresh
-/// ones if re-entered).
-fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 2]) -> R) -> R {
+/// Runs `f` with this thread's three reusable buffers for widened, rounded or transposed
+/// operands (fresh ones if re-entered).
+pub(super) fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 3]) -> R) -> R {
     thread_local! {
-        static WIDE: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+        static WIDE: RefCell<[Vec<f32>; 3]> =
+            const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
     }
     WIDE.with(|cell| match cell.try_borrow_mut() {
         Ok(mut bufs) => f(&mut bufs),
@@ -223,7 +224,7 @@ fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 2]) -> R) -> R {
 
 /// The first `n` values of `buf`, grown when shorter (never shrunk: operands of different sizes
 /// do not zero it again each call). The caller overwrites them.
-fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+pub(super) fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
     if buf.len() < n {
         buf.resize(n, 0.0);
     }
@@ -233,7 +234,7 @@ fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
 /// conversion) and bf16 operands rounded into `buf`, a long operand in parts on the pool's
 /// threads ([`zip_parts`]).
-fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
+pub(super) fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     let n = m.needed().expect("checked by `check`");
     match m.values() {
         FloatSlice::F32(v) => &v[..n],

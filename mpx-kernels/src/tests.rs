@@ -1304,8 +1304,10 @@ fn the_avx2_blocking_sized_to_any_caches_gives_the_same_bits() {
 
 #[test]
 fn tiny_products_give_the_bits_of_the_blocked_kernels() {
-    // shapes at and below the tiny bound: k past one k block (k = 300, 512), thin, square,
-    // every operand layout, f32 and f16, overwriting (with -0.0 sums) and accumulating
+    // shapes at and below the tiny bound: k past one k block (k = 300, 512) and two (600),
+    // thin, square, every count of rows left over by the 4-row tiles and of columns by the
+    // 8-column vectors, the 16-32-4 MLP's products, the bound itself; every operand layout, f32
+    // and f16, overwriting (with -0.0 sums) and accumulating
     let shapes = [
         (1, 1, 1),
         (4, 2, 2),
@@ -1314,6 +1316,16 @@ fn tiny_products_give_the_bits_of_the_blocked_kernels() {
         (1, 1, 512),
         (8, 8, 8),
         (3, 5, 7),
+        (5, 17, 9),
+        (6, 24, 33),
+        (7, 33, 100),
+        (3, 2, 600),
+        (1, 40, 300),
+        (32, 32, 16),
+        (32, 4, 32),
+        (4, 32, 32),
+        (9, 9, 257),
+        (32, 32, 32),
     ];
     for path in KernelPath::supported() {
         for (m, n, k) in shapes {

@@ -19,9 +19,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use dfdx::shapes::{Rank0, Shape};
-use dfdx::tensor::{
-    Cpu, Gradients, HasErr, NoneTape, OwnedTape, PutTape, SplitTape, Tape, Tensor, Trace,
-};
+use dfdx::tensor::{Cpu, Gradients, HasErr, NoneTape, OwnedTape, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::{Backward, ReshapeTo};
 
 use super::device::{FullOp, HalfOp, MixedDevice, Pair, SeedOp};
@@ -85,12 +83,6 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         }
     }
 
-    /// A half tape for a traced input.
-    fn inner_tape(&mut self) -> Result<OwnedTape<H::Elem, D>, D::Err> {
-        let anchor: Tensor<Rank0, H::Elem, D> = self.dev.try_zeros()?;
-        Ok(anchor.traced(Gradients::leaky()).split_tape().1)
-    }
-
     fn merge_outer(&mut self, tape: OwnedTape<f32, D>) {
         self.outer = Some(match self.outer.take() {
             Some(t) => dfdx::tensor::Merge::merge(t, tape),
@@ -109,7 +101,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         let (x32, tape) = x.split_tape();
         let x = D::to_half(&x32)?;
         self.merge_outer(tape);
-        let mut inner = self.inner_tape()?;
+        let mut inner = OwnedTape::<H::Elem, D>::default();
         let mark = if read {
             None
         } else {
@@ -220,7 +212,7 @@ macro_rules! integer_input {
             fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
                 let (ids, tape) = self.split_tape();
                 region.merge_outer(tape);
-                Ok(ids.put_tape(region.inner_tape()?))
+                Ok(ids.put_tape(OwnedTape::<H::Elem, D>::default()))
             }
         }
         impl<H: Precision, D: MixedDevice<H> + dfdx::tensor::Storage<$t>, S: Shape> HalfInput<H, D>
