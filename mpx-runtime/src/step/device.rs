@@ -463,12 +463,13 @@ mod cpu {
                 } else {
                     // Scaled through a stack buffer, chunk by chunk: no second output-sized
                     // vector.
-                    let mut buf = [0.0f32; 1024];
-                    for (src, dst) in g.chunks(buf.len()).zip(seed.chunks_mut(buf.len())) {
-                        let b = &mut buf[..src.len()];
-                        b.iter_mut().zip(src).for_each(|(b, v)| *b = v * scale);
-                        H::round(b, dst);
-                    }
+                    with_chunk(n, |buf| {
+                        for (src, dst) in g.chunks(buf.len()).zip(seed.chunks_mut(buf.len())) {
+                            let b = &mut buf[..src.len()];
+                            b.iter_mut().zip(src).for_each(|(b, v)| *b = v * scale);
+                            H::round(b, dst);
+                        }
+                    });
                 }
                 let apply: HalfOp<H::Elem, Cpu> =
                     Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
@@ -478,12 +479,14 @@ mod cpu {
                             // vector passes instead of one element at a time
                             (FloatSliceMut::F16(d), FloatSlice::F16(s)) => {
                                 // widened through a stack buffer: no allocation per step
-                                let mut wide = [0.0f32; 1024];
-                                for (dc, sc) in d.chunks_mut(1024).zip(s.chunks(1024)) {
-                                    let w = &mut wide[..sc.len()];
-                                    mpx_kernels::convert::widen_f16(sc, w);
-                                    mpx_kernels::convert::add_f32_into_f16(w, dc);
-                                }
+                                with_chunk(s.len(), |wide| {
+                                    let len = wide.len();
+                                    for (dc, sc) in d.chunks_mut(len).zip(s.chunks(len)) {
+                                        let w = &mut wide[..sc.len()];
+                                        mpx_kernels::convert::widen_f16(sc, w);
+                                        mpx_kernels::convert::add_f32_into_f16(w, dc);
+                                    }
+                                });
                             }
                             (FloatSliceMut::F32(d), FloatSlice::F32(s) | FloatSlice::Bf16(s)) => {
                                 d.iter_mut().zip(s).for_each(|(d, s)| *d += *s);
@@ -597,12 +600,27 @@ mod cpu {
     /// Adds `src` (scaled half gradients) times `inv_scale` to `dst`: each chunk is widened
     /// into a stack buffer, then added, so `dst` is read once.
     pub(crate) fn add_unscaled<H: Precision>(src: &[H::Elem], inv_scale: f32, dst: &mut [f32]) {
-        let mut buf = [0.0f32; CHUNK];
-        for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-            let b = &mut buf[..s.len()];
-            H::widen(s, b);
-            // finiteness is checked once the whole backward pass has run
-            add_scaled_checked(d, b, inv_scale);
+        with_chunk(src.len(), |buf| {
+            let len = buf.len();
+            for (s, d) in src.chunks(len).zip(dst.chunks_mut(len)) {
+                let b = &mut buf[..s.len()];
+                H::widen(s, b);
+                // finiteness is checked once the whole backward pass has run
+                add_scaled_checked(d, b, inv_scale);
+            }
+        });
+    }
+
+    /// Values in a [`with_chunk`] buffer for a short gradient.
+    const SHORT: usize = 64;
+
+    /// Runs `f` on a zeroed stack buffer of [`CHUNK`] values, or of [`SHORT`] when `n` values
+    /// fit (zeroing 4 KiB costs more than a tiny model's whole gradient).
+    fn with_chunk<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        if n <= SHORT {
+            f(&mut [0.0; SHORT])
+        } else {
+            f(&mut [0.0; CHUNK])
         }
     }
 
