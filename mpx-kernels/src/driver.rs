@@ -34,9 +34,8 @@ use super::packs::{PackView, Packs, Part, pack_staged};
 use super::strided::{self, Tiles};
 use super::threads::max_threads;
 use super::tile::{Micro, Out, Packed, Prologue, split, threads_for};
-use super::{
-    KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, tiny, transpose, zip_parts,
-};
+use super::wide::{prepared, with_wide};
+use super::{KernelError, KernelPath, avx2, avx512, bf16, fp16, portable, tiny, transpose};
 use crate::FloatSlice;
 
 /// [`gemm`](super::path::gemm) on an explicit path.
@@ -207,54 +206,6 @@ fn check(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>, c: &[f32]) -> Result<
         });
     }
     Ok(())
-}
-
-/// Runs `f` with this thread's three reusable buffers for widened, rounded or transposed
-/// operands (fresh ones if re-entered).
-pub(super) fn with_wide<R>(f: impl FnOnce(&mut [Vec<f32>; 3]) -> R) -> R {
-    thread_local! {
-        static WIDE: RefCell<[Vec<f32>; 3]> =
-            const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
-    }
-    WIDE.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut bufs) => f(&mut bufs),
-        Err(_) => f(&mut Default::default()),
-    })
-}
-
-/// The first `n` values of `buf`, grown when shorter (never shrunk: operands of different sizes
-/// do not zero it again each call). The caller overwrites them.
-pub(super) fn grown(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if buf.len() < n {
-        buf.resize(n, 0.0);
-    }
-    &mut buf[..n]
-}
-
-/// An operand's values as f32: f32 operands as they are, f16 operands widened (SIMD slice
-/// conversion) and bf16 operands rounded into `buf`, a long operand in parts on the pool's
-/// threads ([`zip_parts`]).
-pub(super) fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
-    let n = m.needed().expect("checked by `check`");
-    match m.values() {
-        FloatSlice::F32(v) => &v[..n],
-        FloatSlice::F16(v) => {
-            let buf = grown(buf, n);
-            zip_parts(buf, &v[..n], &|d, s| {
-                crate::convert::widen_f16(s, d);
-                true
-            });
-            buf
-        }
-        FloatSlice::Bf16(v) => {
-            let buf = grown(buf, n);
-            zip_parts(buf, &v[..n], &|d, s| {
-                crate::convert::round_bf16(s, d);
-                true
-            });
-            buf
-        }
-    }
 }
 
 thread_local! {

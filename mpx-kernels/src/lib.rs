@@ -212,6 +212,7 @@ mod tile;
 mod tiny;
 mod transpose;
 mod views;
+mod wide;
 
 pub use caches::Caches;
 #[doc(hidden)]

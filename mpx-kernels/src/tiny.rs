@@ -20,8 +20,8 @@ use std::arch::x86_64::{
     _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps,
 };
 
-use super::driver::{grown, prepared, with_wide};
 use super::tile::KC;
+use super::wide::{grown, prepared, with_wide};
 use super::{KernelPath, MatRef};
 use crate::FloatSlice;
 
