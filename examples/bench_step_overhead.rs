@@ -5,8 +5,11 @@
 //! per round) and the table shows the median of each and their ratio.
 //!
 //! ```text
-//! cargo run --release --example bench_step_overhead [-- ROUNDS]
+//! cargo run --release --example bench_step_overhead [-- ROUNDS] [--avx2]
 //! ```
+//!
+//! `--avx2` forces mpx's GEMM onto its AVX2 + FMA path, the instructions of a CPU without AVX-512
+//! (dfdx's f32 step and mpx's element-wise passes keep this CPU's own).
 //!
 //! Models: a 2-2-1 XOR net (batch 4), a 16-32-4 MLP (batch 32), a 64-128-128-8 policy (batch 64,
 //! the sizes RL loops use), each with Adam.
@@ -122,13 +125,25 @@ fn main() {
         }
         return;
     }
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
+    let rounds: usize = args
+        .iter()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
         .unwrap_or(2001);
+    if args.iter().any(|a| a == "--avx2") {
+        use mpx::__bench::{KernelPath, with_path};
+        with_path(KernelPath::Avx2Fma, || table(rounds)).expect("this CPU has AVX2 and FMA");
+    } else {
+        table(rounds);
+    }
+}
+
+/// Runs every model for `rounds` rounds and prints the table.
+fn table(rounds: usize) {
     let cpu = measure::cpu_name();
+    let path = mpx::__bench::active_path();
     println!(
-        "mixed f16 step (`#[mixed_step]`, mapped) vs dfdx's f32 step, median of {rounds} interleaved rounds, {cpu}"
+        "mixed f16 step (`#[mixed_step]`, mapped) vs dfdx's f32 step, median of {rounds} interleaved rounds, mpx's GEMM on {path:?}, {cpu}"
     );
     println!("| model | batch | f32 step | mixed step | mixed / f32 |");
     println!("|---|---|---|---|---|");

@@ -13,9 +13,8 @@
 //! BLIS's analytical blocking (Low, Igual, Smith, Quintana-Ortí, "Analytical Modeling Is Enough
 //! for High-Performance BLIS", 2016), for a micro-tile of `mr x nr` elements of `s` bytes:
 //!
-//! - `kc`: a `kc x nr` micro-panel of B (reused by every micro-panel of A in a block) plus an
-//!   `mr x kc` micro-panel of A fit in half of L1d: `kc = (L1d / 2) / ((mr + nr)·s)`, rounded
-//!   down to the kernel's k step, clamped to `[32, 1024]`;
+//! - `kc`: BLIS sizes it so that a `kc x nr` micro-panel of B plus an `mr x kc` micro-panel of A
+//!   fit in half of L1d; here it is the kernel's own (see "Where it applies");
 //! - `mc`: the packed `mc x kc` block of A fits in half of L2: `mc = (L2 / 2) / (kc·s)`, rounded
 //!   down to a multiple of `mr`, clamped to `[mr, 1024]`;
 //! - `nc`: the packed `kc x nc` block of B fits in one core's share of L3 (in half of L2 when
@@ -33,27 +32,26 @@
 //! only). `mc` and `nc` only choose which tiles are computed together, never an element's
 //! operations, so results stay bit-identical for any caches, as for any thread count (the tests
 //! compare Zen 3's, Zen 5's, tiny caches' and the fixed blocking bit for bit). `kc = 256` is also
-//! BLIS's own choice for its 6 x 16 f32 kernel on Zen 3; the rule above would give 184 there
-//! (and 276 on Zen 5). The other paths keep their fixed blocking (`tile.rs`'s `Micro::new`;
+//! BLIS's own choice for its 6 x 16 f32 kernel on Zen 3. The other paths keep their fixed blocking (`tile.rs`'s `Micro::new`;
 //! the bf16 path's pairs are laid out per k block of `bf16::KC`).
 //!
 //! # Measured
-//! `cargo run --release --example bench_kernels -- blocking` (f32, the 9 products of the MLP
-//! step, medians of 31 interleaved rounds, % of the AVX2 FMA peak measured in the same rounds,
-//! 135 GFLOP/s per thread), on an AMD EPYC Zen 5, 2 shared cores, forced AVX2 path, the other core
-//! busy with a build (so 2 threads ran slower than 1); ms per step, two runs:
+//! `cargo run --release --example bench_kernels` (its AVX2 blocking table: f32, the 9 products
+//! of the MLP step, medians of 31 interleaved rounds, % of the AVX2 FMA peak measured in the same
+//! rounds, 135 GFLOP/s per thread), at `f166a5a` on an AMD EPYC Zen 5, 2 shared cores, forced
+//! AVX2 path; ms per step:
 //!
 //! | blocking (kc x mc x nc) | 1 thread | 2 threads |
 //! |---|---|---|
-//! | fixed (256 x 72 x 512) | 20.58, 20.74 (88%, 89%) | 24.24, 24.94 (37%, 37%) |
-//! | this CPU's caches (256 x 510 x 4096) | 20.44, 20.57 (88%, 90%) | 23.92, 24.79 (38%, 37%) |
-//! | Zen 3's caches (256 x 252 x 4096) | 20.41, 20.53 (89%, 90%) | 24.31, 24.45 (37%, 38%) |
+//! | fixed (256 x 72 x 512) | 20.61 (87%) | 11.77 (76%) |
+//! | this CPU's caches (256 x 510 x 4096) | 20.39 (88%) | 11.54 (78%) |
+//! | Zen 3's caches (256 x 252 x 4096) | 20.44 (88%) | 11.47 (78%) |
 //!
-//! Within 2% of each other, the sized blocking slightly ahead at 1 thread: Zen 5's 1 MiB L2 held the
-//! fixed 512 KiB B block with room to spare. Zen 3's blocking measured here says nothing of Zen
-//! 3's caches; there the fixed B block filled all of L2 and the sized one moves it to L3, with the
-//! A block in half of L2, as BLIS does (its Zen 3 f32 blocking: 256 x 144 x 4080). Whether that
-//! reaches 75% of Zen 3's peak needs a Zen 3 to tell.
+//! Within 2% of each other: Zen 5's 1 MiB L2 held the fixed 512 KiB B block with room to spare.
+//! Zen 3's blocking measured here says nothing of Zen 3's caches; there the fixed B block filled
+//! all of L2 and the sized one moves it to L3, with the A block in half of L2, as BLIS does (its
+//! Zen 3 f32 blocking: 256 x 144 x 4080). Whether that reaches 75% of Zen 3's peak needs a Zen 3
+//! to tell.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -133,43 +131,23 @@ pub(crate) struct Blocking {
     pub(crate) nc: usize,
 }
 
-/// How a kernel's `kc` is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kc {
-    /// From L1d (the rule), a multiple of this step.
-    #[cfg_attr(
-        not(test),
-        allow(
-            dead_code,
-            reason = "no kernel's arithmetic leaves kc free yet; the tests check the rule"
-        )
-    )]
-    FromL1 { step: usize },
-    /// Fixed by the kernel's arithmetic or layout.
-    Fixed(usize),
-}
-
-const KC_MIN: usize = 32;
-const KC_MAX: usize = 1024;
 const MC_MAX: usize = 1024;
 const NC_MAX: usize = 4096;
 
-/// The blocking for `caches` and an `mr x nr` micro-tile of `elem`-byte values (the rule of the
-/// [module docs](self)).
-pub(crate) fn blocking(caches: &Caches, (mr, nr, elem): (usize, usize, usize), kc: Kc) -> Blocking {
+/// The blocking for `caches`, an `mr x nr` micro-tile of `elem`-byte values and the kernel's `kc`
+/// (the rule of the [module docs](self)).
+pub(crate) fn blocking(
+    caches: &Caches,
+    (mr, nr, elem): (usize, usize, usize),
+    kc: usize,
+) -> Blocking {
     let (mr, nr, elem) = (mr.max(1), nr.max(1), elem.max(1));
     // `x` rounded down to a multiple of `q`, within `[lo, hi]` (both rounded to `q`, `lo >= q`)
     let fit = |x: usize, q: usize, lo: usize, hi: usize| {
         let (lo, hi) = (lo.next_multiple_of(q), (hi / q * q).max(q));
         (x / q * q).clamp(lo.min(hi), hi)
     };
-    let kc = match kc {
-        Kc::FromL1 { step } => {
-            let step = step.max(1);
-            fit(caches.l1d / 2 / ((mr + nr) * elem), step, KC_MIN, KC_MAX)
-        }
-        Kc::Fixed(kc) => kc.max(1),
-    };
+    let kc = kc.max(1);
     let mc = fit(caches.l2 / 2 / (kc * elem), mr, mr, MC_MAX);
     let b_room = caches.l3_share().unwrap_or(caches.l2 / 2);
     let nc = fit(b_room / (kc * elem), nr, nr, NC_MAX);
@@ -220,7 +198,7 @@ pub(crate) const AVX2_KC: usize = super::tile::KC;
 fn avx2_blocking_for(sizing: Sizing) -> Blocking {
     match sizing {
         Sizing::Fixed => AVX2_FIXED,
-        Sizing::Caches(c) => blocking(&c, AVX2_TILE, Kc::Fixed(AVX2_KC)),
+        Sizing::Caches(c) => blocking(&c, AVX2_TILE, AVX2_KC),
     }
 }
 
@@ -394,8 +372,8 @@ pub(crate) const TINY: Caches = Caches {
 #[cfg(test)]
 mod tests {
     use super::{
-        AVX2_FIXED, AVX2_KC, AVX2_TILE, Blocking, Caches, Entry, KC_MAX, KC_MIN, Kc, MC_MAX,
-        NC_MAX, SPR, TINY, ZEN5, blocking, count_cpus, from_entries, parse_size,
+        AVX2_FIXED, AVX2_KC, AVX2_TILE, Blocking, Caches, Entry, MC_MAX, NC_MAX, SPR, TINY, ZEN5,
+        blocking, count_cpus, from_entries, parse_size,
     };
 
     const K: usize = 1 << 10;
@@ -481,25 +459,10 @@ mod tests {
         assert!(here.l1d > 0 && here.l2 > 0 && here.l3_cores >= 1);
     }
 
-    /// The bounds of the rule, each unless its clamp won.
-    fn check(c: &Caches, (mr, nr, elem): (usize, usize, usize), kc: Kc, b: Blocking) {
-        let what = format!("{c:?} {mr}x{nr}x{elem} {kc:?} -> {b:?}");
-        match kc {
-            Kc::FromL1 { step } => {
-                assert!(b.kc.is_multiple_of(step), "{what}");
-                assert!((KC_MIN..=KC_MAX).contains(&b.kc), "{what}");
-                assert!(
-                    (mr + nr) * b.kc * elem <= c.l1d / 2 || b.kc == KC_MIN,
-                    "{what}"
-                );
-                // and not much smaller than it could be
-                assert!(
-                    (mr + nr) * (b.kc + step) * elem > c.l1d / 2 || b.kc == KC_MAX,
-                    "{what}"
-                );
-            }
-            Kc::Fixed(kc) => assert_eq!(b.kc, kc, "{what}"),
-        }
+    /// The bounds of the rule, each unless its clamp won, and the kernel's `kc` kept.
+    fn check(c: &Caches, (mr, nr, elem): (usize, usize, usize), kc: usize, b: Blocking) {
+        let what = format!("{c:?} {mr}x{nr}x{elem} kc {kc} -> {b:?}");
+        assert_eq!(b.kc, kc, "{what}");
         assert!(
             b.mc.is_multiple_of(mr) && (mr..=MC_MAX).contains(&b.mc),
             "{what}"
@@ -515,11 +478,11 @@ mod tests {
 
     #[test]
     fn blocking_fits_each_cache_level() {
-        let tiles = [AVX2_TILE, (8, 32, 4), (4, 16, 4), (8, 64, 2), (6, 16, 2)];
+        let tiles = [(AVX2_TILE.0, AVX2_TILE.1), (8, 32), (4, 16), (8, 64)];
         for c in [Caches::ZEN3, ZEN5, SPR, TINY] {
-            for (mr, nr, step) in tiles {
+            for (mr, nr) in tiles {
                 for elem in [2, 4] {
-                    for kc in [Kc::FromL1 { step }, Kc::Fixed(256), Kc::Fixed(7)] {
+                    for kc in [256, 7, 1000] {
                         check(&c, (mr, nr, elem), kc, blocking(&c, (mr, nr, elem), kc));
                     }
                 }
@@ -527,10 +490,7 @@ mod tests {
         }
         // the figures the module docs quote
         let f32_6x16 = (6, 16, 4);
-        let rule = |c: &Caches| blocking(c, f32_6x16, Kc::FromL1 { step: 4 });
-        let avx2 = |c: &Caches| blocking(c, f32_6x16, Kc::Fixed(AVX2_KC));
-        assert_eq!(rule(&Caches::ZEN3).kc, 184);
-        assert_eq!(rule(&ZEN5).kc, 276);
+        let avx2 = |c: &Caches| blocking(c, f32_6x16, AVX2_KC);
         let b = |kc, mc, nc| Blocking { kc, mc, nc };
         assert_eq!(avx2(&Caches::ZEN3), b(256, 252, 4096));
         assert_eq!(avx2(&ZEN5), b(256, 510, 4096));

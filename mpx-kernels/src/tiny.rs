@@ -4,9 +4,11 @@
 //! the same bits as the blocked run.
 //!
 //! The blocked driver's fixed cost (choosing a split, reaching the thread pool, packing tiles,
-//! edge tiles) is a few hundred nanoseconds to a microsecond; a product of a few thousand
-//! multiply-adds takes about that long. Below [`TINY_WORK`] multiply-adds, and only where the
-//! path would run an FMA chain (f32 or f16 operands on [`KernelPath::Avx2Fma`],
+//! edge tiles) weighs on such products: with them here, the 16-32-4 step of `cargo run
+//! --release --example bench_step_overhead` went from 1.46-1.47 to 1.36 of f32 (1.48-1.49 to
+//! 1.36-1.38 with `-- --avx2`), 2-core Zen 5, `a6fa813` against `f166a5a`; products above the
+//! bound gained nothing (a 64-128-128-8 policy's). Below [`TINY_WORK`] multiply-adds, and only
+//! where the path would run an FMA chain (f32 or f16 operands on [`KernelPath::Avx2Fma`],
 //! [`KernelPath::Avx512`] or [`KernelPath::Avx512Bf16`], f32 operands on
 //! [`KernelPath::Avx512Fp16`]; every such CPU has AVX2 and FMA), the product runs here: for every
 //! output element one FMA chain over each k block of [`KC`] values in order, added into `C`
@@ -202,8 +204,8 @@ unsafe fn tile<const R: usize, const V: usize>(
     if t.k > 0 {
         // the last element of A and the last row of B the tile reads, checked once: the loop
         // below reads through pointers at or before them
-        let _ = a.values[(t.i + R - 1) * a.rs + (t.k - 1) * a.cs];
-        let _ = b.values[(t.k - 1) * b.rs + t.j..][..t.cols];
+        assert!((t.i + R - 1) * a.rs + (t.k - 1) * a.cs < a.values.len());
+        assert!((t.k - 1) * b.rs + t.j + t.cols <= b.values.len());
     }
     for k0 in (0..t.k).step_by(KC) {
         let mut chain = [[_mm256_setzero_ps(); V]; R];
