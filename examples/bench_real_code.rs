@@ -7,8 +7,11 @@
 //! alike) and reports the medians and their ratio; the last line is the median ratio.
 //!
 //! ```text
-//! cargo run --release --example bench_real_code [-- ROUNDS]
+//! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2]
 //! ```
+//!
+//! `--avx2` forces mpx's GEMM onto its AVX2 + FMA path, the instructions of a CPU without AVX-512
+//! (dfdx's f32 loops and mpx's element-wise passes keep this CPU's own).
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
@@ -368,10 +371,18 @@ fn sgd_config() -> SgdConfig {
 }
 
 fn main() {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(15);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rounds: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(15);
+    if args.iter().any(|a| a == "--avx2") {
+        use mpx::__bench::{KernelPath, with_path};
+        with_path(KernelPath::Avx2Fma, || table(rounds)).expect("this CPU has AVX2 and FMA");
+    } else {
+        table(rounds);
+    }
+}
+
+/// Runs every loop for `rounds` interleaved rounds and prints the table.
+fn table(rounds: usize) {
     let cpu = measure::cpu_name();
     let mut rows: Vec<(&str, Duration, Duration)> = Vec::new();
     let dev = Cpu::seed_from_u64(0);
@@ -632,7 +643,10 @@ fn main() {
         policy(dev.build_module::<policy::Structure, f32>(); &s_, &a_, &r_)
     );
 
-    println!("real loops, f32 against `#[mixed_step]` f16, medians of interleaved rounds, {cpu}");
+    let path = mpx::__bench::active_path();
+    println!(
+        "real loops, f32 against `#[mixed_step]` f16, medians of interleaved rounds, mpx's GEMM on {path:?}, {cpu}"
+    );
     println!("| loop | f32 | mixed | mixed / f32 |");
     println!("|---|---|---|---|");
     let mut ratios = Vec::new();

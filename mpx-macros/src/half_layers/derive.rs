@@ -351,7 +351,7 @@ fn generate(
         .collect();
     let visited = nest(&visited);
 
-    // the master's HalfLayers: build field by field, finish each layer
+    // the master's HalfLayers: build field by field (each layer finished as it is built)
     let builds = fields.iter().map(|f| {
         let (m, n) = (&f.member, &f.name);
         let value = match f.role {
@@ -364,13 +364,6 @@ fn generate(
         };
         quote!(#m: #value)
     });
-    let finishes = fields
-        .iter()
-        .filter(|f| matches!(f.role, Role::Layer))
-        .map(|f| {
-            let m = &f.member;
-            quote!(#rt::step::HalfLayers::<__H>::finish(&self.#m, &mut working.#m, linker);)
-        });
     let unreachable = format!(
         "`{name}Working` is the working copy of a mixed step: it is not built or converted by dfdx's visitors"
     );
@@ -398,10 +391,6 @@ fn generate(
             #bounds
         {
             type Working = #working<#(#const_idents,)* __H>;
-            fn finish(&self, working: &mut Self::Working, linker: &#rt::step::Linker) {
-                let _ = (&working, linker);
-                #(#finishes)*
-            }
             fn build_working(
                 &self,
                 cx: &mut #rt::step::BuildCx<'_, __H>,

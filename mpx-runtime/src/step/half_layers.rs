@@ -6,7 +6,7 @@
 use dfdx::nn::tensor_collection::{
     RecursiveWalker, ScalarOptions, TensorCollection, TensorOptions, TensorVisitor,
 };
-use dfdx::shapes::{HasShape, Shape};
+use dfdx::shapes::{HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, Tensor};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 use num_traits::NumCast;
@@ -19,6 +19,7 @@ use crate::boundary::MasterModel;
 use crate::cast::CastError;
 use crate::master::link::Linker;
 use crate::master::slots::{MasterSlot, Slot};
+use crate::nn::FusedLinear;
 use crate::precision::Precision;
 use crate::walk::{Each, each};
 
@@ -79,9 +80,10 @@ where
         + Sync
         + 'static;
 
-    /// Sets what the working copy holds that dfdx's visitors do not carry: a fused layer's link
-    /// to the master tensors it stands for, a leaky `ReLU`'s slope. Called once the working copy
-    /// of a forward pass has been built; layers without any do nothing.
+    /// Sets what a layer's working copy holds that dfdx's visitors do not carry: a fused layer's
+    /// link to the master tensors it stands for, a leaky `ReLU`'s slope. Called on a layer built
+    /// as a whole, once its tensors and scalars are filled; layers without any do nothing, and
+    /// containers, built part by part, never need it.
     ///
     /// # Examples
     /// ```
@@ -125,29 +127,22 @@ where
         let mut cx = BuildCx {
             store,
             built: Built::new(()),
-            addrs: Vec::new(),
+            links,
+            linker: <Cpu as Primitives<H>>::linker(links),
             root: master,
             flags: None,
         };
         let copy = master.build_working(&mut cx)?;
-        let BuildCx {
-            built: Built { pairs, state, .. },
-            addrs,
-            ..
-        } = cx;
-        let mut built = Built { copy, pairs, state };
-        master.finish(&mut built.copy, &<Cpu as Primitives<H>>::linker(links));
-        for (pair, &addr) in built.pairs.iter_mut().zip(&addrs) {
-            pair.linked = <Cpu as Primitives<H>>::is_linked(links, addr);
-        }
-        Ok(built)
+        let Built { pairs, state, .. } = cx.built;
+        Ok(Built { copy, pairs, state })
     }
 }
 
 /// What a mapped working copy is built with, part by part
 /// ([`HalfLayers::build_working`](super::HalfLayers::build_working)): the store its buffers come
-/// from, and the record of each tensor built (the master tensor it stands for, or the state it
-/// carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]` calls.
+/// from, the forward pass's links its fused layers are linked through, and the record of each
+/// tensor built (the master tensor it stands for and whether a fused layer linked it, or the
+/// state it carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]` calls.
 #[doc(hidden)]
 #[allow(missing_debug_implementations)]
 pub struct BuildCx<'a, H: Precision>
@@ -156,8 +151,8 @@ where
 {
     store: &'a mut <Cpu as Primitives<H>>::Store,
     built: Built<H, Cpu, ()>,
-    /// The master address of each trainable tensor, in the order of `built.pairs`.
-    addrs: Vec<usize>,
+    links: &'a <Cpu as Primitives<H>>::Links,
+    linker: Linker,
     /// The whole master, whose walk says which tensors are trainable (read once, when a part
     /// built field by field holds a tensor of its own).
     root: &'a dyn Flags,
@@ -218,8 +213,36 @@ where
         .map_err(StepError::Cast)?
         .ok_or(StepError::Cast(CastError::NotRebuilt))?;
         fill.finish()?;
-        self.addrs.extend(gather.trainable_addrs);
+        let mut copy = copy;
+        master.finish(&mut copy, &self.linker);
+        for (pair, &addr) in self.built.pairs[first_pair..]
+            .iter_mut()
+            .zip(&gather.trainable_addrs)
+        {
+            pair.linked = <Cpu as Primitives<H>>::is_linked(self.links, addr);
+        }
         Ok(copy)
+    }
+
+    /// The fused working copy of a linear layer with master weight `weight` and bias `bias`
+    /// (both trained, as the layer's type says): the two rounded to `H`, linked to the master's.
+    ///
+    /// # Errors
+    /// A device error.
+    pub(crate) fn linear<const I: usize, const O: usize, A: Default>(
+        &mut self,
+        weight: &Tensor<Rank2<O, I>, f32, Cpu>,
+        bias: &Tensor<Rank1<O>, f32, Cpu>,
+    ) -> Result<FusedLinear<I, O, H::Elem, Cpu, A>, StepError> {
+        let link = self.linker.link(weight, bias);
+        let w =
+            <Cpu as Primitives<H>>::to_working(weight, self.store).map_err(StepError::Device)?;
+        let b = <Cpu as Primitives<H>>::to_working(bias, self.store).map_err(StepError::Device)?;
+        self.built.trainable(&w, Slot::of(weight), link.is_some());
+        self.built.trainable(&b, Slot::of(bias), link.is_some());
+        let mut layer = FusedLinear::new(w, b);
+        layer.set_link(link);
+        Ok(layer)
     }
 
     /// Master tensor `t`, field `field` of module `M` (a part built field by field), rounded to
@@ -250,8 +273,7 @@ where
         }
         let half = <Cpu as Primitives<H>>::to_working(t, self.store).map_err(StepError::Device)?;
         if trainable {
-            self.built.trainable(&half, Slot::of(t));
-            self.addrs.push(addr);
+            self.built.trainable(&half, Slot::of(t), false);
         } else {
             self.built.state(&half);
         }
@@ -376,7 +398,7 @@ where
             let Some(slot) = slot else {
                 return Err(CastError::TrainableMismatch { index });
             };
-            self.built.trainable(&t, slot);
+            self.built.trainable(&t, slot, false);
         } else {
             self.built.state(&t);
         }

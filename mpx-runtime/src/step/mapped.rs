@@ -15,9 +15,13 @@
 //! by position ([`super::working`]): every count and length is checked, and every setting (a
 //! norm's `epsilon` and `momentum`, dropout's `p`) is the master's. What a working copy holds
 //! that is not a tensor or a scalar of dfdx's (a fused layer's link to its master tensors,
-//! `LeakyReLU`'s slope) is set by [`HalfLayers::finish`]. A working copy computes exactly what
-//! the master's layers compute, layer by layer: nothing is fused across layers, so a step that
-//! calls the layers one by one, with its own ops between them, sees what dfdx's layers give.
+//! `LeakyReLU`'s slope) is set by [`HalfLayers::finish`] once the layer is filled. A linear
+//! layer, dfdx's or mpx's, is the one exception: its type fixes its two trained tensors and
+//! their shapes, so its fused working copy is made straight from them and linked as it is made,
+//! without a walk of either layer (the commonest layer, built once per forward pass). A working
+//! copy computes exactly what the master's layers compute, layer by layer: nothing is fused
+//! across layers, so a step that calls the layers one by one, with its own ops between them,
+//! sees what dfdx's layers give.
 
 use dfdx::nn::modules::{
     AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, Linear as DfdxLinear, Repeated,
@@ -40,6 +44,11 @@ type Native<L> = L;
 /// The mpx layer in a [`Native`] working copy.
 fn native<L>(w: &mut L) -> &mut L {
     w
+}
+
+/// An mpx layer as its [`Native`] working copy.
+fn native_of<L>(l: L) -> L {
+    l
 }
 
 /// The mpx layer in an [`InBf16`] working copy.
@@ -141,11 +150,11 @@ crate::nn::counterparts!(counterpart_layers);
 /// layers mpx has no counterpart of to themselves in `H`, for one precision (`$in` wraps mpx's
 /// layers: [`Native`] or [`InBf16`]).
 macro_rules! layers {
-    ($h:ty, $in:ident, $get:ident) => {
+    ($h:ty, $in:ident, $get:ident, $wrap:path) => {
         impl<const I: usize, const O: usize> HalfLayers<$h> for DfdxLinear<I, O, f32, Cpu> {
             type Working = $in<crate::nn::Linear<I, O, <$h as Precision>::Elem, Cpu>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                working.set_link(linker.link(&self.weight, &self.bias));
+            fn build_working(&self, cx: &mut BuildCx<'_, $h>) -> Result<Self::Working, StepError> {
+                Ok($wrap(cx.linear(&self.weight, &self.bias)?))
             }
         }
         same!($h: FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
@@ -213,20 +222,20 @@ macro_rules! same {
     )*};
 }
 
-layers!(f16, Native, native);
-layers!(AMP<f16>, Native, native);
-layers!(bf16, InBf16, in_bf16);
+layers!(f16, Native, native, native_of);
+layers!(AMP<f16>, Native, native, native_of);
+layers!(bf16, InBf16, in_bf16, InBf16);
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
 /// to its master tensors).
 macro_rules! own {
-    ($h:ty, $in:ident, $get:ident) => {
+    ($h:ty, $in:ident, $get:ident, $wrap:path) => {
         impl<const I: usize, const O: usize, A: crate::nn::FusedActivation> HalfLayers<$h>
             for crate::nn::FusedLinear<I, O, f32, Cpu, A>
         {
             type Working = $in<crate::nn::FusedLinear<I, O, <$h as Precision>::Elem, Cpu, A>>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                working.set_link(linker.link(&self.weight, &self.bias));
+            fn build_working(&self, cx: &mut BuildCx<'_, $h>) -> Result<Self::Working, StepError> {
+                Ok($wrap(cx.linear(&self.weight, &self.bias)?))
             }
         }
         own!(@same $h, $in, $get: vit::PositionEmbedding[const N, const M]);
@@ -261,9 +270,9 @@ macro_rules! own {
     };
 }
 
-own!(f16, Native, native);
-own!(AMP<f16>, Native, native);
-own!(bf16, InBf16, in_bf16);
+own!(f16, Native, native, native_of);
+own!(AMP<f16>, Native, native, native_of);
+own!(bf16, InBf16, in_bf16, InBf16);
 
 /// A stack maps layer by layer (dfdx's `TransformerEncoder` is a `Repeated` of blocks).
 impl<H: Precision, T: HalfLayers<H>, const N: usize> HalfLayers<H> for Repeated<T, N>
@@ -274,11 +283,6 @@ where
         TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Repeated<T::Working, N>>,
 {
     type Working = Repeated<T::Working, N>;
-    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-        for (m, w) in self.modules.iter().zip(&mut working.modules) {
-            m.finish(w, linker);
-        }
-    }
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
         let modules = self
             .modules
@@ -297,9 +301,6 @@ where
     Residual<F::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Residual<F::Working>>,
 {
     type Working = Residual<F::Working>;
-    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-        self.0.finish(&mut working.0, linker);
-    }
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
         Ok(Residual(self.0.build_working(cx)?))
     }
@@ -317,10 +318,6 @@ where
         >,
 {
     type Working = GeneralizedResidual<F::Working, R::Working>;
-    fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-        self.f.finish(&mut working.f, linker);
-        self.r.finish(&mut working.r, linker);
-    }
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
         // dfdx visits `f`, then `r`
         let f = self.f.build_working(cx)?;
@@ -339,9 +336,6 @@ macro_rules! branches {
             $c<T::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = $c<T::Working>>,
         {
             type Working = $c<T::Working>;
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                self.0.finish(&mut working.0, linker);
-            }
             fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
                 Ok($c(self.0.build_working(cx)?))
             }
@@ -360,9 +354,6 @@ macro_rules! tuple {
             ($($m::Working,)+): TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = ($($m::Working,)+)>,
         {
             type Working = ($($m::Working,)+);
-            fn finish(&self, working: &mut Self::Working, linker: &Linker) {
-                $(self.$i.finish(&mut working.$i, linker);)+
-            }
             fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
                 Ok(($(self.$i.build_working(cx)?,)+))
             }

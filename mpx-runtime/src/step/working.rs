@@ -73,16 +73,18 @@ impl<H: Precision, D: MixedDevice<H>, C> Built<H, D, C> {
         }
     }
 
-    /// Records a trainable tensor of the copy, standing for master tensor `master`.
+    /// Records a trainable tensor of the copy, standing for master tensor `master` (`linked`: a
+    /// fused layer writes its gradient straight into the master's).
     pub(super) fn trainable<S: Shape>(
         &mut self,
         half: &Tensor<S, H::Elem, D>,
         master: MasterSlot<D>,
+        linked: bool,
     ) {
         self.pairs.push(Pair {
             half: Slot::of(half),
             master,
-            linked: false,
+            linked,
         });
     }
 
@@ -240,7 +242,7 @@ impl<H: Precision, D: MixedDevice<H>> Map<f32, H::Elem, D> for ToHalf<'_, H, D> 
     ) -> Result<Tensor<S, H::Elem, D>, D::Err> {
         let half = D::to_working(t, self.store)?;
         if trainable {
-            self.built.trainable(&half, Slot::of(t));
+            self.built.trainable(&half, Slot::of(t), false);
         } else {
             self.built.state(&half);
         }
