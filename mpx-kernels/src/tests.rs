@@ -1304,13 +1304,20 @@ fn the_avx2_blocking_sized_to_any_caches_gives_the_same_bits() {
 
 #[test]
 fn tiny_products_give_the_bits_of_the_blocked_kernels() {
-    // shapes at and below the tiny bound: k past one k block (k = 300, 512) and two (600),
-    // thin, square, every count of rows left over by the 4-row tiles and of columns by the
+    // shapes at and below the tiny bound, the smallest (at most 256 multiply-adds, a 2-2-1 net's
+    // among them) run one chain at a time: k past one k block (k = 300, 512) and two (600), thin,
+    // square, every count of rows left over by the 4-row tiles and of columns by the
     // 8-column vectors, the 16-32-4 MLP's products, the bound itself; every operand layout, f32
     // and f16, overwriting (with -0.0 sums) and accumulating
     let shapes = [
         (1, 1, 1),
         (4, 2, 2),
+        (4, 1, 2),
+        (2, 4, 4),
+        (3, 5, 2),
+        (1, 1, 256),
+        (16, 16, 1),
+        (2, 2, 64),
         (1, 1, 300),
         (2, 1, 256),
         (1, 1, 512),

@@ -14,7 +14,9 @@
 //! output element one FMA chain over each k block of [`KC`] values in order, added into `C`
 //! (into `+0.0` when `C` is overwritten). That is what the AVX2 and AVX-512 kernels do; here
 //! the chains of 4 rows and 16 columns run side by side in AVX2 registers, each lane its own
-//! element's chain. `tests.rs` compares the two bit for bit.
+//! element's chain; products of at most [`MICRO_WORK`] multiply-adds run their chains one after
+//! another in scalar registers, reading the operands in place. `tests.rs` compares both with the
+//! blocked kernels bit for bit.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
@@ -59,6 +61,15 @@ pub(crate) fn gemm(
     if !fma_chain {
         return false;
     }
+    if m * n * k <= MICRO_WORK
+        && let (Some(av), Some(bv)) = (Scalar::of(a.values()), Scalar::of(b.values()))
+    {
+        let a = (av, a.row_stride(), a.col_stride());
+        let b = (bv, b.row_stride(), b.col_stride());
+        // SAFETY: every path above runs on a CPU with FMA (see below).
+        unsafe { micro(a, b, c, (m, n, k), accumulate) };
+        return true;
+    }
     with_wide(|[wa, wb, wt]| {
         let a = Strided {
             values: prepared(a, wa),
@@ -71,6 +82,129 @@ pub(crate) fn gemm(
         unsafe { products(a, b, c, (m, n, k), accumulate) };
     });
     true
+}
+
+/// Products of at most this many multiply-adds run in [`micro`]: their few chains cost less
+/// one after another in scalar registers than the tiles' set-up (the f32 copies of the operands,
+/// `B`'s rows, the lane masks), which is most of a 2-2-1 net's product.
+const MICRO_WORK: usize = 256;
+
+/// An operand read as it is, value by value (f16 widened exactly, with F16C).
+#[derive(Clone, Copy)]
+enum Scalar<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl<'a> Scalar<'a> {
+    /// The operands an FMA chain reads as they are (emulated bf16 is rounded while packing);
+    /// f16 only where the CPU has F16C.
+    fn of(v: FloatSlice<'a>) -> Option<Self> {
+        match v {
+            FloatSlice::F32(x) => Some(Self::F32(x)),
+            FloatSlice::F16(x) if crate::convert::has_f16c() => Some(Self::F16(x)),
+            FloatSlice::F16(_) | FloatSlice::Bf16(_) => None,
+        }
+    }
+}
+
+/// One element of an operand of [`micro`], as f32.
+trait Read: Copy {
+    /// # Safety
+    /// The CPU must have F16C.
+    unsafe fn at(self, i: usize) -> f32;
+}
+
+impl Read for &[f32] {
+    #[inline(always)]
+    unsafe fn at(self, i: usize) -> f32 {
+        self[i]
+    }
+}
+
+impl Read for &[half::f16] {
+    #[inline(always)]
+    unsafe fn at(self, i: usize) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's F16C.
+        unsafe {
+            widen_one(self[i])
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self[i].to_f32()
+    }
+}
+
+/// `x` widened to f32 (exact) by F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+#[inline]
+fn widen_one(x: half::f16) -> f32 {
+    use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(x.to_bits()))))
+}
+
+/// The products of at most [`MICRO_WORK`] multiply-adds: for each element of `C`, in turn, its
+/// FMA chain over each k block of [`KC`] values, added into `C` (into `+0.0` when `C` is
+/// overwritten). The same arithmetic, in the same order, as [`tile`]'s lanes, so the same bits.
+/// Operands as `(values, row stride, column stride)`.
+///
+/// # Safety
+/// The CPU must have FMA, and F16C where an operand is f16.
+unsafe fn micro(
+    (a, ars, acs): (Scalar<'_>, usize, usize),
+    (b, brs, bcs): (Scalar<'_>, usize, usize),
+    c: &mut [f32],
+    dims: (usize, usize, usize),
+    accumulate: bool,
+) {
+    use Scalar::{F16, F32};
+    let (ars, brs) = ((ars, acs), (brs, bcs));
+    // Each arm: the caller's FMA, and F16C where an operand is f16.
+    match (a, b) {
+        // SAFETY: as above.
+        (F32(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        // SAFETY: as above.
+        (F32(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        // SAFETY: as above.
+        (F16(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        // SAFETY: as above.
+        (F16(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+    }
+}
+
+/// [`micro`] for one pair of operand types.
+///
+/// # Safety
+/// The CPU must have FMA and F16C.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "fma,f16c"))]
+unsafe fn chains<A: Read, B: Read>(
+    (a, (ars, acs)): (A, (usize, usize)),
+    (b, (brs, bcs)): (B, (usize, usize)),
+    c: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let out = &mut c[i * n + j];
+            let mut sum = if accumulate { *out } else { 0.0 };
+            let mut k0 = 0;
+            while k0 < k {
+                let mut chain = 0.0f32;
+                for p in k0..(k0 + KC).min(k) {
+                    // SAFETY: this function's F16C.
+                    let x = unsafe { a.at(i * ars + p * acs) };
+                    // SAFETY: as above.
+                    let y = unsafe { b.at(p * brs + j * bcs) };
+                    chain = x.mul_add(y, chain);
+                }
+                sum += chain;
+                k0 += KC;
+            }
+            *out = sum;
+        }
+    }
 }
 
 /// An operand's f32 values and strides.
