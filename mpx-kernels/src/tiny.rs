@@ -108,30 +108,40 @@ impl<'a> Scalar<'a> {
     }
 }
 
-/// One element of an operand of [`micro`], as f32.
+/// An operand of [`micro`], read element by element as f32.
 trait Read: Copy {
+    fn len(self) -> usize;
     /// # Safety
-    /// The CPU must have F16C.
+    /// `i < self.len()`, and the CPU must have F16C.
     unsafe fn at(self, i: usize) -> f32;
 }
 
 impl Read for &[f32] {
+    fn len(self) -> usize {
+        <[f32]>::len(self)
+    }
     #[inline(always)]
     unsafe fn at(self, i: usize) -> f32 {
-        self[i]
+        // SAFETY: the caller's bound.
+        unsafe { *self.get_unchecked(i) }
     }
 }
 
 impl Read for &[half::f16] {
+    fn len(self) -> usize {
+        <[half::f16]>::len(self)
+    }
     #[inline(always)]
     unsafe fn at(self, i: usize) -> f32 {
+        // SAFETY: the caller's bound.
+        let x = unsafe { *self.get_unchecked(i) };
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's F16C.
         unsafe {
-            widen_one(self[i])
+            widen_one(x)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        self[i].to_f32()
+        x.to_f32()
     }
 }
 
@@ -145,8 +155,9 @@ fn widen_one(x: half::f16) -> f32 {
 }
 
 /// The products of at most [`MICRO_WORK`] multiply-adds: for each element of `C`, in turn, its
-/// FMA chain over each k block of [`KC`] values, added into `C` (into `+0.0` when `C` is
-/// overwritten). The same arithmetic, in the same order, as [`tile`]'s lanes, so the same bits.
+/// FMA chain (`k` is at most [`MICRO_WORK`], so one k block of [`KC`]), added into `C` (into
+/// `+0.0` when `C` is overwritten). The same arithmetic, in the same order, as [`tile`]'s lanes,
+/// so the same bits.
 /// Operands as `(values, row stride, column stride)`.
 ///
 /// # Safety
@@ -185,24 +196,23 @@ unsafe fn chains<A: Read, B: Read>(
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    for i in 0..m {
-        for j in 0..n {
-            let out = &mut c[i * n + j];
-            let mut sum = if accumulate { *out } else { 0.0 };
-            let mut k0 = 0;
-            while k0 < k {
-                let mut chain = 0.0f32;
-                for p in k0..(k0 + KC).min(k) {
-                    // SAFETY: this function's F16C.
-                    let x = unsafe { a.at(i * ars + p * acs) };
-                    // SAFETY: as above.
-                    let y = unsafe { b.at(p * brs + j * bcs) };
-                    chain = x.mul_add(y, chain);
-                }
-                sum += chain;
-                k0 += KC;
+    const { assert!(MICRO_WORK <= KC) };
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    // the last element of A and of B read, checked once: every index below is at or before it
+    assert!((m - 1) * ars + (k - 1) * acs < a.len() && (k - 1) * brs + (n - 1) * bcs < b.len());
+    for (i, row) in c.chunks_exact_mut(n).take(m).enumerate() {
+        for (j, out) in row.iter_mut().enumerate() {
+            let mut chain = 0.0f32;
+            for p in 0..k {
+                // SAFETY: `i < m`, `p < k`: within the bound checked above; this function's F16C.
+                let x = unsafe { a.at(i * ars + p * acs) };
+                // SAFETY: `p < k`, `j < n`: as above.
+                let y = unsafe { b.at(p * brs + j * bcs) };
+                chain = x.mul_add(y, chain);
             }
-            *out = sum;
+            *out = if accumulate { *out } else { 0.0 } + chain;
         }
     }
 }

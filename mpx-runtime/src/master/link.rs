@@ -95,8 +95,8 @@ impl RegionLinks {
 #[derive(Clone)]
 pub struct Link {
     region: Arc<RegionLinks>,
-    weight: Arc<MasterSlot>,
-    bias: Arc<MasterSlot>,
+    weight: MasterSlot,
+    bias: MasterSlot,
 }
 
 impl std::fmt::Debug for Link {
@@ -170,8 +170,18 @@ impl Linker {
         ]);
         Some(Link {
             region: Arc::clone(region),
-            weight: Arc::new(MasterSlot::of(weight)),
-            bias: Arc::new(MasterSlot::of(bias)),
+            weight: MasterSlot::of(weight),
+            bias: MasterSlot::of(bias),
+        })
+    }
+
+    /// The link of a layer built straight from master tensors whose slots the forward pass
+    /// records itself (`weight`, `bias`: handles on those slots); `None` outside a mixed step.
+    pub(crate) fn link_slots(&self, weight: &MasterSlot, bias: &MasterSlot) -> Option<Link> {
+        Some(Link {
+            region: Arc::clone(self.region.as_ref()?),
+            weight: weight.clone(),
+            bias: bias.clone(),
         })
     }
 }

@@ -7,11 +7,14 @@ use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, HasErr, Storage, Tensor};
 use dfdx::tensor_ops::Device;
 
+use std::sync::Arc;
+
 use crate::walk::{Each, each};
 
 /// A device whose tensors of element `E` can be keyed by a boxed ghost. On the `Cpu` the box is
-/// `Send + Sync` (so the state that holds it can be); dfdx's `Cuda` device is neither, so a
-/// `Cuda` slot is not either.
+/// shared (a clone is another handle on one lookup: a fused layer's link and the forward pass's
+/// record hold the same) and `Send + Sync` (so the state that holds it can be); dfdx's `Cuda`
+/// device is neither, so a `Cuda` slot is not either.
 pub trait SlotDevice<E: Dtype>: Device<E> {
     /// The boxed lookup.
     type Slot;
@@ -46,10 +49,10 @@ impl<E: Dtype> SlotDevice<E> for Cpu
 where
     Cpu: Device<E>,
 {
-    type Slot = Box<CpuLookup<E>>;
+    type Slot = Arc<CpuLookup<E>>;
     fn slot<S: Shape>(t: &Tensor<S, E, Cpu>) -> Self::Slot {
         let ghost = t.ghost();
-        Box::new(lookup(move |g: &mut Gradients<E, Cpu>| {
+        Arc::new(lookup(move |g: &mut Gradients<E, Cpu>| {
             g.get_or_alloc_mut(&ghost)
         }))
     }
@@ -114,6 +117,19 @@ impl<E: Dtype, D: SlotDevice<E>> Slot<E, D> {
         grads: &'a mut Gradients<E, D>,
     ) -> Result<&'a mut <D as Storage<E>>::Vec, D::Err> {
         D::buffer(&self.get, grads)
+    }
+}
+
+impl<E: Dtype> Clone for Slot<E, Cpu>
+where
+    Cpu: Device<E>,
+{
+    /// Another handle on the same lookup.
+    fn clone(&self) -> Self {
+        Self {
+            len: self.len,
+            get: Arc::clone(&self.get),
+        }
     }
 }
 

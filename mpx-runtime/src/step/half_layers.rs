@@ -234,12 +234,13 @@ where
         weight: &Tensor<Rank2<O, I>, f32, Cpu>,
         bias: &Tensor<Rank1<O>, f32, Cpu>,
     ) -> Result<FusedLinear<I, O, H::Elem, Cpu, A>, StepError> {
-        let link = self.linker.link(weight, bias);
+        let (ws, bs) = (Slot::of(weight), Slot::of(bias));
+        let link = self.linker.link_slots(&ws, &bs);
         let w =
             <Cpu as Primitives<H>>::to_working(weight, self.store).map_err(StepError::Device)?;
         let b = <Cpu as Primitives<H>>::to_working(bias, self.store).map_err(StepError::Device)?;
-        self.built.trainable(&w, Slot::of(weight), link.is_some());
-        self.built.trainable(&b, Slot::of(bias), link.is_some());
+        self.built.trainable(&w, ws, link.is_some());
+        self.built.trainable(&b, bs, link.is_some());
         let mut layer = FusedLinear::new(w, b);
         layer.set_link(link);
         Ok(layer)
