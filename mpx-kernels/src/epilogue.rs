@@ -327,6 +327,17 @@ pub fn relu_mask_bias_grad_f16(
 ) -> Result<(), KernelError> {
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
+    if dy.len() <= SCALAR_MAX {
+        for (r, drow) in dy.chunks_exact_mut(cols).enumerate() {
+            if let Some(m) = mask {
+                m.apply(r * cols, drow, f16::ZERO);
+            }
+            for (g, v) in bias_grad.iter_mut().zip(drow.iter()) {
+                *g += v.to_f32();
+            }
+        }
+        return Ok(());
+    }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512bw")
@@ -358,6 +369,11 @@ pub fn relu_mask_bias_grad_f16(
     Ok(())
 }
 
+/// Gradients of at most this many values take the scalar loop in the ReLU-mask and bias-gradient
+/// pass: on so few (a tiny net's), the vector set-up costs more than it saves. The sums are the
+/// same bits either way (each column's, row by row, in f32).
+const SCALAR_MAX: usize = 64;
+
 /// [`relu_mask_bias_grad_f16`] for f32 gradients.
 ///
 /// # Errors
@@ -379,7 +395,7 @@ pub fn relu_mask_bias_grad_f32(
     let cols = bias_grad.len();
     check_rows(dy.len(), mask.map(ReluMask::len), cols)?;
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
+    if dy.len() > SCALAR_MAX && std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512 F was detected; `check_rows` checked that `dy` is whole rows of
         // `cols > 0` values and that the mask has `dy.len()` bits.
         unsafe {
