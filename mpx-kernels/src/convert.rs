@@ -204,7 +204,7 @@ pub fn round_to_bf16(src: &[f32], dst: &mut [f32]) {
 
 /// Never called: [`has_f16c`] and [`has_avx2`] are `false` off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-mod x86 {
+pub(crate) mod x86 {
     use half::f16;
 
     pub(super) unsafe fn widen(_: &[f16], _: &mut [f32]) {
@@ -225,7 +225,7 @@ mod x86 {
 // casts from 2-byte-aligned f16 pointers are what the intrinsics expect.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::{
         __m128i, _MM_FROUND_TO_NEAREST_INT, _mm_loadu_si128, _mm_storeu_si128, _mm256_add_ps,
         _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
@@ -262,10 +262,35 @@ mod x86 {
         dst[full..].copy_from_slice(&d[..rest]);
     }
 
+    /// `x` widened to f32 (exact), by the instruction [`widen`] uses.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    pub(crate) fn widen_one(x: f16) -> f32 {
+        use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(x.to_bits()))))
+    }
+
+    /// `x` rounded to f16 (nearest, ties to even), by the instruction [`round`] uses.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    pub(crate) fn round_one(x: f32) -> f16 {
+        use std::arch::x86_64::{_mm_cvtps_ph, _mm_cvtsi128_si32, _mm_set_ss};
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x));
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        f16::from_bits(_mm_cvtsi128_si32(h) as u16)
+    }
+
     /// # Safety
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        if src.len() < LANES {
+            // fewer values than a group: one instruction each, no padded copy
+            for (s, d) in src.iter().zip(dst.iter_mut()) {
+                *d = widen_one(*s);
+            }
+            return;
+        }
         for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
             // SAFETY: `s` holds 8 f16 values, the 128 bits read (unaligned).
             let h = unsafe { _mm_loadu_si128(s.as_ptr().cast::<__m128i>()) };
@@ -312,6 +337,13 @@ mod x86 {
     /// The CPU must support AVX and F16C; `src.len() == dst.len()`.
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn round(src: &[f32], dst: &mut [f16]) {
+        if src.len() < LANES {
+            // fewer values than a group: one instruction each, no padded copy
+            for (s, d) in src.iter().zip(dst.iter_mut()) {
+                *d = round_one(*s);
+            }
+            return;
+        }
         for (s, d) in src.chunks_exact(LANES).zip(dst.chunks_exact_mut(LANES)) {
             // SAFETY: `s` holds 8 f32 values, the 256 bits read (unaligned).
             let v = unsafe { _mm256_loadu_ps(s.as_ptr()) };
@@ -376,8 +408,10 @@ mod tests {
 
     #[test]
     fn round_and_widen_match_the_half_crate_bit_for_bit() {
-        for n in [0, 1, 7, 8, 9, 31, 1000] {
-            let src = probe(n);
+        // fewer values than a group take the one-value path: every special value alone too
+        let alone = probe(11).into_iter().map(|x| vec![x]);
+        for src in (0..=9).chain([31, 1000]).map(probe).chain(alone) {
+            let n = src.len();
             let mut ours = vec![f16::ZERO; n];
             let mut theirs = vec![f16::ZERO; n];
             round_f16(&src, &mut ours);

@@ -138,20 +138,11 @@ impl Read for &[half::f16] {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's F16C.
         unsafe {
-            widen_one(x)
+            crate::convert::x86::widen_one(x)
         }
         #[cfg(not(target_arch = "x86_64"))]
         x.to_f32()
     }
-}
-
-/// `x` widened to f32 (exact) by F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "f16c")]
-#[inline]
-fn widen_one(x: half::f16) -> f32 {
-    use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(x.to_bits()))))
 }
 
 /// The products of at most [`MICRO_WORK`] multiply-adds: for each element of `C`, in turn, its
