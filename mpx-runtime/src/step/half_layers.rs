@@ -142,7 +142,8 @@ where
 /// ([`HalfLayers::build_working`](super::HalfLayers::build_working)): the store its buffers come
 /// from, the forward pass's links its fused layers are linked through, and the record of each
 /// tensor built (the master tensor it stands for and whether a fused layer linked it, or the
-/// state it carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]` calls.
+/// state it carries). Reachable only through the hidden method, which `#[derive(HalfLayers)]`
+/// calls.
 #[doc(hidden)]
 #[allow(missing_debug_implementations)]
 pub struct BuildCx<'a, H: Precision>
