@@ -198,6 +198,7 @@ mod error;
 mod fp16;
 mod isa;
 mod mat;
+mod micro;
 mod pack;
 mod packs;
 mod path;

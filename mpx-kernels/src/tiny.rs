@@ -14,9 +14,8 @@
 //! output element one FMA chain over each k block of [`KC`] values in order, added into `C`
 //! (into `+0.0` when `C` is overwritten). That is what the AVX2 and AVX-512 kernels do; here
 //! the chains of 4 rows and 16 columns run side by side in AVX2 registers, each lane its own
-//! element's chain; products of at most [`MICRO_WORK`] multiply-adds run their chains one after
-//! another in scalar registers, reading the operands in place. `tests.rs` compares both with the
-//! blocked kernels bit for bit.
+//! element's chain (the smallest products run their chains one after another instead, in
+//! [`micro`](super::micro)). `tests.rs` compares both with the blocked kernels bit for bit.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
@@ -61,13 +60,8 @@ pub(crate) fn gemm(
     if !fma_chain {
         return false;
     }
-    if m * n * k <= MICRO_WORK
-        && let (Some(av), Some(bv)) = (Scalar::of(a.values()), Scalar::of(b.values()))
-    {
-        let a = (av, a.row_stride(), a.col_stride());
-        let b = (bv, b.row_stride(), b.col_stride());
-        // SAFETY: every path above runs on a CPU with FMA (see below).
-        unsafe { micro(a, b, c, (m, n, k), accumulate) };
+    // SAFETY: every path above runs on a CPU with FMA (see below).
+    if unsafe { super::micro::gemm(a, b, c, accumulate) } {
         return true;
     }
     with_wide(|[wa, wb, wt]| {
@@ -82,130 +76,6 @@ pub(crate) fn gemm(
         unsafe { products(a, b, c, (m, n, k), accumulate) };
     });
     true
-}
-
-/// Products of at most this many multiply-adds run in [`micro`]: their few chains cost less
-/// one after another in scalar registers than the tiles' set-up (the f32 copies of the operands,
-/// `B`'s rows, the lane masks), which is most of a 2-2-1 net's product.
-const MICRO_WORK: usize = 256;
-
-/// An operand read as it is, value by value (f16 widened exactly, with F16C).
-#[derive(Clone, Copy)]
-enum Scalar<'a> {
-    F32(&'a [f32]),
-    F16(&'a [half::f16]),
-}
-
-impl<'a> Scalar<'a> {
-    /// The operands an FMA chain reads as they are (emulated bf16 is rounded while packing);
-    /// f16 only where the CPU has F16C.
-    fn of(v: FloatSlice<'a>) -> Option<Self> {
-        match v {
-            FloatSlice::F32(x) => Some(Self::F32(x)),
-            FloatSlice::F16(x) if crate::convert::has_f16c() => Some(Self::F16(x)),
-            FloatSlice::F16(_) | FloatSlice::Bf16(_) => None,
-        }
-    }
-}
-
-/// An operand of [`micro`], read element by element as f32.
-trait Read: Copy {
-    fn len(self) -> usize;
-    /// # Safety
-    /// `i < self.len()`, and the CPU must have F16C.
-    unsafe fn at(self, i: usize) -> f32;
-}
-
-impl Read for &[f32] {
-    fn len(self) -> usize {
-        <[f32]>::len(self)
-    }
-    #[inline(always)]
-    unsafe fn at(self, i: usize) -> f32 {
-        // SAFETY: the caller's bound.
-        unsafe { *self.get_unchecked(i) }
-    }
-}
-
-impl Read for &[half::f16] {
-    fn len(self) -> usize {
-        <[half::f16]>::len(self)
-    }
-    #[inline(always)]
-    unsafe fn at(self, i: usize) -> f32 {
-        // SAFETY: the caller's bound.
-        let x = unsafe { *self.get_unchecked(i) };
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller's F16C.
-        unsafe {
-            crate::convert::x86::widen_one(x)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        x.to_f32()
-    }
-}
-
-/// The products of at most [`MICRO_WORK`] multiply-adds: for each element of `C`, in turn, its
-/// FMA chain (`k` is at most [`MICRO_WORK`], so one k block of [`KC`]), added into `C` (into
-/// `+0.0` when `C` is overwritten). The same arithmetic, in the same order, as [`tile`]'s lanes,
-/// so the same bits.
-/// Operands as `(values, row stride, column stride)`.
-///
-/// # Safety
-/// The CPU must have FMA, and F16C where an operand is f16.
-unsafe fn micro(
-    (a, ars, acs): (Scalar<'_>, usize, usize),
-    (b, brs, bcs): (Scalar<'_>, usize, usize),
-    c: &mut [f32],
-    dims: (usize, usize, usize),
-    accumulate: bool,
-) {
-    use Scalar::{F16, F32};
-    let (ars, brs) = ((ars, acs), (brs, bcs));
-    // Each arm: the caller's FMA, and F16C where an operand is f16.
-    match (a, b) {
-        // SAFETY: as above.
-        (F32(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
-        // SAFETY: as above.
-        (F32(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
-        // SAFETY: as above.
-        (F16(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
-        // SAFETY: as above.
-        (F16(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
-    }
-}
-
-/// [`micro`] for one pair of operand types.
-///
-/// # Safety
-/// The CPU must have FMA and F16C.
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "fma,f16c"))]
-unsafe fn chains<A: Read, B: Read>(
-    (a, (ars, acs)): (A, (usize, usize)),
-    (b, (brs, bcs)): (B, (usize, usize)),
-    c: &mut [f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-) {
-    const { assert!(MICRO_WORK <= KC) };
-    if m == 0 || n == 0 || k == 0 {
-        return;
-    }
-    // the last element of A and of B read, checked once: every index below is at or before it
-    assert!((m - 1) * ars + (k - 1) * acs < a.len() && (k - 1) * brs + (n - 1) * bcs < b.len());
-    for (i, row) in c.chunks_exact_mut(n).take(m).enumerate() {
-        for (j, out) in row.iter_mut().enumerate() {
-            let mut chain = 0.0f32;
-            for p in 0..k {
-                // SAFETY: `i < m`, `p < k`: within the bound checked above; this function's F16C.
-                let x = unsafe { a.at(i * ars + p * acs) };
-                // SAFETY: `p < k`, `j < n`: as above.
-                let y = unsafe { b.at(p * brs + j * bcs) };
-                chain = x.mul_add(y, chain);
-            }
-            *out = if accumulate { *out } else { 0.0 } + chain;
-        }
-    }
 }
 
 /// An operand's f32 values and strides.
