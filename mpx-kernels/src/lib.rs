@@ -45,8 +45,9 @@
 //!    and uses the best instructions the CPU has. Calling such a function is `unsafe`: the CPU
 //!    must have the features.
 //! 2. *Raw-pointer loads and stores* inside those functions: the micro-kernels read panels of A
-//!    and B and read-modify-write tiles of C through pointers and strides; the conversions and
-//!    the transpose load and store groups of 8 or 16 values.
+//!    and B and read-modify-write tiles of C through pointers and strides; the smallest products
+//!    (`micro.rs`) read their operands element by element without a bounds check each; the
+//!    conversions and the transpose load and store groups of 8 or 16 values.
 //! 3. *Shared mutable views across threads*: a split product's threads write disjoint blocks of
 //!    one output (`tile.rs`'s `Out`) and fill disjoint parts of the packed operands that every
 //!    block then reads (`packs.rs`'s `PackView`); the borrow checker cannot see that the blocks
@@ -68,7 +69,8 @@
 //!   constructors check, with checked arithmetic, that every element its shape and strides reach
 //!   lies inside its slice, and its fields are private), [`gemm_on`] checks it again with the
 //!   inner dimensions and the output's length, and the block loops check each tile's range
-//!   against the slices (`strided.rs`, `Out::tile`). The element-wise passes check that their
+//!   against the slices (`strided.rs`, `Out::tile`; the small products check the last element
+//!   each operand reaches, once per product or tile: `micro.rs`, `tiny.rs`). The element-wise passes check that their
 //!   slices are whole rows of one length; the conversions and [`zip_parts`] that their slices
 //!   have one length.
 //! - *Threads*: the output and the packed operands are split into disjoint blocks computed from
