@@ -70,9 +70,9 @@
 //!   lies inside its slice, and its fields are private), [`gemm_on`] checks it again with the
 //!   inner dimensions and the output's length, and the block loops check each tile's range
 //!   against the slices (`strided.rs`, `Out::tile`; the small products check the last element
-//!   each operand reaches, once per product or tile: `micro.rs`, `tiny.rs`). The element-wise passes check that their
-//!   slices are whole rows of one length; the conversions and [`zip_parts`] that their slices
-//!   have one length.
+//!   each operand reaches, once per product or tile: `micro.rs`, `tiny.rs`). The element-wise
+//!   passes check that their slices are whole rows of one length; the conversions and
+//!   [`zip_parts`] that their slices have one length.
 //! - *Threads*: the output and the packed operands are split into disjoint blocks computed from
 //!   one grid; packing (the only writer of the packed operands) finishes before any block reads
 //!   them; the pool's caller does not return (or unwind) before every block it handed out is done,

@@ -13,15 +13,17 @@ use crate::FloatSlice;
 /// Products of at most this many multiply-adds run here.
 const MICRO_WORK: usize = 256;
 
-/// Runs `C (+)= A·B` here when the product has at most [`MICRO_WORK`] multiply-adds and both
-/// operands are read as they are (f32, or f16 on a CPU with F16C); `false` (nothing written)
+/// Runs `C (+)= A·B` here when the product has at most [`MICRO_WORK`] multiply-adds, both
+/// operands are read as they are (f32 or f16) and the CPU has F16C; `false` (nothing written)
 /// otherwise. The caller has checked the shapes.
 ///
 /// # Safety
 /// The CPU must have FMA.
 pub(crate) unsafe fn gemm(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumulate: bool) -> bool {
     let (m, n, k) = (a.rows(), b.cols(), a.cols());
-    if m.saturating_mul(n).saturating_mul(k) > MICRO_WORK {
+    // the chains are compiled with F16C (one instruction to widen an f16 value), so they run
+    // only where the CPU has it, whatever the operands
+    if m.saturating_mul(n).saturating_mul(k) > MICRO_WORK || !crate::convert::has_f16c() {
         return false;
     }
     let (Some(av), Some(bv)) = (Scalar::of(a.values()), Scalar::of(b.values())) else {
@@ -29,12 +31,12 @@ pub(crate) unsafe fn gemm(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut [f32], accumul
     };
     let a = (av, a.row_stride(), a.col_stride());
     let b = (bv, b.row_stride(), b.col_stride());
-    // SAFETY: the caller's FMA; `Scalar::of` gave f16 only where the CPU has F16C.
+    // SAFETY: the caller's FMA; F16C checked above.
     unsafe { micro(a, b, c, (m, n, k), accumulate) };
     true
 }
 
-/// An operand read as it is, value by value (f16 widened exactly, with F16C).
+/// An operand read as it is, value by value (f16 widened exactly).
 #[derive(Clone, Copy)]
 enum Scalar<'a> {
     F32(&'a [f32]),
@@ -42,13 +44,12 @@ enum Scalar<'a> {
 }
 
 impl<'a> Scalar<'a> {
-    /// The operands an FMA chain reads as they are (emulated bf16 is rounded while packing);
-    /// f16 only where the CPU has F16C.
+    /// The operands an FMA chain reads as they are (emulated bf16 is rounded while packing).
     fn of(v: FloatSlice<'a>) -> Option<Self> {
         match v {
             FloatSlice::F32(x) => Some(Self::F32(x)),
-            FloatSlice::F16(x) if crate::convert::has_f16c() => Some(Self::F16(x)),
-            FloatSlice::F16(_) | FloatSlice::Bf16(_) => None,
+            FloatSlice::F16(x) => Some(Self::F16(x)),
+            FloatSlice::Bf16(_) => None,
         }
     }
 }
@@ -94,7 +95,7 @@ impl Read for &[half::f16] {
 /// `(values, row stride, column stride)`.
 ///
 /// # Safety
-/// The CPU must have FMA, and F16C where an operand is f16.
+/// The CPU must have FMA and F16C.
 unsafe fn micro(
     (a, ars, acs): (Scalar<'_>, usize, usize),
     (b, brs, bcs): (Scalar<'_>, usize, usize),
@@ -103,17 +104,17 @@ unsafe fn micro(
     accumulate: bool,
 ) {
     use Scalar::{F16, F32};
-    let (ars, brs) = ((ars, acs), (brs, bcs));
-    // Each arm: the caller's FMA, and F16C where an operand is f16.
+    let (sa, sb) = ((ars, acs), (brs, bcs));
+    // Each arm: the caller's FMA and F16C.
     match (a, b) {
         // SAFETY: as above.
-        (F32(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        (F32(a), F32(b)) => unsafe { chains((a, sa), (b, sb), c, dims, accumulate) },
         // SAFETY: as above.
-        (F32(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        (F32(a), F16(b)) => unsafe { chains((a, sa), (b, sb), c, dims, accumulate) },
         // SAFETY: as above.
-        (F16(a), F32(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        (F16(a), F32(b)) => unsafe { chains((a, sa), (b, sb), c, dims, accumulate) },
         // SAFETY: as above.
-        (F16(a), F16(b)) => unsafe { chains((a, ars), (b, brs), c, dims, accumulate) },
+        (F16(a), F16(b)) => unsafe { chains((a, sa), (b, sb), c, dims, accumulate) },
     }
 }
 

@@ -37,21 +37,22 @@ pub(crate) fn prepared<'s>(m: &MatRef<'s>, buf: &'s mut Vec<f32>) -> &'s [f32] {
     let n = m.needed().expect("checked by `check`");
     match m.values() {
         FloatSlice::F32(v) => &v[..n],
-        FloatSlice::F16(v) => {
-            let buf = grown(buf, n);
-            zip_parts(buf, &v[..n], &|d, s| {
-                crate::convert::widen_f16(s, d);
-                true
-            });
-            buf
-        }
-        FloatSlice::Bf16(v) => {
-            let buf = grown(buf, n);
-            zip_parts(buf, &v[..n], &|d, s| {
-                crate::convert::round_bf16(s, d);
-                true
-            });
-            buf
-        }
+        FloatSlice::F16(v) => converted(&v[..n], buf, crate::convert::widen_f16),
+        FloatSlice::Bf16(v) => converted(&v[..n], buf, crate::convert::round_bf16),
     }
+}
+
+/// `src` converted by `convert` into the first `src.len()` values of `buf`, in parts on the
+/// pool's threads when long.
+fn converted<'s, S: Sync>(
+    src: &[S],
+    buf: &'s mut Vec<f32>,
+    convert: fn(&[S], &mut [f32]),
+) -> &'s [f32] {
+    let buf = grown(buf, src.len());
+    zip_parts(buf, src, &|d, s| {
+        convert(s, d);
+        true
+    });
+    buf
 }
