@@ -76,17 +76,27 @@ impl RegionLinks {
 
     /// `master_grad += values / scale`.
     fn add(&self, slot: &MasterSlot, values: &[f32]) -> Result<(), CpuError> {
-        let mut lent = locked(&self.lent);
-        // Only a bridge runs a linked layer's backward, and it lends first.
-        let grads = lent.as_mut().ok_or(CpuError::WrongNumElements)?;
         if slot.len != values.len() {
             return Err(CpuError::WrongNumElements);
         }
-        let dst = slot.slice(grads)?;
         let inv = self.inv;
-        // finiteness is checked once the whole backward pass has run
-        zip_parts(dst, values, &|d, v| add_scaled_checked(d, v, inv));
-        Ok(())
+        self.with_lent(|grads| {
+            let dst = slot.slice(grads)?;
+            // finiteness is checked once the whole backward pass has run
+            zip_parts(dst, values, &|d, v| add_scaled_checked(d, v, inv));
+            Ok(())
+        })
+    }
+
+    /// Runs `f` on the f32 gradients lent to this pass (an error when none are: only a
+    /// bridge runs the half backward, and it lends first).
+    pub(crate) fn with_lent<T>(
+        &self,
+        f: impl FnOnce(&mut Gradients<f32, Cpu>) -> Result<T, CpuError>,
+    ) -> Result<T, CpuError> {
+        f(locked(&self.lent)
+            .as_mut()
+            .ok_or(CpuError::WrongNumElements)?)
     }
 }
 

@@ -152,6 +152,7 @@ where
 }
 
 /// The device of `m`'s first tensor, in visit order (`None` for a module without tensors).
+#[cfg(feature = "cuda")]
 pub(crate) fn first_device<E, D, M>(m: &M) -> Result<Option<D>, D::Err>
 where
     E: Dtype,

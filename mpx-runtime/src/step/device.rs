@@ -94,13 +94,18 @@ pub(crate) mod private {
         fn step_error(e: Self::Err) -> StepError;
         /// An optimizer's error as a step error.
         fn optimizer_error(e: OptimizerUpdateError<Self::Err>) -> StepError;
-        /// The device of a master without tensors (the `Cpu`'s default; none elsewhere).
-        fn fallback_device() -> Option<Self>;
-        /// Makes the device ready for a step on `dev` (loads mpx's kernels where it has any).
+        /// The device a forward pass of `master` runs its half region's own tensors on, ready
+        /// for the step: on the `Cpu`, the store's (any `Cpu` holds host memory, so the
+        /// master is not walked); elsewhere, the device of the master's first tensor with mpx's
+        /// kernels loaded on it.
         ///
         /// # Errors
-        /// A kernel that does not compile or load.
-        fn ready(dev: &Self) -> Result<(), StepError>;
+        /// [`StepError::NoTensors`] for a master without tensors off the `Cpu`; a kernel that
+        /// does not compile or load.
+        fn region_device<M: crate::boundary::MasterModel<Self>>(
+            master: &M,
+            store: &mut Self::Store,
+        ) -> Result<Self, StepError>;
 
         /// The link state of a forward pass that applies the scale whose reciprocal is `inv`.
         fn links(inv: f32) -> Self::Links;
@@ -146,12 +151,15 @@ pub(crate) mod private {
         ) -> Result<Tensor<S, f32, Self>, Self::Err>;
 
         /// The ops that carry a traced input's half gradient (`x`, inside the region) back to
-        /// its f32 gradient (`x32`), unscaled with `inv`.
+        /// its f32 gradient (`x32`), unscaled with `inv`: one on the half tape, and one for the
+        /// f32 side where the half one cannot reach the f32 gradients (the `Cpu`'s reaches
+        /// them through `links`, which hold them while the half backward runs).
         fn input_bridge<S: Shape>(
             x: &Tensor<S, H::Elem, Self>,
             x32: &Tensor<S, f32, Self>,
             inv: f32,
-        ) -> (HalfOp<H::Elem, Self>, FullOp<Self>);
+            links: &Self::Links,
+        ) -> (HalfOp<H::Elem, Self>, Option<FullOp<Self>>);
 
         /// The op that marks the half gradient of `x`, an input whose gradient nothing reads,
         /// for the linked layers (`None` where there are none).
@@ -250,8 +258,6 @@ pub(crate) fn check_all<H: Precision, D: MixedDevice<H>>(
 // ---- the Cpu: host slices -----------------------------------------------------------------------
 
 mod cpu {
-    use std::cell::RefCell;
-    use std::rc::Rc;
     use std::sync::Arc;
 
     use dfdx::optim::OptimizerUpdateError;
@@ -280,10 +286,12 @@ mod cpu {
     /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation
     /// cache on (the working copy's large tensors, from [`CACHED_BYTES`] up, and their half
     /// gradients are allocated on it, so a step's buffers are the last step's), and the host
-    /// buffers a master tensor is read and rounded through. The user's device and its settings
+    /// buffers a master tensor is read and rounded through; and a plain device for the half
+    /// region's own tensors ([`Primitives::region_device`]). The user's device and its settings
     /// are left alone.
     pub struct Store<H: Precision> {
         device: Option<Cpu>,
+        region: Option<Cpu>,
         wide: Vec<f32>,
         half: Vec<H::Elem>,
     }
@@ -292,6 +300,7 @@ mod cpu {
         fn default() -> Self {
             Self {
                 device: None,
+                region: None,
                 wide: Vec::new(),
                 half: Vec::new(),
             }
@@ -313,12 +322,8 @@ mod cpu {
             StepError::Optimizer(e)
         }
 
-        fn fallback_device() -> Option<Cpu> {
-            Some(Cpu::default())
-        }
-
-        fn ready(_: &Cpu) -> Result<(), StepError> {
-            Ok(())
+        fn region_device<M>(_: &M, store: &mut Store<H>) -> Result<Cpu, StepError> {
+            Ok(store.region.get_or_insert_with(Cpu::default).clone())
         }
 
         fn links(inv: f32) -> Arc<RegionLinks> {
@@ -380,13 +385,19 @@ mod cpu {
         ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError> {
             let n = x.shape().num_elements();
             // A contiguous view (the same buffer when it already is) read with one memcpy:
-            // dfdx's `as_vec` walks the tensor index by index.
-            let mut values = vec![0.0f32; n];
-            x.retaped::<dfdx::tensor::NoneTape>()
-                .try_contiguous()?
-                .copy_into(&mut values);
+            // dfdx's `as_vec` walks the tensor index by index. A short one is read onto the
+            // stack.
+            let x = x.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
             let mut half = vec![H::Elem::default(); n];
-            H::round(&values, &mut half);
+            let mut read = |values: &mut [f32]| {
+                x.copy_into(values);
+                H::round(values, &mut half);
+            };
+            if n <= CHUNK {
+                with_chunk(n, |buf| read(&mut buf[..n]));
+            } else {
+                read(&mut vec![0.0f32; n]);
+            }
             x.device().try_tensor_from_vec(half, *x.shape())
         }
 
@@ -394,12 +405,18 @@ mod cpu {
             y: &Tensor<S, H::Elem, Cpu, T>,
         ) -> Result<Tensor<S, f32, Cpu>, CpuError> {
             let n = y.shape().num_elements();
-            let mut half = vec![H::Elem::default(); n];
-            y.retaped::<dfdx::tensor::NoneTape>()
-                .try_contiguous()?
-                .copy_into(&mut half);
+            let y = y.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
             let mut full = vec![0.0f32; n];
-            H::widen(&half, &mut full);
+            let mut read = |half: &mut [H::Elem]| {
+                y.copy_into(half);
+                H::widen(half, &mut full);
+            };
+            // a short output is read onto the stack
+            if n <= SHORT {
+                read(&mut [H::Elem::default(); SHORT][..n]);
+            } else {
+                read(&mut vec![H::Elem::default(); n]);
+            }
             y.device().try_tensor_from_vec(full, *y.shape())
         }
 
@@ -407,31 +424,23 @@ mod cpu {
             x: &Tensor<S, H::Elem, Cpu>,
             x32: &Tensor<S, f32, Cpu>,
             inv: f32,
-        ) -> (HalfOp<H::Elem, Cpu>, FullOp<Cpu>) {
-            let (x, x32) = (x.ghost(), x32.ghost());
-            let captured: Rc<RefCell<Option<Vec<f32>>>> = Rc::default();
-            let capture = Rc::clone(&captured);
-            let n = x32.shape().num_elements();
-            let inner: HalfOp<H::Elem, Cpu> = Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
-                let mut v = vec![0.0f32; n];
-                H::widen(grad_slice::<H::Elem>(g.get_or_alloc_mut(&x)?), &mut v);
-                if inv != 1.0 {
-                    for x in &mut v {
-                        *x *= inv;
+            links: &Arc<RegionLinks>,
+        ) -> (HalfOp<H::Elem, Cpu>, Option<FullOp<Cpu>>) {
+            let (x, x32, links) = (x.ghost(), x32.ghost(), Arc::clone(links));
+            let capture: HalfOp<H::Elem, Cpu> = Box::new(move |g: &mut Gradients<H::Elem, Cpu>| {
+                let src = grad_slice::<H::Elem>(g.get_or_alloc_mut(&x)?);
+                // widened and unscaled chunk by chunk straight into the f32 gradient, which
+                // the links hold while the half backward runs
+                links.with_lent(|g32| {
+                    let dst = grad_slice::<f32>(g32.get_or_alloc_mut(&x32)?);
+                    if dst.len() != src.len() {
+                        return Err(CpuError::WrongNumElements);
                     }
-                }
-                *capture.borrow_mut() = Some(v);
-                Ok(())
+                    add_unscaled::<H>(src, inv, dst);
+                    Ok(())
+                })
             });
-            let writer: FullOp<Cpu> = Box::new(move |g: &mut Gradients<f32, Cpu>| {
-                let taken = captured.borrow_mut().take();
-                if let Some(v) = taken {
-                    let dst = g.get_or_alloc_mut(&x32)?;
-                    dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
-                }
-                Ok(())
-            });
-            (inner, writer)
+            (capture, None)
         }
 
         fn unread_mark<S: Shape>(

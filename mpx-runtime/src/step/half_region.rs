@@ -34,6 +34,9 @@ type Traced<S, E, D> = Tensor<S, E, D, OwnedTape<E, D>>;
 pub(crate) struct Finished<D: MixedDevice<H>, H: Precision> {
     pub(crate) slots: Vec<MasterSlot<D>>,
     pub(crate) cell: Cell,
+    /// Whether its gradients were all finite, once judged (`None` before, and for a pass
+    /// that is not judged: another of the same master was, or its gradients were dropped).
+    pub(crate) verdict: Option<bool>,
     pub(crate) marker: std::marker::PhantomData<fn() -> H>,
 }
 
@@ -53,7 +56,8 @@ pub(crate) struct Handoff<H: Precision, D: MixedDevice<H>> {
 pub struct Region<H: Precision, D: MixedDevice<H> = Cpu> {
     /// The merged f32 tape of the inputs (taken by the first traced output).
     outer: Option<OwnedTape<f32, D>>,
-    /// Adds the inputs' captured half gradients to the f32 graph.
+    /// Adds the inputs' captured half gradients to the f32 graph (where the half tape's own
+    /// ops cannot: [`MixedDevice`]'s `input_bridge`).
     writers: Vec<FullOp<D>>,
     /// Mark the half gradients of inputs whose f32 gradient nothing reads ([`Batch`]).
     marks: Vec<HalfOp<H::Elem, D>>,
@@ -65,6 +69,8 @@ pub struct Region<H: Precision, D: MixedDevice<H> = Cpu> {
     /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
     inv: f32,
     handoff: Option<Handoff<H, D>>,
+    /// The links of this pass (also in the handoff, which the bridge takes).
+    links: D::Links,
     dev: D,
 }
 
@@ -78,6 +84,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             seeds: Vec::new(),
             scale,
             inv,
+            links: handoff.links.clone(),
             handoff: Some(handoff),
             dev,
         }
@@ -105,18 +112,16 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         let mark = if read {
             None
         } else {
-            self.handoff
-                .as_ref()
-                .and_then(|h| D::unread_mark(&x, &h.links))
+            D::unread_mark(&x, &self.links)
         };
         if let Some(mark) = mark {
             self.marks.push(mark);
         } else {
             // Added before the forward pass, so it runs after every op that uses the input:
-            // it captures the input's (scaled, half) gradient for the f32 graph.
-            let (capture, writer) = D::input_bridge(&x, &x32, self.inv);
+            // it carries the input's (scaled, half) gradient to the f32 graph.
+            let (capture, writer) = D::input_bridge(&x, &x32, self.inv, &self.links);
             inner.add_backward_op(capture);
-            self.writers.push(writer);
+            self.writers.extend(writer);
         }
         Ok(x.put_tape(inner))
     }
@@ -312,6 +317,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
                 .push(Finished {
                     slots: pairs.into_iter().map(|p| p.master).collect(),
                     cell,
+                    verdict: None,
                     marker: std::marker::PhantomData,
                 });
             Ok(())

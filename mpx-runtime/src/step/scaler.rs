@@ -20,7 +20,7 @@ use super::pending::{Cell, Ran};
 use super::report::StepReport;
 use super::working::Kind;
 use crate::boundary::MasterModel;
-use crate::master::slots::{first_device, trainable_slots};
+use crate::master::slots::trainable_slots;
 use crate::precision::{DType, Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
 use crate::walk::{EachMut, each_mut};
@@ -320,8 +320,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
         let (scale, inv) = self.checked_scale()?;
-        let dev = master_device::<H, D, M>(master)?;
-        D::ready(&dev)?;
+        let dev = D::region_device(master, &mut self.store)?;
         let links = D::links(inv);
         let built = K::build(master, &links, &mut self.store)?;
         cell.lock().ran = Some(Ran {
@@ -375,6 +374,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
                 .push(Finished {
                     slots,
                     cell,
+                    verdict: None,
                     marker: PhantomData,
                 });
             Ok(())
@@ -455,12 +455,30 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     /// After a backward pass: judges the gradients of each master it reached, once every op has
     /// added to them, and records the verdicts in the masters' cells.
     fn judge(&mut self, grads: &mut Gradients<f32, D>, loss: f32) -> Result<(), StepError> {
-        let finished: Vec<Finished<D, H>> =
-            std::mem::take(&mut *self.inbox.lock().unwrap_or_else(PoisonError::into_inner));
-        let mut masters: Vec<Finished<D, H>> = Vec::with_capacity(finished.len());
-        for f in finished {
+        // judged in place, under the inbox's lock (nothing a judgement runs posts to it), and
+        // emptied whatever happens: the inbox keeps its buffer from step to step
+        let inbox = Arc::clone(&self.inbox);
+        let mut finished = inbox.lock().unwrap_or_else(PoisonError::into_inner);
+        let judged = self.judge_all(&mut finished, grads, loss);
+        finished.clear();
+        judged
+    }
+
+    /// [`judge`](Self::judge) on the passes `finished`, in the order they finished.
+    fn judge_all(
+        &mut self,
+        finished: &mut [Finished<D, H>],
+        grads: &mut Gradients<f32, D>,
+        loss: f32,
+    ) -> Result<(), StepError> {
+        for i in 0..finished.len() {
+            let (earlier, rest) = finished.split_at_mut(i);
+            let f = &mut rest[0];
             // several passes of one master: one judgement
-            if masters.iter().any(|m| m.cell.same(&f.cell)) {
+            if earlier
+                .iter()
+                .any(|m| m.verdict.is_some() && m.cell.same(&f.cell))
+            {
                 continue;
             }
             // a master these gradients dropped (reached through another model's graph, as the
@@ -470,11 +488,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             {
                 continue;
             }
-            masters.push(f);
-        }
-        let mut verdicts = Vec::with_capacity(masters.len());
-        for m in &masters {
-            verdicts.push(check_all::<H, D>(&m.slots, grads)?);
+            f.verdict = Some(check_all::<H, D>(&f.slots, grads)?);
         }
         let scale = self.scaling.loss_scale();
         // data-parallel: every rank takes the one decision the ranks agreed on (`None` before
@@ -482,16 +496,23 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         #[cfg(feature = "mpi")]
         let agreed = D::reduce(
             self.reducer.as_mut(),
-            &masters.iter().flat_map(|m| &m.slots).collect::<Vec<_>>(),
+            &finished
+                .iter()
+                .filter(|m| m.verdict.is_some())
+                .flat_map(|m| &m.slots)
+                .collect::<Vec<_>>(),
             grads,
-            verdicts.iter().all(|&v| v),
+            finished.iter().filter_map(|m| m.verdict).all(|v| v),
             loss.is_finite(),
             scale,
             [self.applied, self.skipped],
         )?;
         #[cfg(not(feature = "mpi"))]
         let agreed: Option<bool> = None;
-        for (m, finite) in masters.iter().zip(verdicts) {
+        for m in finished.iter() {
+            let Some(finite) = m.verdict else {
+                continue;
+            };
             let mut p = m.cell.lock();
             p.backwards = p.backwards.saturating_add(1);
             (p.grads_finite, p.loss_finite) = match agreed {
@@ -787,19 +808,6 @@ fn write_state<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
     } else {
         Err(StepError::MasterChanged { model })
     }
-}
-
-/// The device `master` lives on: that of its first tensor (a master without tensors: the
-/// `Cpu`, or an error on another device).
-fn master_device<H: Precision, D: MixedDevice<H>, M: MasterModel<D>>(
-    master: &M,
-) -> Result<D, StepError> {
-    first_device::<f32, D, M>(master)
-        .map_err(D::step_error)?
-        .or_else(D::fallback_device)
-        .ok_or(StepError::NoTensors {
-            model: std::any::type_name::<M>(),
-        })
 }
 
 #[cfg(test)]

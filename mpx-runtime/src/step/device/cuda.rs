@@ -426,12 +426,17 @@ macro_rules! on_cuda {
                 StepError::CudaOptimizer(e)
             }
 
-            fn fallback_device() -> Option<Cuda> {
-                None
-            }
-
-            fn ready(dev: &Cuda) -> Result<(), StepError> {
-                load(&handle(dev)?)
+            fn region_device<M: crate::boundary::MasterModel<Cuda>>(
+                master: &M,
+                _: &mut Self::Store,
+            ) -> Result<Cuda, StepError> {
+                let dev = crate::master::slots::first_device::<f32, Cuda, M>(master)
+                    .map_err(StepError::Cuda)?
+                    .ok_or(StepError::NoTensors {
+                        model: std::any::type_name::<M>(),
+                    })?;
+                load(&handle(&dev)?)?;
+                Ok(dev)
             }
 
             fn links(_: f32) {}
@@ -474,8 +479,10 @@ macro_rules! on_cuda {
                 x: &Tensor<S, <$h as Precision>::Elem, Cuda>,
                 x32: &Tensor<S, f32, Cuda>,
                 inv: f32,
-            ) -> (HalfOp<<$h as Precision>::Elem, Cuda>, FullOp<Cuda>) {
-                bridge_input(x, x32, inv)
+                _: &(),
+            ) -> (HalfOp<<$h as Precision>::Elem, Cuda>, Option<FullOp<Cuda>>) {
+                let (capture, writer) = bridge_input(x, x32, inv);
+                (capture, Some(writer))
             }
 
             fn unread_mark<S: Shape>(
