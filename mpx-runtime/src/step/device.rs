@@ -393,8 +393,8 @@ mod cpu {
                 x.copy_into(values);
                 H::round(values, &mut half);
             };
-            if n <= CHUNK {
-                with_chunk(n, |buf| read(&mut buf[..n]));
+            if n <= SHORT {
+                read(&mut [0.0; SHORT][..n]);
             } else {
                 read(&mut vec![0.0f32; n]);
             }
