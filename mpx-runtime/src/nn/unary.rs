@@ -104,6 +104,9 @@ macro_rules! activation {
 }
 activation!(Tanh, Sigmoid);
 
+/// Values the backward pass works on at a time (two chunks of f32 on the stack, 16 KiB).
+const CHUNK: usize = 2048;
+
 /// The op in precision `P`: the output rounded to `P` once, and on a tape the gradient
 /// `dx += dy * f'(y)`, the sum rounded once.
 fn apply<P: Precision, A: Activation, S: Shape, T: Tape<P::Elem, Cpu>>(
@@ -133,25 +136,76 @@ where
         let (x_id, y_id) = (x.ghost(), y.ghost());
         drop(x);
         tape.add_backward_op(move |grads| {
-            let mut d = scratch::take::<f32>(n);
-            P::widen(&fy, &mut d);
-            drop(fy);
-            let mut g = scratch::take::<f32>(n);
-            P::widen(
-                grad_slice::<P::Elem>(grads.get_or_alloc_mut(&y_id)?),
-                &mut g,
-            );
-            for (d, g) in d.iter_mut().zip(g.iter()) {
-                *d = A::df(*d) * *g;
+            // a chunk at a time through the stack (each gradient looked up once per chunk):
+            // no f32 copy of the whole gradient at the step's peak
+            let (mut d, mut g) = ([0.0f32; CHUNK], [0.0f32; CHUNK]);
+            for (i, fy) in fy.chunks(CHUNK).enumerate() {
+                let at = i * CHUNK..i * CHUNK + fy.len();
+                let (d, g) = (&mut d[..fy.len()], &mut g[..fy.len()]);
+                P::widen(fy, d);
+                let dy = grad_slice::<P::Elem>(grads.get_or_alloc_mut(&y_id)?);
+                P::widen(dy.get(at.clone()).ok_or(CpuError::WrongNumElements)?, g);
+                for (d, g) in d.iter_mut().zip(g.iter()) {
+                    *d = A::df(*d) * *g;
+                }
+                let gx = grad_slice::<P::Elem>(grads.get_or_alloc_mut(&x_id)?);
+                let gx = gx.get_mut(at).ok_or(CpuError::WrongNumElements)?;
+                P::widen(gx, g);
+                for (g, d) in g.iter_mut().zip(d.iter()) {
+                    *g += *d;
+                }
+                P::round(g, gx);
             }
-            let gx = grad_slice::<P::Elem>(grads.get_or_alloc_mut(&x_id)?);
-            P::widen(gx, &mut g);
-            for (g, d) in g.iter_mut().zip(d.iter()) {
-                *g += *d;
-            }
-            P::round(&g, gx);
             Ok(())
         });
     }
     Ok(y.put_tape(tape))
+}
+
+#[cfg(test)]
+mod tests {
+    use dfdx::prelude::*;
+    use half::f16;
+
+    /// `f(x) * c + x` in f16 through mpx's op over `n` values (several backward chunks and a
+    /// partial one), its output and gradient bits against the op's definition computed here
+    /// value by value: `y = f16(f(x))`, and `dx = f16(1 + f'(y) * c)` (the `+ x` adds 1 first,
+    /// then the op adds its f32 product to it, rounded once).
+    fn check(
+        f: impl Fn(f32) -> f32,
+        df: impl Fn(f32) -> f32,
+        forward: impl Fn(
+            Tensor<(usize,), f16, Cpu, OwnedTape<f16, Cpu>>,
+        ) -> Tensor<(usize,), f16, Cpu, OwnedTape<f16, Cpu>>,
+    ) {
+        let n = 2 * super::CHUNK + 317;
+        let dev = Cpu::default();
+        let xs: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32((i as f32 - n as f32 / 2.0) / 700.0))
+            .collect();
+        let cs: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(0.5 + (i % 7) as f32 * 0.125))
+            .collect();
+        let x = dev.tensor_from_vec(xs.clone(), (n,));
+        let c = dev.tensor_from_vec(cs.clone(), (n,));
+        let r = forward(x.leaky_trace());
+        let y = r.with_empty_tape().as_vec();
+        let g = (r * c + x.leaky_trace()).sum().backward().get(&x).as_vec();
+        for i in 0..n {
+            let want_y = f16::from_f32(f(xs[i].to_f32()));
+            let want_g = f16::from_f32(1.0 + df(want_y.to_f32()) * cs[i].to_f32());
+            assert_eq!(y[i].to_bits(), want_y.to_bits(), "output {i}");
+            assert_eq!(g[i].to_bits(), want_g.to_bits(), "gradient {i}");
+        }
+    }
+
+    #[test]
+    fn gradients_over_several_chunks_are_the_ops_definition() {
+        check(f32::tanh, |y| 1.0 - y * y, |x| super::Tanh.forward(x));
+        check(
+            |x| 1.0 / (1.0 + (-x).exp()),
+            |y| y * (1.0 - y),
+            |x| super::Sigmoid.forward(x),
+        );
+    }
 }
