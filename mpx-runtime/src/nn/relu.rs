@@ -60,7 +60,7 @@ where
 
 /// `max(x, 0)` as dfdx computes it on f16 (`half`'s `max`): 0 where `x < 0`, `x` itself
 /// everywhere else (NaN and `-0` included).
-/// Values widened at a time in the f16 backward pass (4 KiB of f32 on the stack).
+/// Values widened at a time in the f16 backward pass (4 KiB of f32).
 const WIDE_CHUNK: usize = 1024;
 
 fn f16_relu(b: u16) -> u16 {
@@ -118,9 +118,9 @@ where
                     g.iter_mut().zip(d).for_each(|(g, d)| *g += *d);
                 }
                 (FloatSliceMut::F16(g), _) => {
-                    // widened a chunk at a time through the stack: no f32 copy of the whole
-                    // gradient at the step's peak
-                    let mut wide = [0.0f32; WIDE_CHUNK];
+                    // widened a chunk at a time: no f32 copy of the whole gradient at the
+                    // step's peak
+                    let mut wide = scratch::take::<f32>(n.min(WIDE_CHUNK));
                     for (gc, dc) in g.chunks_mut(WIDE_CHUNK).zip(dz.chunks(WIDE_CHUNK)) {
                         let w = &mut wide[..dc.len()];
                         E::widen(dc, w);

@@ -104,7 +104,7 @@ macro_rules! activation {
 }
 activation!(Tanh, Sigmoid);
 
-/// Values the backward pass works on at a time (two chunks of f32 on the stack, 16 KiB).
+/// Values the backward pass works on at a time (two chunks of f32, 16 KiB).
 const CHUNK: usize = 2048;
 
 /// The op in precision `P`: the output rounded to `P` once, and on a tape the gradient
@@ -136,9 +136,12 @@ where
         let (x_id, y_id) = (x.ghost(), y.ghost());
         drop(x);
         tape.add_backward_op(move |grads| {
-            // a chunk at a time through the stack (each gradient looked up once per chunk):
-            // no f32 copy of the whole gradient at the step's peak
-            let (mut d, mut g) = ([0.0f32; CHUNK], [0.0f32; CHUNK]);
+            // a chunk at a time (each gradient looked up once per chunk): no f32 copy of the
+            // whole gradient at the step's peak
+            let (mut d, mut g) = (
+                scratch::take::<f32>(n.min(CHUNK)),
+                scratch::take::<f32>(n.min(CHUNK)),
+            );
             for (i, fy) in fy.chunks(CHUNK).enumerate() {
                 let at = i * CHUNK..i * CHUNK + fy.len();
                 let (d, g) = (&mut d[..fy.len()], &mut g[..fy.len()]);
