@@ -373,12 +373,7 @@ fn sgd_config() -> SgdConfig {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rounds: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(15);
-    if args.iter().any(|a| a == "--avx2") {
-        use mpx::__bench::{KernelPath, with_path};
-        with_path(KernelPath::Avx2Fma, || table(rounds)).expect("this CPU has AVX2 and FMA");
-    } else {
-        table(rounds);
-    }
+    measure::on_path(args.iter().any(|a| a == "--avx2"), || table(rounds));
 }
 
 /// Runs every loop for `rounds` interleaved rounds and prints the table.

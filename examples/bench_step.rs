@@ -40,6 +40,8 @@ use mpx::step::{Batch, GradScaler, Kind, Mapped, Mixed, MixedDevice, Plain};
 
 #[path = "../tests/common/heap.rs"]
 mod heap;
+#[path = "common/measure.rs"]
+mod measure;
 
 #[global_allocator]
 static ALLOC: heap::Counting = heap::Counting;
@@ -327,13 +329,9 @@ fn main() {
             .expect("valid")
     };
     if std::env::args().any(|a| a == "--serve") {
-        if std::env::args().any(|a| a == "--avx2") {
-            use mpx::__bench::{KernelPath, with_path};
-            with_path(KernelPath::Avx2Fma, || serve(&dev, &init, dynamic))
-                .expect("this CPU has AVX2 and FMA");
-        } else {
+        measure::on_path(std::env::args().any(|a| a == "--avx2"), || {
             serve(&dev, &init, dynamic);
-        }
+        });
         return;
     }
 

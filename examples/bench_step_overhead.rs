@@ -130,12 +130,7 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(2001);
-    if args.iter().any(|a| a == "--avx2") {
-        use mpx::__bench::{KernelPath, with_path};
-        with_path(KernelPath::Avx2Fma, || table(rounds)).expect("this CPU has AVX2 and FMA");
-    } else {
-        table(rounds);
-    }
+    measure::on_path(args.iter().any(|a| a == "--avx2"), || table(rounds));
 }
 
 /// Runs every model for `rounds` rounds and prints the table.

@@ -93,12 +93,7 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    if args.avx2 {
-        use mpx::__bench::{KernelPath, with_path};
-        with_path(KernelPath::Avx2Fma, || run(&args)).expect("this CPU has AVX2 and FMA");
-    } else {
-        run(&args);
-    }
+    measure::on_path(args.avx2, || run(&args));
 }
 
 fn run(args: &Args) {

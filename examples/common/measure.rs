@@ -63,3 +63,15 @@ pub fn uniform(n: usize) -> impl Iterator<Item = f32> {
         x as f32 / u32::MAX as f32 - 0.5
     })
 }
+
+/// Runs `f` with mpx's GEMM forced onto its AVX2 + FMA path when `avx2` (the instructions of a
+/// CPU without AVX-512; dfdx's kernels and mpx's element-wise passes keep this CPU's own), else on
+/// the path this CPU chose.
+pub fn on_path<R>(avx2: bool, f: impl FnOnce() -> R) -> R {
+    if avx2 {
+        use mpx::__bench::{KernelPath, with_path};
+        with_path(KernelPath::Avx2Fma, f).expect("this CPU has AVX2 and FMA")
+    } else {
+        f()
+    }
+}

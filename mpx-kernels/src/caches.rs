@@ -32,8 +32,9 @@
 //! only). `mc` and `nc` only choose which tiles are computed together, never an element's
 //! operations, so results stay bit-identical for any caches, as for any thread count (the tests
 //! compare Zen 3's, Zen 5's, tiny caches' and the fixed blocking bit for bit). `kc = 256` is also
-//! BLIS's own choice for its 6 x 16 f32 kernel on Zen 3. The other paths keep their fixed blocking (`tile.rs`'s `Micro::new`;
-//! the bf16 path's pairs are laid out per k block of `bf16::KC`).
+//! BLIS's own choice for its 6 x 16 f32 kernel on Zen 3. The other paths keep their fixed
+//! blocking (`tile.rs`'s `Micro::new`; the bf16 path's pairs are laid out per k block of
+//! `bf16::KC`).
 //!
 //! # Measured
 //! `cargo run --release --example bench_kernels` (its AVX2 blocking table: f32, the 9 products

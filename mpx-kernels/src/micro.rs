@@ -3,10 +3,10 @@
 //! than the set-up of [`tiny`](super::tiny)'s tiles (the f32 copies of the operands, `B`'s rows,
 //! the lane masks): 2.5K fewer instructions per mixed 2-2-1 step, of about 60K, counted by
 //! `valgrind --tool=callgrind target/release/examples/bench_step_overhead --profile xor` at
-//! `b630144` against the same build with [`MICRO_WORK`] at 0. For each element of `C`, in turn, its FMA chain (one k block of [`KC`]: `k`
-//! is at most [`MICRO_WORK`]) added into `C` (into `+0.0` when `C` is overwritten): the same
-//! arithmetic, in the same order, as the tiles' lanes and the blocked kernels, so the same bits
-//! (`tests.rs` compares them).
+//! `b630144` against the same build with [`MICRO_WORK`] at 0. For each element of `C`, in turn,
+//! its FMA chain (one k block of [`KC`]: `k` is at most [`MICRO_WORK`]) added into `C` (into
+//! `+0.0` when `C` is overwritten): the same arithmetic, in the same order, as the tiles' lanes
+//! and the blocked kernels, so the same bits (`tests.rs` compares them).
 
 use super::MatRef;
 use super::tile::KC;

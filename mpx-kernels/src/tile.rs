@@ -18,9 +18,9 @@ use super::pool;
 pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], *mut f32, usize);
 
 /// The k block of the FMA micro-kernels (AVX-512's packed ones, AVX2's strided one, the small
-/// products' tiles of `tiny.rs` and the scalar chains of `micro.rs`): each output element sums one FMA chain per block
-/// of `KC` values and adds it into `C`, so this length decides where the roundings fall, and
-/// every FMA path must use the same one to give the same bits.
+/// products' tiles of `tiny.rs` and the scalar chains of `micro.rs`): each output element sums
+/// one FMA chain per block of `KC` values and adds it into `C`, so this length decides where
+/// the roundings fall, and every FMA path must use the same one to give the same bits.
 pub(crate) const KC: usize = 256;
 
 /// A micro-kernel and its blocking.

@@ -60,9 +60,6 @@ where
 
 /// `max(x, 0)` as dfdx computes it on f16 (`half`'s `max`): 0 where `x < 0`, `x` itself
 /// everywhere else (NaN and `-0` included).
-/// Values widened at a time in the f16 backward pass (4 KiB of f32).
-const WIDE_CHUNK: usize = 1024;
-
 fn f16_relu(b: u16) -> u16 {
     let mag = b & 0x7fff;
     let negative = b & 0x8000 != 0 && mag != 0 && mag <= 0x7c00;
@@ -120,8 +117,8 @@ where
                 (FloatSliceMut::F16(g), _) => {
                     // widened a chunk at a time: no f32 copy of the whole gradient at the
                     // step's peak
-                    let mut wide = scratch::take::<f32>(n.min(WIDE_CHUNK));
-                    for (gc, dc) in g.chunks_mut(WIDE_CHUNK).zip(dz.chunks(WIDE_CHUNK)) {
+                    let mut wide = scratch::take::<f32>(n.min(scratch::CHUNK));
+                    for (gc, dc) in g.chunks_mut(scratch::CHUNK).zip(dz.chunks(scratch::CHUNK)) {
                         let w = &mut wide[..dc.len()];
                         E::widen(dc, w);
                         mpx_kernels::convert::add_f32_into_f16(w, gc);

@@ -129,6 +129,10 @@ enum Values<T> {
 /// Buffers of at most this many values live inside the [`Buf`] itself.
 const INLINE: usize = 32;
 
+/// Values an activation's backward pass works on at a time (8 KiB of f32 per buffer), so that
+/// no pass holds an f32 copy of a whole gradient at the step's peak.
+pub(crate) const CHUNK: usize = 2048;
+
 /// A buffer of `n` values (see [`Buf`]): the pool's best fit of element type `T` (the smallest
 /// capacity that holds `n`, else the largest, grown), or a new one.
 pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {

@@ -10,7 +10,7 @@ use dfdx::tensor_ops::{Device, ReshapeTo};
 
 use super::half_ops::grad_slice;
 use super::mixed::MixedModule;
-use super::scratch;
+use super::scratch::{self, CHUNK};
 use crate::precision::Precision;
 
 /// An activation computed in f32: its function and its derivative from the output.
@@ -103,9 +103,6 @@ macro_rules! activation {
     )*};
 }
 activation!(Tanh, Sigmoid);
-
-/// Values the backward pass works on at a time (two chunks of f32, 16 KiB).
-const CHUNK: usize = 2048;
 
 /// The op in precision `P`: the output rounded to `P` once, and on a tape the gradient
 /// `dx += dy * f'(y)`, the sum rounded once.

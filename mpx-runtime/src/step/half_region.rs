@@ -44,10 +44,9 @@ pub(crate) struct Finished<D: MixedDevice<H>, H: Precision> {
 pub(crate) type Inbox<D, H> = Arc<Mutex<Vec<Finished<D, H>>>>;
 
 /// What one forward pass hands its backward bridge: the working copy's tensors and the master
-/// tensors they stand for, the forward pass's link state, the master's cell and the inbox.
+/// tensors they stand for, the master's cell and the inbox.
 pub(crate) struct Handoff<H: Precision, D: MixedDevice<H>> {
     pub(crate) pairs: Vec<Pair<H, D>>,
-    pub(crate) links: D::Links,
     pub(crate) cell: Cell,
     pub(crate) inbox: Inbox<D, H>,
 }
@@ -69,13 +68,19 @@ pub struct Region<H: Precision, D: MixedDevice<H> = Cpu> {
     /// The loss scale's reciprocal (its own `inv_loss_scale`), for gradients leaving the region.
     inv: f32,
     handoff: Option<Handoff<H, D>>,
-    /// The links of this pass (also in the handoff, which the bridge takes).
+    /// The forward pass's link state: the inputs' ops and the bridge reach the f32 gradients
+    /// through it.
     links: D::Links,
     dev: D,
 }
 
 impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
-    pub(crate) fn new(dev: D, scale: f32, inv: f32, handoff: Handoff<H, D>) -> Self {
+    pub(crate) fn new(
+        dev: D,
+        (scale, inv): (f32, f32),
+        links: D::Links,
+        handoff: Handoff<H, D>,
+    ) -> Self {
         Self {
             outer: None,
             writers: Vec::new(),
@@ -84,7 +89,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             seeds: Vec::new(),
             scale,
             inv,
-            links: handoff.links.clone(),
+            links,
             handoff: Some(handoff),
             dev,
         }
@@ -277,7 +282,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
         let seeds = std::mem::take(&mut self.seeds);
         let writers = std::mem::take(&mut self.writers);
         let marks = std::mem::take(&mut self.marks);
-        let (dev, inv) = (self.dev.clone(), self.inv);
+        let (dev, inv, links) = (self.dev.clone(), self.inv, self.links.clone());
         let mut outer = self.outer.take().unwrap_or_default();
         outer.add_backward_op(move |g32: &mut Gradients<f32, D>| {
             let mut applies: Vec<HalfOp<H::Elem, D>> = Vec::with_capacity(seeds.len());
@@ -296,9 +301,9 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             });
             let anchor: Tensor<Rank0, H::Elem, D> = dev.try_zeros()?;
             // Linked layers add their f32 gradients to the master's (these `g32`) meanwhile.
-            D::lend(&handoff.links, g32);
+            D::lend(&links, g32);
             let half_grads = anchor.put_tape(inner).try_backward();
-            D::restore(&handoff.links, g32);
+            D::restore(&links, g32);
             let mut half_grads = half_grads?;
             // the working copy's half gradients, unscaled into the master's
             for pair in &handoff.pairs {
@@ -308,9 +313,7 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             for w in &writers {
                 w(g32)?;
             }
-            let Handoff {
-                pairs, cell, inbox, ..
-            } = handoff;
+            let Handoff { pairs, cell, inbox } = handoff;
             inbox
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)

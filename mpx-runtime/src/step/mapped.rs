@@ -46,11 +46,6 @@ fn native<L>(w: &mut L) -> &mut L {
     w
 }
 
-/// An mpx layer as its [`Native`] working copy.
-fn native_of<L>(l: L) -> L {
-    l
-}
-
 /// The mpx layer in an [`InBf16`] working copy.
 fn in_bf16<L>(w: &mut InBf16<L>) -> &mut L {
     &mut w.0
@@ -222,8 +217,8 @@ macro_rules! same {
     )*};
 }
 
-layers!(f16, Native, native, native_of);
-layers!(AMP<f16>, Native, native, native_of);
+layers!(f16, Native, native, std::convert::identity);
+layers!(AMP<f16>, Native, native, std::convert::identity);
 layers!(bf16, InBf16, in_bf16, InBf16);
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
@@ -270,8 +265,8 @@ macro_rules! own {
     };
 }
 
-own!(f16, Native, native, native_of);
-own!(AMP<f16>, Native, native, native_of);
+own!(f16, Native, native, std::convert::identity);
+own!(AMP<f16>, Native, native, std::convert::identity);
 own!(bf16, InBf16, in_bf16, InBf16);
 
 /// A stack maps layer by layer (dfdx's `TransformerEncoder` is a `Repeated` of blocks).

@@ -334,11 +334,10 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         } = built;
         let handoff = Handoff {
             pairs,
-            links,
             cell: cell.clone(),
             inbox: Arc::clone(&self.inbox),
         };
-        let mut region = Region::<H, D>::new(dev, scale, inv, handoff);
+        let mut region = Region::<H, D>::new(dev, (scale, inv), links, handoff);
         let x = input.enter(&mut region).map_err(D::step_error)?;
         let y = f(&mut copy, x);
         let out = y.leave(&mut region).map_err(D::step_error)?;
