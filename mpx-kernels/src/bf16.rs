@@ -184,7 +184,14 @@ fn round_lanes(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512i {
 /// lengths are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize) {
+pub(crate) unsafe fn kernel(
+    pairs: usize,
+    a: &[u32],
+    b: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
     use std::arch::x86_64::{
         _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_setzero_ps,
     };
@@ -205,7 +212,7 @@ pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc
         }
     }
     // SAFETY: AVX-512 F is enabled here; `c` is the tile the caller lends us (same shape).
-    unsafe { super::avx512::add_tile(&acc, c, ldc) };
+    unsafe { super::avx512::add_tile(&acc, c, ldc, first) };
 }
 
 /// The 512 bits of `v` as 32 bf16 values.
@@ -218,8 +225,15 @@ pub(crate) fn bh(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
 
 /// Never called: [`KernelPath::Avx512Bf16`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) unsafe fn kernel(pairs: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize) {
-    let _ = (pairs, a, b, c, ldc);
+pub(crate) unsafe fn kernel(
+    pairs: usize,
+    a: &[u32],
+    b: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    first: bool,
+) {
+    let _ = (pairs, a, b, c, ldc, first);
     unreachable!("AVX512-BF16 kernel on a non-x86 target")
 }
 

@@ -386,8 +386,8 @@ fn run_strided(
 /// One block of `C` (rows `r0..r1`, columns `c0..c1`, both starting on a micro-tile boundary)
 /// over the k blocks of `packs`, in the BLIS loop order: k blocks, column blocks, row blocks,
 /// micro-tiles, reading the panels the prologue packed. With `zero`, C's old values are not
-/// read: each tile is cleared just before its first k block (in cache, where a pass over the
-/// whole block first would write it out to memory and read it back).
+/// read: a whole tile's first k block overwrites it (the kernel's `first`), an edge tile's is
+/// copied in from the kernel's scratch tile.
 fn block<T>(
     k: &Micro<T>,
     packs: &Packs<T>,
@@ -419,22 +419,15 @@ fn block<T>(
                         let (row, rows) = (ic + ip * mr, mr.min(mc - ip * mr));
                         let ap = &pa[row * kq..(row + mr) * kq];
                         if rows == mr && cols == nr {
-                            if clear {
-                                for r in row..row + mr {
-                                    // SAFETY: row `r`, columns `col..col + nr` lie in this
-                                    // thread's block; no other reference to them is alive.
-                                    unsafe { out.segment(r, col, nr) }.fill(0.0);
-                                }
-                            }
                             let ct = out.tile(row, col, mr, nr);
                             // SAFETY: `k` is built only after `check` accepted its path; the tile
                             // lies inside C (`Out::tile` asserts it) and inside this thread's
                             // block, which no other thread touches.
-                            unsafe { (k.run)(kq, ap, bp, ct, out.ld) };
+                            unsafe { (k.run)(kq, ap, bp, ct, out.ld, clear) };
                         } else {
                             tmp.fill(-0.0);
                             // SAFETY: as above; `tmp` holds mr x nr values with row stride nr.
-                            unsafe { (k.run)(kq, ap, bp, tmp.as_mut_ptr(), nr) };
+                            unsafe { (k.run)(kq, ap, bp, tmp.as_mut_ptr(), nr, false) };
                             for (r, t) in tmp.chunks_exact(nr).take(rows).enumerate() {
                                 // SAFETY: row `row + r`, columns `col..col + cols` lie in this
                                 // thread's block; no other reference to them is alive.

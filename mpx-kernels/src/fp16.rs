@@ -22,11 +22,12 @@ pub(crate) fn micro() -> Micro<u16> {
 /// values at stride `ldc`, untouched by anyone else during the call. Packed lengths are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512fp16")]
-unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize, first: bool) {
     use std::arch::x86_64::{
         _mm512_add_ps, _mm512_castph_si512, _mm512_castsi512_ph, _mm512_castsi512_si256,
         _mm512_cvtph_ps, _mm512_extracti64x4_epi64, _mm512_fmadd_ph, _mm512_loadu_ps,
-        _mm512_loadu_si512, _mm512_set1_epi16, _mm512_setzero_si512, _mm512_storeu_ps,
+        _mm512_loadu_si512, _mm512_set1_epi16, _mm512_setzero_ps, _mm512_setzero_si512,
+        _mm512_storeu_ps,
     };
     assert!(a.len() >= kc * MR && b.len() >= kc * NR);
     let mut start = 0;
@@ -55,9 +56,14 @@ unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
                 let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(bits));
                 for (part, sum) in [(0, lo), (16, hi)] {
                     let dst = c.wrapping_add(i * ldc + h * 32 + part);
-                    // SAFETY: C(i, 32h + part..+16) of the tile the caller lends us (`i < MR`,
-                    // `32h + part + 16 <= NR`).
-                    let old = unsafe { _mm512_loadu_ps(dst) };
+                    // the first flush of a first k block: `C` is not read
+                    let old = if first && start == 0 {
+                        _mm512_setzero_ps()
+                    } else {
+                        // SAFETY: C(i, 32h + part..+16) of the tile the caller lends us
+                        // (`i < MR`, `32h + part + 16 <= NR`).
+                        unsafe { _mm512_loadu_ps(dst) }
+                    };
                     let new = _mm512_add_ps(old, sum);
                     // SAFETY: as above; no one else accesses the tile during the call.
                     unsafe { _mm512_storeu_ps(dst, new) };
@@ -70,7 +76,7 @@ unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
 
 /// Never called: [`KernelPath::Avx512Fp16`](super::KernelPath) is unsupported off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize) {
-    let _ = (kc, a, b, c, ldc);
+unsafe fn kernel(kc: usize, a: &[u16], b: &[u16], c: *mut f32, ldc: usize, first: bool) {
+    let _ = (kc, a, b, c, ldc, first);
     unreachable!("AVX512-FP16 kernel on a non-x86 target")
 }

@@ -9,12 +9,13 @@ pub(crate) fn micro() -> Micro<f32> {
     Micro::new(MR, NR, kernel)
 }
 
-/// `C[4 x 16] += Apack(kc x 4)ᵀ · Bpack(kc x 16)`: a separate multiply and add per product.
+/// `C[4 x 16] += Apack(kc x 4)ᵀ · Bpack(kc x 16)`: a separate multiply and add per product (`C`
+/// not read when `first`).
 ///
 /// # Safety
 /// `c` must be valid for reads and writes of `MR` rows of `NR` values at stride `ldc`, untouched
 /// by anyone else during the call.
-unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
+unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize, first: bool) {
     let mut acc = [[0.0f32; NR]; MR];
     for (ap, bp) in a[..kc * MR]
         .chunks_exact(MR)
@@ -31,7 +32,7 @@ unsafe fn kernel(kc: usize, a: &[f32], b: &[f32], c: *mut f32, ldc: usize) {
         // SAFETY: row `i` of the tile: `NR` values the caller guarantees are ours for the call.
         let dst = unsafe { std::slice::from_raw_parts_mut(row_ptr, NR) };
         for (d, s) in dst.iter_mut().zip(row) {
-            *d += *s;
+            *d = if first { 0.0 } else { *d } + *s;
         }
     }
 }

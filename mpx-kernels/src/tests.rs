@@ -940,7 +940,7 @@ fn bf16_micro_kernel_matches_the_scalar_model_of_vdpbf16ps_bit_for_bit() {
         let mut c = c0.clone();
         // SAFETY: the CPU has AVX-512 F and AVX512-BF16 (checked above); `c` holds MR x NR
         // values at stride NR, owned here.
-        unsafe { super::bf16::kernel(pairs, &a, &b, c.as_mut_ptr(), nr) };
+        unsafe { super::bf16::kernel(pairs, &a, &b, c.as_mut_ptr(), nr, false) };
         for i in 0..mr {
             for j in 0..nr {
                 let ai: Vec<u32> = (0..pairs).map(|q| a[q * mr + i]).collect();

@@ -8,14 +8,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use super::pack::PackElem;
 use super::pool;
 
-/// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`.
+/// A micro-kernel: `C[mr x nr] += Apack(kc x mr)ᵀ · Bpack(kc x nr)`, `C` with row stride `ldc`;
+/// with `first` (the first k block of a product that overwrites `C`), `C`'s old values are not
+/// read: the tile's sums are added to `+0.0`, the same bits as adding them to a cleared tile.
 ///
 /// # Safety (for callers)
 /// The path's CPU features must be present (a `Micro` is only built after [`check`] accepted
 /// the path), and `c` must be valid for reads and writes of `mr` rows of `nr` values at stride
 /// `ldc`, with no other access to those values during the call. The kernels assert the lengths
 /// of the packed slices themselves.
-pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], *mut f32, usize);
+pub(crate) type MicroFn<T> = unsafe fn(usize, &[T], &[T], *mut f32, usize, bool);
 
 /// The k block of the FMA micro-kernels (AVX-512's packed ones, AVX2's strided one, the small
 /// products' tiles of `tiny.rs` and the scalar chains of `micro.rs`): each output element sums
