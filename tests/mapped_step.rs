@@ -654,3 +654,111 @@ fn emulated_bf16_runs_the_mapped_layers_in_bf16() {
     let layer = dev.build_module::<mpx::nn::builders::Linear<12, 24>, f32>();
     assert!(!is_bf16(&layer.forward(x).as_vec()));
 }
+
+// ---- the working copy's kept buffers --------------------------------------------------------
+
+/// A model whose weights are large enough (from 64 KiB in f16) for the scaler to keep their
+/// working-copy tensors from one pass to the next.
+type Wide = (Linear<256, 256>, ReLU, Linear<256, 4>);
+type WideModel = <Wide as BuildOnDevice<Cpu, f32>>::Built;
+type WideX = Tensor<Rank2<8, 256>, f32, Cpu>;
+type WideY = Tensor<Rank2<8, 4>, f32, Cpu>;
+
+/// Three Adam steps of `Mixed::$kind(init)`, with one scaler for all (`shared`) or a fresh one
+/// for each: the master's values after them (a macro: rustc rejects a generic
+/// `K: Kind<H, (A, B, C), Cpu>` bound with a tuple model, see `tests/step.rs`).
+macro_rules! wide_steps {
+    ($kind:ident, $init:expr, $x:expr, $y:expr, $shared:expr) => {{
+        let mut master = Mixed::$kind($init);
+        let new_scaler = || GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+        let mut opt = Adam::new(&*master, AdamConfig::default());
+        let mut scaler = new_scaler();
+        for _ in 0..3 {
+            if !$shared {
+                scaler = new_scaler();
+            }
+            let out = scaler
+                .forward(&master, $x.trace(master.alloc_grads()), |m, x| m.forward(x))
+                .unwrap();
+            let grads = scaler.backward(mse_loss(out, $y.clone())).unwrap();
+            assert!(
+                scaler
+                    .update(&mut master, &mut opt, &grads)
+                    .unwrap()
+                    .is_applied()
+            );
+        }
+        params(&*master)
+    }};
+}
+
+/// The gradient of an input `x1` after a pass on `Mixed::$kind(init)` as it is, then (`second`)
+/// a pass on the master with its first weight doubled, before one backward pass of both losses;
+/// a whole step first, so that the scaler keeps the working copy's tensors.
+macro_rules! first_input_grad {
+    ($kind:ident, $init:expr, $second:expr) => {{
+        let dev = Cpu::seed_from_u64(41);
+        let (x1, x2): (WideX, WideX) = (dev.sample_normal(), dev.sample_normal());
+        let y: WideY = dev.sample_normal();
+        let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1024.0).unwrap());
+        let mut master = Mixed::$kind($init);
+        let out = scaler
+            .forward(&master, x2.leaky_trace(), |m, x| m.forward(x))
+            .unwrap();
+        drop(scaler.backward(mse_loss(out, y.clone())).unwrap());
+        let out1 = scaler
+            .forward(&master, x1.leaky_trace(), |m, x| m.forward(x))
+            .unwrap();
+        let mut loss = mse_loss(out1, y.clone());
+        if $second {
+            master.0.weight = master.0.weight.clone() * 2.0;
+            let out2 = scaler
+                .forward(&master, x2.leaky_trace(), |m, x| m.forward(x))
+                .unwrap();
+            loss = loss + mse_loss(out2, y.clone());
+        }
+        let grads = scaler.backward(loss).unwrap();
+        grads.get(&x1).as_vec()
+    }};
+}
+
+/// The scaler keeps a large working-copy tensor from one pass to the next and writes the next
+/// pass's values into it in place: that changes no result. Steps with one scaler leave the
+/// master bit for bit where steps with a fresh scaler each leave it, and a second pass before
+/// the first one's backward pass (the master changed in between) does not write the buffers the
+/// first pass still holds: the first input's gradient is the same, bit for bit, as without the
+/// second pass. Both kinds of working copy.
+#[test]
+fn kept_working_copy_buffers_change_no_result() {
+    let dev = Cpu::seed_from_u64(40);
+    let init: WideModel = dev.build_module::<Wide, f32>();
+    let x: WideX = dev.sample_normal();
+    let y: WideY = dev.sample_normal();
+    assert_eq!(
+        bits(&wide_steps!(mapped, init.clone(), x, y, true)),
+        bits(&wide_steps!(mapped, init.clone(), x, y, false)),
+        "mapped: one scaler against a fresh one per step"
+    );
+    assert_eq!(
+        bits(&wide_steps!(new, init.clone(), x, y, true)),
+        bits(&wide_steps!(new, init.clone(), x, y, false)),
+        "plain: one scaler against a fresh one per step"
+    );
+    assert_eq!(
+        bits(&first_input_grad!(mapped, init.clone(), false)),
+        bits(&first_input_grad!(mapped, init.clone(), true)),
+        "mapped: the first pass's input gradient"
+    );
+    assert_eq!(
+        bits(&first_input_grad!(new, init.clone(), false)),
+        bits(&first_input_grad!(new, init.clone(), true)),
+        "plain: the first pass's input gradient"
+    );
+    // the test can tell: a first pass on the doubled weight gives another gradient
+    let mut doubled = init.clone();
+    doubled.0.weight = doubled.0.weight.clone() * 2.0;
+    assert_ne!(
+        bits(&first_input_grad!(mapped, doubled, false)),
+        bits(&first_input_grad!(mapped, init, false))
+    );
+}

@@ -119,9 +119,9 @@ pub(crate) mod private {
         fn restore(links: &Self::Links, grads: &mut Gradients<f32, Self>);
 
         /// What a scaler keeps from one working copy to the next, so that building the next
-        /// allocates nothing new (the `Cpu`: a device of its own whose allocation cache takes the
-        /// copy's buffers and its gradients' back when a step drops them, and the host buffers
-        /// the rounding reads through).
+        /// allocates nothing new (the `Cpu`: the last copies' large tensors, written again in
+        /// place; a device of its own whose allocation cache takes their gradients' buffers
+        /// back when a step drops them; the host buffers the rounding reads through).
         type Store: Default + Send + Sync;
 
         /// Master tensor `x` rounded to `H`, as a tensor of the working copy (in buffers `store`
@@ -133,6 +133,11 @@ pub(crate) mod private {
             x: &Tensor<S, f32, Self>,
             store: &mut Self::Store,
         ) -> Result<Tensor<S, H::Elem, Self>, Self::Err>;
+
+        /// Called before a working copy is built, when the last ones are dropped: `store` may
+        /// hand the buffers of the tensors [`to_working`](Self::to_working) made since the last
+        /// call to the next copy.
+        fn recycle(store: &mut Self::Store);
 
         /// `x` rounded to `H`.
         ///
@@ -275,25 +280,46 @@ mod cpu {
     use crate::step::error::StepError;
     use mpx_kernels::{every_part, zip_parts};
 
-    /// Working-copy tensors of at least this many bytes are allocated on the store's device,
-    /// whose cache hands back the last step's buffers; smaller ones are allocated plainly (on a
-    /// tiny model the cache's bookkeeping costs more than the allocator's fast path: with no
-    /// cache at all, the 2-2-1 and 16-32-4 steps of `cargo run --release --example
-    /// bench_step_overhead` ran 7% and 5% faster on a 2-core Zen 5, and `bench_step`'s rows a
-    /// and f did not move).
+    /// Working-copy tensors of at least this many bytes are kept by the store from one copy to
+    /// the next, on the store's device, whose cache hands back the last step's buffers for
+    /// their gradients; smaller ones are allocated plainly (on a tiny model the cache's
+    /// bookkeeping costs more than the allocator's fast path: with no cache at all, the 2-2-1
+    /// and 16-32-4 steps of `cargo run --release --example bench_step_overhead` ran 7% and 5%
+    /// faster on a 2-core Zen 5, and `bench_step`'s rows a and f did not move).
     const CACHED_BYTES: usize = 64 << 10;
 
-    /// The `Cpu`'s [`Primitives::Store`]: a device of the step's own, with dfdx's allocation
-    /// cache on (the working copy's large tensors, from [`CACHED_BYTES`] up, and their half
-    /// gradients are allocated on it, so a step's buffers are the last step's), and the host
-    /// buffers a master tensor is read and rounded through; and a plain device for the half
-    /// region's own tensors ([`Primitives::region_device`]). The user's device and its settings
-    /// are left alone.
+    /// Most large working-copy tensors the store keeps (far above one model's; beyond it a
+    /// dropped copy's tensors are freed).
+    const MAX_KEPT: usize = 256;
+
+    /// The `Cpu`'s [`Primitives::Store`]: the large tensors of the last working copies
+    /// (from [`CACHED_BYTES`] up), whose buffers the next copies are written into, in place when
+    /// nothing else holds them (dfdx's `copy_from` copies a shared buffer first): a buffer
+    /// taken from the allocator is zeroed before it is written, one kept is not; a device of the
+    /// step's own, with dfdx's allocation cache on, that the kept tensors and so their half
+    /// gradients are allocated on; the host buffers a master tensor is read and rounded
+    /// through; and a plain device for the half region's own tensors
+    /// ([`Primitives::region_device`]). The user's device and its settings are left alone.
     pub struct Store<H: Precision> {
         device: Option<Cpu>,
         region: Option<Cpu>,
         wide: Vec<f32>,
         half: Vec<H::Elem>,
+        /// Tensors of dropped working copies, free to be written again.
+        spare: Vec<Flat<H::Elem>>,
+        /// Tensors of the working copy being built or used.
+        lent: Vec<Flat<H::Elem>>,
+    }
+
+    /// A kept working-copy tensor, seen as one row of values.
+    type Flat<E> = Tensor<(usize,), E, Cpu>;
+
+    /// The first `n` values of `buf`, grown to hold them (never shrunk).
+    fn grown<T: Copy + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
+        if buf.len() < n {
+            buf.resize(n, T::default());
+        }
+        &mut buf[..n]
     }
 
     impl<H: Precision> Default for Store<H> {
@@ -303,6 +329,8 @@ mod cpu {
                 region: None,
                 wide: Vec::new(),
                 half: Vec::new(),
+                spare: Vec::new(),
+                lent: Vec::new(),
             }
         }
     }
@@ -357,27 +385,40 @@ mod cpu {
                 return Ok(shared);
             }
             let n = x.shape().num_elements();
-            store.wide.resize(n, 0.0);
-            x.clone().try_contiguous()?.copy_into(&mut store.wide);
+            // the host buffers only grow: a longer tensor after a shorter one writes no zeros
+            // over what it then overwrites
+            let wide = grown(&mut store.wide, n);
+            x.clone().try_contiguous()?.copy_into(wide);
             if n.saturating_mul(std::mem::size_of::<H::Elem>()) < CACHED_BYTES {
                 // rounded straight into the tensor's own buffer, on the master's device
                 let mut half = vec![H::Elem::default(); n];
-                H::round(&store.wide, &mut half);
+                H::round(wide, &mut half);
                 return x.device().try_tensor_from_vec(half, *x.shape());
             }
-            store.half.resize(n, H::Elem::default());
-            zip_parts(&mut store.half, &store.wide, &|dst, src| {
+            let half = grown(&mut store.half, n);
+            zip_parts(half, wide, &|dst, src| {
                 H::round(src, dst);
                 true
             });
-            let dev = store.device.get_or_insert_with(|| {
-                let dev = Cpu::default();
-                dev.enable_cache();
-                dev
-            });
-            let mut t = dev.try_zeros_like(x.shape())?;
-            t.copy_from(&store.half);
-            Ok(t)
+            let mut t = if let Some(i) = store.spare.iter().position(|t| t.shape().0 == n) {
+                store.spare.swap_remove(i)
+            } else {
+                let dev = store.device.get_or_insert_with(|| {
+                    let dev = Cpu::default();
+                    dev.enable_cache();
+                    dev
+                });
+                dev.try_zeros_like(&(n,))?
+            };
+            t.copy_from(half);
+            store.lent.push(t.clone());
+            t.try_reshape_like(x.shape())
+        }
+
+        fn recycle(store: &mut Store<H>) {
+            let room = MAX_KEPT.saturating_sub(store.spare.len());
+            let lent = std::mem::take(&mut store.lent);
+            store.spare.extend(lent.into_iter().take(room));
         }
 
         fn to_half<S: Shape, T>(

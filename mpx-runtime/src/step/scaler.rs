@@ -322,6 +322,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         let (scale, inv) = self.checked_scale()?;
         let dev = D::region_device(master, &mut self.store)?;
         let links = D::links(inv);
+        // the last pass's working copy was dropped when it returned
+        D::recycle(&mut self.store);
         let built = K::build(master, &links, &mut self.store)?;
         cell.lock().ran = Some(Ran {
             precision: H::DTYPE,

@@ -6,8 +6,9 @@
 //! A fresh copy per pass is what makes the working copy the user's model: a change to the
 //! master between two passes (an evaluation pass, a schedule, a restored checkpoint) is seen by
 //! the next, a clone of the master gets a copy of its own, and two passes of one master before
-//! one backward pass never share buffers. Its buffers come from the allocator, which hands the
-//! last step's back.
+//! one backward pass never share buffers. Its large tensors are the last copy's, kept by the
+//! scaler and written again in place (dfdx copies a buffer something else still holds before it
+//! writes it); the small ones come from the allocator, which hands the last step's back.
 //!
 //! Two kinds ([`Kind`]): [`Plain`], the master's own layers in the half type
 //! (`<M as TensorCollection<f32, D>>::To<H::Elem, D>`), built by walking the master; and

@@ -463,6 +463,8 @@ macro_rules! on_cuda {
                 x.clone().try_to_dtype()
             }
 
+            fn recycle(_: &mut Store) {}
+
             fn to_half<S: Shape, T>(
                 x: &Tensor<S, f32, Cuda, T>,
             ) -> Result<Tensor<S, <$h as Precision>::Elem, Cuda>, CudaError> {
