@@ -69,8 +69,18 @@ fn per_call(n: usize, mut f: impl FnMut()) -> (usize, Vec<usize>) {
     (first, later)
 }
 
+/// The tests of this binary run one at a time: one of them reads the process's heap in use.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[test]
 fn a_converted_step_allocates_no_new_working_copy_per_call() {
+    let _serial = serial();
     let dev = Cpu::seed_from_u64(0);
     let init = dev.build_module::<Mlp, f32>();
     let x: X = dev.sample_normal();
@@ -133,4 +143,36 @@ fn a_converted_step_allocates_no_new_working_copy_per_call() {
             "mixed step allocated {m} bytes, the f32 step {p}; the working copy is {working_copy_bytes}"
         );
     }
+}
+
+/// A scaler keeps its working copy's large tensors and their gradients' buffers from step to
+/// step; dropped, it frees them: steps of a model with a scaler of their own, the model and the
+/// scaler then dropped, leave the process's heap in use where it was.
+#[test]
+fn a_dropped_scaler_frees_what_it_kept() {
+    let _serial = serial();
+    let dev = Cpu::seed_from_u64(1);
+    let init = dev.build_module::<Mlp, f32>();
+    let x: X = dev.sample_normal();
+    let run = || {
+        let mut model = init.clone();
+        let mut opt = Sgd::new(&model, SgdConfig::default());
+        let mut grads = model.alloc_grads();
+        let mut scaler = GradScaler::default();
+        for _ in 0..3 {
+            grads = step(&mut model, &mut opt, grads, &x, &mut scaler);
+        }
+        assert_eq!(scaler.applied_steps(), 3);
+    };
+    // the first run grows what lives as long as the process (the GEMM's packing buffers)
+    run();
+    let before = heap::current();
+    run();
+    let after = heap::current();
+    // one 256 x 256 layer's f16 working copy is 128 KiB
+    assert!(
+        after <= before + (16 << 10),
+        "the heap in use grew by {} bytes over a run with a scaler of its own",
+        after.saturating_sub(before)
+    );
 }

@@ -314,6 +314,21 @@ mod cpu {
     /// A kept working-copy tensor, seen as one row of values.
     type Flat<E> = Tensor<(usize,), E, Cpu>;
 
+    impl<H: Precision> Drop for Store<H> {
+        /// Frees the kept tensors, then turns the device's cache off, which frees what it holds:
+        /// dfdx's `Cpu` frees a cache's buffers only when asked, so one dropped while on would
+        /// keep them for the rest of the process (tensors still alive elsewhere free theirs when
+        /// they go).
+        fn drop(&mut self) {
+            self.spare.clear();
+            self.lent.clear();
+            if let Some(dev) = &self.device {
+                // emptying a host cache cannot fail
+                let _ = dev.try_disable_cache();
+            }
+        }
+    }
+
     /// The first `n` values of `buf`, grown to hold them (never shrunk).
     fn grown<T: Copy + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
         if buf.len() < n {
