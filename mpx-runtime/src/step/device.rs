@@ -276,7 +276,7 @@ mod cpu {
     use crate::finite::{add_scaled_checked, all_finite_f32};
     use crate::master::link::RegionLinks;
     use crate::master::slots::MasterSlot;
-    use crate::precision::{FloatSlice, FloatSliceMut, Precision};
+    use crate::precision::{FloatSlice, FloatSliceMut, Precision, sized};
     use crate::step::error::StepError;
     use mpx_kernels::{every_part, zip_parts};
 
@@ -327,14 +327,6 @@ mod cpu {
                 let _ = dev.try_disable_cache();
             }
         }
-    }
-
-    /// The first `n` values of `buf`, grown to hold them (never shrunk).
-    fn grown<T: Copy + Default>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
-        if buf.len() < n {
-            buf.resize(n, T::default());
-        }
-        &mut buf[..n]
     }
 
     impl<H: Precision> Default for Store<H> {
@@ -400,9 +392,7 @@ mod cpu {
                 return Ok(shared);
             }
             let n = x.shape().num_elements();
-            // the host buffers only grow: a longer tensor after a shorter one writes no zeros
-            // over what it then overwrites
-            let wide = grown(&mut store.wide, n);
+            let wide = sized(&mut store.wide, n);
             x.clone().try_contiguous()?.copy_into(wide);
             if n.saturating_mul(std::mem::size_of::<H::Elem>()) < CACHED_BYTES {
                 // rounded straight into the tensor's own buffer, on the master's device
@@ -410,7 +400,7 @@ mod cpu {
                 H::round(wide, &mut half);
                 return x.device().try_tensor_from_vec(half, *x.shape());
             }
-            let half = grown(&mut store.half, n);
+            let half = sized(&mut store.half, n);
             zip_parts(half, wide, &|dst, src| {
                 H::round(src, dst);
                 true
