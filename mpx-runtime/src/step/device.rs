@@ -422,8 +422,8 @@ mod cpu {
 
         fn recycle(store: &mut Store<H>) {
             let room = MAX_KEPT.saturating_sub(store.spare.len());
-            let lent = std::mem::take(&mut store.lent);
-            store.spare.extend(lent.into_iter().take(room));
+            // drained, not taken: the list keeps its room for the next copy's tensors
+            store.spare.extend(store.lent.drain(..).take(room));
         }
 
         fn to_half<S: Shape, T>(
