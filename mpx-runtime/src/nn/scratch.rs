@@ -1,5 +1,6 @@
 //! The fused ops' buffers: the operand copies a forward pass keeps for its backward, the copied
-//! output gradient, and the f32 sums of the GEMMs.
+//! output gradient, and the f32 sums of the GEMMs; and the host copies a mixed step reads its
+//! half region's inputs and outputs through.
 //!
 //! A training step asks for buffers of the same sizes every time, and some are large (the
 //! layer's input, its weight, its f32 weight gradient). By default each comes from the

@@ -276,6 +276,7 @@ mod cpu {
     use crate::finite::{add_scaled_checked, all_finite_f32};
     use crate::master::link::RegionLinks;
     use crate::master::slots::MasterSlot;
+    use crate::nn::scratch;
     use crate::precision::{FloatSlice, FloatSliceMut, Precision, sized};
     use crate::step::error::StepError;
     use mpx_kernels::{every_part, zip_parts};
@@ -431,19 +432,13 @@ mod cpu {
         ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError> {
             let n = x.shape().num_elements();
             // A contiguous view (the same buffer when it already is) read with one memcpy:
-            // dfdx's `as_vec` walks the tensor index by index. A short one is read onto the
-            // stack.
+            // dfdx's `as_vec` walks the tensor index by index. Read through a fused op's scratch
+            // buffer (a short one allocates nothing).
             let x = x.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
+            let mut values = scratch::take::<f32>(n);
+            x.copy_into(&mut values);
             let mut half = vec![H::Elem::default(); n];
-            let mut read = |values: &mut [f32]| {
-                x.copy_into(values);
-                H::round(values, &mut half);
-            };
-            if n <= SHORT {
-                read(&mut [0.0; SHORT][..n]);
-            } else {
-                read(&mut vec![0.0f32; n]);
-            }
+            H::round(&values, &mut half);
             x.device().try_tensor_from_vec(half, *x.shape())
         }
 
@@ -452,17 +447,11 @@ mod cpu {
         ) -> Result<Tensor<S, f32, Cpu>, CpuError> {
             let n = y.shape().num_elements();
             let y = y.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
+            // read through a fused op's scratch buffer (a short one allocates nothing)
+            let mut half = scratch::take::<H::Elem>(n);
+            y.copy_into(&mut half);
             let mut full = vec![0.0f32; n];
-            let mut read = |half: &mut [H::Elem]| {
-                y.copy_into(half);
-                H::widen(half, &mut full);
-            };
-            // a short output is read onto the stack
-            if n <= SHORT {
-                read(&mut [H::Elem::default(); SHORT][..n]);
-            } else {
-                read(&mut vec![H::Elem::default(); n]);
-            }
+            H::widen(&half, &mut full);
             y.device().try_tensor_from_vec(full, *y.shape())
         }
 
