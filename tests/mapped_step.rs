@@ -238,6 +238,34 @@ fn each_mapped_module_matches_the_f32_step() {
             "unbiased linear, leaky relu",
             |m| m.1 = LeakyReLU(0.2),
         );
+        mapped_matches_f32::<$h, (Linear<12, 24>, PReLU, Linear<24, 5>, PReLU1D<Const<5>>)>(
+            "prelu, prelu1d",
+            |m| {
+                m.1.a.copy_from(&[0.1]);
+                m.3.a.copy_from(&[0.3, -0.2, 0.05, 0.5, 1.5]);
+            },
+        );
+        #[allow(deprecated)]
+        mapped_matches_f32::<$h, (Linear<12, 24>, GeLU, Linear<24, 5>)>("gelu", |_| {});
+        // image-shaped layers between two linear layers: 7 images of 2 x 3 x 4
+        mapped_matches_f32::<$h, (
+            (Linear<12, 24>, Reshape<Rank4<7, 2, 3, 4>>),
+            (BatchNorm2D<2>, Bias2D<2>, Upscale2D<6, 8>),
+            AvgPoolGlobal,
+            Linear<2, 5>,
+        )>("reshape, batch norm 2d, bias 2d, upscale, average pool", |m| {
+            m.1.1.bias.copy_from(&[0.25, -0.5]);
+        });
+        mapped_matches_f32::<$h, (
+            (Linear<12, 24>, Reshape<Rank4<7, 2, 3, 4>>),
+            MaxPoolGlobal,
+            Linear<2, 5>,
+        )>("max pool", |_| {});
+        mapped_matches_f32::<$h, (
+            (Linear<12, 24>, Reshape<Rank4<7, 2, 3, 4>>),
+            MinPoolGlobal,
+            Linear<2, 5>,
+        )>("min pool", |_| {});
         )*};
     }
     each!(f16, bf16);

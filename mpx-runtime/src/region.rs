@@ -472,9 +472,21 @@ impl<H: Precision> FullPrecision<H> {
         S: Shape,
         F: FnOnce(X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
+        Self::try_run_fallible(x, |x| Ok(f(x)))
+    }
+
+    /// [`FullPrecision::try_run`] with a closure that can fail (a module's `try_forward`): its
+    /// error is returned as it is, and nothing is recorded on the input's tape.
+    pub(crate) fn try_run_fallible<X, S, F, D>(x: X, f: F) -> Result<Half<S, H, D, X::Tape>, D::Err>
+    where
+        D: RegionDevice<H>,
+        X: RegionInput<H::Elem, D>,
+        S: Shape,
+        F: FnOnce(X::Full) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
+    {
         let mut leaves = Leaves::new();
         let (x32, tape) = x.enter(&mut leaves)?;
-        let y32 = f(x32);
+        let y32 = f(x32)?;
         <D as RegionDevice<H>>::bridge(leaves, tape, y32)
     }
 

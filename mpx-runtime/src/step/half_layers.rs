@@ -30,17 +30,18 @@ use crate::walk::{Each, each};
 ///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
 ///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
 ///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's
-///   own in `H::Elem` (a gather; the batch norm's running statistics are written back to the
-///   master on an applied update; the leaky slope is rounded to `H`);
-/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) run in an f32 region
-///   ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
+/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `BatchNorm2D<C>`, `Bias2D<C>`, `PReLU`, `PReLU1D<C>`,
+///   `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's own in `H::Elem` (a gather; a batch
+///   norm's running statistics are written back to the master on an applied update; the leaky
+///   slope is rounded to `H`);
+/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) and `AvgPoolGlobal` (a
+///   sum) run in an f32 region ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
 ///   same values and gradients, in vector passes; never fused into the layer before it, so a
 ///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
 ///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
 ///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`FastGeLU`,
-///   `AccurateGeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`, `DropoutOneIn`) stay
-///   themselves;
+///   `AccurateGeLU`, the deprecated `GeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
+///   `DropoutOneIn`, `MaxPoolGlobal`, `MinPoolGlobal`, `Upscale2D`, `Reshape`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
 ///   such layers map their layers;
 /// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
@@ -53,8 +54,9 @@ use crate::walk::{Each, each};
 /// trainable flags (the working copy is built by position), and takes the same inputs (`(S, M)`
 /// and `(B, S, M)` sequences, attention's `(q, k, v)` tuples).
 ///
-/// A model with a layer outside this list (a module of the user's own, dfdx's convolutions)
-/// does not implement it and runs on its plain working copy
+/// That is every layer dfdx 0.13 builds on stable Rust. A model with a layer outside this list
+/// (a module of the user's own, dfdx's convolutions and 2D pools, which need its `nightly`
+/// feature) does not implement it and runs on its plain working copy
 /// ([`WorkingCopy`](super::WorkingCopy)).
 ///
 /// # Examples

@@ -152,7 +152,22 @@ macro_rules! layers {
                 Ok($wrap(cx.linear(&self.weight, &self.bias)?))
             }
         }
-        same!($h: FastGeLU, AccurateGeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        same!($h: FastGeLU, AccurateGeLU, GeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        // a global max or min picks one of its inputs: exact in any precision
+        same!($h: MaxPoolGlobal, MinPoolGlobal);
+        impl<const OH: usize, const OW: usize, M> HalfLayers<$h> for dfdx::nn::modules::Upscale2D<OH, OW, M>
+        where
+            M: dfdx::tensor_ops::UpscaleMethod + Send + Sync + 'static,
+        {
+            type Working = Self;
+        }
+        // (dfdx exports its `Reshape` among the builders only: a layer without parameters is
+        // its own builder)
+        impl<S: dfdx::shapes::ConstShape + Send + Sync + 'static> HalfLayers<$h>
+            for dfdx::nn::builders::Reshape<S>
+        {
+            type Working = Self;
+        }
         // dfdx's `Tanh` and `Sigmoid` as mpx's: computed in f32, rounded once
         impl HalfLayers<$h> for dfdx::nn::modules::Tanh {
             type Working = $in<crate::nn::Tanh>;
@@ -173,7 +188,8 @@ macro_rules! layers {
         impl HalfLayers<$h> for crate::nn::ReLU {
             type Working = crate::nn::ReLU;
         }
-        in_f32!($h: Exp, Ln, Softmax, LogSoftmax);
+        // a global average pool is a sum: in f32, as autocast runs sums
+        in_f32!($h: Exp, Ln, Softmax, LogSoftmax, AvgPoolGlobal);
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
         }
@@ -193,6 +209,18 @@ macro_rules! layers {
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
             type Working = dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>;
         }
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm2D<C, f32, Cpu> {
+            type Working = dfdx::nn::modules::BatchNorm2D<C, <$h as Precision>::Elem, Cpu>;
+        }
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::Bias2D<C, f32, Cpu> {
+            type Working = dfdx::nn::modules::Bias2D<C, <$h as Precision>::Elem, Cpu>;
+        }
+        impl HalfLayers<$h> for dfdx::nn::prelu::PReLU<f32, Cpu> {
+            type Working = dfdx::nn::prelu::PReLU<<$h as Precision>::Elem, Cpu>;
+        }
+        impl<C: dfdx::shapes::ConstDim> HalfLayers<$h> for dfdx::nn::prelu::PReLU1D<C, f32, Cpu> {
+            type Working = dfdx::nn::prelu::PReLU1D<C, <$h as Precision>::Elem, Cpu>;
+        }
         impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
             type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
         }
@@ -208,9 +236,11 @@ macro_rules! in_f32 {
     )*};
 }
 
-/// Layers that are their own working copy.
+/// Layers that are their own working copy (dfdx's deprecated `GeLU` among them: a model
+/// written for dfdx 0.11 still uses it).
 macro_rules! same {
     ($h:ty: $($a:ident),*) => {$(
+        #[allow(deprecated)]
         impl HalfLayers<$h> for dfdx::nn::modules::$a {
             type Working = dfdx::nn::modules::$a;
         }
@@ -362,9 +392,11 @@ mod tests {
     use super::*;
     use dfdx::nn::builders;
     use dfdx::nn::modules::{
-        BatchNorm1D, Dropout, DropoutOneIn, Embedding, LayerNorm1D, Linear, MultiHeadAttention,
-        ReLU, Sigmoid, Tanh, TransformerEncoder, TransformerEncoderBlock,
+        AvgPoolGlobal, BatchNorm1D, BatchNorm2D, Bias2D, Dropout, DropoutOneIn, Embedding,
+        LayerNorm1D, Linear, MaxPoolGlobal, MinPoolGlobal, MultiHeadAttention, ReLU, Sigmoid, Tanh,
+        TransformerEncoder, TransformerEncoderBlock, Upscale2D,
     };
+    use dfdx::nn::prelu::{PReLU, PReLU1D};
     use dfdx::prelude::{DeviceBuildExt, Dtype, TensorFrom};
     use dfdx::shapes::{HasShape, Shape};
     use dfdx::tensor::{CpuError, Tensor};
@@ -492,6 +524,7 @@ mod tests {
         Classifier: HalfLayers<H>,
         Branches: HalfLayers<H>,
         dfdx::nn::modules::Transformer<8, 2, 2, 2, 16, f32, Cpu>: HalfLayers<H>,
+        Others: HalfLayers<H>,
     {
         check_mapped::<H, LayerNorm1D<6, f32, Cpu>>("LayerNorm1D");
         check_mapped::<H, MultiHeadAttention<8, 2, 8, 8, f32, Cpu>>("MultiHeadAttention");
@@ -506,7 +539,24 @@ mod tests {
         check_mapped::<H, Classifier>("classifier");
         check_mapped::<H, Branches>("branches");
         check_mapped::<H, dfdx::nn::modules::Transformer<8, 2, 2, 2, 16, f32, Cpu>>("Transformer");
+        check_mapped::<H, Others>("PReLU, PReLU1D, Bias2D, BatchNorm2D and layers without tensors");
     }
+
+    /// The rest of dfdx's layers on stable Rust: dfdx's own in `H` (`PReLU`, `PReLU1D`,
+    /// `Bias2D`, `BatchNorm2D`) and the layers without tensors (the global pools, `Upscale2D`,
+    /// `Reshape`, the deprecated `GeLU`).
+    #[allow(deprecated)]
+    type Others = (
+        (
+            Linear<4, 4, f32, Cpu>,
+            PReLU<f32, Cpu>,
+            dfdx::nn::modules::GeLU,
+        ),
+        PReLU1D<dfdx::shapes::Const<4>, f32, Cpu>,
+        (Bias2D<3, f32, Cpu>, BatchNorm2D<3, f32, Cpu>),
+        (AvgPoolGlobal, MaxPoolGlobal, MinPoolGlobal),
+        (Upscale2D<4, 6>, builders::Reshape<Rank2<2, 6>>),
+    );
 
     /// The containers and layers without an mpx counterpart: batch norm (its running statistics
     /// untrained), dropout, `GeneralizedResidual`, `AddInto`, `SplitInto`.
