@@ -19,7 +19,8 @@
 //! step), `f16` (row f: mpx's fused layers, `GradScaler<f16>`), `bf16` (row g, emulated bf16),
 //! `dfdx-f16` (row a: dfdx's layers as `#[mixed_step]` runs them, on mpx's layers in the working
 //! copy). `--serve --avx2` forces mpx's GEMM onto its AVX2 + FMA path, the instructions of a CPU
-//! without AVX-512 (its element-wise passes keep this CPU's own).
+//! without AVX-512 (its element-wise passes keep this CPU's own); `--serve --keep-buffers` holds
+//! an `mpx::settings::KeepBuffers` for the whole run.
 //!
 //! Step times are medians over interleaved rounds (each configuration runs a few steps per round,
 //! rounds alternate), so a noisy neighbour slows all configurations alike; each round starts
@@ -329,6 +330,9 @@ fn main() {
             .expect("valid")
     };
     if std::env::args().any(|a| a == "--serve") {
+        let _keep = std::env::args()
+            .any(|a| a == "--keep-buffers")
+            .then(mpx::settings::KeepBuffers::new);
         measure::on_path(std::env::args().any(|a| a == "--avx2"), || {
             serve(&dev, &init, dynamic);
         });

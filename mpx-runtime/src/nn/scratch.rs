@@ -57,11 +57,17 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// step instead of going back to the allocator; dropping the last one frees them. Off by default:
 /// mpx keeps no memory a program did not ask it to keep.
 ///
-/// It pays where steps allocate large buffers: on a 2-core Zen 5 the f16 step of
-/// `cargo run --release --example bench_transformer` runs at x0.31 of f32 without it and x0.25
-/// with it (`-- --keep-buffers`; `docs/benchmarks.md`, at `a6fa813`); the MLP rows of
-/// `bench_step` do not move. The kept memory is what one step's fused ops held at once at their
-/// peak (at most 256 buffers). Results are the same with or without it.
+/// Measure before keeping it: it depends on what else the step allocates. On a 2-core Zen 5 the
+/// f16 step of `cargo run --release --example bench_transformer` runs at x0.31 of f32 without it
+/// and x0.25 with it (`-- --keep-buffers`; `docs/benchmarks.md`, at `a6fa813`). The MLP of
+/// `bench_step` (row f, 512-1024-1024-10 at batch 256) is slower with it: x1.07 to x1.09 of the
+/// step without it in three lock-step runs of four (x0.97 in the fourth; `bench_step --serve
+/// --keep-buffers` against `--serve`). Its steps also allocate large dfdx tensors, and with the
+/// layers' buffers held back, the C allocator returns memory to the system and takes it again:
+/// 200 steps in that server, which holds three other models, took 91K page faults with it and
+/// 25K without (alone in its process, `bench_faults`, the row takes none either way). The kept
+/// memory is what one step's fused ops held at once at their peak (at most 256 buffers).
+/// Results are the same with or without it.
 ///
 /// # Examples
 /// ```
