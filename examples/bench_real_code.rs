@@ -2,8 +2,8 @@
 //! `tests/real_code/` as their authors wrote them (dfdx's MNIST, DQN and PPO examples, its
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
-//! user's own), a small REINFORCE policy and an MLP with a `PReLU` (a layer of dfdx's that mpx
-//! keeps as dfdx's own, in f16). Each row runs one call of the loop in f32 and in
+//! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
+//! keeps as dfdx's own, in f16) and one with batch norms in training mode. Each row runs one call of the loop in f32 and in
 //! mixed f16 in interleaved rounds (one of each per round, so a busy neighbour slows both
 //! alike) and reports the medians and their ratio; the last line is the median ratio.
 //!
@@ -347,6 +347,24 @@ mod prelu {
     });
 }
 
+mod batch_norm {
+    use super::*;
+    pub type Structure = (
+        (Linear<64, 256>, BatchNorm1D<256>, ReLU),
+        (Linear<256, 256>, BatchNorm1D<256>, ReLU),
+        Linear<256, 10>,
+    );
+    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
+        let out = model.forward_mut(x.trace(model.alloc_grads()));
+        let loss = cross_entropy_with_logits_loss(out, y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
 // ---- the table ---------------------------------------------------------------------------------
 
 /// One row: the f32 call and the mixed call, measured interleaved.
@@ -668,6 +686,13 @@ fn table(rounds: usize) {
         rounds * 20,
         "a dfdx MLP with a PReLU (64-256-256-10, batch 32)",
         prelu(dev.build_module::<prelu::Structure, f32>(); &x, &y)
+    );
+    // batch norms in training mode
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a dfdx MLP with batch norms (64-256-256-10, forward_mut, batch 32)",
+        batch_norm(dev.build_module::<batch_norm::Structure, f32>(); &x, &y)
     );
 
     let path = mpx::__bench::active_path();

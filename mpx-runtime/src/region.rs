@@ -553,6 +553,23 @@ impl<H: Precision> FullPrecision<H> {
         S: Shape,
         F: FnOnce(&M::To<f32, D>, X::Full) -> Tensor<S, f32, D, OwnedTape<f32, D>>,
     {
+        Self::try_run_with_fallible(params, x, |p, x| Ok(f(p, x)))
+    }
+
+    /// [`FullPrecision::try_run_with`] with a closure that can fail (a module's `try_forward`):
+    /// its error is returned as a region error.
+    pub(crate) fn try_run_with_fallible<M, X, S, F, D>(
+        params: &M,
+        x: X,
+        f: F,
+    ) -> Result<Tensor<S, H::Elem, D, X::Tape>, RegionError>
+    where
+        D: RegionDevice<H> + RegionDevice<H::Elem> + Device<H::Elem>,
+        M: TensorCollection<H::Elem, D>,
+        X: RegionInput<H::Elem, D>,
+        S: Shape,
+        F: FnOnce(&M::To<f32, D>, X::Full) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
+    {
         let err = <D as RegionDevice<H>>::region_error;
         let mut leaves = Leaves::new();
         let (x32, tape) = x.enter(&mut leaves).map_err(err)?;
@@ -563,8 +580,91 @@ impl<H: Precision> FullPrecision<H> {
         // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
         // return `None` for its own fields.
         let p32 = p32.ok_or(RegionError::NotRebuilt)?;
-        let y32 = f(&p32, x32);
+        let y32 = f(&p32, x32).map_err(err)?;
         <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
+    }
+
+    /// [`FullPrecision::try_run_with`] for a layer that changes its own state as it runs (a
+    /// batch norm's running statistics, in training mode): `f` gets the f32 copy mutably and may
+    /// fail, and what it left in the copy's non-trainable tensors is rounded back into
+    /// `params`' own.
+    pub(crate) fn try_run_with_mut<M, X, S, F, D>(
+        params: &mut M,
+        x: X,
+        f: F,
+    ) -> Result<Half<S, H, D, X::Tape>, RegionError>
+    where
+        D: RegionDevice<H> + RegionDevice<H::Elem> + Device<H::Elem> + Device<f32>,
+        M: TensorCollection<H::Elem, D>,
+        X: RegionInput<H::Elem, D>,
+        S: Shape,
+        F: FnOnce(
+            &mut M::To<f32, D>,
+            X::Full,
+        ) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
+        M::To<f32, D>: TensorCollection<f32, D>,
+    {
+        let err = <D as RegionDevice<H>>::region_error;
+        let mut leaves = Leaves::new();
+        let (x32, tape) = x.enter(&mut leaves).map_err(err)?;
+        let mut widen = Widen {
+            leaves: &mut leaves,
+        };
+        let p32 = crate::walk::map::<H::Elem, f32, D, M, _>(params, &mut widen).map_err(err)?;
+        let mut p32 = p32.ok_or(RegionError::NotRebuilt)?;
+        let y32 = f(&mut p32, x32).map_err(err)?;
+        let mut state = State(Vec::new());
+        crate::walk::each(&p32, &mut state, std::convert::identity).map_err(err)?;
+        let mut back = RoundBack::<H> {
+            values: &state.0,
+            at: 0,
+            marker: PhantomData,
+        };
+        crate::walk::each_mut(params, &mut back, std::convert::identity).map_err(err)?;
+        <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
+    }
+}
+
+/// The values of a module's non-trainable tensors, in visit order.
+struct State(Vec<f32>);
+
+impl<D: Device<f32>> crate::walk::Each<f32, D> for State {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
+        if !trainable {
+            self.0.extend(t.as_vec());
+        }
+        Ok(())
+    }
+}
+
+/// Rounds [`State`]'s values to `H` into a module's non-trainable tensors, in visit order.
+struct RoundBack<'a, H> {
+    values: &'a [f32],
+    at: usize,
+    marker: PhantomData<fn() -> H>,
+}
+
+impl<H: Precision, D: Device<H::Elem>> crate::walk::EachMut<H::Elem, D> for RoundBack<'_, H> {
+    type Error = D::Err;
+    fn tensor<S: Shape>(
+        &mut self,
+        trainable: bool,
+        t: &mut Tensor<S, H::Elem, D>,
+    ) -> Result<(), D::Err> {
+        if !trainable {
+            let n = t.shape().num_elements();
+            // The copy was built from this module by its own `TensorCollection` walk: the same
+            // tensors, of the same lengths, in the same order.
+            let Some(values) = self.values.get(self.at..self.at + n) else {
+                return Ok(());
+            };
+            self.at += n;
+            let mut rounded = vec![H::Elem::default(); n];
+            H::round(values, &mut rounded);
+            t.copy_from(&rounded);
+        }
+        Ok(())
     }
 }
 

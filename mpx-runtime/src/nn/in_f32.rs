@@ -1,8 +1,9 @@
 //! [`InF32`]: a parameter-free layer run in an f32 region inside a half-precision graph.
 
-use dfdx::nn::{Module, NonMutableModule, ZeroSizedModule};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::nn::{Module, ModuleMut, NonMutableModule, ZeroSizedModule};
 use dfdx::shapes::{Dtype, Shape};
-use dfdx::tensor::{Cpu, CpuError, OwnedTape, Tape, Tensor};
+use dfdx::tensor::{Cpu, CpuError, NoneTape, OwnedTape, PutTape, SplitTape, Tape, Tensor};
 use dfdx::tensor_ops::Device;
 
 use crate::precision::Precision;
@@ -55,5 +56,117 @@ where
     type Error = CpuError;
     fn try_forward(&self, x: Tensor<S, E, Cpu, T>) -> Result<Self::Output, CpuError> {
         FullPrecision::<E>::try_run_fallible(x, |x| self.0.try_forward(x))
+    }
+}
+
+/// A batch norm (dfdx's `BatchNorm1D` or `BatchNorm2D` in the half type `E`) run in f32: its
+/// input widened, its statistics, normalisation and affine transform computed in f32 on an f32
+/// copy of its tensors, its output rounded to `E` once; in training mode (`forward_mut`) the
+/// running statistics the f32 pass leaves are rounded back into its own. Gradients flow to its
+/// scale and bias in `E` and to the input through the region ([`FullPrecision`]). The mixed
+/// step's working copy ([`HalfLayers`](crate::step::HalfLayers)) runs dfdx's batch norms this
+/// way in f16 and `AMP<f16>`: dfdx's own in f16 computes its batch statistics in f16, on scalar
+/// kernels several times slower than its f32 ones.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn::BatchNormInF32;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let bn = dev.build_module::<BatchNorm1D<2>, f32>();
+/// let mut half = BatchNormInF32(bn.clone().to_dtype::<f16>());
+/// let x: Tensor<Rank2<4, 2>, f32, Cpu> =
+///     dev.tensor([[1.0, -2.0], [3.0, 0.5], [2.0, 1.0], [-1.0, 4.0]]);
+/// let xh = x.to_dtype::<f16>();
+/// let y = half.forward_mut(xh.clone().leaky_traced());
+/// // dfdx's f32 batch norm on the same (f16) values, rounded once
+/// let mut bn32 = bn;
+/// let want = bn32.forward_mut(xh.clone().to_dtype::<f32>().leaky_traced());
+/// let want = want.retaped::<NoneTape>().to_dtype::<f16>();
+/// assert_eq!(y.array(), want.array());
+/// // and the running statistics it updated, rounded to f16
+/// assert_eq!(half.running_mean.array(), bn32.running_mean.clone().to_dtype::<f16>().array());
+///
+/// // evaluation mode (an untraced input) normalises with the running statistics, in f32
+/// let bn32 = half.0.clone().to_dtype::<f32>();
+/// let want = bn32.forward(xh.clone().to_dtype::<f32>()).to_dtype::<f16>();
+/// assert_eq!(half.forward(xh).array(), want.array());
+/// ```
+#[derive(Debug, Clone)]
+pub struct BatchNormInF32<N>(pub N);
+
+/// The batch norm's fields (`running_mean`, `epsilon`, ..) read and set through the wrapper, as
+/// on dfdx's own.
+impl<N> std::ops::Deref for BatchNormInF32<N> {
+    type Target = N;
+    fn deref(&self) -> &N {
+        &self.0
+    }
+}
+
+impl<N> std::ops::DerefMut for BatchNormInF32<N> {
+    fn deref_mut(&mut self) -> &mut N {
+        &mut self.0
+    }
+}
+
+impl<N: TensorCollection<E, D>, E: Dtype, D: Device<E>> TensorCollection<E, D>
+    for BatchNormInF32<N>
+{
+    type To<E2: Dtype, D2: Device<E2>> = BatchNormInF32<N::To<E2, D2>>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), BatchNormInF32)
+    }
+}
+
+/// Evaluation mode (an untraced input): the running statistics, in f32.
+impl<N, S, E> Module<Tensor<S, E, Cpu, NoneTape>> for BatchNormInF32<N>
+where
+    N: TensorCollection<E, Cpu>,
+    N::To<f32, Cpu>: Module<Tensor<S, f32, Cpu>, Output = Tensor<S, f32, Cpu>, Error = CpuError>,
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+{
+    type Output = Tensor<S, E, Cpu, NoneTape>;
+    type Error = CpuError;
+    fn try_forward(&self, x: Tensor<S, E, Cpu, NoneTape>) -> Result<Self::Output, CpuError> {
+        Ok(FullPrecision::<E>::try_run_with_fallible(
+            &self.0,
+            x,
+            |n, x| {
+                // an evaluation pass has no gradient to carry: the input leaves its region tape
+                let (x, tape) = x.split_tape();
+                n.try_forward(x).map(|y| y.put_tape(tape))
+            },
+        )?)
+    }
+}
+
+/// Training mode (a traced input): the batch's statistics, in f32.
+impl<N, S, E> ModuleMut<Tensor<S, E, Cpu, OwnedTape<E, Cpu>>> for BatchNormInF32<N>
+where
+    N: TensorCollection<E, Cpu>,
+    N::To<f32, Cpu>:
+        ModuleMut<Full<S>, Output = Full<S>, Error = CpuError> + TensorCollection<f32, Cpu>,
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+{
+    type Output = Tensor<S, E, Cpu, OwnedTape<E, Cpu>>;
+    type Error = CpuError;
+    fn try_forward_mut(
+        &mut self,
+        x: Tensor<S, E, Cpu, OwnedTape<E, Cpu>>,
+    ) -> Result<Self::Output, CpuError> {
+        Ok(FullPrecision::<E>::try_run_with_mut(
+            &mut self.0,
+            x,
+            ModuleMut::try_forward_mut,
+        )?)
     }
 }

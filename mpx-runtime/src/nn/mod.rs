@@ -64,7 +64,7 @@ pub use convert::*;
 pub use decoder::*;
 pub use encoder::*;
 pub use in_bf16::InBf16;
-pub use in_f32::InF32;
+pub use in_f32::{BatchNormInF32, InF32};
 pub use layer_norm::*;
 pub use linear::*;
 pub use mha::*;

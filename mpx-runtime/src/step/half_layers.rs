@@ -30,10 +30,12 @@ use crate::walk::{Each, each};
 ///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
 ///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
 ///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `Embedding<V, M>`, `BatchNorm1D<C>`, `BatchNorm2D<C>`, `Bias2D<C>`, `PReLU`, `PReLU1D<C>`,
-///   `UnbiasedLinear<I, O>` and `LeakyReLU` become dfdx's own in `H::Elem` (a gather; a batch
-///   norm's running statistics are written back to the master on an applied update; the leaky
-///   slope is rounded to `H`);
+/// - `BatchNorm1D<C>` and `BatchNorm2D<C>` become dfdx's own in `H::Elem`, run in f32
+///   ([`BatchNormInF32`](crate::nn::BatchNormInF32): statistics, normalisation and affine
+///   transform in f32, the output rounded once; the running statistics are written back to the
+///   master on an applied update);
+/// - `Embedding<V, M>`, `Bias2D<C>`, `PReLU`, `PReLU1D<C>`, `UnbiasedLinear<I, O>` and
+///   `LeakyReLU` become dfdx's own in `H::Elem` (a gather; the leaky slope is rounded to `H`);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) and `AvgPoolGlobal` (a
 ///   sum) run in an f32 region ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
 ///   same values and gradients, in vector passes; never fused into the layer before it, so a

@@ -35,7 +35,7 @@ use super::error::StepError;
 use super::half_layers::{BuildCx, HalfLayers};
 use crate::boundary::MasterModel;
 use crate::master::link::Linker;
-use crate::nn::InBf16;
+use crate::nn::{BatchNormInF32, InBf16};
 use crate::precision::{AMP, Precision, bf16, f16};
 
 /// mpx's layers in `f16` and `AMP<f16>`: themselves.
@@ -206,12 +206,6 @@ macro_rules! layers {
                 working.0 = slope[0];
             }
         }
-        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
-            type Working = dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>;
-        }
-        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm2D<C, f32, Cpu> {
-            type Working = dfdx::nn::modules::BatchNorm2D<C, <$h as Precision>::Elem, Cpu>;
-        }
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::Bias2D<C, f32, Cpu> {
             type Working = dfdx::nn::modules::Bias2D<C, <$h as Precision>::Elem, Cpu>;
         }
@@ -250,6 +244,26 @@ macro_rules! same {
 layers!(f16, Native, native, std::convert::identity);
 layers!(AMP<f16>, Native, native, std::convert::identity);
 layers!(bf16, InBf16, in_bf16, InBf16);
+
+/// dfdx's batch norm as it is, in f32 (emulated bf16's storage).
+type AsIs<N> = N;
+
+/// dfdx's batch norms, dfdx's own in `H`'s storage type, run in f32 (`$in`): in f16 and
+/// `AMP<f16>` by [`BatchNormInF32`] (dfdx's f16 batch norm sums its statistics in f16, on
+/// scalar kernels), in emulated bf16 as they are (their storage is f32).
+macro_rules! batch_norms {
+    ($h:ty, $in:ident) => {
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
+            type Working = $in<dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>>;
+        }
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm2D<C, f32, Cpu> {
+            type Working = $in<dfdx::nn::modules::BatchNorm2D<C, <$h as Precision>::Elem, Cpu>>;
+        }
+    };
+}
+batch_norms!(f16, BatchNormInF32);
+batch_norms!(AMP<f16>, BatchNormInF32);
+batch_norms!(bf16, AsIs);
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
 /// to its master tensors).
