@@ -556,8 +556,9 @@ impl<H: Precision> FullPrecision<H> {
         Self::try_run_with_fallible(params, x, |p, x| Ok(f(p, x)))
     }
 
-    /// [`FullPrecision::try_run_with`] with a closure that can fail (a module's `try_forward`):
-    /// its error is returned as a region error.
+    /// [`FullPrecision::try_run_with`] with a closure that can fail (a module's `try_forward`),
+    /// its error returned as a region error, and that may change the f32 copy (which is then
+    /// dropped: [`FullPrecision::try_run_with_mut`] keeps what it changed).
     pub(crate) fn try_run_with_fallible<M, X, S, F, D>(
         params: &M,
         x: X,
@@ -568,7 +569,10 @@ impl<H: Precision> FullPrecision<H> {
         M: TensorCollection<H::Elem, D>,
         X: RegionInput<H::Elem, D>,
         S: Shape,
-        F: FnOnce(&M::To<f32, D>, X::Full) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
+        F: FnOnce(
+            &mut M::To<f32, D>,
+            X::Full,
+        ) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
     {
         let err = <D as RegionDevice<H>>::region_error;
         let mut leaves = Leaves::new();
@@ -579,8 +583,8 @@ impl<H: Precision> FullPrecision<H> {
         let p32 = crate::walk::map::<H::Elem, f32, D, M, _>(params, &mut widen).map_err(err)?;
         // `Widen` builds every tensor, but a third-party `TensorCollection` impl may still
         // return `None` for its own fields.
-        let p32 = p32.ok_or(RegionError::NotRebuilt)?;
-        let y32 = f(&p32, x32).map_err(err)?;
+        let mut p32 = p32.ok_or(RegionError::NotRebuilt)?;
+        let y32 = f(&mut p32, x32).map_err(err)?;
         <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
     }
 
@@ -604,24 +608,20 @@ impl<H: Precision> FullPrecision<H> {
         ) -> Result<Tensor<S, f32, D, OwnedTape<f32, D>>, D::Err>,
         M::To<f32, D>: TensorCollection<f32, D>,
     {
-        let err = <D as RegionDevice<H>>::region_error;
-        let mut leaves = Leaves::new();
-        let (x32, tape) = x.enter(&mut leaves).map_err(err)?;
-        let mut widen = Widen {
-            leaves: &mut leaves,
-        };
-        let p32 = crate::walk::map::<H::Elem, f32, D, M, _>(params, &mut widen).map_err(err)?;
-        let mut p32 = p32.ok_or(RegionError::NotRebuilt)?;
-        let y32 = f(&mut p32, x32).map_err(err)?;
         let mut state = State(Vec::new());
-        crate::walk::each(&p32, &mut state, std::convert::identity).map_err(err)?;
+        let y = Self::try_run_with_fallible(&*params, x, |p32, x| {
+            let y = f(p32, x)?;
+            crate::walk::each(&*p32, &mut state, std::convert::identity)?;
+            Ok(y)
+        })?;
         let mut back = RoundBack::<H> {
             values: &state.0,
             at: 0,
             marker: PhantomData,
         };
-        crate::walk::each_mut(params, &mut back, std::convert::identity).map_err(err)?;
-        <D as RegionDevice<H>>::bridge(leaves, tape, y32).map_err(err)
+        crate::walk::each_mut(params, &mut back, std::convert::identity)
+            .map_err(<D as RegionDevice<H>>::region_error)?;
+        Ok(y)
     }
 }
 
