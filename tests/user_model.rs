@@ -1168,3 +1168,66 @@ fn the_same_module_trains_like_f32_in_bf16_and_amp_f16_too() {
     let mut s = GradScaler::<mpx::precision::AMP<f16>>::default();
     mixer_tracks_f32(&mut |m, o, x| mixer_step_amp(m, o, x, &mut s), 2e-2);
 }
+
+// ---- the float32 list's tensor methods in f32 --------------------------------------------------
+
+/// A user's module whose forward code takes a softmax and a log-softmax as tensor methods (an
+/// attention's weights, a policy's log-probabilities): in its working copy they run in f32 on
+/// the f16 values and are rounded once, as dfdx's `Softmax` and `LogSoftmax` layers do in a
+/// mapped working copy (autocast's float32 list).
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Probs<E: Dtype, D: Device<E>> {
+    g: Tensor<Rank1<16>, E, D>,
+}
+
+impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Probs<E, D> {
+    type To<E2: Dtype, D2: Device<E2>> = Probs<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            Self::tensor("g", |s| &s.g, |s| &mut s.g, TensorOptions::reset_to_ones()),
+            |g| Probs { g },
+        )
+    }
+}
+
+type X8x16<E, D, T> = Tensor<Rank2<8, 16>, E, D, T>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<X8x16<E, D, T>> for Probs<E, D> {
+    type Output = (X8x16<E, D, T>, X8x16<E, D, T>);
+    type Error = D::Err;
+    fn try_forward(&self, x: X8x16<E, D, T>) -> Result<Self::Output, D::Err> {
+        // the gain is all ones: `x * g` is `x`
+        let z = x.try_mul(self.g.clone().try_broadcast()?)?;
+        let (z, tape) = z.split_tape();
+        let p = z.clone().put_tape(tape).softmax::<Axis<1>>();
+        let q = z.try_log_softmax::<Axis<1>>()?;
+        Ok((p, q.retaped()))
+    }
+}
+
+#[test]
+fn a_users_softmax_and_log_softmax_run_in_f32_in_the_working_copy() {
+    let dev = Cpu::seed_from_u64(5);
+    let model = Mixed::mapped(Probs::<f32, Cpu> { g: dev.ones() });
+    let x: Tensor<Rank2<8, 16>, f32, Cpu> = (dev.sample_normal::<Rank2<8, 16>>() * 4.0).retaped();
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(1.0).unwrap());
+    let (p, q) = scaler
+        .forward(&model, x.clone(), |m, x| m.forward(x))
+        .unwrap();
+    // the f16 input's softmax and log-softmax in f32, rounded to f16 once
+    let xh = x.to_dtype::<f16>();
+    let x32 = xh.clone().to_dtype::<f32>();
+    let once = |t: Tensor<Rank2<8, 16>, f32, Cpu>| t.to_dtype::<f16>().to_dtype::<f32>().as_vec();
+    let want_p = once(x32.clone().softmax::<Axis<1>>());
+    let want_q = once(x32.log_softmax::<Axis<1>>());
+    assert_eq!(p.as_vec(), want_p);
+    assert_eq!(q.as_vec(), want_q);
+    // dfdx's own in f16 rounds every step of the softmax: not these values
+    let f16_p = xh.clone().softmax::<Axis<1>>().to_dtype::<f32>().as_vec();
+    let f16_q = xh.log_softmax::<Axis<1>>().to_dtype::<f32>().as_vec();
+    assert_ne!(f16_p, want_p);
+    assert_ne!(f16_q, want_q);
+}

@@ -534,6 +534,47 @@ where
 
 // ---- #[half_layers] --------------------------------------------------------------------------
 
+/// The f32 region of a `#[half_forward]` working copy's code: each call of an operation on
+/// autocast's float32 list (the table `#[autocast]` wraps: `x.softmax::<Ax>()`, `x.exp()`,
+/// `x.sum()`, a loss, ..) runs on its inputs widened to f32 and is rounded back once to their own
+/// element type, as [`FullPrecision`](crate::region::FullPrecision) of that type does (an f32
+/// tensor passes through an identity bridge). Its element type is the inputs', not a parameter
+/// as `FullPrecision`'s: the code of a working copy is the module's generic code made concrete,
+/// where a tensor may be of the working copy's element type or of another.
+#[derive(Debug, Clone, Copy)]
+pub struct ElemRegion;
+
+impl ElemRegion {
+    /// [`FullPrecision::run`](crate::region::FullPrecision::run) in the inputs' element type.
+    pub fn run<X, E, S, F>(x: X, f: F) -> dfdx::tensor::Tensor<S, E, Cpu, X::Tape>
+    where
+        X: crate::region::RegionInput<E, Cpu>,
+        E: Precision<Elem = E> + dfdx::shapes::Dtype,
+        S: dfdx::shapes::Shape,
+        F: FnOnce(X::Full) -> dfdx::tensor::Tensor<S, f32, Cpu, dfdx::tensor::OwnedTape<f32, Cpu>>,
+    {
+        crate::region::FullPrecision::<E>::run(x, f)
+    }
+
+    /// [`FullPrecision::try_run`](crate::region::FullPrecision::try_run) in the inputs' element
+    /// type.
+    ///
+    /// # Errors
+    /// The device's (allocation).
+    pub fn try_run<X, E, S, F>(
+        x: X,
+        f: F,
+    ) -> Result<dfdx::tensor::Tensor<S, E, Cpu, X::Tape>, dfdx::tensor::CpuError>
+    where
+        X: crate::region::RegionInput<E, Cpu>,
+        E: Precision<Elem = E> + dfdx::shapes::Dtype,
+        S: dfdx::shapes::Shape,
+        F: FnOnce(X::Full) -> dfdx::tensor::Tensor<S, f32, Cpu, dfdx::tensor::OwnedTape<f32, Cpu>>,
+    {
+        crate::region::FullPrecision::<E>::try_run(x, f)
+    }
+}
+
 /// The functions a module's generic forward code calls on its element type (`E::from_f32(..)`),
 /// by the names dfdx's `Dtype` gives them through `num_traits`: what `#[half_layers]` calls them
 /// through once `E` is a concrete type (whose inherent functions of the same names would differ).

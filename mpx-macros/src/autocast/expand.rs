@@ -125,7 +125,9 @@ const AXIS_GENERIC: &[&str] = &[
 
 /// Rewrites a function body; counts the regions and collects what it cannot rewrite.
 pub(crate) struct Rewriter<'a> {
-    /// `<root>::region::FullPrecision::<H>`.
+    /// The attribute whose rewrite this is, for its errors.
+    attribute: &'static str,
+    /// What a region's `run` and `try_run` are called on: `<root>::region::FullPrecision::<H>`.
     region: TokenStream,
     /// Operations left in the half type.
     skip: &'a [String],
@@ -138,8 +140,23 @@ pub(crate) struct Rewriter<'a> {
 impl<'a> Rewriter<'a> {
     /// A rewriter whose regions are `<root>::region::FullPrecision::<half>`.
     pub(crate) fn new(root: &TokenStream, half: &syn::Type, skip: &'a [String]) -> Self {
+        Self::with_region(
+            "#[autocast]",
+            quote!(#root::region::FullPrecision::<#half>),
+            skip,
+        )
+    }
+
+    /// A rewriter for `attribute` whose regions are `region::run` and `region::try_run`
+    /// (`#[half_forward]`'s run in their inputs' own element type).
+    pub(crate) fn with_region(
+        attribute: &'static str,
+        region: TokenStream,
+        skip: &'a [String],
+    ) -> Self {
         Self {
-            region: quote!(#root::region::FullPrecision::<#half>),
+            attribute,
+            region,
             skip,
             wrapped: 0,
             errors: Vec::new(),
@@ -267,7 +284,8 @@ impl<'a> Rewriter<'a> {
             self.errors.push(syn::Error::new(
                 span,
                 format!(
-                    "`#[autocast]` moves the arguments of `{op}` into the closure of an f32 region, where `{what}` cannot leave the function; bind this argument to a `let` before the call"
+                    "`{}` moves the arguments of `{op}` into the closure of an f32 region, where `{what}` cannot leave the function; bind this argument to a `let` before the call",
+                    self.attribute
                 ),
             ));
         }
@@ -291,7 +309,9 @@ impl VisitMut for Rewriter<'_> {
         };
         let (input, pat) = region.input_and_pattern();
         let path = &self.region;
-        *e = syn::Expr::Verbatim(quote_spanned!(span=> #path::#run(#input, |#pat| #body)));
+        let region = quote_spanned!(span=> #path::#run(#input, |#pat| #body));
+        // parsed, so that a later pass (`#[half_forward]`'s concrete types) sees inside it
+        *e = syn::parse2(region.clone()).unwrap_or(syn::Expr::Verbatim(region));
         self.wrapped += 1;
     }
 

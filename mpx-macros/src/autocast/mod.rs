@@ -21,7 +21,7 @@
 //! invocations and nested items are not seen.
 
 pub(crate) mod ast;
-mod expand;
+pub(crate) mod expand;
 mod valid;
 
 use proc_macro2::TokenStream;

@@ -63,6 +63,19 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         return finish(cx, item, &TokenStream::new());
     };
     let rt = runtime_path(krate.as_ref());
+    // autocast's float32 list in f32 regions of the inputs' own element type, the table and the
+    // rewrite `#[autocast]` uses, once for every twin (the impl as written keeps its f32 code)
+    let mut imp = imp;
+    crate::autocast::expand::FreeToMethod.visit_item_impl_mut(&mut imp);
+    let mut regions = crate::autocast::expand::Rewriter::with_region(
+        "#[half_forward]",
+        quote!(#rt::__private::ElemRegion),
+        &[],
+    );
+    regions.visit_item_impl_mut(&mut imp);
+    for err in regions.errors {
+        cx.push(err);
+    }
     let mut twins = TokenStream::new();
     for (precision, stored) in PRECISIONS {
         let precision: syn::Type = syn::parse_str(precision).expect("a type");
@@ -468,5 +481,50 @@ mod tests {
             2 * super::PRECISIONS.len(),
             "{out}"
         );
+    }
+
+    /// The float32 list's operations (the table `#[autocast]` wraps) go through f32 regions of
+    /// their inputs' element type, a chain in one; the activations through mpx's layers.
+    #[test]
+    fn the_twin_runs_the_float32_lists_operations_in_f32() {
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<2, 3>, E, D>> for Net<E, D> {
+                    type Output = Tensor<Rank2<2, 3>, E, D>;
+                    type Error = D::Err;
+                    fn try_forward(&self, x: Tensor<Rank2<2, 3>, E, D>) -> Result<Self::Output, D::Err> {
+                        let a = x.clone().softmax::<Axis<1>>().exp();
+                        let b = x.clone().try_log_softmax::<Axis<1>>()?.try_ln()?;
+                        let c = x.tanh().sum::<Rank0, _>();
+                        Ok(a)
+                    }
+                }
+            },
+        )
+        .to_string()
+        .replace(' ', "");
+        assert!(!out.contains("compile_error"), "{out}");
+        let twins = super::PRECISIONS.len();
+        // a chain is one region, its `try_` forms and `?` inside as the plain forms
+        for chain in [
+            "ElemRegion::run(x.clone(),|__mpx_x0|__mpx_x0.softmax::<Axis<1>>().exp())",
+            "ElemRegion::try_run(x.clone(),|__mpx_x0|__mpx_x0.log_softmax::<Axis<1>>().ln())?",
+            "|__mpx_x0|__mpx_x0.sum::<Rank0,_>())",
+        ] {
+            assert_eq!(out.matches(chain).count(), twins, "{chain}: {out}");
+        }
+        // an activation in a region's input runs as mpx's layer, before the region
+        assert_eq!(
+            out.matches("ElemRegion::run(::mpx::__private::mpx_runtime::__private::dfdx::nn::Module::try_forward(&::mpx::__private::mpx_runtime::nn::Tanh,x).unwrap(),").count(),
+            twins,
+            "{out}"
+        );
+        // the impl as written is left as it is
+        assert!(
+            out.contains("leta=x.clone().softmax::<Axis<1>>().exp();"),
+            "{out}"
+        );
+        assert_eq!(out.matches("ElemRegion").count(), 3 * twins, "{out}");
     }
 }
