@@ -247,6 +247,11 @@ fn each_mapped_module_matches_the_f32_step() {
         );
         #[allow(deprecated)]
         mapped_matches_f32::<$h, (Linear<12, 24>, GeLU, Linear<24, 5>)>("gelu", |_| {});
+        mapped_matches_f32::<$h, (
+            (Linear<12, 24>, FastGeLU, Linear<24, 24>, AccurateGeLU),
+            (Linear<24, 24>, Sin, Cos, Abs, Square),
+            Linear<24, 5>,
+        )>("element-wise functions in f32", |_| {});
         // image-shaped layers between two linear layers: 7 images of 2 x 3 x 4
         mapped_matches_f32::<$h, (
             (Linear<12, 24>, Reshape<Rank4<7, 2, 3, 4>>),

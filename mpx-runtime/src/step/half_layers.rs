@@ -36,13 +36,14 @@ use crate::walk::{Each, each};
 ///   master on an applied update);
 /// - `Embedding<V, M>`, `Bias2D<C>`, `PReLU`, `PReLU1D<C>`, `UnbiasedLinear<I, O>` and
 ///   `LeakyReLU` become dfdx's own in `H::Elem` (a gather; the leaky slope is rounded to `H`);
-/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list) and `AvgPoolGlobal` (a
-///   sum) run in an f32 region ([`InF32`](crate::nn::InF32)); `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
+/// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list), `AvgPoolGlobal` (a sum)
+///   and the element-wise functions `FastGeLU`, `AccurateGeLU`, the deprecated `GeLU`, `Abs`,
+///   `Square`, `Sqrt`, `Sin` and `Cos` run in an f32 region ([`InF32`](crate::nn::InF32)), their
+///   output rounded once; `ReLU` becomes mpx's [`nn::ReLU`](crate::nn::ReLU) (the
 ///   same values and gradients, in vector passes; never fused into the layer before it, so a
 ///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
 ///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
-///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`FastGeLU`,
-///   `AccurateGeLU`, the deprecated `GeLU`, `Abs`, `Square`, `Sqrt`, `Sin`, `Cos`, `Dropout`,
+///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`Dropout`,
 ///   `DropoutOneIn`, `MaxPoolGlobal`, `MinPoolGlobal`, `Upscale2D`, `Reshape`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
 ///   such layers map their layers;

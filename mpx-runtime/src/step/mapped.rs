@@ -152,7 +152,7 @@ macro_rules! layers {
                 Ok($wrap(cx.linear(&self.weight, &self.bias)?))
             }
         }
-        same!($h: FastGeLU, AccurateGeLU, GeLU, Abs, Square, Sqrt, Sin, Cos, Dropout);
+        same!($h: Dropout);
         // a global max or min picks one of its inputs: exact in any precision
         same!($h: MaxPoolGlobal, MinPoolGlobal);
         impl<const OH: usize, const OW: usize, M> HalfLayers<$h> for dfdx::nn::modules::Upscale2D<OH, OW, M>
@@ -188,8 +188,11 @@ macro_rules! layers {
         impl HalfLayers<$h> for crate::nn::ReLU {
             type Working = crate::nn::ReLU;
         }
-        // a global average pool is a sum: in f32, as autocast runs sums
+        // a global average pool is a sum: in f32, as autocast runs sums; the element-wise
+        // functions in f32 too, rounded once (dfdx's f16 kernels convert each value on its own,
+        // several times slower than its f32 ones, and round between the steps of a `GeLU`)
         in_f32!($h: Exp, Ln, Softmax, LogSoftmax, AvgPoolGlobal);
+        in_f32!($h: FastGeLU, AccurateGeLU, GeLU, Abs, Square, Sqrt, Sin, Cos);
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
         }
@@ -221,9 +224,11 @@ macro_rules! layers {
     };
 }
 
-/// The layers on autocast's float32 list run in an f32 region ([`InF32`](crate::nn::InF32)).
+/// Layers run in an f32 region ([`InF32`](crate::nn::InF32)): those on autocast's float32 list,
+/// and the element-wise functions.
 macro_rules! in_f32 {
     ($h:ty: $($a:ident),*) => {$(
+        #[allow(deprecated)]
         impl HalfLayers<$h> for dfdx::nn::modules::$a {
             type Working = crate::nn::InF32<dfdx::nn::modules::$a>;
         }
@@ -598,6 +603,36 @@ mod tests {
         check_all::<f16>();
         check_all::<AMP<f16>>();
         check_all::<bf16>();
+    }
+
+    /// dfdx's element-wise functions in a mapped working copy run in f32 on the f16 values and
+    /// round once; dfdx's own in f16 rounds between the steps of a `GeLU`.
+    #[test]
+    fn the_element_wise_functions_run_in_f32_rounded_once() {
+        use dfdx::nn::modules::{AccurateGeLU, Cos, FastGeLU, Sin, Sqrt, Square};
+        let dev = Cpu::seed_from_u64(9);
+        let x: Tensor<Rank2<16, 32>, f32, Cpu> = dev.sample_normal();
+        let xh = x.to_dtype::<f16>();
+        let x32 = xh.clone().to_dtype::<f32>();
+        let once = |t: Tensor<Rank2<16, 32>, f32, Cpu>| t.to_dtype::<f16>().as_vec();
+        macro_rules! check {
+            ($($layer:ident, $x:expr;)*) => {$(
+                let w = refresh::<f16, _>(&$layer).unwrap();
+                let want = once($layer.forward($x.clone().to_dtype::<f32>()));
+                assert_eq!(w.forward($x.clone()).as_vec(), want, stringify!($layer));
+            )*};
+        }
+        check!(
+            FastGeLU, xh;
+            AccurateGeLU, xh;
+            Sin, xh;
+            Cos, xh;
+            Square, xh;
+            Sqrt, xh.clone().abs();
+        );
+        // dfdx's f16 GeLU is not these values
+        let f16_gelu = FastGeLU.forward(xh).as_vec();
+        assert_ne!(f16_gelu, once(FastGeLU.forward(x32)));
     }
 
     #[test]
