@@ -3,7 +3,8 @@
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
 //! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
-//! keeps as dfdx's own, in f16), one with GeLU and one with batch norms in training mode. Each row runs one call of the loop in f32 and in
+//! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear` and one with batch norms in
+//! training mode. Each row runs one call of the loop in f32 and in
 //! mixed f16 in interleaved rounds (one of each per round, so a busy neighbour slows both
 //! alike) and reports the medians and their ratio; the last line is the median ratio.
 //!
@@ -367,6 +368,26 @@ mod gelu {
     });
 }
 
+mod unbiased {
+    use super::*;
+    pub type Structure = (
+        UnbiasedLinear<64, 256>,
+        ReLU,
+        UnbiasedLinear<256, 256>,
+        ReLU,
+        Linear<256, 10>,
+    );
+    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
+        let out = model.forward(x.trace(model.alloc_grads()));
+        let loss = cross_entropy_with_logits_loss(out, y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
 mod batch_norm {
     use super::*;
     pub type Structure = (
@@ -713,6 +734,13 @@ fn table(rounds: usize) {
         rounds * 20,
         "a dfdx MLP with GeLU (64-256-256-10, FastGeLU, batch 32)",
         gelu(dev.build_module::<gelu::Structure, f32>(); &x, &y)
+    );
+    // linear layers without bias
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a dfdx MLP of UnbiasedLinear (64-256-256-10, batch 32)",
+        unbiased(dev.build_module::<unbiased::Structure, f32>(); &x, &y)
     );
     // batch norms in training mode
     adam_row!(

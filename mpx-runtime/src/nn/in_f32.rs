@@ -59,23 +59,27 @@ where
     }
 }
 
-/// A batch norm (dfdx's `BatchNorm1D` or `BatchNorm2D` in the half type `E`) run in f32: its
-/// input widened, its statistics, normalisation and affine transform computed in f32 on an f32
-/// copy of its tensors, its output rounded to `E` once; in training mode (`forward_mut`) the
-/// running statistics the f32 pass leaves are rounded back into its own. Gradients flow to its
-/// scale and bias in `E` and to the input through the region ([`FullPrecision`]). The mixed
-/// step's working copy ([`HalfLayers`](crate::step::HalfLayers)) runs dfdx's batch norms this
-/// way in f16 and `AMP<f16>`: dfdx's own in f16 computes its batch statistics in f16, on scalar
-/// kernels several times slower than its f32 ones.
+/// A layer with tensors (dfdx's `BatchNorm1D`, `BatchNorm2D`, `PReLU`, `PReLU1D`, `Bias2D`, ..
+/// in the half type `E`) run in f32: its input widened, its output computed by the layer's own f32 code on an f32
+/// copy of its tensors and rounded to `E` once. Gradients flow to its tensors in `E` and to the
+/// input through the region ([`FullPrecision`]); in training mode (`forward_mut`) what the f32
+/// pass leaves in the copy's non-trainable tensors (a batch norm's running statistics) is rounded
+/// back into its own. It has the forward passes the layer has: a batch norm's `forward` on an
+/// untraced input and `forward_mut` on a traced one, a `PReLU`'s or a linear layer's both on
+/// either. The mixed
+/// step's working copy ([`HalfLayers`](crate::step::HalfLayers)) runs dfdx's layers with tensors
+/// that mpx has no kernels of its own for this way in f16 and `AMP<f16>`: dfdx's own in f16 run
+/// on scalar kernels several times slower than its f32 ones (a batch norm summing its statistics
+/// in f16).
 ///
 /// # Examples
 /// ```
 /// use dfdx::prelude::*;
-/// use mpx_runtime::nn::BatchNormInF32;
+/// use mpx_runtime::nn::InF32Copy;
 /// use mpx_runtime::precision::f16;
 /// let dev = Cpu::default();
 /// let bn = dev.build_module::<BatchNorm1D<2>, f32>();
-/// let mut half = BatchNormInF32(bn.clone().to_dtype::<f16>());
+/// let mut half = InF32Copy(bn.clone().to_dtype::<f16>());
 /// let x: Tensor<Rank2<4, 2>, f32, Cpu> =
 ///     dev.tensor([[1.0, -2.0], [3.0, 0.5], [2.0, 1.0], [-1.0, 4.0]]);
 /// let xh = x.to_dtype::<f16>();
@@ -91,55 +95,62 @@ where
 /// // evaluation mode (an untraced input) normalises with the running statistics, in f32
 /// let bn32 = half.0.clone().to_dtype::<f32>();
 /// let want = bn32.forward(xh.clone().to_dtype::<f32>()).to_dtype::<f16>();
-/// assert_eq!(half.forward(xh).array(), want.array());
+/// assert_eq!(half.forward(xh.clone()).array(), want.array());
+///
+/// // a linear layer without bias: its product in f32, rounded once, and the weight's gradient
+/// let lin = dev.build_module::<UnbiasedLinear<2, 3>, f32>().to_dtype::<f16>();
+/// let half = InF32Copy(lin.clone());
+/// let want = lin.to_dtype::<f32>().forward(xh.clone().to_dtype::<f32>()).to_dtype::<f16>();
+/// assert_eq!(half.forward(xh.clone()).array(), want.array());
+/// let g = half.forward(xh.leaky_traced()).sum().backward();
+/// assert!(g.get(&half.weight).array().iter().flatten().any(|v| v.to_f32() != 0.0));
 /// ```
 #[derive(Debug, Clone)]
-pub struct BatchNormInF32<N>(pub N);
+pub struct InF32Copy<N>(pub N);
 
-/// The batch norm's fields (`running_mean`, `epsilon`, ..) read and set through the wrapper, as
-/// on dfdx's own.
-impl<N> std::ops::Deref for BatchNormInF32<N> {
+/// The layer's fields (`weight`, `running_mean`, `epsilon`, ..) read and set through the
+/// wrapper, as on dfdx's own.
+impl<N> std::ops::Deref for InF32Copy<N> {
     type Target = N;
     fn deref(&self) -> &N {
         &self.0
     }
 }
 
-impl<N> std::ops::DerefMut for BatchNormInF32<N> {
+impl<N> std::ops::DerefMut for InF32Copy<N> {
     fn deref_mut(&mut self) -> &mut N {
         &mut self.0
     }
 }
 
-impl<N: TensorCollection<E, D>, E: Dtype, D: Device<E>> TensorCollection<E, D>
-    for BatchNormInF32<N>
-{
-    type To<E2: Dtype, D2: Device<E2>> = BatchNormInF32<N::To<E2, D2>>;
+impl<N: TensorCollection<E, D>, E: Dtype, D: Device<E>> TensorCollection<E, D> for InF32Copy<N> {
+    type To<E2: Dtype, D2: Device<E2>> = InF32Copy<N::To<E2, D2>>;
 
     fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
         visitor: &mut V,
     ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        visitor.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), BatchNormInF32)
+        visitor.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), InF32Copy)
     }
 }
 
-/// Evaluation mode (an untraced input): the running statistics, in f32.
-impl<N, S, E> Module<Tensor<S, E, Cpu, NoneTape>> for BatchNormInF32<N>
+/// An untraced input (a batch norm's evaluation mode): no gradient to carry, so the input leaves
+/// its region tape before the layer runs.
+impl<N, S, S2, E> Module<Tensor<S, E, Cpu, NoneTape>> for InF32Copy<N>
 where
     N: TensorCollection<E, Cpu>,
-    N::To<f32, Cpu>: Module<Tensor<S, f32, Cpu>, Output = Tensor<S, f32, Cpu>, Error = CpuError>,
+    N::To<f32, Cpu>: Module<Tensor<S, f32, Cpu>, Output = Tensor<S2, f32, Cpu>, Error = CpuError>,
     S: Shape,
+    S2: Shape,
     E: Precision<Elem = E> + Dtype,
     Cpu: Device<E>,
 {
-    type Output = Tensor<S, E, Cpu, NoneTape>;
+    type Output = Tensor<S2, E, Cpu, NoneTape>;
     type Error = CpuError;
     fn try_forward(&self, x: Tensor<S, E, Cpu, NoneTape>) -> Result<Self::Output, CpuError> {
         Ok(FullPrecision::<E>::try_run_with_fallible(
             &self.0,
             x,
             |n, x| {
-                // an evaluation pass has no gradient to carry: the input leaves its region tape
                 let (x, tape) = x.split_tape();
                 n.try_forward(x).map(|y| y.put_tape(tape))
             },
@@ -147,17 +158,43 @@ where
     }
 }
 
-/// Training mode (a traced input): the batch's statistics, in f32.
-impl<N, S, E> ModuleMut<Tensor<S, E, Cpu, OwnedTape<E, Cpu>>> for BatchNormInF32<N>
+/// A traced input through `forward` (a `PReLU`'s, a linear layer's).
+impl<N, S, S2, E> Module<Tensor<S, E, Cpu, OwnedTape<E, Cpu>>> for InF32Copy<N>
 where
     N: TensorCollection<E, Cpu>,
-    N::To<f32, Cpu>:
-        ModuleMut<Full<S>, Output = Full<S>, Error = CpuError> + TensorCollection<f32, Cpu>,
+    N::To<f32, Cpu>: Module<Full<S>, Output = Full<S2>, Error = CpuError>,
     S: Shape,
+    S2: Shape,
     E: Precision<Elem = E> + Dtype,
     Cpu: Device<E>,
 {
-    type Output = Tensor<S, E, Cpu, OwnedTape<E, Cpu>>;
+    type Output = Tensor<S2, E, Cpu, OwnedTape<E, Cpu>>;
+    type Error = CpuError;
+    fn try_forward(
+        &self,
+        x: Tensor<S, E, Cpu, OwnedTape<E, Cpu>>,
+    ) -> Result<Self::Output, CpuError> {
+        Ok(FullPrecision::<E>::try_run_with_fallible(
+            &self.0,
+            x,
+            |n, x| n.try_forward(x),
+        )?)
+    }
+}
+
+/// A traced input through `forward_mut` (a batch norm's training mode: its running statistics
+/// rounded back).
+impl<N, S, S2, E> ModuleMut<Tensor<S, E, Cpu, OwnedTape<E, Cpu>>> for InF32Copy<N>
+where
+    N: TensorCollection<E, Cpu>,
+    N::To<f32, Cpu>:
+        ModuleMut<Full<S>, Output = Full<S2>, Error = CpuError> + TensorCollection<f32, Cpu>,
+    S: Shape,
+    S2: Shape,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+{
+    type Output = Tensor<S2, E, Cpu, OwnedTape<E, Cpu>>;
     type Error = CpuError;
     fn try_forward_mut(
         &mut self,
@@ -167,6 +204,34 @@ where
             &mut self.0,
             x,
             ModuleMut::try_forward_mut,
+        )?)
+    }
+}
+
+/// An untraced input through `forward_mut` (a `PReLU`'s, a linear layer's).
+impl<N, S, S2, E> ModuleMut<Tensor<S, E, Cpu, NoneTape>> for InF32Copy<N>
+where
+    N: TensorCollection<E, Cpu>,
+    N::To<f32, Cpu>: ModuleMut<Tensor<S, f32, Cpu>, Output = Tensor<S2, f32, Cpu>, Error = CpuError>
+        + TensorCollection<f32, Cpu>,
+    S: Shape,
+    S2: Shape,
+    E: Precision<Elem = E> + Dtype,
+    Cpu: Device<E>,
+{
+    type Output = Tensor<S2, E, Cpu, NoneTape>;
+    type Error = CpuError;
+    fn try_forward_mut(
+        &mut self,
+        x: Tensor<S, E, Cpu, NoneTape>,
+    ) -> Result<Self::Output, CpuError> {
+        Ok(FullPrecision::<E>::try_run_with_mut(
+            &mut self.0,
+            x,
+            |n, x| {
+                let (x, tape) = x.split_tape();
+                n.try_forward_mut(x).map(|y| y.put_tape(tape))
+            },
         )?)
     }
 }

@@ -30,12 +30,15 @@ use crate::walk::{Each, each};
 ///   `TransformerDecoder` and `Transformer` become their mixed-ready [`mpx::nn`](crate::nn)
 ///   counterparts (layer-norm statistics and softmax in f32, matmuls on mpx's GEMM), so a
 ///   `TransformerEncoder` (dfdx's `Repeated` of blocks) maps too;
-/// - `BatchNorm1D<C>` and `BatchNorm2D<C>` become dfdx's own in `H::Elem`, run in f32
-///   ([`BatchNormInF32`](crate::nn::BatchNormInF32): statistics, normalisation and affine
-///   transform in f32, the output rounded once; the running statistics are written back to the
+/// - `UnbiasedLinear<I, O>` becomes mpx's [`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear)
+///   (the fused op with a zero bias, on mpx's GEMM; not linked: its weight's gradient goes
+///   through the half gradients);
+/// - `BatchNorm1D<C>`, `BatchNorm2D<C>`, `Bias2D<C>`, `PReLU` and `PReLU1D<C>` become dfdx's own
+///   in `H::Elem`, run in f32 ([`InF32Copy`](crate::nn::InF32Copy): computed in f32 on an f32
+///   copy, the output rounded once; a batch norm's running statistics are written back to the
 ///   master on an applied update);
-/// - `Embedding<V, M>`, `Bias2D<C>`, `PReLU`, `PReLU1D<C>`, `UnbiasedLinear<I, O>` and
-///   `LeakyReLU` become dfdx's own in `H::Elem` (a gather; the leaky slope is rounded to `H`);
+/// - `Embedding<V, M>` and `LeakyReLU` become dfdx's own in `H::Elem` (a gather; the leaky slope
+///   is rounded to `H`);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list), `AvgPoolGlobal` (a sum)
 ///   and the element-wise functions `FastGeLU`, `AccurateGeLU`, the deprecated `GeLU`, `Abs`,
 ///   `Square`, `Sqrt`, `Sin` and `Cos` run in an f32 region ([`InF32`](crate::nn::InF32)), their

@@ -35,7 +35,7 @@ use super::error::StepError;
 use super::half_layers::{BuildCx, HalfLayers};
 use crate::boundary::MasterModel;
 use crate::master::link::Linker;
-use crate::nn::{BatchNormInF32, InBf16};
+use crate::nn::{InBf16, InF32Copy};
 use crate::precision::{AMP, Precision, bf16, f16};
 
 /// mpx's layers in `f16` and `AMP<f16>`: themselves.
@@ -196,11 +196,6 @@ macro_rules! layers {
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
         }
-        impl<const I: usize, const O: usize> HalfLayers<$h>
-            for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
-        {
-            type Working = dfdx::nn::modules::UnbiasedLinear<I, O, <$h as Precision>::Elem, Cpu>;
-        }
         impl HalfLayers<$h> for dfdx::nn::modules::LeakyReLU<f32> {
             type Working = dfdx::nn::modules::LeakyReLU<<$h as Precision>::Elem>;
             fn finish(&self, working: &mut Self::Working, _: &Linker) {
@@ -208,15 +203,6 @@ macro_rules! layers {
                 <$h as Precision>::round(&[self.0], &mut slope);
                 working.0 = slope[0];
             }
-        }
-        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::Bias2D<C, f32, Cpu> {
-            type Working = dfdx::nn::modules::Bias2D<C, <$h as Precision>::Elem, Cpu>;
-        }
-        impl HalfLayers<$h> for dfdx::nn::prelu::PReLU<f32, Cpu> {
-            type Working = dfdx::nn::prelu::PReLU<<$h as Precision>::Elem, Cpu>;
-        }
-        impl<C: dfdx::shapes::ConstDim> HalfLayers<$h> for dfdx::nn::prelu::PReLU1D<C, f32, Cpu> {
-            type Working = dfdx::nn::prelu::PReLU1D<C, <$h as Precision>::Elem, Cpu>;
         }
         impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
             type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
@@ -250,13 +236,14 @@ layers!(f16, Native, native, std::convert::identity);
 layers!(AMP<f16>, Native, native, std::convert::identity);
 layers!(bf16, InBf16, in_bf16, InBf16);
 
-/// dfdx's batch norm as it is, in f32 (emulated bf16's storage).
+/// A layer of dfdx's as it is, in f32 (emulated bf16's storage).
 type AsIs<N> = N;
 
-/// dfdx's batch norms, dfdx's own in `H`'s storage type, run in f32 (`$in`): in f16 and
-/// `AMP<f16>` by [`BatchNormInF32`] (dfdx's f16 batch norm sums its statistics in f16, on
-/// scalar kernels), in emulated bf16 as they are (their storage is f32).
-macro_rules! batch_norms {
+/// dfdx's layers with tensors that mpx has no kernels of its own for: dfdx's own in `H`'s storage
+/// type, run in f32 (`$in`): in f16 and `AMP<f16>` by [`InF32Copy`] (dfdx's f16 kernels are
+/// scalar; its f16 batch norm sums its statistics in f16), in emulated bf16 as they are (their
+/// storage is f32).
+macro_rules! f32_copies {
     ($h:ty, $in:ident) => {
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
             type Working = $in<dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>>;
@@ -264,11 +251,41 @@ macro_rules! batch_norms {
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm2D<C, f32, Cpu> {
             type Working = $in<dfdx::nn::modules::BatchNorm2D<C, <$h as Precision>::Elem, Cpu>>;
         }
+        impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::Bias2D<C, f32, Cpu> {
+            type Working = $in<dfdx::nn::modules::Bias2D<C, <$h as Precision>::Elem, Cpu>>;
+        }
+        impl HalfLayers<$h> for dfdx::nn::prelu::PReLU<f32, Cpu> {
+            type Working = $in<dfdx::nn::prelu::PReLU<<$h as Precision>::Elem, Cpu>>;
+        }
+        impl<C: dfdx::shapes::ConstDim> HalfLayers<$h> for dfdx::nn::prelu::PReLU1D<C, f32, Cpu> {
+            type Working = $in<dfdx::nn::prelu::PReLU1D<C, <$h as Precision>::Elem, Cpu>>;
+        }
     };
 }
-batch_norms!(f16, BatchNormInF32);
-batch_norms!(AMP<f16>, BatchNormInF32);
-batch_norms!(bf16, AsIs);
+f32_copies!(f16, InF32Copy);
+f32_copies!(AMP<f16>, InF32Copy);
+f32_copies!(bf16, AsIs);
+
+/// dfdx's `UnbiasedLinear` as mpx's ([`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear), on the
+/// fused GEMM, not linked: its weight's gradient goes through the half gradients) in f16 and
+/// `AMP<f16>`; in emulated bf16 as it is (f32 storage).
+macro_rules! unbiased {
+    ($h:ty, $layer:ident) => {
+        impl<const I: usize, const O: usize> HalfLayers<$h>
+            for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
+        {
+            type Working = $layer<I, O, <$h as Precision>::Elem, Cpu>;
+        }
+    };
+}
+unbiased!(f16, MpxUnbiased);
+unbiased!(AMP<f16>, MpxUnbiased);
+unbiased!(bf16, DfdxUnbiased);
+
+/// The two `UnbiasedLinear`s, by the macro's names.
+type MpxUnbiased<const I: usize, const O: usize, E, D> = crate::nn::UnbiasedLinear<I, O, E, D>;
+type DfdxUnbiased<const I: usize, const O: usize, E, D> =
+    dfdx::nn::modules::UnbiasedLinear<I, O, E, D>;
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
 /// to its master tensors).
@@ -558,18 +575,21 @@ mod tests {
         check_mapped::<H, Classifier>("classifier");
         check_mapped::<H, Branches>("branches");
         check_mapped::<H, dfdx::nn::modules::Transformer<8, 2, 2, 2, 16, f32, Cpu>>("Transformer");
-        check_mapped::<H, Others>("PReLU, PReLU1D, Bias2D, BatchNorm2D and layers without tensors");
+        check_mapped::<H, Others>(
+            "UnbiasedLinear, PReLU, Bias2D, BatchNorm2D and layers without tensors",
+        );
     }
 
-    /// The rest of dfdx's layers on stable Rust: dfdx's own in `H` (`PReLU`, `PReLU1D`,
-    /// `Bias2D`, `BatchNorm2D`) and the layers without tensors (the global pools, `Upscale2D`,
-    /// `Reshape`, the deprecated `GeLU`).
+    /// The rest of dfdx's layers on stable Rust: `UnbiasedLinear` (mpx's), dfdx's own in `H`
+    /// (`PReLU`, `PReLU1D`, `Bias2D`, `BatchNorm2D`) and the layers without tensors (the global
+    /// pools, `Upscale2D`, `Reshape`, the deprecated `GeLU`).
     #[allow(deprecated)]
     type Others = (
         (
             Linear<4, 4, f32, Cpu>,
             PReLU<f32, Cpu>,
             dfdx::nn::modules::GeLU,
+            dfdx::nn::modules::UnbiasedLinear<4, 3, f32, Cpu>,
         ),
         PReLU1D<dfdx::shapes::Const<4>, f32, Cpu>,
         (Bias2D<3, f32, Cpu>, BatchNorm2D<3, f32, Cpu>),

@@ -1,0 +1,93 @@
+//! [`UnbiasedLinear`]: dfdx's `UnbiasedLinear` (a linear map without bias) on mpx's fused GEMM.
+
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
+use dfdx::nn::{Module, NonMutableModule};
+use dfdx::shapes::{Dtype, Rank2};
+use dfdx::tensor::{Cpu, Storage, Tensor};
+use dfdx::tensor_ops::Device;
+
+use super::Linear;
+
+/// A linear map without bias, `y = x·Wᵀ`, on mpx's fused linear op ([`Linear`], its bias held
+/// at zero and not a parameter): f16 operands, f32 sums rounded once, the weight's gradient
+/// summed in f32 and rounded once. Its only tensor is dfdx's `UnbiasedLinear`'s, `weight:
+/// (O, I)`, so a mixed step's working copy ([`HalfLayers`](crate::step::HalfLayers)) runs
+/// dfdx's `UnbiasedLinear` as this layer in f16 and `AMP<f16>` (dfdx's own in f16 multiplies on
+/// its scalar f16 path).
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::nn;
+/// use mpx_runtime::precision::f16;
+/// let dev = Cpu::default();
+/// let w: Tensor<Rank2<2, 3>, f32, Cpu> = dev.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]]);
+/// let l = nn::UnbiasedLinear::new(w.to_dtype::<f16>());
+/// let x = dev.tensor([[1.0f32, 1.0, 2.0]]).to_dtype::<f16>();
+/// assert_eq!(l.forward(x).to_dtype::<f32>().array(), [[9.0, -0.5]]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct UnbiasedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E> = Cpu>(
+    Linear<I, O, E, D>,
+);
+
+impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> UnbiasedLinear<I, O, E, D> {
+    /// The layer with this weight.
+    ///
+    /// # Examples
+    /// See [`UnbiasedLinear`].
+    pub fn new(weight: Tensor<Rank2<O, I>, E, D>) -> Self {
+        let bias = weight.device().zeros();
+        Self(Linear::new(weight, bias))
+    }
+
+    /// The weight, shape `(O, I)` as in dfdx's `UnbiasedLinear`.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// let dev = Cpu::default();
+    /// let l = mpx_runtime::nn::UnbiasedLinear::new(dev.tensor([[1.0f32, 2.0]]));
+    /// assert_eq!(l.weight().array(), [[1.0, 2.0]]);
+    /// ```
+    pub fn weight(&self) -> &Tensor<Rank2<O, I>, E, D> {
+        &self.0.weight
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> TensorCollection<E, D>
+    for UnbiasedLinear<I, O, E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = UnbiasedLinear<I, O, E2, D2>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            Self::tensor(
+                "weight",
+                |s| &s.0.weight,
+                |s| &mut s.0.weight,
+                TensorOptions::reset_to_zeros(),
+            ),
+            UnbiasedLinear::new,
+        )
+    }
+}
+
+/// The forward passes of mpx's [`Linear`], whose bias is zero.
+impl<const I: usize, const O: usize, E: Dtype, X> Module<X> for UnbiasedLinear<I, O, E, Cpu>
+where
+    Linear<I, O, E, Cpu>: Module<X>,
+{
+    type Output = <Linear<I, O, E, Cpu> as Module<X>>::Output;
+    type Error = <Linear<I, O, E, Cpu> as Module<X>>::Error;
+    fn try_forward(&self, x: X) -> Result<Self::Output, Self::Error> {
+        self.0.try_forward(x)
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> NonMutableModule
+    for UnbiasedLinear<I, O, E, D>
+{
+}
