@@ -328,83 +328,68 @@ mod policy {
     });
 }
 
-mod prelu {
-    use super::*;
-    pub type Structure = (
+/// A loop over a dfdx MLP `$structure` (64 inputs, 10 classes, batch 32, cross-entropy), its
+/// forward pass `$forward` (`forward`, or `forward_mut` for a batch norm's training mode).
+macro_rules! mlp_loop {
+    ($name:ident, $forward:ident, $structure:ty) => {
+        mod $name {
+            use super::*;
+            pub type Structure = $structure;
+            pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
+            steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
+                let out = model.$forward(x.trace(model.alloc_grads()));
+                let loss = cross_entropy_with_logits_loss(out, y.clone());
+                let v = loss.array();
+                let grads = loss.backward();
+                opt.update(model, &grads).unwrap();
+                v
+            });
+        }
+    };
+}
+
+mlp_loop!(
+    prelu,
+    forward,
+    (
         Linear<64, 256>,
         PReLU,
         Linear<256, 256>,
         ReLU,
-        Linear<256, 10>,
-    );
-    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-        let out = model.forward(x.trace(model.alloc_grads()));
-        let loss = cross_entropy_with_logits_loss(out, y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod gelu {
-    use super::*;
-    pub type Structure = (
+        Linear<256, 10>
+    )
+);
+mlp_loop!(
+    gelu,
+    forward,
+    (
         Linear<64, 256>,
         FastGeLU,
         Linear<256, 256>,
         FastGeLU,
-        Linear<256, 10>,
-    );
-    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-        let out = model.forward(x.trace(model.alloc_grads()));
-        let loss = cross_entropy_with_logits_loss(out, y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod unbiased {
-    use super::*;
-    pub type Structure = (
+        Linear<256, 10>
+    )
+);
+mlp_loop!(
+    unbiased,
+    forward,
+    (
         UnbiasedLinear<64, 256>,
         ReLU,
         UnbiasedLinear<256, 256>,
         ReLU,
-        Linear<256, 10>,
-    );
-    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-        let out = model.forward(x.trace(model.alloc_grads()));
-        let loss = cross_entropy_with_logits_loss(out, y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod batch_norm {
-    use super::*;
-    pub type Structure = (
+        Linear<256, 10>
+    )
+);
+mlp_loop!(
+    batch_norm,
+    forward_mut,
+    (
         (Linear<64, 256>, BatchNorm1D<256>, ReLU),
         (Linear<256, 256>, BatchNorm1D<256>, ReLU),
         Linear<256, 10>,
-    );
-    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-        let out = model.forward_mut(x.trace(model.alloc_grads()));
-        let loss = cross_entropy_with_logits_loss(out, y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
+    )
+);
 
 // ---- the table ---------------------------------------------------------------------------------
 
