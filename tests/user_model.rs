@@ -1231,3 +1231,77 @@ fn a_users_softmax_and_log_softmax_run_in_f32_in_the_working_copy() {
     assert_ne!(f16_p, want_p);
     assert_ne!(f16_q, want_q);
 }
+
+// ---- a layer's fields read by the module's own code --------------------------------------------
+
+/// A user's module that ties its output projection to a layer's weight (`self.lin.weight`, a
+/// field of dfdx's `UnbiasedLinear`): its working copy's layer (mpx's `UnbiasedLinear`) has the
+/// same field, and the weight's gradient from both uses reaches the master.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Tied<E: Dtype, D: Device<E>> {
+    lin: dfdx::nn::modules::UnbiasedLinear<4, 6, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Tied<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Tied<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(Self::module("lin", |s| &s.lin, |s| &mut s.lin), |lin| {
+            Tied { lin }
+        })
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>> for Tied<E, D> {
+    type Output = Tensor<Rank2<3, 4>, E, D, T>;
+    type Error = D::Err;
+    fn try_forward(&self, x: Tensor<Rank2<3, 4>, E, D, T>) -> Result<Self::Output, D::Err> {
+        let h = self.lin.try_forward(x)?;
+        h.try_matmul(self.lin.weight.clone())
+    }
+}
+
+#[test]
+fn a_module_reading_a_layers_weight_field_trains_like_its_f32_twin() {
+    let dev = Cpu::seed_from_u64(13);
+    let init = Tied::<f32, Cpu>::build(&dev);
+    let x: Tensor<Rank2<3, 4>, f32, Cpu> = dev.sample_normal();
+    let y: Tensor<Rank2<3, 4>, f32, Cpu> = dev.sample_normal();
+    // f32
+    let mut m32 = init.clone();
+    let g32 = mse_loss(m32.forward(x.trace(m32.alloc_grads())), y.clone()).backward();
+    let mut sgd32 = Sgd::new(&m32, SgdConfig::default());
+    sgd32.update(&mut m32, &g32).unwrap();
+    // mixed, on mpx's layers
+    let mut model = Mixed::mapped(init);
+    let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
+    let out = scaler
+        .forward(&model, x.trace(model.alloc_grads()), |m, x| m.forward(x))
+        .unwrap();
+    let g16 = scaler.backward(mse_loss(out, y)).unwrap();
+    let mut sgd = Sgd::new(&*model, SgdConfig::default());
+    assert!(
+        scaler
+            .update(&mut model, &mut sgd, &g16)
+            .unwrap()
+            .is_applied()
+    );
+    assert!(scaler.last_step().unwrap().mpx_layers);
+    assert_close(
+        "the weight after one step",
+        &model.lin.weight.as_vec(),
+        &m32.lin.weight.as_vec(),
+    );
+    // the weight moved: both uses' gradients reached it
+    assert_ne!(
+        model.lin.weight.as_vec(),
+        Tied::<f32, Cpu>::build(&Cpu::seed_from_u64(13))
+            .lin
+            .weight
+            .as_vec()
+    );
+}

@@ -25,6 +25,7 @@ use super::Linear;
 /// let l = nn::UnbiasedLinear::new(w.to_dtype::<f16>());
 /// let x = dev.tensor([[1.0f32, 1.0, 2.0]]).to_dtype::<f16>();
 /// assert_eq!(l.forward(x).to_dtype::<f32>().array(), [[9.0, -0.5]]);
+/// assert_eq!(l.weight.shape(), &(Const::<2>, Const::<3>)); // as on dfdx's layer
 /// ```
 #[derive(Debug, Clone)]
 pub struct UnbiasedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E> = Cpu>(
@@ -40,18 +41,25 @@ impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> UnbiasedLinear<I, O
         let bias = weight.device().zeros();
         Self(Linear::new(weight, bias))
     }
+}
 
-    /// The weight, shape `(O, I)` as in dfdx's `UnbiasedLinear`.
-    ///
-    /// # Examples
-    /// ```
-    /// use dfdx::prelude::*;
-    /// let dev = Cpu::default();
-    /// let l = mpx_runtime::nn::UnbiasedLinear::new(dev.tensor([[1.0f32, 2.0]]));
-    /// assert_eq!(l.weight().array(), [[1.0, 2.0]]);
-    /// ```
-    pub fn weight(&self) -> &Tensor<Rank2<O, I>, E, D> {
-        &self.0.weight
+/// The layer's `weight` read and set as a field, as on dfdx's `UnbiasedLinear` (code written for
+/// dfdx's layer reads `layer.weight`), through the fused layer it runs on (whose zero `bias` is
+/// not a parameter).
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> std::ops::Deref
+    for UnbiasedLinear<I, O, E, D>
+{
+    type Target = Linear<I, O, E, D>;
+    fn deref(&self) -> &Linear<I, O, E, D> {
+        &self.0
+    }
+}
+
+impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> std::ops::DerefMut
+    for UnbiasedLinear<I, O, E, D>
+{
+    fn deref_mut(&mut self) -> &mut Linear<I, O, E, D> {
+        &mut self.0
     }
 }
 
