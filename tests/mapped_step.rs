@@ -9,7 +9,7 @@
 use dfdx::optim::{Adam, AdamConfig};
 use dfdx::prelude::*;
 use mpx::mixed_step;
-use mpx::precision::{DType, Precision, bf16, f16};
+use mpx::precision::{AMP, DType, Precision, bf16, f16};
 use mpx::scaling::StaticLossScale;
 use mpx::step::{GradScaler, Mapped, Mixed};
 
@@ -273,7 +273,7 @@ fn each_mapped_module_matches_the_f32_step() {
         )>("min pool", |_| {});
         )*};
     }
-    each!(f16, bf16);
+    each!(f16, AMP<f16>, bf16);
 }
 
 /// dfdx's encoder-decoder `Transformer` (so its decoder blocks) on mpx's layers: the output and
