@@ -614,14 +614,21 @@ impl<H: Precision> FullPrecision<H> {
             crate::walk::each(&*p32, &mut state, std::convert::identity)?;
             Ok(y)
         })?;
+        let mut rounded = vec![H::Elem::default(); state.0.len()];
+        H::round(&state.0, &mut rounded);
         let mut back = RoundBack::<H> {
-            values: &state.0,
+            values: &rounded,
             at: 0,
-            marker: PhantomData,
         };
-        crate::walk::each_mut(params, &mut back, std::convert::identity)
-            .map_err(<D as RegionDevice<H>>::region_error)?;
-        Ok(y)
+        crate::walk::each_mut(params, &mut back, <D as RegionDevice<H>>::region_error)?;
+        // the copy was built from `params` by its own walk: the same tensors, of the same
+        // lengths, in the same order; anything else is a `TensorCollection` impl that does not
+        // rebuild what it visits
+        if back.at == rounded.len() {
+            Ok(y)
+        } else {
+            Err(RegionError::NotRebuilt)
+        }
     }
 }
 
@@ -638,32 +645,38 @@ impl<D: Device<f32>> crate::walk::Each<f32, D> for State {
     }
 }
 
-/// Rounds [`State`]'s values to `H` into a module's non-trainable tensors, in visit order.
-struct RoundBack<'a, H> {
-    values: &'a [f32],
+/// Writes [`State`]'s values, rounded to `H`, into a module's non-trainable tensors, in visit
+/// order.
+struct RoundBack<'a, H: Precision> {
+    values: &'a [H::Elem],
     at: usize,
-    marker: PhantomData<fn() -> H>,
 }
 
-impl<H: Precision, D: Device<H::Elem>> crate::walk::EachMut<H::Elem, D> for RoundBack<'_, H> {
-    type Error = D::Err;
+impl<H: Precision, D: RegionDevice<H> + Device<H::Elem>> crate::walk::EachMut<H::Elem, D>
+    for RoundBack<'_, H>
+{
+    type Error = RegionError;
     fn tensor<S: Shape>(
         &mut self,
         trainable: bool,
         t: &mut Tensor<S, H::Elem, D>,
-    ) -> Result<(), D::Err> {
-        if !trainable {
-            let n = t.shape().num_elements();
-            // The copy was built from this module by its own `TensorCollection` walk: the same
-            // tensors, of the same lengths, in the same order.
-            let Some(values) = self.values.get(self.at..self.at + n) else {
-                return Ok(());
-            };
-            self.at += n;
-            let mut rounded = vec![H::Elem::default(); n];
-            H::round(values, &mut rounded);
-            t.copy_from(&rounded);
+    ) -> Result<(), RegionError> {
+        if trainable {
+            return Ok(());
         }
+        let n = t.shape().num_elements();
+        let values = self
+            .values
+            .get(self.at..self.at + n)
+            .ok_or(RegionError::NotRebuilt)?;
+        self.at += n;
+        // `State` read the values in logical order: they go into a contiguous buffer (the
+        // tensor's own when it is one)
+        *t = t
+            .clone()
+            .try_contiguous()
+            .map_err(<D as RegionDevice<H>>::region_error)?;
+        t.copy_from(values);
         Ok(())
     }
 }

@@ -64,26 +64,28 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     };
     let rt = runtime_path(krate.as_ref());
     // autocast's float32 list in f32 regions of the inputs' own element type, the table and the
-    // rewrite `#[autocast]` uses, once for every twin (the impl as written keeps its f32 code)
-    let mut imp = imp;
-    crate::autocast::expand::FreeToMethod.visit_item_impl_mut(&mut imp);
+    // rewrite `#[autocast]` uses, for the twins of 16-bit storage; the impl as written and the
+    // twin of f32 storage (emulated bf16) run those operations in f32 already
+    let mut regioned = imp.clone();
+    crate::autocast::expand::FreeToMethod.visit_item_impl_mut(&mut regioned);
     let mut regions = crate::autocast::expand::Rewriter::with_region(
         "#[half_forward]",
         quote!(#rt::__private::ElemRegion),
         &[],
     );
-    regions.visit_item_impl_mut(&mut imp);
+    regions.visit_item_impl_mut(&mut regioned);
     for err in regions.errors {
         cx.push(err);
     }
     let mut twins = TokenStream::new();
     for (precision, stored) in PRECISIONS {
+        let code = if stored == "f32" { &imp } else { &regioned };
         let precision: syn::Type = syn::parse_str(precision).expect("a type");
         let stored: syn::Type = syn::parse_str(stored).expect("a type");
         let precision = qualify(&precision, &rt);
         let stored = qualify(&stored, &rt);
         twins.extend(twin(
-            &imp,
+            code,
             &self_path,
             &elem,
             dev.as_ref(),
@@ -505,7 +507,12 @@ mod tests {
         .to_string()
         .replace(' ', "");
         assert!(!out.contains("compile_error"), "{out}");
-        let twins = super::PRECISIONS.len();
+        // the twins of 16-bit storage (the emulated bf16 one, f32 storage, runs them as written)
+        let twins = super::PRECISIONS
+            .iter()
+            .filter(|(_, stored)| *stored != "f32")
+            .count();
+        assert_eq!(twins, 2);
         // a chain is one region, its `try_` forms and `?` inside as the plain forms
         for chain in [
             "ElemRegion::run(x.clone(),|__mpx_x0|__mpx_x0.softmax::<Axis<1>>().exp())",

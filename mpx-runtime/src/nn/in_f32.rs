@@ -1,4 +1,5 @@
-//! [`InF32`]: a parameter-free layer run in an f32 region inside a half-precision graph.
+//! Layers run in an f32 region inside a half-precision graph: [`InF32`], a parameter-free one;
+//! [`InF32Copy`], one with tensors, on an f32 copy of them.
 
 use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::nn::{Module, ModuleMut, NonMutableModule, ZeroSizedModule};
@@ -133,8 +134,17 @@ impl<N: TensorCollection<E, D>, E: Dtype, D: Device<E>> TensorCollection<E, D> f
     }
 }
 
-/// An untraced input (a batch norm's evaluation mode): no gradient to carry, so the input leaves
-/// its region tape before the layer runs.
+/// Runs `f` on a region's input without its tape (an untraced input has no gradient to carry:
+/// dfdx's batch norm takes an untraced input in evaluation mode), its output put on it again.
+fn untraced<S: Shape, S2: Shape>(
+    x: Full<S>,
+    f: impl FnOnce(Tensor<S, f32, Cpu>) -> Result<Tensor<S2, f32, Cpu>, CpuError>,
+) -> Result<Full<S2>, CpuError> {
+    let (x, tape) = x.split_tape();
+    f(x).map(|y| y.put_tape(tape))
+}
+
+/// An untraced input (a batch norm's evaluation mode).
 impl<N, S, S2, E> Module<Tensor<S, E, Cpu, NoneTape>> for InF32Copy<N>
 where
     N: TensorCollection<E, Cpu>,
@@ -150,10 +160,7 @@ where
         Ok(FullPrecision::<E>::try_run_with_fallible(
             &self.0,
             x,
-            |n, x| {
-                let (x, tape) = x.split_tape();
-                n.try_forward(x).map(|y| y.put_tape(tape))
-            },
+            |n, x| untraced(x, |x| n.try_forward(x)),
         )?)
     }
 }
@@ -228,10 +235,7 @@ where
         Ok(FullPrecision::<E>::try_run_with_mut(
             &mut self.0,
             x,
-            |n, x| {
-                let (x, tape) = x.split_tape();
-                n.try_forward_mut(x).map(|y| y.put_tape(tape))
-            },
+            |n, x| untraced(x, |x| n.try_forward_mut(x)),
         )?)
     }
 }

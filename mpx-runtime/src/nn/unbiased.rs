@@ -1,6 +1,6 @@
 //! [`UnbiasedLinear`]: dfdx's `UnbiasedLinear` (a linear map without bias) on mpx's fused GEMM.
 
-use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection, TensorOptions};
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
 use dfdx::nn::{Module, NonMutableModule};
 use dfdx::shapes::{Dtype, Rank2};
 use dfdx::tensor::{Cpu, Storage, Tensor};
@@ -26,6 +26,10 @@ use super::Linear;
 /// let x = dev.tensor([[1.0f32, 1.0, 2.0]]).to_dtype::<f16>();
 /// assert_eq!(l.forward(x).to_dtype::<f32>().array(), [[9.0, -0.5]]);
 /// assert_eq!(l.weight.shape(), &(Const::<2>, Const::<3>)); // as on dfdx's layer
+/// // built, its weight is drawn as dfdx's: uniform in ±1/sqrt(I)
+/// let built = nn::UnbiasedLinear::<4, 2, f32>::build(&dev);
+/// let w = built.weight.as_vec();
+/// assert!(w.iter().all(|v| v.abs() <= 0.5) && w.iter().any(|v| *v != 0.0));
 /// ```
 #[derive(Debug, Clone)]
 pub struct UnbiasedLinear<const I: usize, const O: usize, E: Dtype, D: Storage<E> = Cpu>(
@@ -63,8 +67,11 @@ impl<const I: usize, const O: usize, E: Dtype, D: Storage<E>> std::ops::DerefMut
     }
 }
 
+/// Its weight is trained and reset as dfdx's (uniform in ±1/sqrt(I), as `Linear`'s weight).
 impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> TensorCollection<E, D>
     for UnbiasedLinear<I, O, E, D>
+where
+    dfdx::nn::modules::Linear<I, O, E, D>: dfdx::nn::BuildModule<D, E>,
 {
     type To<E2: Dtype, D2: Device<E2>> = UnbiasedLinear<I, O, E2, D2>;
 
@@ -76,7 +83,7 @@ impl<const I: usize, const O: usize, E: Dtype, D: Device<E>> TensorCollection<E,
                 "weight",
                 |s| &s.0.weight,
                 |s| &mut s.0.weight,
-                TensorOptions::reset_to_zeros(),
+                super::dfdx_linear::linear_weight_options(),
             ),
             UnbiasedLinear::new,
         )

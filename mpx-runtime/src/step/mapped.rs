@@ -5,7 +5,9 @@
 //! layers and containers, the working copy can instead be made of mpx's layers where mpx has
 //! one: the fused [`nn::Linear`](crate::nn::Linear) (f16 storage, f32 sums on mpx's GEMM, its
 //! weight and bias gradients written in f32 straight into the master's), and the mixed-ready
-//! transformer layers of [`mpx::nn`](crate::nn); the other layers stay dfdx's, in the half type.
+//! transformer layers of [`mpx::nn`](crate::nn); the other layers stay dfdx's, in the half type,
+//! those with sums or on dfdx's scalar f16 kernels run in f32 ([`InF32`](crate::nn::InF32),
+//! [`InF32Copy`]).
 //! The model's type does not change: [`Mixed::mapped`](super::Mixed::mapped) runs it that way,
 //! and `#[mixed_step]` picks it wherever the model implements [`HalfLayers`].
 //!
@@ -25,7 +27,7 @@
 
 use dfdx::nn::modules::{
     AddInto, Embedding as DfdxEmbedding, GeneralizedResidual, Linear as DfdxLinear, Repeated,
-    Residual, SplitInto,
+    Residual, SplitInto, UnbiasedLinear as DfdxUnbiasedLinear,
 };
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::tensor::Cpu;
@@ -35,10 +37,11 @@ use super::error::StepError;
 use super::half_layers::{BuildCx, HalfLayers};
 use crate::boundary::MasterModel;
 use crate::master::link::Linker;
-use crate::nn::{InBf16, InF32Copy};
+use crate::nn::{InBf16, InF32Copy, UnbiasedLinear};
 use crate::precision::{AMP, Precision, bf16, f16};
 
-/// mpx's layers in `f16` and `AMP<f16>`: themselves.
+/// A layer as it is, in its own storage type: mpx's layers in `f16` and `AMP<f16>`, and dfdx's
+/// layers with tensors in emulated bf16's f32 storage.
 type Native<L> = L;
 
 /// The mpx layer in a [`Native`] working copy.
@@ -152,9 +155,9 @@ macro_rules! layers {
                 Ok($wrap(cx.linear(&self.weight, &self.bias)?))
             }
         }
-        same!($h: Dropout);
-        // a global max or min picks one of its inputs: exact in any precision
-        same!($h: MaxPoolGlobal, MinPoolGlobal);
+        // dropout masks and scales; a global max or min picks one of its inputs (exact in any
+        // precision)
+        same!($h: Dropout, MaxPoolGlobal, MinPoolGlobal);
         impl<const OH: usize, const OW: usize, M> HalfLayers<$h> for dfdx::nn::modules::Upscale2D<OH, OW, M>
         where
             M: dfdx::tensor_ops::UpscaleMethod + Send + Sync + 'static,
@@ -214,18 +217,16 @@ macro_rules! layers {
 /// and the element-wise functions.
 macro_rules! in_f32 {
     ($h:ty: $($a:ident),*) => {$(
-        #[allow(deprecated)]
+        #[allow(deprecated, reason = "dfdx's `GeLU`: a model written for dfdx 0.11 still uses it")]
         impl HalfLayers<$h> for dfdx::nn::modules::$a {
             type Working = crate::nn::InF32<dfdx::nn::modules::$a>;
         }
     )*};
 }
 
-/// Layers that are their own working copy (dfdx's deprecated `GeLU` among them: a model
-/// written for dfdx 0.11 still uses it).
+/// Layers that are their own working copy.
 macro_rules! same {
     ($h:ty: $($a:ident),*) => {$(
-        #[allow(deprecated)]
         impl HalfLayers<$h> for dfdx::nn::modules::$a {
             type Working = dfdx::nn::modules::$a;
         }
@@ -236,15 +237,20 @@ layers!(f16, Native, native, std::convert::identity);
 layers!(AMP<f16>, Native, native, std::convert::identity);
 layers!(bf16, InBf16, in_bf16, InBf16);
 
-/// A layer of dfdx's as it is, in f32 (emulated bf16's storage).
-type AsIs<N> = N;
-
-/// dfdx's layers with tensors that mpx has no kernels of its own for: dfdx's own in `H`'s storage
-/// type, run in f32 (`$in`): in f16 and `AMP<f16>` by [`InF32Copy`] (dfdx's f16 kernels are
-/// scalar; its f16 batch norm sums its statistics in f16), in emulated bf16 as they are (their
+/// dfdx's layers with tensors that mpx has no fused layer of its own for, for one precision:
+/// `UnbiasedLinear` as `$unbiased`, and the others dfdx's own in `H`'s storage type run as `$in`.
+/// In f16 and `AMP<f16>`: mpx's [`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear) (the fused op
+/// with a zero bias, not linked: its weight's gradient goes through the half gradients), and
+/// [`InF32Copy`] (computed in f32 on an f32 copy: dfdx's f16 kernels are scalar, and its f16
+/// batch norm sums its statistics in f16). In emulated bf16, dfdx's own as they are (their
 /// storage is f32).
-macro_rules! f32_copies {
-    ($h:ty, $in:ident) => {
+macro_rules! with_tensors {
+    ($h:ty, $in:ident, $unbiased:ident) => {
+        impl<const I: usize, const O: usize> HalfLayers<$h>
+            for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
+        {
+            type Working = $unbiased<I, O, <$h as Precision>::Elem, Cpu>;
+        }
         impl<const C: usize> HalfLayers<$h> for dfdx::nn::modules::BatchNorm1D<C, f32, Cpu> {
             type Working = $in<dfdx::nn::modules::BatchNorm1D<C, <$h as Precision>::Elem, Cpu>>;
         }
@@ -262,30 +268,9 @@ macro_rules! f32_copies {
         }
     };
 }
-f32_copies!(f16, InF32Copy);
-f32_copies!(AMP<f16>, InF32Copy);
-f32_copies!(bf16, AsIs);
-
-/// dfdx's `UnbiasedLinear` as mpx's ([`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear), on the
-/// fused GEMM, not linked: its weight's gradient goes through the half gradients) in f16 and
-/// `AMP<f16>`; in emulated bf16 as it is (f32 storage).
-macro_rules! unbiased {
-    ($h:ty, $layer:ident) => {
-        impl<const I: usize, const O: usize> HalfLayers<$h>
-            for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
-        {
-            type Working = $layer<I, O, <$h as Precision>::Elem, Cpu>;
-        }
-    };
-}
-unbiased!(f16, MpxUnbiased);
-unbiased!(AMP<f16>, MpxUnbiased);
-unbiased!(bf16, DfdxUnbiased);
-
-/// The two `UnbiasedLinear`s, by the macro's names.
-type MpxUnbiased<const I: usize, const O: usize, E, D> = crate::nn::UnbiasedLinear<I, O, E, D>;
-type DfdxUnbiased<const I: usize, const O: usize, E, D> =
-    dfdx::nn::modules::UnbiasedLinear<I, O, E, D>;
+with_tensors!(f16, InF32Copy, UnbiasedLinear);
+with_tensors!(AMP<f16>, InF32Copy, UnbiasedLinear);
+with_tensors!(bf16, Native, DfdxUnbiasedLinear);
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
 /// to its master tensors).
