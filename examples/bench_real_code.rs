@@ -3,10 +3,10 @@
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
 //! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
-//! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear` and one with batch norms in
-//! training mode. Each row runs one call of the loop in f32 and in
-//! mixed f16 in interleaved rounds (one of each per round, so a busy neighbour slows both
-//! alike) and reports the medians and their ratio; the last line is the median ratio.
+//! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with `LeakyReLU`, one with a
+//! residual block and one with batch norms in training mode. Each row runs one call of the loop
+//! in f32 and in mixed f16 in interleaved rounds (one of each per round, so a busy neighbour
+//! slows both alike) and reports the medians and their ratio; the last line is the median ratio.
 //!
 //! ```text
 //! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2]
@@ -382,6 +382,27 @@ mlp_loop!(
     )
 );
 mlp_loop!(
+    leaky,
+    forward,
+    (
+        Linear<64, 256>,
+        LeakyReLU<f32>,
+        Linear<256, 256>,
+        LeakyReLU<f32>,
+        Linear<256, 10>
+    )
+);
+mlp_loop!(
+    residual,
+    forward,
+    (
+        Linear<64, 256>,
+        ReLU,
+        Residual<(Linear<256, 256>, ReLU)>,
+        Linear<256, 10>
+    )
+);
+mlp_loop!(
     batch_norm,
     forward_mut,
     (
@@ -726,6 +747,20 @@ fn table(rounds: usize) {
         rounds * 20,
         "a dfdx MLP of UnbiasedLinear (64-256-256-10, batch 32)",
         unbiased(dev.build_module::<unbiased::Structure, f32>(); &x, &y)
+    );
+    // LeakyReLU activations (a GAN discriminator's)
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a dfdx MLP with LeakyReLU (64-256-256-10, batch 32)",
+        leaky(dev.build_module::<leaky::Structure, f32>(); &x, &y)
+    );
+    // a residual block
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a dfdx MLP with a residual block (64-256, Residual<(Linear 256-256, ReLU)>, 10, batch 32)",
+        residual(dev.build_module::<residual::Structure, f32>(); &x, &y)
     );
     // batch norms in training mode
     adam_row!(

@@ -218,6 +218,10 @@ fn each_mapped_module_matches_the_f32_step() {
             "generalized residual",
             |_| {},
         );
+        mapped_matches_f32::<$h, (Linear<12, 24>, Residual<(Linear<24, 24>, Tanh)>, Linear<24, 5>)>(
+            "residual",
+            |_| {},
+        );
         mapped_matches_f32::<$h, (
             SplitInto<(Linear<12, 5>, Linear<12, 5>)>,
             AddInto<(Tanh, Sigmoid)>,

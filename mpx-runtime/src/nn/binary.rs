@@ -89,6 +89,18 @@ where
     Ok(y.put_tape(tape))
 }
 
+/// `a + b` on two f16 tensors of one shape (see the [module docs](self)).
+pub(crate) fn add<S: Shape, LT, RT>(
+    a: Tensor<S, f16, Cpu, LT>,
+    b: Tensor<S, f16, Cpu, RT>,
+) -> Result<Tensor<S, f16, Cpu, LT>, CpuError>
+where
+    LT: Tape<f16, Cpu> + Merge<RT>,
+    RT: Tape<f16, Cpu>,
+{
+    binary(Op::Add, a, b)
+}
+
 /// Two f16 operands without their tapes, and the tapes merged.
 pub(crate) type Pair<SA, SB, LT> = (Tensor<SA, f16, Cpu>, Tensor<SB, f16, Cpu>, LT);
 

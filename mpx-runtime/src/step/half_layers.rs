@@ -37,8 +37,7 @@ use crate::walk::{Each, each};
 ///   in `H::Elem`, run in f32 ([`InF32Copy`](crate::nn::InF32Copy): computed in f32 on an f32
 ///   copy, the output rounded once; a batch norm's running statistics are written back to the
 ///   master on an applied update);
-/// - `Embedding<V, M>` and `LeakyReLU` become dfdx's own in `H::Elem` (a gather; the leaky slope
-///   is rounded to `H`);
+/// - `Embedding<V, M>` becomes dfdx's own in `H::Elem` (a gather);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list), `AvgPoolGlobal` (a sum)
 ///   and the element-wise functions `FastGeLU`, `AccurateGeLU`, the deprecated `GeLU`, `Abs`,
 ///   `Square`, `Sqrt`, `Sin` and `Cos` run in an f32 region ([`InF32`](crate::nn::InF32)), their
@@ -46,10 +45,15 @@ use crate::walk::{Each, each};
 ///   same values and gradients, in vector passes; never fused into the layer before it, so a
 ///   step that calls the layers one by one sees what it computes); `Tanh` and `Sigmoid` become
 ///   mpx's [`nn::Tanh`](crate::nn::Tanh) and [`nn::Sigmoid`](crate::nn::Sigmoid) (computed in
-///   f32, rounded once, as mpx's layers are); the other parameter-free layers (`Dropout`,
+///   f32, rounded once, as mpx's layers are); `LeakyReLU` becomes mpx's
+///   [`nn::LeakyReLU`](crate::nn::LeakyReLU) (the master's f32 slope, the product in f32,
+///   rounded once); the other parameter-free layers (`Dropout`,
 ///   `DropoutOneIn`, `MaxPoolGlobal`, `MinPoolGlobal`, `Upscale2D`, `Reshape`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
-///   such layers map their layers;
+///   such layers map their layers; the two residuals become mpx's
+///   [`nn::Residual`](crate::nn::Residual) and
+///   [`nn::GeneralizedResidual`](crate::nn::GeneralizedResidual) (the add of two f16 tensors in
+///   vector passes, with dfdx's bits);
 /// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
 ///   in a master of f32 elements are themselves in `H`, a fused linear layer linked.
 ///
@@ -96,11 +100,11 @@ where
     /// # Examples
     /// ```
     /// use dfdx::prelude::*;
-    /// use mpx_runtime::{precision::f16, step::{HalfLayers, Linker}};
+    /// use mpx_runtime::{nn, precision::f16, step::{HalfLayers, Linker}};
     /// let master = LeakyReLU(0.2f32);
-    /// let mut w = LeakyReLU(f16::from_f32(0.05));
+    /// let mut w = nn::LeakyReLU::default(); // as the walk builds it
     /// HalfLayers::<f16>::finish(&master, &mut w, &Linker::none());
-    /// assert_eq!(w.0, f16::from_f32(0.2));
+    /// assert_eq!(w.0, 0.2); // the master's slope, not rounded to f16
     /// ```
     fn finish(&self, working: &mut Self::Working, linker: &Linker) {
         let _ = (working, linker);

@@ -199,12 +199,17 @@ macro_rules! layers {
         impl<const N: usize> HalfLayers<$h> for dfdx::nn::modules::DropoutOneIn<N> {
             type Working = Self;
         }
+        // dfdx's `LeakyReLU` as mpx's: the master's f32 slope, the product in f32, rounded once
         impl HalfLayers<$h> for dfdx::nn::modules::LeakyReLU<f32> {
-            type Working = dfdx::nn::modules::LeakyReLU<<$h as Precision>::Elem>;
+            type Working = $in<crate::nn::LeakyReLU>;
             fn finish(&self, working: &mut Self::Working, _: &Linker) {
-                let mut slope = [<$h as Precision>::Elem::default()];
-                <$h as Precision>::round(&[self.0], &mut slope);
-                working.0 = slope[0];
+                $get(working).0 = self.0;
+            }
+        }
+        impl HalfLayers<$h> for crate::nn::LeakyReLU {
+            type Working = $in<crate::nn::LeakyReLU>;
+            fn finish(&self, working: &mut Self::Working, _: &Linker) {
+                $get(working).0 = self.0;
             }
         }
         impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
@@ -339,36 +344,39 @@ where
     }
 }
 
-/// A residual maps its inner model (the add stays dfdx's, in `H`).
+/// A residual maps its inner model, and is mpx's [`Residual`](crate::nn::Residual): the add in
+/// vector passes on f16 tensors.
 impl<H: Precision, F: HalfLayers<H>> HalfLayers<H> for Residual<F>
 where
     Cpu: Device<H::Elem>,
     Residual<F>: MasterModel,
-    Residual<F::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = Residual<F::Working>>,
+    crate::nn::Residual<F::Working>:
+        TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = crate::nn::Residual<F::Working>>,
 {
-    type Working = Residual<F::Working>;
+    type Working = crate::nn::Residual<F::Working>;
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
-        Ok(Residual(self.0.build_working(cx)?))
+        Ok(crate::nn::Residual(self.0.build_working(cx)?))
     }
 }
 
-/// A generalized residual maps both of its branches.
+/// A generalized residual maps both of its branches, and is mpx's
+/// [`GeneralizedResidual`](crate::nn::GeneralizedResidual) (the add as a residual's).
 impl<H: Precision, F: HalfLayers<H>, R: HalfLayers<H>> HalfLayers<H> for GeneralizedResidual<F, R>
 where
     Cpu: Device<H::Elem>,
     GeneralizedResidual<F, R>: MasterModel,
-    GeneralizedResidual<F::Working, R::Working>: TensorCollection<
+    crate::nn::GeneralizedResidual<F::Working, R::Working>: TensorCollection<
             H::Elem,
             Cpu,
-            To<H::Elem, Cpu> = GeneralizedResidual<F::Working, R::Working>,
+            To<H::Elem, Cpu> = crate::nn::GeneralizedResidual<F::Working, R::Working>,
         >,
 {
-    type Working = GeneralizedResidual<F::Working, R::Working>;
+    type Working = crate::nn::GeneralizedResidual<F::Working, R::Working>;
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
         // dfdx visits `f`, then `r`
         let f = self.f.build_working(cx)?;
         let r = self.r.build_working(cx)?;
-        Ok(GeneralizedResidual { f, r })
+        Ok(crate::nn::GeneralizedResidual { f, r })
     }
 }
 

@@ -1,0 +1,167 @@
+//! [`Residual`] and [`GeneralizedResidual`]: dfdx's residual containers as a mixed step's
+//! working copy runs them. Their modules run as they are; the add of two f16 tensors runs in
+//! mpx's vector passes ([`binary`](super::binary): dfdx's bits, forward and backward), where
+//! dfdx's own f16 add converts every element through a function call.
+
+use dfdx::nn::tensor_collection::{ModuleVisitor, TensorCollection};
+use dfdx::nn::{Module, ModuleMut};
+use dfdx::shapes::{Dtype, Shape};
+use dfdx::tensor::{Cpu, CpuError, Merge, Tape, Tensor, WithEmptyTape};
+use dfdx::tensor_ops::{Device, TryAdd};
+use half::f16;
+
+use crate::precision::AMP;
+
+/// dfdx's `Residual`: `f(x) + x`, the add in mpx's vector passes on f16 tensors (the same bits
+/// as dfdx's f16 add, forward and backward) and dfdx's own add on any other. A mixed step's
+/// working copy runs dfdx's `Residual` as this.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::{nn, precision::f16};
+/// let dev = Cpu::default();
+/// let x = dev.tensor([-1.0f32, 0.5, 2.0]).to_dtype::<f16>();
+/// let y = nn::Residual(ReLU).forward(x.leaky_trace());
+/// assert_eq!(y.as_vec(), [-1.0f32, 1.0, 4.0].map(f16::from_f32));
+/// // the same bits as dfdx's own `Residual`, forward and backward
+/// let want = Residual(ReLU).forward(x.leaky_trace());
+/// assert_eq!(y.as_vec(), want.as_vec());
+/// let (g, gw) = (y.sum().backward(), want.sum().backward());
+/// assert_eq!(g.get(&x).as_vec(), gw.get(&x).as_vec());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Residual<F>(pub F);
+
+/// dfdx's `GeneralizedResidual`: `f(x) + r(x)`, the add as [`Residual`]'s. A mixed step's
+/// working copy runs dfdx's `GeneralizedResidual` as this.
+///
+/// # Examples
+/// ```
+/// use dfdx::prelude::*;
+/// use mpx_runtime::{nn, precision::f16};
+/// let dev = Cpu::default();
+/// let x = dev.tensor([-1.0f32, 0.5, 2.0]).to_dtype::<f16>();
+/// let y = nn::GeneralizedResidual { f: ReLU, r: Square }.forward(x.clone());
+/// assert_eq!(y.as_vec(), [1.0f32, 0.75, 6.0].map(f16::from_f32));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct GeneralizedResidual<F, R> {
+    /// The first branch.
+    pub f: F,
+    /// The second branch.
+    pub r: R,
+}
+
+impl<E: Dtype, D: Device<E>, F: TensorCollection<E, D>> TensorCollection<E, D> for Residual<F> {
+    type To<E2: Dtype, D2: Device<E2>> = Residual<F::To<E2, D2>>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        // dfdx's field name and order
+        visitor.visit_fields(Self::module("0", |s| &s.0, |s| &mut s.0), Residual)
+    }
+}
+
+impl<E: Dtype, D: Device<E>, F: TensorCollection<E, D>, R: TensorCollection<E, D>>
+    TensorCollection<E, D> for GeneralizedResidual<F, R>
+{
+    type To<E2: Dtype, D2: Device<E2>> = GeneralizedResidual<F::To<E2, D2>, R::To<E2, D2>>;
+
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        // dfdx's field names and order
+        visitor.visit_fields(
+            (
+                Self::module("f", |s| &s.f, |s| &mut s.f),
+                Self::module("r", |s| &s.r, |s| &mut s.r),
+            ),
+            |(f, r)| GeneralizedResidual { f, r },
+        )
+    }
+}
+
+/// `a + b` as the residual containers add: mpx's vector passes on two f16 tensors, dfdx's own
+/// add on tensors of the other element types.
+#[doc(hidden)]
+pub trait ResidualAdd: Sized {
+    /// `a + b`.
+    ///
+    /// # Errors
+    /// A device error (allocation).
+    fn residual_add(self, b: Self) -> Result<Self, CpuError>;
+}
+
+impl<S: Shape, T: Tape<f16, Cpu> + Merge<T>> ResidualAdd for Tensor<S, f16, Cpu, T> {
+    fn residual_add(self, b: Self) -> Result<Self, CpuError> {
+        super::binary::add(self, b)
+    }
+}
+
+/// dfdx's own add (its f32 kernels are vector loops; `AMP<f16>` keeps dfdx's op).
+macro_rules! dfdx_add {
+    ($($e:ty),*) => {$(
+        impl<S: Shape, T: Tape<$e, Cpu> + Merge<T>> ResidualAdd for Tensor<S, $e, Cpu, T> {
+            fn residual_add(self, b: Self) -> Result<Self, CpuError> {
+                self.try_add(b)
+            }
+        }
+    )*};
+}
+dfdx_add!(f32, AMP<f16>);
+
+impl<X, F> Module<X> for Residual<F>
+where
+    X: WithEmptyTape + ResidualAdd,
+    F: Module<X, Output = X, Error = CpuError>,
+{
+    type Output = X;
+    type Error = CpuError;
+    fn try_forward(&self, x: X) -> Result<X, CpuError> {
+        self.0.try_forward(x.with_empty_tape())?.residual_add(x)
+    }
+}
+
+impl<X, F> ModuleMut<X> for Residual<F>
+where
+    X: WithEmptyTape + ResidualAdd,
+    F: ModuleMut<X, Output = X, Error = CpuError>,
+{
+    type Output = X;
+    type Error = CpuError;
+    fn try_forward_mut(&mut self, x: X) -> Result<X, CpuError> {
+        self.0.try_forward_mut(x.with_empty_tape())?.residual_add(x)
+    }
+}
+
+impl<X, Y, F, R> Module<X> for GeneralizedResidual<F, R>
+where
+    X: WithEmptyTape,
+    Y: ResidualAdd,
+    F: Module<X, Output = Y, Error = CpuError>,
+    R: Module<X, Output = Y, Error = CpuError>,
+{
+    type Output = Y;
+    type Error = CpuError;
+    fn try_forward(&self, x: X) -> Result<Y, CpuError> {
+        let f = self.f.try_forward(x.with_empty_tape())?;
+        f.residual_add(self.r.try_forward(x)?)
+    }
+}
+
+impl<X, Y, F, R> ModuleMut<X> for GeneralizedResidual<F, R>
+where
+    X: WithEmptyTape,
+    Y: ResidualAdd,
+    F: ModuleMut<X, Output = Y, Error = CpuError>,
+    R: ModuleMut<X, Output = Y, Error = CpuError>,
+{
+    type Output = Y;
+    type Error = CpuError;
+    fn try_forward_mut(&mut self, x: X) -> Result<Y, CpuError> {
+        let f = self.f.try_forward_mut(x.with_empty_tape())?;
+        f.residual_add(self.r.try_forward_mut(x)?)
+    }
+}
