@@ -4,9 +4,10 @@
 //! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
 //! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
 //! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with `LeakyReLU`, one with a
-//! residual block and one with batch norms in training mode. Each row runs one call of the loop
-//! in f32 and in mixed f16 in interleaved rounds (one of each per round, so a busy neighbour
-//! slows both alike) and reports the medians and their ratio; the last line is the median ratio.
+//! residual block, a token model (an embedding table) and an MLP with batch norms in training
+//! mode. Each row runs one call of the loop in f32 and in mixed f16 in interleaved rounds (one of
+//! each per round, so a busy neighbour slows both alike) and reports the medians and their
+//! ratio; the last line is the median ratio.
 //!
 //! ```text
 //! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2]
@@ -402,6 +403,20 @@ mlp_loop!(
         Linear<256, 10>
     )
 );
+/// A token model: an embedding table, then an MLP on each token's row.
+mod tokens {
+    use super::*;
+    pub type Structure = (Embedding<100, 64>, Linear<64, 64>, ReLU, Linear<64, 10>);
+    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank1<32>, usize, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
+        let out = model.forward(x.clone().traced(model.alloc_grads()));
+        let loss = cross_entropy_with_logits_loss(out, y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
 mlp_loop!(
     batch_norm,
     forward_mut,
@@ -761,6 +776,15 @@ fn table(rounds: usize) {
         rounds * 20,
         "a dfdx MLP with a residual block (64-256, Residual<(Linear 256-256, ReLU)>, 10, batch 32)",
         residual(dev.build_module::<residual::Structure, f32>(); &x, &y)
+    );
+    // an embedding table
+    let ids: Tensor<Rank1<32>, usize, Cpu> =
+        dev.tensor(std::array::from_fn::<usize, 32, _>(|i| (i * 7) % 100));
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a token model: Embedding 100x64, MLP 64-64-10, batch 32",
+        tokens(dev.build_module::<tokens::Structure, f32>(); &ids, &y)
     );
     // batch norms in training mode
     adam_row!(

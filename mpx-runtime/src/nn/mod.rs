@@ -42,6 +42,7 @@ mod cast;
 mod convert;
 mod decoder;
 pub(crate) mod dfdx_linear;
+mod embedding;
 mod encoder;
 mod fused_linear;
 mod half_ops;
@@ -64,6 +65,7 @@ pub mod vit;
 
 pub use convert::*;
 pub use decoder::*;
+pub use embedding::Embedding;
 pub use encoder::*;
 pub use in_bf16::InBf16;
 pub use in_f32::{InF32, InF32Copy};

@@ -37,7 +37,8 @@ use crate::walk::{Each, each};
 ///   in `H::Elem`, run in f32 ([`InF32Copy`](crate::nn::InF32Copy): computed in f32 on an f32
 ///   copy, the output rounded once; a batch norm's running statistics are written back to the
 ///   master on an applied update);
-/// - `Embedding<V, M>` becomes dfdx's own in `H::Elem` (a gather);
+/// - `Embedding<V, M>` becomes mpx's [`nn::Embedding`](crate::nn::Embedding) (dfdx's gather; the
+///   table's gradient summed in f32 per token, rounded once);
 /// - `Exp`, `Ln`, `Softmax` and `LogSoftmax` (autocast's float32 list), `AvgPoolGlobal` (a sum)
 ///   and the element-wise functions `FastGeLU`, `AccurateGeLU`, the deprecated `GeLU`, `Abs`,
 ///   `Square`, `Sqrt`, `Sin` and `Cos` run in an f32 region ([`InF32`](crate::nn::InF32)), their

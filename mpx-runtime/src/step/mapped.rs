@@ -37,7 +37,7 @@ use super::error::StepError;
 use super::half_layers::{BuildCx, HalfLayers};
 use crate::boundary::MasterModel;
 use crate::master::link::Linker;
-use crate::nn::{InBf16, InF32Copy, UnbiasedLinear};
+use crate::nn::{Embedding, InBf16, InF32Copy, UnbiasedLinear};
 use crate::precision::{AMP, Precision, bf16, f16};
 
 /// A layer as it is, in its own storage type: mpx's layers in `f16` and `AMP<f16>`, and dfdx's
@@ -212,9 +212,6 @@ macro_rules! layers {
                 $get(working).0 = self.0;
             }
         }
-        impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
-            type Working = DfdxEmbedding<V, M, <$h as Precision>::Elem, Cpu>;
-        }
     };
 }
 
@@ -243,14 +240,19 @@ layers!(AMP<f16>, Native, native, std::convert::identity);
 layers!(bf16, InBf16, in_bf16, InBf16);
 
 /// dfdx's layers with tensors that mpx has no fused layer of its own for, for one precision:
-/// `UnbiasedLinear` as `$unbiased`, and the others dfdx's own in `H`'s storage type run as `$in`.
-/// In f16 and `AMP<f16>`: mpx's [`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear) (the fused op
-/// with a zero bias, not linked: its weight's gradient goes through the half gradients), and
-/// [`InF32Copy`] (computed in f32 on an f32 copy: dfdx's f16 kernels are scalar, and its f16
+/// `UnbiasedLinear` as `$unbiased`, `Embedding` as `$embedding`, and the others dfdx's own in
+/// `H`'s storage type run as `$in`. In f16 and `AMP<f16>`: mpx's
+/// [`nn::UnbiasedLinear`](crate::nn::UnbiasedLinear) (the fused op with a zero bias, not linked:
+/// its weight's gradient goes through the half gradients), mpx's
+/// [`nn::Embedding`](crate::nn::Embedding) (dfdx's gather; the table's gradient summed in f32)
+/// and [`InF32Copy`] (computed in f32 on an f32 copy: dfdx's f16 kernels are scalar, and its f16
 /// batch norm sums its statistics in f16). In emulated bf16, dfdx's own as they are (their
 /// storage is f32).
 macro_rules! with_tensors {
-    ($h:ty, $in:ident, $unbiased:ident) => {
+    ($h:ty, $in:ident, $unbiased:ident, $embedding:ident) => {
+        impl<const V: usize, const M: usize> HalfLayers<$h> for DfdxEmbedding<V, M, f32, Cpu> {
+            type Working = $embedding<V, M, <$h as Precision>::Elem, Cpu>;
+        }
         impl<const I: usize, const O: usize> HalfLayers<$h>
             for dfdx::nn::modules::UnbiasedLinear<I, O, f32, Cpu>
         {
@@ -273,9 +275,9 @@ macro_rules! with_tensors {
         }
     };
 }
-with_tensors!(f16, InF32Copy, UnbiasedLinear);
-with_tensors!(AMP<f16>, InF32Copy, UnbiasedLinear);
-with_tensors!(bf16, Native, DfdxUnbiasedLinear);
+with_tensors!(f16, InF32Copy, UnbiasedLinear, Embedding);
+with_tensors!(AMP<f16>, InF32Copy, UnbiasedLinear, Embedding);
+with_tensors!(bf16, Native, DfdxUnbiasedLinear, DfdxEmbedding);
 
 /// mpx's own layers in a master of f32 elements: themselves in `H` (a fused linear layer linked
 /// to its master tensors).
