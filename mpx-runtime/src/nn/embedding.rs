@@ -153,9 +153,9 @@ mod tests {
     /// rows.
     #[test]
     fn rows_are_gathered_and_each_tokens_gradient_is_summed_then_rounded_once() {
-        let dev = Cpu::default();
         const V: usize = 7;
         const M: usize = 5;
+        let dev = Cpu::default();
         let table: Vec<f16> = (0..V * M)
             .map(|i| f16::from_f32((i as f32 * 0.37).sin()))
             .collect();
