@@ -19,7 +19,7 @@ use crate::precision::Precision;
 
 /// One of the three ops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
+pub(crate) enum Op {
     Add,
     Sub,
     Mul,
@@ -36,7 +36,7 @@ impl Op {
 }
 
 /// `a op b` on two f16 tensors of one shape (see the [module docs](self)).
-fn binary<S: Shape, LT, RT>(
+pub(crate) fn binary<S: Shape, LT, RT>(
     op: Op,
     a: Tensor<S, f16, Cpu, LT>,
     b: Tensor<S, f16, Cpu, RT>,
@@ -87,18 +87,6 @@ where
         });
     }
     Ok(y.put_tape(tape))
-}
-
-/// `a + b` on two f16 tensors of one shape (see the [module docs](self)).
-pub(crate) fn add<S: Shape, LT, RT>(
-    a: Tensor<S, f16, Cpu, LT>,
-    b: Tensor<S, f16, Cpu, RT>,
-) -> Result<Tensor<S, f16, Cpu, LT>, CpuError>
-where
-    LT: Tape<f16, Cpu> + Merge<RT>,
-    RT: Tape<f16, Cpu>,
-{
-    binary(Op::Add, a, b)
 }
 
 /// Two f16 operands without their tapes, and the tapes merged.

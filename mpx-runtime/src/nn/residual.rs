@@ -96,7 +96,7 @@ pub trait ResidualAdd: Sized {
 
 impl<S: Shape, T: Tape<f16, Cpu> + Merge<T>> ResidualAdd for Tensor<S, f16, Cpu, T> {
     fn residual_add(self, b: Self) -> Result<Self, CpuError> {
-        super::binary::add(self, b)
+        super::binary::binary(super::binary::Op::Add, self, b)
     }
 }
 
@@ -112,56 +112,38 @@ macro_rules! dfdx_add {
 }
 dfdx_add!(f32, AMP<f16>);
 
-impl<X, F> Module<X> for Residual<F>
-where
-    X: WithEmptyTape + ResidualAdd,
-    F: Module<X, Output = X, Error = CpuError>,
-{
-    type Output = X;
-    type Error = CpuError;
-    fn try_forward(&self, x: X) -> Result<X, CpuError> {
-        self.0.try_forward(x.with_empty_tape())?.residual_add(x)
-    }
-}
+/// `Module` and `ModuleMut` of both containers: the same passes through `&self` or `&mut self`,
+/// in dfdx's order (`f` on the input without its tape, then the add with the input, or with `r`
+/// of it).
+macro_rules! passes {
+    ($pass:ident, $method:ident $(, $mut:tt)?) => {
+        impl<X, F> $pass<X> for Residual<F>
+        where
+            X: WithEmptyTape + ResidualAdd,
+            F: $pass<X, Output = X, Error = CpuError>,
+        {
+            type Output = X;
+            type Error = CpuError;
+            fn $method(&$($mut)? self, x: X) -> Result<X, CpuError> {
+                self.0.$method(x.with_empty_tape())?.residual_add(x)
+            }
+        }
 
-impl<X, F> ModuleMut<X> for Residual<F>
-where
-    X: WithEmptyTape + ResidualAdd,
-    F: ModuleMut<X, Output = X, Error = CpuError>,
-{
-    type Output = X;
-    type Error = CpuError;
-    fn try_forward_mut(&mut self, x: X) -> Result<X, CpuError> {
-        self.0.try_forward_mut(x.with_empty_tape())?.residual_add(x)
-    }
+        impl<X, Y, F, R> $pass<X> for GeneralizedResidual<F, R>
+        where
+            X: WithEmptyTape,
+            Y: ResidualAdd,
+            F: $pass<X, Output = Y, Error = CpuError>,
+            R: $pass<X, Output = Y, Error = CpuError>,
+        {
+            type Output = Y;
+            type Error = CpuError;
+            fn $method(&$($mut)? self, x: X) -> Result<Y, CpuError> {
+                let f = self.f.$method(x.with_empty_tape())?;
+                f.residual_add(self.r.$method(x)?)
+            }
+        }
+    };
 }
-
-impl<X, Y, F, R> Module<X> for GeneralizedResidual<F, R>
-where
-    X: WithEmptyTape,
-    Y: ResidualAdd,
-    F: Module<X, Output = Y, Error = CpuError>,
-    R: Module<X, Output = Y, Error = CpuError>,
-{
-    type Output = Y;
-    type Error = CpuError;
-    fn try_forward(&self, x: X) -> Result<Y, CpuError> {
-        let f = self.f.try_forward(x.with_empty_tape())?;
-        f.residual_add(self.r.try_forward(x)?)
-    }
-}
-
-impl<X, Y, F, R> ModuleMut<X> for GeneralizedResidual<F, R>
-where
-    X: WithEmptyTape,
-    Y: ResidualAdd,
-    F: ModuleMut<X, Output = Y, Error = CpuError>,
-    R: ModuleMut<X, Output = Y, Error = CpuError>,
-{
-    type Output = Y;
-    type Error = CpuError;
-    fn try_forward_mut(&mut self, x: X) -> Result<Y, CpuError> {
-        let f = self.f.try_forward_mut(x.with_empty_tape())?;
-        f.residual_add(self.r.try_forward_mut(x)?)
-    }
-}
+passes!(Module, try_forward);
+passes!(ModuleMut, try_forward_mut, mut);
