@@ -74,7 +74,7 @@ pub use linear::*;
 pub use mha::*;
 pub use mixed::*;
 pub use relu::ReLU;
-pub use residual::{GeneralizedResidual, Residual, ResidualAdd};
+pub use residual::{AddInto, GeneralizedResidual, Residual, ResidualAdd};
 pub use sublayer::FeedForward;
 pub use unary::{LeakyReLU, Sigmoid, Tanh};
 pub use unbiased::UnbiasedLinear;

@@ -51,10 +51,11 @@ use crate::walk::{Each, each};
 ///   rounded once); the other parameter-free layers (`Dropout`,
 ///   `DropoutOneIn`, `MaxPoolGlobal`, `MinPoolGlobal`, `Upscale2D`, `Reshape`) stay themselves;
 /// - `Residual`, `GeneralizedResidual`, `Repeated`, `AddInto`, `SplitInto` and tuples of up to 6
-///   such layers map their layers; the two residuals become mpx's
-///   [`nn::Residual`](crate::nn::Residual) and
-///   [`nn::GeneralizedResidual`](crate::nn::GeneralizedResidual) (the add of two f16 tensors in
-///   vector passes, with dfdx's bits);
+///   such layers map their layers; the three that add become mpx's
+///   [`nn::Residual`](crate::nn::Residual),
+///   [`nn::GeneralizedResidual`](crate::nn::GeneralizedResidual) and
+///   [`nn::AddInto`](crate::nn::AddInto) (the add of two f16 tensors in vector passes, with
+///   dfdx's bits);
 /// - mpx's own layers ([`nn::Linear`](crate::nn::Linear) and the rest of [`mpx::nn`](crate::nn))
 ///   in a master of f32 elements are themselves in `H`, a fused linear layer linked.
 ///

@@ -382,23 +382,25 @@ where
     }
 }
 
-/// `AddInto` and `SplitInto` map their tuple of branches.
+/// `AddInto` and `SplitInto` map their tuple of branches; `AddInto` is mpx's
+/// [`AddInto`](crate::nn::AddInto) (its adds as a residual's).
 macro_rules! branches {
-    ($($c:ident),*) => {$(
+    ($($c:ident => $($w:ident)::+),*) => {$(
         impl<H: Precision, T: HalfLayers<H>> HalfLayers<H> for $c<T>
         where
             Cpu: Device<H::Elem>,
             $c<T>: MasterModel,
-            $c<T::Working>: TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = $c<T::Working>>,
+            $($w)::+<T::Working>:
+                TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = $($w)::+<T::Working>>,
         {
-            type Working = $c<T::Working>;
+            type Working = $($w)::+<T::Working>;
             fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
-                Ok($c(self.0.build_working(cx)?))
+                Ok($($w)::+(self.0.build_working(cx)?))
             }
         }
     )*};
 }
-branches!(AddInto, SplitInto);
+branches!(AddInto => crate::nn::AddInto, SplitInto => SplitInto);
 
 /// Tuples map element by element.
 macro_rules! tuple {
