@@ -1073,8 +1073,9 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>>
     type Output = Tensor<Rank2<3, 4>, E, D, T>;
     type Error = D::Err;
     fn try_forward(&self, x: Tensor<Rank2<3, 4>, E, D, T>) -> Result<Self::Output, D::Err> {
-        // broadcast bias (non-contiguous rhs), scalar ops, negation, closures, iterators
-        let y = x.try_matmul(self.w.clone())? + self.b.clone().broadcast();
+        // a transposed weight and a broadcast bias (non-contiguous, untraced rhs), scalar ops,
+        // negation, closures, iterators
+        let y = x.try_matmul(self.w.clone().permute())? + self.b.clone().broadcast();
         let half = E::from_f32(0.5).unwrap();
         let y = y * half;
         let y = -y;
@@ -1137,6 +1138,7 @@ fn mixer_tracks_f32(mixed: &mut dyn FnMut(&mut MixerF32, &mut MixerSgd, &X34) ->
         b: dev.sample_normal() * 0.1,
         l: BuildModule::build(&dev),
     };
+    let start = m.clone();
     let (mut a, mut b) = (m.clone(), m);
     let (mut oa, mut ob) = (
         Sgd::new(&a, Default::default()),
@@ -1149,6 +1151,34 @@ fn mixer_tracks_f32(mixed: &mut dyn FnMut(&mut MixerF32, &mut MixerSgd, &X34) ->
             mixed(&mut b, &mut ob, &x),
         );
         assert!((f - h).abs() < tol * f.abs().max(1e-2), "f32 {f} mixed {h}");
+    }
+    // every tensor trained as in f32 (the loss alone would hide one that did not move: the
+    // transposed weight and the broadcast bias reach the add as copies under new ids)
+    for (what, m32, mixed, init) in [
+        ("w", a.w.as_vec(), b.w.as_vec(), start.w.as_vec()),
+        ("b", a.b.as_vec(), b.b.as_vec(), start.b.as_vec()),
+        (
+            "l.weight",
+            a.l.weight.as_vec(),
+            b.l.weight.as_vec(),
+            start.l.weight.as_vec(),
+        ),
+    ] {
+        let moved = m32
+            .iter()
+            .zip(&init)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f32::max);
+        let off = m32
+            .iter()
+            .zip(&mixed)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0, f32::max);
+        assert!(moved > 1e-4, "{what}: the f32 steps moved it by {moved}");
+        assert!(
+            off < 0.1 * moved,
+            "{what}: mixed {off} from f32, which moved {moved}"
+        );
     }
 }
 

@@ -92,7 +92,10 @@ where
 /// Two f16 operands without their tapes, and the tapes merged.
 pub(crate) type Pair<SA, SB, LT> = (Tensor<SA, f16, Cpu>, Tensor<SB, f16, Cpu>, LT);
 
-/// Two operands made contiguous (dfdx's op, with its own backward) and their tapes merged.
+/// Two operands made contiguous (dfdx's op, with its own backward) and their tapes merged. The
+/// second is made contiguous on a tape of the first's kind: an untraced operand that is not
+/// contiguous (a broadcast bias, a permuted weight, which dfdx's own ops read in place under
+/// their own id) becomes a copy under a new id, and its gradient still goes back to it.
 pub(crate) fn contiguous_pair<SA: Shape, SB: Shape, LT, RT>(
     a: Tensor<SA, f16, Cpu, LT>,
     b: Tensor<SB, f16, Cpu, RT>,
@@ -102,8 +105,9 @@ where
     RT: Tape<f16, Cpu>,
 {
     let (a, a_tape) = a.try_contiguous()?.split_tape();
-    let (b, b_tape) = b.try_contiguous()?.split_tape();
-    Ok((a, b, a_tape.merge(b_tape)))
+    let (b, b_tape) = b.split_tape();
+    let (b, copy_tape) = b.put_tape(LT::default()).try_contiguous()?.split_tape();
+    Ok((a, b, a_tape.merge(b_tape).merge(copy_tape)))
 }
 
 /// `d * dy` per element for the values `d` of a tensor, rounded to f16 and widened again: dfdx's

@@ -90,11 +90,12 @@ fn relu<S: Shape, E: Precision<Elem = E> + Dtype, T: Tape<E, Cpu>>(
 where
     Cpu: Device<E>,
 {
-    let (x, mut tape) = x.split_tape();
+    // contiguous on its own tape (dfdx's op): the gradient below is laid out as the values
+    let (x, mut tape) = x.try_contiguous()?.split_tape();
     let shape = *x.shape();
     let n = shape.num_elements();
     let mut y = vec![E::default(); n];
-    x.clone().try_contiguous()?.copy_into(&mut y);
+    x.copy_into(&mut y);
     forward_pass(E::floats_mut(&mut y));
     // where the output is positive, as where the input is (one bit per element)
     let mask = T::OWNS_TAPE.then(|| relu_mask_of(&y));
@@ -207,5 +208,31 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got.0), bits(&want.0), "forward");
         assert_eq!(bits(&got.1), bits(&want.1), "gradient");
+    }
+
+    /// A permuted (not contiguous) traced input: its gradient in its own layout, dfdx's bits.
+    #[test]
+    fn a_permuted_input_gets_dfdxs_gradient() {
+        let dev = Cpu::default();
+        let x = dev
+            .tensor([[-1.0f32, 2.0, 0.5], [3.0, -0.25, 1.0]])
+            .to_dtype::<f16>();
+        let w = dev
+            .tensor([[1.0f32, 2.0], [3.0, 4.0], [5.0, 6.0]])
+            .to_dtype::<f16>();
+        let grad = |mpx: bool| {
+            let xt = x.leaky_trace().permute::<Rank2<3, 2>, _>();
+            let y = if mpx {
+                super::ReLU.forward(xt)
+            } else {
+                ReLU.forward(xt)
+            };
+            (y * w.clone()).sum().backward().get(&x).as_vec()
+        };
+        assert_eq!(grad(true), grad(false));
+        assert_eq!(
+            grad(true),
+            [0.0f32, 3.0, 5.0, 2.0, 0.0, 6.0].map(f16::from_f32)
+        );
     }
 }

@@ -157,11 +157,12 @@ where
     P::Elem: Dtype,
     Cpu: Device<P::Elem>,
 {
-    let (x, mut tape) = x.split_tape();
+    // contiguous on its own tape (dfdx's op): the gradient below is laid out as the values
+    let (x, mut tape) = x.try_contiguous()?.split_tape();
     let shape = *x.shape();
     let n = shape.num_elements();
     let mut xs = scratch::take::<P::Elem>(n);
-    x.clone().try_contiguous()?.copy_into(&mut xs);
+    x.copy_into(&mut xs);
     let mut wide = scratch::take::<f32>(n);
     P::widen(&xs, &mut wide);
     for v in wide.iter_mut() {
@@ -295,5 +296,24 @@ mod tests {
         // dfdx's f16 layer rounds the slope first (0.01 is no f16 value)
         let dfdx16 = LeakyReLU(f16::from_f32(slope)).forward(x).as_vec();
         assert_ne!(bits(dfdx16), bits(round(y32v)));
+    }
+
+    /// A permuted (not contiguous) traced input: its gradient in its own layout, as dfdx's f32
+    /// layer gives it, rounded.
+    #[test]
+    fn a_permuted_input_gets_its_gradient_in_its_own_layout() {
+        let dev = Cpu::default();
+        let x32 = dev.tensor([[-1.0f32, 2.0, 0.5], [3.0, -0.25, 1.0]]);
+        let x = x32.clone().to_dtype::<f16>();
+        let w32 = dev.tensor([[1.0f32, 2.0], [3.0, 4.0], [5.0, 6.0]]);
+        let y = super::LeakyReLU(0.5).forward(x.leaky_trace().permute::<Rank2<3, 2>, _>());
+        let g = (y * w32.clone().to_dtype::<f16>())
+            .sum()
+            .backward()
+            .get(&x)
+            .as_vec();
+        let y32 = LeakyReLU(0.5).forward(x32.leaky_trace().permute::<Rank2<3, 2>, _>());
+        let g32 = (y32 * w32).sum().backward().get(&x32).as_vec();
+        assert_eq!(g, g32.into_iter().map(f16::from_f32).collect::<Vec<_>>());
     }
 }
