@@ -419,7 +419,12 @@ impl VisitMut for Concrete<'_> {
             };
             let rt = self.rt;
             let layer = syn::Ident::new(layer, m.method.span());
-            let x = &m.receiver;
+            // `(a + b).relu()`: the argument without its parentheses (an argument needs none;
+            // kept, they would be the user's `unused_parens` warning)
+            let mut x = &*m.receiver;
+            while let syn::Expr::Paren(p) = x {
+                x = &p.expr;
+            }
             let call = quote!(#rt::__private::dfdx::nn::Module::try_forward(&#rt::nn::#layer, #x));
             *e = if fallible {
                 syn::parse_quote!(#call)
@@ -533,5 +538,28 @@ mod tests {
             "{out}"
         );
         assert_eq!(out.matches("ElemRegion").count(), 3 * twins, "{out}");
+    }
+
+    /// `(a + b).relu()`: the activation's argument loses the parentheses an argument does not
+    /// need (kept, they would warn in the user's crate).
+    #[test]
+    fn an_activations_parenthesised_receiver_is_its_argument_without_them() {
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E: Dtype, D: Device<E>> Module<Tensor<Rank1<3>, E, D>> for Net<E, D> {
+                    type Output = Tensor<Rank1<3>, E, D>;
+                    type Error = D::Err;
+                    fn try_forward(&self, x: Tensor<Rank1<3>, E, D>) -> Result<Self::Output, D::Err> {
+                        ((x.clone() + x)).try_relu()
+                    }
+                }
+            },
+        )
+        .to_string()
+        .replace(' ', "");
+        assert!(!out.contains("compile_error"), "{out}");
+        assert_eq!(out.matches("nn::ReLU,{use").count(), 3, "{out}");
+        assert!(!out.contains("nn::ReLU,("), "{out}");
     }
 }
