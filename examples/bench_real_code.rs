@@ -1,7 +1,8 @@
 //! Real training loops, f32 against their `#[mixed_step]` conversion (issue 32): the loops of
 //! `tests/real_code/` as their authors wrote them (dfdx's MNIST, DQN and PPO examples, its
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
-//! user's own with `#[derive(HalfLayers)]` and without, a hand-unrolled RNN (a module of the
+//! user's own with `#[derive(HalfLayers)]` and without, one with weight tensors of its own, one
+//! written as dense layers by hand (biases broadcast), a hand-unrolled RNN (a module of the
 //! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
 //! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with `LeakyReLU`, one with a
 //! residual block, a token model (an embedding table) and an MLP with batch norms in training
@@ -253,6 +254,57 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>
     }
 }
 
+/// A module of the user's own written as a dense layer by hand, with the two lines: `x·W1 + b1`
+/// (the bias broadcast over the batch), a ReLU, `·W2 + b2`.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Dense<E: Dtype, D: Device<E>> {
+    w1: Tensor<Rank2<16, 64>, E, D>,
+    b1: Tensor<Rank1<64>, E, D>,
+    w2: Tensor<Rank2<64, 4>, E, D>,
+    b2: Tensor<Rank1<4>, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Dense<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Dense<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        macro_rules! init {
+            () => {
+                TensorOptions::reset_with(|t| {
+                    let b = E::from_f32(0.25).unwrap();
+                    t.try_fill_with_distr(rand_distr::Uniform::new(-b, b))
+                })
+            };
+        }
+        visitor.visit_fields(
+            (
+                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, init!()),
+                Self::tensor("b1", |s| &s.b1, |s| &mut s.b1, init!()),
+                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, init!()),
+                Self::tensor("b2", |s| &s.b2, |s| &mut s.b2, init!()),
+            ),
+            |(w1, b1, w2, b2)| Dense { w1, b1, w2, b2 },
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>> for Dense<E, D> {
+    type Output = Tensor<Rank2<64, 4>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let b1 = self.b1.clone().broadcast::<Rank2<64, 64>, Axis<0>>();
+        let h = (x.try_matmul(self.w1.clone())? + b1).try_relu()?;
+        Ok(h.try_matmul(self.w2.clone())? + self.b2.clone().broadcast())
+    }
+}
+
 /// One step of each shape, written once for f32 and once with the attribute.
 macro_rules! steps {
     ($f32:ident, $mixed:ident, ($($arg:ident: $ty:ty),*), |$m:ident, $o:ident| $body:block) => {
@@ -290,6 +342,18 @@ mod bare {
 mod raw {
     use super::*;
     pub type M = Raw<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod dense {
+    use super::*;
+    pub type M = Dense<f32, Cpu>;
     steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
         let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
         let v = loss.array();
@@ -717,6 +781,12 @@ fn table(rounds: usize) {
         rounds * 20,
         "a module of the user's own with weight tensors of its own (matmul, +, *; 16-64-64-4, batch 64)",
         raw(raw::M::build(&dev); &x, &y)
+    );
+    adam_row!(
+        rows,
+        rounds * 20,
+        "a module of the user's own, dense layers by hand (x·W + b broadcast; 16-64-4, batch 64)",
+        dense(dense::M::build(&dev); &x, &y)
     );
     // a hand-unrolled RNN
     let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());
