@@ -192,6 +192,36 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
     }
 }
 
+/// The `TensorCollection` of a module of the user's own made of tensors only, each trained and
+/// reset to entries of about 1/4 (keeping the activations in range).
+macro_rules! weights_only {
+    ($name:ident { $($f:ident),+ }) => {
+        impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+            TensorCollection<E, D> for $name<E, D>
+        {
+            type To<E2: Dtype, D2: Device<E2>> = $name<E2, D2>;
+            fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+                visitor: &mut V,
+            ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+                visitor.visit_fields(
+                    ($(
+                        Self::tensor(
+                            stringify!($f),
+                            |s| &s.$f,
+                            |s| &mut s.$f,
+                            TensorOptions::reset_with(|t| {
+                                let b = E::from_f32(0.25).unwrap();
+                                t.try_fill_with_distr(rand_distr::Uniform::new(-b, b))
+                            }),
+                        ),
+                    )+),
+                    |($($f,)+)| $name { $($f),+ },
+                )
+            }
+        }
+    };
+}
+
 /// A module of the user's own with weight tensors of its own (no layers): a residual MLP
 /// `h = tanh(x·W1)`, `y = (h + (h·W2) * g)·W3` with a gate `g = sigmoid(x·Wg)`, with the two lines.
 #[derive(Clone, mpx::HalfLayers)]
@@ -202,33 +232,7 @@ pub struct Raw<E: Dtype, D: Device<E>> {
     w3: Tensor<Rank2<64, 4>, E, D>,
 }
 
-impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
-    TensorCollection<E, D> for Raw<E, D>
-{
-    type To<E2: Dtype, D2: Device<E2>> = Raw<E2, D2>;
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        // entries of about 1/4, keeping the activations in range
-        macro_rules! init {
-            () => {
-                TensorOptions::reset_with(|t| {
-                    let b = E::from_f32(0.25).unwrap();
-                    t.try_fill_with_distr(rand_distr::Uniform::new(-b, b))
-                })
-            };
-        }
-        visitor.visit_fields(
-            (
-                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, init!()),
-                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, init!()),
-                Self::tensor("wg", |s| &s.wg, |s| &mut s.wg, init!()),
-                Self::tensor("w3", |s| &s.w3, |s| &mut s.w3, init!()),
-            ),
-            |(w1, w2, wg, w3)| Raw { w1, w2, wg, w3 },
-        )
-    }
-}
+weights_only!(Raw { w1, w2, wg, w3 });
 
 #[mpx::half_forward]
 impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>> for Raw<E, D> {
@@ -264,32 +268,7 @@ pub struct Dense<E: Dtype, D: Device<E>> {
     b2: Tensor<Rank1<4>, E, D>,
 }
 
-impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
-    TensorCollection<E, D> for Dense<E, D>
-{
-    type To<E2: Dtype, D2: Device<E2>> = Dense<E2, D2>;
-    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
-        visitor: &mut V,
-    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
-        macro_rules! init {
-            () => {
-                TensorOptions::reset_with(|t| {
-                    let b = E::from_f32(0.25).unwrap();
-                    t.try_fill_with_distr(rand_distr::Uniform::new(-b, b))
-                })
-            };
-        }
-        visitor.visit_fields(
-            (
-                Self::tensor("w1", |s| &s.w1, |s| &mut s.w1, init!()),
-                Self::tensor("b1", |s| &s.b1, |s| &mut s.b1, init!()),
-                Self::tensor("w2", |s| &s.w2, |s| &mut s.w2, init!()),
-                Self::tensor("b2", |s| &s.b2, |s| &mut s.b2, init!()),
-            ),
-            |(w1, b1, w2, b2)| Dense { w1, b1, w2, b2 },
-        )
-    }
-}
+weights_only!(Dense { w1, b1, w2, b2 });
 
 #[mpx::half_forward]
 impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>> for Dense<E, D> {
