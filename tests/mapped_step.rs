@@ -280,6 +280,46 @@ fn each_mapped_module_matches_the_f32_step() {
     each!(f16, AMP<f16>, bf16);
 }
 
+/// A token model (an embedding table with repeated tokens, then a linear head) on mpx's layers in
+/// each precision: the output, the table's and the head's gradients within `2^-7` (emulated
+/// bf16: `2^-5`) of the largest f32 value, and the tables after one SGD step each.
+#[test]
+fn a_mapped_embedding_matches_the_f32_step() {
+    type Tok = (Embedding<10, 6>, Linear<6, 3>);
+    macro_rules! each {
+        ($($h:ty: $parts:expr),*) => {$({
+            let dev = Cpu::seed_from_u64(5);
+            let model = dev.build_module::<Tok, f32>();
+            let ids: Tensor<Rank1<8>, usize, Cpu> = dev.tensor([1, 3, 3, 0, 9, 3, 1, 7]);
+            let y: Tensor<Rank2<8, 3>, f32, Cpu> = dev.sample_normal();
+            let mut model32 = model.clone();
+            let out32 = model32.forward(ids.clone().traced(model32.alloc_grads()));
+            let want_out = out32.as_vec();
+            let g32 = mse_loss(out32, y.clone()).backward();
+
+            let what = <$h as Precision>::DTYPE.name();
+            let mut scaler = GradScaler::<$h, _>::new(StaticLossScale::new(1024.0).unwrap());
+            let mut model = Mixed::mapped(model);
+            let out = scaler
+                .forward(&model, ids.traced(model.alloc_grads()), |m, x| m.forward(x))
+                .unwrap();
+            assert_close_to(&format!("{what}: output"), &out.as_vec(), &want_out, $parts);
+            let g = scaler.backward(mse_loss(out, y)).unwrap();
+            let (got, want) = (param_grads(&*model, &g), param_grads(&model32, &g32));
+            // the table's gradient: tokens 3 and 1 repeat, and 2, 4, 5, 6, 8 get none
+            assert_close_to(&format!("{what}: table gradient"), &got[0], &want[0], $parts);
+            assert_close_to(&format!("{what}: head gradients"), &got[1..].concat(), &want[1..].concat(), $parts);
+            let mut opt = dfdx::optim::Sgd::new(&*model, dfdx::optim::SgdConfig::default());
+            assert!(scaler.update(&mut model, &mut opt, &g).unwrap().is_applied());
+            assert!(scaler.last_step().unwrap().mpx_layers, "{what}");
+            let mut opt32 = dfdx::optim::Sgd::new(&model32, dfdx::optim::SgdConfig::default());
+            opt32.update(&mut model32, &g32).unwrap();
+            assert_close_to(&format!("{what}: after the update"), &params(&*model), &params(&model32), $parts);
+        })*};
+    }
+    each!(f16: 128.0, AMP<f16>: 128.0, bf16: 32.0);
+}
+
 /// dfdx's encoder-decoder `Transformer` (so its decoder blocks) on mpx's layers: the output and
 /// every gradient within `2^-7` of the largest f32 value.
 #[test]
