@@ -372,16 +372,20 @@ mod policy {
     });
 }
 
-/// A loop over a dfdx MLP `$structure` (64 inputs, 10 classes, batch 32, cross-entropy), its
-/// forward pass `$forward` (`forward`, or `forward_mut` for a batch norm's training mode).
+/// A loop over a dfdx model `$structure` (10 classes, batch 32, cross-entropy), its forward pass
+/// `$forward` (`forward`, or `forward_mut` for a batch norm's training mode), its input a batch
+/// of 64 features or `$x`.
 macro_rules! mlp_loop {
     ($name:ident, $forward:ident, $structure:ty) => {
+        mlp_loop!($name, $forward, $structure, Tensor<Rank2<32, 64>, f32, Cpu>);
+    };
+    ($name:ident, $forward:ident, $structure:ty, $x:ty) => {
         mod $name {
             use super::*;
             pub type Structure = $structure;
             pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-            steps!(f32_step, mixed_step, (x: &Tensor<Rank2<32, 64>, f32, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-                let out = model.$forward(x.trace(model.alloc_grads()));
+            steps!(f32_step, mixed_step, (x: &$x, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
+                let out = model.$forward(x.clone().traced(model.alloc_grads()));
                 let loss = cross_entropy_with_logits_loss(out, y.clone());
                 let v = loss.array();
                 let grads = loss.backward();
@@ -446,20 +450,13 @@ mlp_loop!(
         Linear<256, 10>
     )
 );
-/// A token model: an embedding table, then an MLP on each token's row.
-mod tokens {
-    use super::*;
-    pub type Structure = (Embedding<100, 64>, Linear<64, 64>, ReLU, Linear<64, 10>);
-    pub type M = <Structure as BuildOnDevice<Cpu, f32>>::Built;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank1<32>, usize, Cpu>, y: &Tensor<Rank2<32, 10>, f32, Cpu>), |model, opt| {
-        let out = model.forward(x.clone().traced(model.alloc_grads()));
-        let loss = cross_entropy_with_logits_loss(out, y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
+// a token model: an embedding table, then an MLP on each token's row
+mlp_loop!(
+    tokens,
+    forward,
+    (Embedding<100, 64>, Linear<64, 64>, ReLU, Linear<64, 10>),
+    Tensor<Rank1<32>, usize, Cpu>
+);
 mlp_loop!(
     batch_norm,
     forward_mut,
@@ -482,10 +479,11 @@ fn row(
     (t[0], t[1])
 }
 
-/// One row of a shape written by [`steps!`]: module `$m`'s f32 step and mixed step, each on its
-/// own copy of `$init` with its own Adam, measured interleaved; pushed onto `$rows`.
-macro_rules! adam_row {
-    ($rows:ident, $rounds:expr, $label:expr, $m:ident($init:expr; $($arg:expr),*)) => {{
+/// Rows of shapes written by [`steps!`], one per `label => module(init; args)`: the module's f32
+/// step and mixed step, each on its own copy of `init` with its own Adam, measured interleaved;
+/// pushed onto `$rows` in order.
+macro_rules! adam_rows {
+    ($rows:ident, $rounds:expr; $($label:expr => $m:ident($init:expr; $($arg:expr),*);)+) => {$({
         let init = $init;
         let (mut a, mut b) = (init.clone(), init);
         let (mut oa, mut ob) = (
@@ -503,7 +501,7 @@ macro_rules! adam_row {
             },
         );
         $rows.push(($label, f, m));
-    }};
+    })+};
 }
 
 fn sgd_config() -> SgdConfig {
@@ -740,107 +738,53 @@ fn table(rounds: usize) {
         );
         rows.push(("gan (two MLPs 4-32-2 and 2-32-1, batch 32)", f, m));
     }
-    // the user's own module, with the two lines and without
+    // the user's own modules, with the two lines and without
     let x: Tensor<Rank2<64, 16>, f32, Cpu> = dev.sample_normal();
     let y: Tensor<Rank2<64, 4>, f32, Cpu> = dev.sample_normal();
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a module of the user's own (16-64-4, batch 64), #[derive(HalfLayers)]",
-        own(own::M::build(&dev); &x, &y)
+    adam_rows!(rows, rounds * 20;
+        "a module of the user's own (16-64-4, batch 64), #[derive(HalfLayers)]"
+            => own(own::M::build(&dev); &x, &y);
+        "the same module without the two lines (dfdx's f16 layers)"
+            => bare(bare::M::build(&dev); &x, &y);
+        "a module of the user's own with weight tensors of its own (matmul, +, *; 16-64-64-4, batch 64)"
+            => raw(raw::M::build(&dev); &x, &y);
+        "a module of the user's own, dense layers by hand (x·W + b broadcast; 16-64-4, batch 64)"
+            => dense(dense::M::build(&dev); &x, &y);
     );
-    adam_row!(
-        rows,
-        rounds * 20,
-        "the same module without the two lines (dfdx's f16 layers)",
-        bare(bare::M::build(&dev); &x, &y)
-    );
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a module of the user's own with weight tensors of its own (matmul, +, *; 16-64-64-4, batch 64)",
-        raw(raw::M::build(&dev); &x, &y)
-    );
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a module of the user's own, dense layers by hand (x·W + b broadcast; 16-64-4, batch 64)",
-        dense(dense::M::build(&dev); &x, &y)
-    );
-    // a hand-unrolled RNN
+    // a hand-unrolled RNN, a REINFORCE policy
     let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());
     let y: Tensor<Rank2<32, 4>, f32, Cpu> = dev.sample_normal();
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a hand-unrolled RNN, 4 steps of 8-32 (a module of the user's own), batch 32",
-        rnn(rnn::M::build(&dev); &xs, &y)
-    );
-    // a REINFORCE policy
     let s_: Tensor<Rank2<128, 4>, f32, Cpu> = dev.sample_normal();
     let a_: Tensor<Rank1<128>, usize, Cpu> =
         dev.tensor(std::array::from_fn::<usize, 128, _>(|i| i % 2));
     let r_: Tensor<Rank1<128>, f32, Cpu> = dev.sample_normal();
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128",
-        policy(dev.build_module::<policy::Structure, f32>(); &s_, &a_, &r_)
+    adam_rows!(rows, rounds * 20;
+        "a hand-unrolled RNN, 4 steps of 8-32 (a module of the user's own), batch 32"
+            => rnn(rnn::M::build(&dev); &xs, &y);
+        "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128"
+            => policy(dev.build_module::<policy::Structure, f32>(); &s_, &a_, &r_);
     );
-
-    // a dfdx MLP with a layer that has no mpx counterpart (dfdx's own in f16 in the working copy)
+    // dfdx MLPs, each with a layer the mixed step maps its own way, and a token model
     let x: Tensor<Rank2<32, 64>, f32, Cpu> = dev.sample_normal();
     let y: Tensor<Rank2<32, 10>, f32, Cpu> =
         dev.sample_normal::<Rank2<32, 10>>().softmax::<Axis<1>>();
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP with a PReLU (64-256-256-10, batch 32)",
-        prelu(dev.build_module::<prelu::Structure, f32>(); &x, &y)
-    );
-    // GeLU activations
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP with GeLU (64-256-256-10, FastGeLU, batch 32)",
-        gelu(dev.build_module::<gelu::Structure, f32>(); &x, &y)
-    );
-    // linear layers without bias
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP of UnbiasedLinear (64-256-256-10, batch 32)",
-        unbiased(dev.build_module::<unbiased::Structure, f32>(); &x, &y)
-    );
-    // LeakyReLU activations (a GAN discriminator's)
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP with LeakyReLU (64-256-256-10, batch 32)",
-        leaky(dev.build_module::<leaky::Structure, f32>(); &x, &y)
-    );
-    // a residual block
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP with a residual block (64-256, Residual<(Linear 256-256, ReLU)>, 10, batch 32)",
-        residual(dev.build_module::<residual::Structure, f32>(); &x, &y)
-    );
-    // an embedding table
     let ids: Tensor<Rank1<32>, usize, Cpu> =
         dev.tensor(std::array::from_fn::<usize, 32, _>(|i| (i * 7) % 100));
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a token model: Embedding 100x64, MLP 64-64-10, batch 32",
-        tokens(dev.build_module::<tokens::Structure, f32>(); &ids, &y)
-    );
-    // batch norms in training mode
-    adam_row!(
-        rows,
-        rounds * 20,
-        "a dfdx MLP with batch norms (64-256-256-10, forward_mut, batch 32)",
-        batch_norm(dev.build_module::<batch_norm::Structure, f32>(); &x, &y)
+    adam_rows!(rows, rounds * 20;
+        "a dfdx MLP with a PReLU (64-256-256-10, batch 32)"
+            => prelu(dev.build_module::<prelu::Structure, f32>(); &x, &y);
+        "a dfdx MLP with GeLU (64-256-256-10, FastGeLU, batch 32)"
+            => gelu(dev.build_module::<gelu::Structure, f32>(); &x, &y);
+        "a dfdx MLP of UnbiasedLinear (64-256-256-10, batch 32)"
+            => unbiased(dev.build_module::<unbiased::Structure, f32>(); &x, &y);
+        "a dfdx MLP with LeakyReLU (64-256-256-10, batch 32)"
+            => leaky(dev.build_module::<leaky::Structure, f32>(); &x, &y);
+        "a dfdx MLP with a residual block (64-256, Residual<(Linear 256-256, ReLU)>, 10, batch 32)"
+            => residual(dev.build_module::<residual::Structure, f32>(); &x, &y);
+        "a token model: Embedding 100x64, MLP 64-64-10, batch 32"
+            => tokens(dev.build_module::<tokens::Structure, f32>(); &ids, &y);
+        "a dfdx MLP with batch norms (64-256-256-10, forward_mut, batch 32)"
+            => batch_norm(dev.build_module::<batch_norm::Structure, f32>(); &x, &y);
     );
 
     let path = mpx::__bench::active_path();

@@ -156,8 +156,8 @@ pub fn derive_half_layers(input: TokenStream) -> TokenStream {
 /// `D::Err` keep working). In that code the operations of autocast's float32 list (the table
 /// `#[autocast]` wraps: `softmax`, `log_softmax`, `exp`, `ln`, `sum`, `mean`, the losses, ..)
 /// run in f32 on their inputs widened, rounded back once, a chain of them in one region, as
-/// `#[autocast]` runs them (in emulated bf16, whose storage is f32, as written). The impl must be written for any element type. Put it on each of the
-/// module's `Module` impls.
+/// `#[autocast]` runs them (in emulated bf16, whose storage is f32, as written). The impl must
+/// be written for any element type. Put it on each of the module's `Module` impls.
 ///
 /// # Examples
 /// See [`HalfLayers`](derive@HalfLayers).

@@ -448,12 +448,13 @@ impl VisitMut for Concrete<'_> {
 
 #[cfg(test)]
 mod tests {
+    use proc_macro2::TokenStream;
     use quote::quote;
 
-    /// The f16 twin's code: the tensor ops go through the dispatch, the const contexts and the
-    /// parentheses do not.
-    #[test]
-    fn the_twin_dispatches_the_ops_and_leaves_const_contexts_alone() {
+    /// The expansion of a `Module` impl of `Net` whose `try_forward(&self, x)` (a `2 x 3` tensor
+    /// in and out) runs `body`: the impl as written and its twins, spaces removed, checked free of
+    /// compile errors.
+    fn twins(body: &TokenStream) -> String {
         let out = super::expand(
             quote!(),
             quote! {
@@ -461,9 +462,7 @@ mod tests {
                     type Output = Tensor<Rank2<2, 3>, E, D>;
                     type Error = D::Err;
                     fn try_forward(&self, x: Tensor<Rank2<2, 3>, E, D>) -> Result<Self::Output, D::Err> {
-                        let n = [0u8; 2 * 3].len() + foo::<{ 4 - 1 }>();
-                        let y = (x.clone() + self.b.clone()).try_matmul(self.w.clone())?;
-                        Ok(y * x)
+                        #body
                     }
                 }
             },
@@ -471,6 +470,18 @@ mod tests {
         .to_string()
         .replace(' ', "");
         assert!(!out.contains("compile_error"), "{out}");
+        out
+    }
+
+    /// The f16 twin's code: the tensor ops go through the dispatch, the const contexts and the
+    /// parentheses do not.
+    #[test]
+    fn the_twin_dispatches_the_ops_and_leaves_const_contexts_alone() {
+        let out = twins(&quote! {
+                let n = [0u8; 2 * 3].len() + foo::<{ 4 - 1 }>();
+                let y = (x.clone() + self.b.clone()).try_matmul(self.w.clone())?;
+                Ok(y * x)
+        });
         // the user's impl as written, then a twin per precision
         assert!(out.contains("[0u8;2*3]"), "{out}");
         assert!(out.contains("foo::<{4-1}>"), "{out}");
@@ -494,24 +505,12 @@ mod tests {
     /// their inputs' element type, a chain in one; the activations through mpx's layers.
     #[test]
     fn the_twin_runs_the_float32_lists_operations_in_f32() {
-        let out = super::expand(
-            quote!(),
-            quote! {
-                impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<2, 3>, E, D>> for Net<E, D> {
-                    type Output = Tensor<Rank2<2, 3>, E, D>;
-                    type Error = D::Err;
-                    fn try_forward(&self, x: Tensor<Rank2<2, 3>, E, D>) -> Result<Self::Output, D::Err> {
-                        let a = x.clone().softmax::<Axis<1>>().exp();
-                        let b = x.clone().try_log_softmax::<Axis<1>>()?.try_ln()?;
-                        let c = x.tanh().sum::<Rank0, _>();
-                        Ok(a)
-                    }
-                }
-            },
-        )
-        .to_string()
-        .replace(' ', "");
-        assert!(!out.contains("compile_error"), "{out}");
+        let out = twins(&quote! {
+                let a = x.clone().softmax::<Axis<1>>().exp();
+                let b = x.clone().try_log_softmax::<Axis<1>>()?.try_ln()?;
+                let c = x.tanh().sum::<Rank0, _>();
+                Ok(a)
+        });
         // the twins of 16-bit storage (the emulated bf16 one, f32 storage, runs them as written)
         let twins = super::PRECISIONS
             .iter()
@@ -544,21 +543,9 @@ mod tests {
     /// need (kept, they would warn in the user's crate).
     #[test]
     fn an_activations_parenthesised_receiver_is_its_argument_without_them() {
-        let out = super::expand(
-            quote!(),
-            quote! {
-                impl<E: Dtype, D: Device<E>> Module<Tensor<Rank1<3>, E, D>> for Net<E, D> {
-                    type Output = Tensor<Rank1<3>, E, D>;
-                    type Error = D::Err;
-                    fn try_forward(&self, x: Tensor<Rank1<3>, E, D>) -> Result<Self::Output, D::Err> {
-                        ((x.clone() + x)).try_relu()
-                    }
-                }
-            },
-        )
-        .to_string()
-        .replace(' ', "");
-        assert!(!out.contains("compile_error"), "{out}");
+        let out = twins(&quote! {
+                ((x.clone() + x)).try_relu()
+        });
         assert_eq!(out.matches("nn::ReLU,{use").count(), 3, "{out}");
         assert!(!out.contains("nn::ReLU,("), "{out}");
     }

@@ -200,19 +200,20 @@ macro_rules! layers {
             type Working = Self;
         }
         // dfdx's `LeakyReLU` as mpx's: the master's f32 slope, the product in f32, rounded once
-        impl HalfLayers<$h> for dfdx::nn::modules::LeakyReLU<f32> {
-            type Working = $in<crate::nn::LeakyReLU>;
-            fn finish(&self, working: &mut Self::Working, _: &Linker) {
-                $get(working).0 = self.0;
-            }
-        }
-        impl HalfLayers<$h> for crate::nn::LeakyReLU {
-            type Working = $in<crate::nn::LeakyReLU>;
-            fn finish(&self, working: &mut Self::Working, _: &Linker) {
-                $get(working).0 = self.0;
-            }
-        }
+        leaky_relu!($h, $in, $get: dfdx::nn::modules::LeakyReLU<f32>, crate::nn::LeakyReLU);
     };
+}
+
+/// dfdx's `LeakyReLU` and mpx's (`$m`) as mpx's, its slope the master's.
+macro_rules! leaky_relu {
+    ($h:ty, $in:ident, $get:ident: $($m:ty),+) => {$(
+        impl HalfLayers<$h> for $m {
+            type Working = $in<crate::nn::LeakyReLU>;
+            fn finish(&self, working: &mut Self::Working, _: &Linker) {
+                $get(working).0 = self.0;
+            }
+        }
+    )+};
 }
 
 /// Layers run in an f32 region ([`InF32`](crate::nn::InF32)): those on autocast's float32 list,
@@ -346,21 +347,6 @@ where
     }
 }
 
-/// A residual maps its inner model, and is mpx's [`Residual`](crate::nn::Residual): the add in
-/// vector passes on f16 tensors.
-impl<H: Precision, F: HalfLayers<H>> HalfLayers<H> for Residual<F>
-where
-    Cpu: Device<H::Elem>,
-    Residual<F>: MasterModel,
-    crate::nn::Residual<F::Working>:
-        TensorCollection<H::Elem, Cpu, To<H::Elem, Cpu> = crate::nn::Residual<F::Working>>,
-{
-    type Working = crate::nn::Residual<F::Working>;
-    fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
-        Ok(crate::nn::Residual(self.0.build_working(cx)?))
-    }
-}
-
 /// A generalized residual maps both of its branches, and is mpx's
 /// [`GeneralizedResidual`](crate::nn::GeneralizedResidual) (the add as a residual's).
 impl<H: Precision, F: HalfLayers<H>, R: HalfLayers<H>> HalfLayers<H> for GeneralizedResidual<F, R>
@@ -382,8 +368,9 @@ where
     }
 }
 
-/// `AddInto` and `SplitInto` map their tuple of branches; `AddInto` is mpx's
-/// [`AddInto`](crate::nn::AddInto) (its adds as a residual's).
+/// `Residual`, `AddInto` and `SplitInto` map what they hold; the two that add are mpx's
+/// [`Residual`](crate::nn::Residual) and [`AddInto`](crate::nn::AddInto) (the add of two f16
+/// tensors in vector passes).
 macro_rules! branches {
     ($($c:ident => $($w:ident)::+),*) => {$(
         impl<H: Precision, T: HalfLayers<H>> HalfLayers<H> for $c<T>
@@ -400,7 +387,7 @@ macro_rules! branches {
         }
     )*};
 }
-branches!(AddInto => crate::nn::AddInto, SplitInto => SplitInto);
+branches!(Residual => crate::nn::Residual, AddInto => crate::nn::AddInto, SplitInto => SplitInto);
 
 /// Tuples map element by element.
 macro_rules! tuple {
