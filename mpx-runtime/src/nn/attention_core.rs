@@ -17,9 +17,10 @@
 
 use dfdx::shapes::{Const, Dim, HasShape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::Device;
 use mpx_kernels::gemm;
 
+use super::contiguous::contiguous;
 use super::half_ops::{accumulate, grad_slice, narrow, shape_err, view, widen};
 use super::scratch;
 use crate::precision::Precision;
@@ -44,9 +45,9 @@ where
     S2: Dim,
     T: Tape<E, Cpu>,
 {
-    let (q, tq) = q.try_contiguous()?.split_tape();
-    let (k, tk) = k.try_contiguous()?.split_tape();
-    let (v, tv) = v.try_contiguous()?.split_tape();
+    let (q, tq) = contiguous(q)?.split_tape();
+    let (k, tk) = contiguous(k)?.split_tape();
+    let (v, tv) = contiguous(v)?.split_tape();
     let mut tape = tq.merge(tk).merge(tv);
     let (b, s1, _) = *q.shape();
     let (nb, n1, n2) = (b.size(), s1.size(), k.shape().1.size());

@@ -10,9 +10,9 @@
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::ReshapeTo;
 use half::f16;
 
+use super::contiguous::contiguous;
 use super::half_ops::{accumulate, grad_slice, widen};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
@@ -104,9 +104,9 @@ where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let (a, a_tape) = a.try_contiguous()?.split_tape();
+    let (a, a_tape) = contiguous(a)?.split_tape();
     let (b, b_tape) = b.split_tape();
-    let (b, copy_tape) = b.put_tape(LT::default()).try_contiguous()?.split_tape();
+    let (b, copy_tape) = contiguous(b.put_tape(LT::default()))?.split_tape();
     Ok((a, b, a_tape.merge(b_tape).merge(copy_tape)))
 }
 

@@ -4,12 +4,13 @@
 
 use dfdx::shapes::{Dtype, HasShape, Rank1, Rank2, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::Device;
 use mpx_kernels::{
     Activation, KernelError, MatRef, ReluMask, add_f32_into, bias_act_into, gemm,
     relu_mask_bias_grad_f16, relu_mask_bias_grad_f32,
 };
 
+use super::contiguous::contiguous;
 use super::half_ops::{grad_slice, read, relu_mask_of, round_in_place, shape_err};
 use super::scratch;
 use crate::master::link::Link;
@@ -118,7 +119,7 @@ where
     Sy: Shape,
     T: Tape<E, Cpu>,
 {
-    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let (x, mut tape) = contiguous(x)?.split_tape();
     let rows = x.shape().num_elements() / I;
     let (xv, wv) = (read(&x), read(weight));
     let mut b32 = scratch::take::<f32>(O);

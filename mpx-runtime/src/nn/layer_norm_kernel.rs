@@ -14,6 +14,7 @@ use dfdx::shapes::{HasShape, Rank1, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::{Device, ReshapeTo};
 
+use super::contiguous::contiguous;
 use super::half_ops::{accumulate, grad_slice, narrow, widen};
 use super::scratch;
 use crate::precision::Precision;
@@ -34,7 +35,7 @@ where
     S: Shape,
     T: Tape<E, Cpu>,
 {
-    let (a, mut tape) = a.try_contiguous()?.split_tape();
+    let (a, mut tape) = contiguous(a)?.split_tape();
     let b = b.map(ReshapeTo::try_contiguous).transpose()?;
     let mut z = widen(&a);
     if let Some(b) = &b {

@@ -39,6 +39,7 @@
 mod attention_core;
 pub(crate) mod binary;
 mod cast;
+mod contiguous;
 mod convert;
 mod decoder;
 pub(crate) mod dfdx_linear;

@@ -5,8 +5,9 @@
 use dfdx::nn::{Module, NonMutableModule, ZeroSizedModule};
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::Device;
 
+use super::contiguous::contiguous;
 use super::half_ops::{grad_slice, relu_mask_of, shape_err};
 use super::mixed::MixedModule;
 use super::scratch;
@@ -91,7 +92,7 @@ where
     Cpu: Device<E>,
 {
     // contiguous on its own tape (dfdx's op): the gradient below is laid out as the values
-    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let (x, mut tape) = contiguous(x)?.split_tape();
     let shape = *x.shape();
     let n = shape.num_elements();
     let mut y = vec![E::default(); n];

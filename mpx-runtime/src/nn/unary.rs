@@ -7,8 +7,9 @@
 use dfdx::nn::{Module, NonMutableModule, ZeroSizedModule};
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::Device;
 
+use super::contiguous::contiguous;
 use super::half_ops::grad_slice;
 use super::mixed::MixedModule;
 use super::scratch::{self, CHUNK};
@@ -158,7 +159,7 @@ where
     Cpu: Device<P::Elem>,
 {
     // contiguous on its own tape (dfdx's op): the gradient below is laid out as the values
-    let (x, mut tape) = x.try_contiguous()?.split_tape();
+    let (x, mut tape) = contiguous(x)?.split_tape();
     let shape = *x.shape();
     let n = shape.num_elements();
     let mut xs = scratch::take::<P::Elem>(n);
