@@ -2,13 +2,13 @@
 //! `tests/real_code/` as their authors wrote them (dfdx's MNIST, DQN and PPO examples, its
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, one with weight tensors of its own, one
-//! written as dense layers by hand (biases broadcast), a hand-unrolled RNN (a module of the
-//! user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of dfdx's that mpx
-//! keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with `LeakyReLU`, one with a
-//! residual block, a token model (an embedding table) and an MLP with batch norms in training
-//! mode. Each row runs one call of the loop in f32 and in mixed f16 in interleaved rounds (one of
-//! each per round, so a busy neighbour slows both alike) and reports the medians and their
-//! ratio; the last line is the median ratio.
+//! written as dense layers by hand (biases broadcast), one with scalar ops, a hand-unrolled RNN
+//! (a module of the user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of
+//! dfdx's that mpx keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with
+//! `LeakyReLU`, one with a residual block, a token model (an embedding table) and an MLP with
+//! batch norms in training mode. Each row runs one call of the loop in f32 and in mixed f16 in
+//! interleaved rounds (one of each per round, so a busy neighbour slows both alike) and reports
+//! the medians and their ratio; the last line is the median ratio.
 //!
 //! ```text
 //! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2]
@@ -284,6 +284,31 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>
     }
 }
 
+/// A module of the user's own with scalar ops on its activations, with the two lines: `h =
+/// relu(x·W1 * 0.5 + 0.1)`, `y = h·W2 / 2 - 0.1`.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Scaled<E: Dtype, D: Device<E>> {
+    w1: Tensor<Rank2<16, 256>, E, D>,
+    w2: Tensor<Rank2<256, 4>, E, D>,
+}
+
+weights_only!(Scaled { w1, w2 });
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>> for Scaled<E, D> {
+    type Output = Tensor<Rank2<64, 4>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let (half, shift, two) = (E::from_f32(0.5), E::from_f32(0.1), E::from_f32(2.0));
+        let (half, shift, two) = (half.unwrap(), shift.unwrap(), two.unwrap());
+        let h = (x.try_matmul(self.w1.clone())? * half + shift).try_relu()?;
+        Ok(h.try_matmul(self.w2.clone())? / two - shift)
+    }
+}
+
 /// One step of each shape, written once for f32 and once with the attribute.
 macro_rules! steps {
     ($f32:ident, $mixed:ident, ($($arg:ident: $ty:ty),*), |$m:ident, $o:ident| $body:block) => {
@@ -333,6 +358,18 @@ mod raw {
 mod dense {
     use super::*;
     pub type M = Dense<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod scaled {
+    use super::*;
+    pub type M = Scaled<f32, Cpu>;
     steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
         let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
         let v = loss.array();
@@ -750,6 +787,8 @@ fn table(rounds: usize) {
             => raw(raw::M::build(&dev); &x, &y);
         "a module of the user's own, dense layers by hand (x·W + b broadcast; 16-64-4, batch 64)"
             => dense(dense::M::build(&dev); &x, &y);
+        "a module of the user's own with scalar ops (x·W * s + t, / s; 16-256-4, batch 64)"
+            => scaled(scaled::M::build(&dev); &x, &y);
     );
     // a hand-unrolled RNN, a REINFORCE policy
     let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());

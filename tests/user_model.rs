@@ -1079,6 +1079,8 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>>
         let half = E::from_f32(0.5).unwrap();
         let y = y * half;
         let y = -y;
+        let y = (y / E::from_f32(0.8).unwrap()).try_add(half)? - half;
+        let y = y.try_div(E::from_f32(1.25).unwrap())?;
         let f = |t: Tensor<Rank2<3, 4>, E, D, T>| t.try_mul(half);
         let y = f(y)?;
         let n: usize = (0..3).map(|i| i * 2 + 1).sum();

@@ -197,9 +197,9 @@ fn twin(
 
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
 /// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
-/// the activations written as tensor methods, the element-wise `+`, `-`, `*` (and `try_add`,
-/// `try_sub`, `try_mul`) and `matmul` / `try_matmul` run as mpx's ops where their operands are
-/// half tensors.
+/// the activations written as tensor methods, the element-wise `+`, `-`, `*`, `/` (and
+/// `try_add`, `try_sub`, `try_mul`, `try_div`) and `matmul` / `try_matmul` run as mpx's ops where
+/// their operands are half tensors, or a half tensor and a scalar.
 struct Concrete<'a> {
     elem: &'a syn::Ident,
     dev: Option<&'a syn::Ident>,
@@ -354,8 +354,9 @@ impl VisitMut for Concrete<'_> {
         if self.consts > 0 {
             return;
         }
-        // the element-wise ops and the matrix product of two half tensors run as mpx's
-        // (`nn::binary`, `nn::matmul`); any other operands, as written. A method's receiver
+        // the element-wise ops and the matrix product of two half tensors (and the element-wise
+        // ops of a half tensor and a scalar) run as mpx's (`nn::binary`, `nn::matmul`); any
+        // other operands, as written. A method's receiver
         // that is a field is left alone: moving it out would not compile (and a tensor's
         // `try_add` / `matmul`, which take it by value, cannot have one there).
         let rewritten = match &*e {
@@ -364,6 +365,7 @@ impl VisitMut for Concrete<'_> {
                     syn::BinOp::Add(_) => Some("add_op"),
                     syn::BinOp::Sub(_) => Some("sub_op"),
                     syn::BinOp::Mul(_) => Some("mul_op"),
+                    syn::BinOp::Div(_) => Some("div_op"),
                     _ => None,
                 };
                 dispatch.map(|d| {
@@ -384,6 +386,7 @@ impl VisitMut for Concrete<'_> {
                     "try_add" => Some(("HalfOps", "try_add_op")),
                     "try_sub" => Some(("HalfOps", "try_sub_op")),
                     "try_mul" => Some(("HalfOps", "try_mul_op")),
+                    "try_div" => Some(("HalfOps", "try_div_op")),
                     "matmul" => Some(("HalfMatMul", "matmul_op")),
                     "try_matmul" => Some(("HalfMatMul", "try_matmul_op")),
                     _ => None,
@@ -480,7 +483,7 @@ mod tests {
         let out = twins(&quote! {
                 let n = [0u8; 2 * 3].len() + foo::<{ 4 - 1 }>();
                 let y = (x.clone() + self.b.clone()).try_matmul(self.w.clone())?;
-                Ok(y * x)
+                Ok(y * x / 2.0)
         });
         // the user's impl as written, then a twin per precision
         assert!(out.contains("[0u8;2*3]"), "{out}");
@@ -488,6 +491,8 @@ mod tests {
         assert!(out.contains(".add_op()"), "{out}");
         assert!(out.contains(".try_matmul_op()"), "{out}");
         assert!(out.contains(".mul_op()"), "{out}");
+        assert!(out.contains(".div_op()"), "{out}");
+        assert!(out.contains("__mpx_a/__mpx_b"), "{out}");
         // the operand of the product is the dispatch block itself, not a parenthesised one,
         // and each op as written follows for any other operands
         assert!(out.contains("Operands::new({use"), "{out}");

@@ -1,12 +1,13 @@
-//! `a + b`, `a - b` and `a * b` of two f16 tensors of one shape, as a `#[half_forward]` working
-//! copy runs them: in vector passes, with the same bits as dfdx's f16 ops, which convert every
-//! element through a function call (a user's RNN step spent most of its time there).
+//! `a + b`, `a - b` and `a * b` of two f16 tensors of one shape, and `a + s`, `a - s`, `a * s`,
+//! `a / s` of an f16 tensor and a scalar, as a `#[half_forward]` working copy runs them: in
+//! vector passes, with the same bits as dfdx's f16 ops, which convert every element through a
+//! function call (a user's RNN step spent most of its time there).
 //!
 //! dfdx computes each f16 result in f32 and rounds it once (`f16 + f16` is
 //! `f16::from_f32(a.to_f32() + b.to_f32())`), and accumulates a gradient the same way:
 //! `da += df/da * dy`, the product rounded to f16, then the sum. So does this op: the output
 //! `round(wide(a) op wide(b))`, and on a tape `da = round(wide(da) + wide(round(df/da * dy)))`,
-//! likewise `db`. Operands are made contiguous first (dfdx's own op, with its own backward).
+//! likewise `db`. Operands are made contiguous first ([`contiguous`]).
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
@@ -117,10 +118,103 @@ fn product<S: Shape>(d: &Tensor<S, f16, Cpu>, dy: &[f32]) -> Buf<f32> {
     for (p, &g) in p.iter_mut().zip(dy) {
         *p *= g;
     }
-    let mut rounded = scratch::take::<f16>(p.len());
-    f16::round(&p, &mut rounded);
-    f16::widen(&rounded, &mut p);
+    through_f16(&mut p);
     p
+}
+
+/// Values rounded to f16 and widened again, in place.
+fn through_f16(p: &mut [f32]) {
+    let mut rounded = scratch::take::<f16>(p.len());
+    f16::round(p, &mut rounded);
+    f16::widen(&rounded, p);
+}
+
+/// One of the four ops of a tensor and a scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ScalarOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl ScalarOp {
+    fn f(self, x: f32, s: f32) -> f32 {
+        match self {
+            ScalarOp::Add => x + s,
+            ScalarOp::Sub => x - s,
+            ScalarOp::Mul => x * s,
+            ScalarOp::Div => x / s,
+        }
+    }
+
+    /// The derivative, in f16 as dfdx computes it (`1 / s` rounded for a division).
+    fn df(self, s: f16) -> f16 {
+        match self {
+            ScalarOp::Add | ScalarOp::Sub => f16::ONE,
+            ScalarOp::Mul => s,
+            ScalarOp::Div => f16::ONE / s,
+        }
+    }
+}
+
+/// `a op s` of an f16 tensor and an f16 scalar with dfdx's f16 bits, in vector passes: the output
+/// `round(wide(a) op wide(s))`, and on a tape `da = round(wide(da) + wide(round(df * dy)))`
+/// with dfdx's constant derivative `df` (1, `s`, or `1 / s` rounded).
+pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
+    op: ScalarOp,
+    a: Tensor<S, f16, Cpu, T>,
+    s: f16,
+) -> Result<Tensor<S, f16, Cpu, T>, CpuError> {
+    let (a, mut tape) = contiguous(a)?.split_tape();
+    let shape = *a.shape();
+    let n = shape.num_elements();
+    let s32 = s.to_f32();
+    let mut y = vec![f16::ZERO; n];
+    a.copy_into(&mut y);
+    // a chunk at a time, through a buffer on the stack: one pass over the values
+    let mut wide = [0.0f32; 256];
+    for chunk in y.chunks_mut(256) {
+        let w = &mut wide[..chunk.len()];
+        f16::widen(chunk, w);
+        for x in w.iter_mut() {
+            *x = op.f(*x, s32);
+        }
+        f16::round(w, chunk);
+    }
+    let y = a.device().try_tensor_from_vec(y, shape)?;
+    if T::OWNS_TAPE {
+        let df = op.df(s);
+        let (a_id, y_id) = (a.ghost(), y.ghost());
+        drop(a);
+        tape.add_backward_op(move |grads| {
+            let mut dy = scratch::take::<f16>(n);
+            let g = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?);
+            if g.len() != n {
+                return Err(CpuError::WrongNumElements);
+            }
+            dy.copy_from_slice(g);
+            let ga = grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?);
+            if ga.len() != n {
+                return Err(CpuError::WrongNumElements);
+            }
+            let mut wide = [0.0f32; 256];
+            for (d, g) in dy.chunks(256).zip(ga.chunks_mut(256)) {
+                let w = &mut wide[..d.len()];
+                f16::widen(d, w);
+                if df != f16::ONE {
+                    let df = df.to_f32();
+                    for g in w.iter_mut() {
+                        *g *= df;
+                    }
+                    through_f16(w);
+                }
+                accumulate::<f16>(g, w)?;
+            }
+            Ok(())
+        });
+    }
+    Ok(y.put_tape(tape))
 }
 
 /// The operands of `a op b` in a `#[half_forward]` working copy's code, for the dispatch of
@@ -151,7 +245,8 @@ impl<A, B> Operands<A, B> {
     }
 }
 
-/// The ops on two f16 tensors of one shape (picked first: `(&operands).add_op()` is `Some`).
+/// The ops on two f16 tensors of one shape, or an f16 tensor and a scalar (picked first:
+/// `(&operands).add_op()` is `Some`).
 #[doc(hidden)]
 pub trait HalfOps {
     /// The op's output.
@@ -168,6 +263,14 @@ pub trait HalfOps {
     fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>>;
     /// `a.try_mul(b)`.
     fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>>;
+    /// `a / b`.
+    fn div_op(&self) -> Option<Self::Output> {
+        self.try_div_op().map(Result::unwrap)
+    }
+    /// `a.try_div(b)`: `None` (as written) unless `b` is a scalar.
+    fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        None
+    }
 }
 
 impl<S: Shape, LT, RT> HalfOps for Operands<Tensor<S, f16, Cpu, LT>, Tensor<S, f16, Cpu, RT>>
@@ -199,6 +302,41 @@ where
     }
 }
 
+/// An f16 tensor and a scalar: an f16 one, or an f32 one, which dfdx rounds to f16 first.
+macro_rules! scalar_ops {
+    ($($scalar:ty => $to_f16:expr),*) => {$(
+        impl<S: Shape, T: Tape<f16, Cpu>> HalfOps for Operands<Tensor<S, f16, Cpu, T>, $scalar> {
+            type Output = Tensor<S, f16, Cpu, T>;
+            fn add_op(&self) -> Option<Self::Output> {
+                self.try_add_op().map(Result::unwrap)
+            }
+            fn sub_op(&self) -> Option<Self::Output> {
+                self.try_sub_op().map(Result::unwrap)
+            }
+            fn mul_op(&self) -> Option<Self::Output> {
+                self.try_mul_op().map(Result::unwrap)
+            }
+            fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
+                let (a, s) = self.take();
+                Some(scalar(ScalarOp::Add, a, $to_f16(s)))
+            }
+            fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
+                let (a, s) = self.take();
+                Some(scalar(ScalarOp::Sub, a, $to_f16(s)))
+            }
+            fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
+                let (a, s) = self.take();
+                Some(scalar(ScalarOp::Mul, a, $to_f16(s)))
+            }
+            fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
+                let (a, s) = self.take();
+                Some(scalar(ScalarOp::Div, a, $to_f16(s)))
+            }
+        }
+    )*};
+}
+scalar_ops!(f16 => std::convert::identity, f32 => f16::from_f32);
+
 /// [`AsWritten`] with a `None` method per op.
 macro_rules! as_written {
     ($($method:ident),*) => {
@@ -224,6 +362,8 @@ as_written!(
     try_add_op,
     try_sub_op,
     try_mul_op,
+    div_op,
+    try_div_op,
     matmul_op,
     try_matmul_op
 );
@@ -292,6 +432,43 @@ mod tests {
         }
     }
 
+    /// A tensor and a scalar: mpx's op and dfdx's (`try_add(s)`, ..) on the same operands, the
+    /// output and the gradient bit for bit, scalars of every kind (a division by zero included).
+    #[test]
+    fn the_scalar_ops_give_dfdxs_f16_bits_forward_and_backward() {
+        use super::ScalarOp;
+        let dev = Cpu::default();
+        let n = 4 * 33;
+        let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
+            dev.tensor_from_vec(values(n, s), (Const, Const))
+        };
+        let (a, w) = (t(5), t(6));
+        for op in [ScalarOp::Add, ScalarOp::Sub, ScalarOp::Mul, ScalarOp::Div] {
+            for s in [2.5, -0.3, 0.0, 65504.0, 6e-8, -1.0] {
+                let s = f16::from_f32(s);
+                let run = |ours: bool| {
+                    let ta = a.leaky_trace();
+                    let y = if ours {
+                        super::scalar(op, ta, s).unwrap()
+                    } else {
+                        match op {
+                            ScalarOp::Add => ta.try_add(s).unwrap(),
+                            ScalarOp::Sub => ta.try_sub(s).unwrap(),
+                            ScalarOp::Mul => ta.try_mul(s).unwrap(),
+                            ScalarOp::Div => ta.try_div(s).unwrap(),
+                        }
+                    };
+                    let out = y.retaped::<NoneTape>().as_vec();
+                    let g = (y * w.clone()).sum().backward();
+                    (out, g.get(&a).as_vec())
+                };
+                let (ours, theirs) = (run(true), run(false));
+                assert_eq!(bits(&ours.0), bits(&theirs.0), "{op:?} {s} output");
+                assert_eq!(bits(&ours.1), bits(&theirs.1), "{op:?} {s} da");
+            }
+        }
+    }
+
     /// Through the dispatch: two f16 tensors (one taped, one not, as in a residual) take mpx's
     /// op and match dfdx's; anything else gives `None`, for the op as written.
     #[test]
@@ -325,5 +502,18 @@ mod tests {
         assert_eq!((l + r).array(), [2.0, 4.0]);
         let ops = Operands::new(x, 3.0f32);
         assert!((&ops).try_mul_op::<()>().is_none());
+        // an f16 tensor and a scalar, f16 or f32 (rounded to f16 as dfdx does): mpx's op; two
+        // tensors divided: as written
+        let ours = (&Operands::new(a.clone(), 0.1f32)).div_op().unwrap();
+        let theirs = a.clone().try_div(0.1f32).unwrap();
+        assert_eq!(bits(&ours.as_vec()), bits(&theirs.as_vec()));
+        let ours = (&Operands::new(a.clone(), f16::from_f32(3.0)))
+            .mul_op()
+            .unwrap();
+        assert_eq!(
+            bits(&ours.as_vec()),
+            bits(&(a.clone() * f16::from_f32(3.0)).as_vec())
+        );
+        assert!((&Operands::new(a.clone(), b.clone())).div_op().is_none());
     }
 }
