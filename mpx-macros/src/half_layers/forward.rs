@@ -198,8 +198,8 @@ fn twin(
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
 /// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
 /// the activations written as tensor methods, the element-wise `+`, `-`, `*`, `/` (and
-/// `try_add`, `try_sub`, `try_mul`, `try_div`) and `matmul` / `try_matmul` run as mpx's ops where
-/// their operands are half tensors, or a half tensor and a scalar.
+/// `try_add`, `try_sub`, `try_mul`, `try_div`), negation and `matmul` / `try_matmul` run as mpx's
+/// ops where their operands are half tensors, or a half tensor and a scalar.
 struct Concrete<'a> {
     elem: &'a syn::Ident,
     dev: Option<&'a syn::Ident>,
@@ -377,6 +377,20 @@ impl VisitMut for Concrete<'_> {
                     )
                 })
             }
+            // `-a`: the operands `(a, ())` (a literal is a number: left as written)
+            syn::Expr::Unary(u)
+                if matches!(u.op, syn::UnOp::Neg(_)) && !matches!(&*u.expr, syn::Expr::Lit(_)) =>
+            {
+                let unit: syn::Expr = syn::parse_quote!(());
+                Some(
+                    self.binary((&u.expr, &unit), ("HalfOps", "neg_op"), |x, y| {
+                        quote!({
+                            let () = #y;
+                            -#x
+                        })
+                    }),
+                )
+            }
             syn::Expr::MethodCall(m)
                 if m.args.len() == 1
                     && m.turbofish.is_none()
@@ -483,7 +497,7 @@ mod tests {
         let out = twins(&quote! {
                 let n = [0u8; 2 * 3].len() + foo::<{ 4 - 1 }>();
                 let y = (x.clone() + self.b.clone()).try_matmul(self.w.clone())?;
-                Ok(y * x / 2.0)
+                Ok(-(y * x / 2.0) - -1.0)
         });
         // the user's impl as written, then a twin per precision
         assert!(out.contains("[0u8;2*3]"), "{out}");
@@ -493,6 +507,15 @@ mod tests {
         assert!(out.contains(".mul_op()"), "{out}");
         assert!(out.contains(".div_op()"), "{out}");
         assert!(out.contains("__mpx_a/__mpx_b"), "{out}");
+        // a negation dispatches, a negative literal does not
+        assert!(out.contains(".neg_op()"), "{out}");
+        assert!(out.contains("-__mpx_a"), "{out}");
+        assert_eq!(
+            out.matches(".neg_op()").count(),
+            out.matches(".div_op()").count(),
+            "{out}"
+        );
+        assert!(!out.contains("Operands::new(1.0,())"), "{out}");
         // the operand of the product is the dispatch block itself, not a parenthesised one,
         // and each op as written follows for any other operands
         assert!(out.contains("Operands::new({use"), "{out}");

@@ -129,13 +129,14 @@ fn through_f16(p: &mut [f32]) {
     f16::widen(&rounded, p);
 }
 
-/// One of the four ops of a tensor and a scalar.
+/// One of the four ops of a tensor and a scalar, or negation (whose scalar is -1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScalarOp {
     Add,
     Sub,
     Mul,
     Div,
+    Neg,
 }
 
 impl ScalarOp {
@@ -145,6 +146,7 @@ impl ScalarOp {
             ScalarOp::Sub => x - s,
             ScalarOp::Mul => x * s,
             ScalarOp::Div => x / s,
+            ScalarOp::Neg => -x,
         }
     }
 
@@ -152,15 +154,16 @@ impl ScalarOp {
     fn df(self, s: f16) -> f16 {
         match self {
             ScalarOp::Add | ScalarOp::Sub => f16::ONE,
-            ScalarOp::Mul => s,
+            ScalarOp::Mul | ScalarOp::Neg => s,
             ScalarOp::Div => f16::ONE / s,
         }
     }
 }
 
 /// `a op s` of an f16 tensor and an f16 scalar with dfdx's f16 bits, in vector passes: the output
-/// `round(wide(a) op wide(s))`, and on a tape `da = round(wide(da) + wide(round(df * dy)))`
-/// with dfdx's constant derivative `df` (1, `s`, or `1 / s` rounded).
+/// `round(wide(a) op wide(s))` (`-a` for a negation), and on a tape
+/// `da = round(wide(da) + wide(round(df * dy)))` with dfdx's constant derivative `df` (1, `s`,
+/// or `1 / s` rounded; -1 for a negation).
 pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
     op: ScalarOp,
     a: Tensor<S, f16, Cpu, T>,
@@ -172,15 +175,22 @@ pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
     let s32 = s.to_f32();
     let mut y = vec![f16::ZERO; n];
     a.copy_into(&mut y);
-    // a chunk at a time, through a buffer on the stack: one pass over the values
-    let mut wide = [0.0f32; 256];
-    for chunk in y.chunks_mut(256) {
-        let w = &mut wide[..chunk.len()];
-        f16::widen(chunk, w);
-        for x in w.iter_mut() {
-            *x = op.f(*x, s32);
+    // a chunk at a time, through a buffer on the stack: one pass over the values (a negation
+    // flips the sign bit, as dfdx's does, NaN payloads included)
+    if op == ScalarOp::Neg {
+        for v in &mut y {
+            *v = -*v;
         }
-        f16::round(w, chunk);
+    } else {
+        let mut wide = [0.0f32; 256];
+        for chunk in y.chunks_mut(256) {
+            let w = &mut wide[..chunk.len()];
+            f16::widen(chunk, w);
+            for x in w.iter_mut() {
+                *x = op.f(*x, s32);
+            }
+            f16::round(w, chunk);
+        }
     }
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if T::OWNS_TAPE {
@@ -245,30 +255,46 @@ impl<A, B> Operands<A, B> {
     }
 }
 
-/// The ops on two f16 tensors of one shape, or an f16 tensor and a scalar (picked first:
-/// `(&operands).add_op()` is `Some`).
+/// The ops on two f16 tensors of one shape, an f16 tensor and a scalar, or an f16 tensor alone
+/// (picked first: `(&operands).add_op()`; each op's `None`, its default, runs it as written).
 #[doc(hidden)]
 pub trait HalfOps {
     /// The op's output.
     type Output;
     /// `a + b`.
-    fn add_op(&self) -> Option<Self::Output>;
+    fn add_op(&self) -> Option<Self::Output> {
+        self.try_add_op().map(Result::unwrap)
+    }
     /// `a - b`.
-    fn sub_op(&self) -> Option<Self::Output>;
+    fn sub_op(&self) -> Option<Self::Output> {
+        self.try_sub_op().map(Result::unwrap)
+    }
     /// `a * b`.
-    fn mul_op(&self) -> Option<Self::Output>;
-    /// `a.try_add(b)`.
-    fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>>;
-    /// `a.try_sub(b)`.
-    fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>>;
-    /// `a.try_mul(b)`.
-    fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>>;
+    fn mul_op(&self) -> Option<Self::Output> {
+        self.try_mul_op().map(Result::unwrap)
+    }
     /// `a / b`.
     fn div_op(&self) -> Option<Self::Output> {
         self.try_div_op().map(Result::unwrap)
     }
-    /// `a.try_div(b)`: `None` (as written) unless `b` is a scalar.
+    /// `a.try_add(b)`.
+    fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        None
+    }
+    /// `a.try_sub(b)`.
+    fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        None
+    }
+    /// `a.try_mul(b)`.
+    fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        None
+    }
+    /// `a.try_div(b)`.
     fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        None
+    }
+    /// `-a` (the operands `(a, ())`).
+    fn neg_op(&self) -> Option<Self::Output> {
         None
     }
 }
@@ -279,15 +305,6 @@ where
     RT: Tape<f16, Cpu>,
 {
     type Output = Tensor<S, f16, Cpu, LT>;
-    fn add_op(&self) -> Option<Self::Output> {
-        self.try_add_op().map(Result::unwrap)
-    }
-    fn sub_op(&self) -> Option<Self::Output> {
-        self.try_sub_op().map(Result::unwrap)
-    }
-    fn mul_op(&self) -> Option<Self::Output> {
-        self.try_mul_op().map(Result::unwrap)
-    }
     fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
         Some(binary(Op::Add, a, b))
@@ -307,15 +324,6 @@ macro_rules! scalar_ops {
     ($($scalar:ty => $to_f16:expr),*) => {$(
         impl<S: Shape, T: Tape<f16, Cpu>> HalfOps for Operands<Tensor<S, f16, Cpu, T>, $scalar> {
             type Output = Tensor<S, f16, Cpu, T>;
-            fn add_op(&self) -> Option<Self::Output> {
-                self.try_add_op().map(Result::unwrap)
-            }
-            fn sub_op(&self) -> Option<Self::Output> {
-                self.try_sub_op().map(Result::unwrap)
-            }
-            fn mul_op(&self) -> Option<Self::Output> {
-                self.try_mul_op().map(Result::unwrap)
-            }
             fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
                 Some(scalar(ScalarOp::Add, a, $to_f16(s)))
@@ -336,6 +344,15 @@ macro_rules! scalar_ops {
     )*};
 }
 scalar_ops!(f16 => std::convert::identity, f32 => f16::from_f32);
+
+/// An f16 tensor alone: its negation.
+impl<S: Shape, T: Tape<f16, Cpu>> HalfOps for Operands<Tensor<S, f16, Cpu, T>, ()> {
+    type Output = Tensor<S, f16, Cpu, T>;
+    fn neg_op(&self) -> Option<Self::Output> {
+        let (a, ()) = self.take();
+        Some(scalar(ScalarOp::Neg, a, f16::NEG_ONE).unwrap())
+    }
+}
 
 /// [`AsWritten`] with a `None` method per op.
 macro_rules! as_written {
@@ -364,6 +381,7 @@ as_written!(
     try_mul_op,
     div_op,
     try_div_op,
+    neg_op,
     matmul_op,
     try_matmul_op
 );
@@ -432,8 +450,9 @@ mod tests {
         }
     }
 
-    /// A tensor and a scalar: mpx's op and dfdx's (`try_add(s)`, ..) on the same operands, the
-    /// output and the gradient bit for bit, scalars of every kind (a division by zero included).
+    /// A tensor and a scalar: mpx's op and dfdx's (`try_add(s)`, .., and `-a`) on the same
+    /// operands, the output and the gradient bit for bit, scalars of every kind (a division by
+    /// zero included).
     #[test]
     fn the_scalar_ops_give_dfdxs_f16_bits_forward_and_backward() {
         use super::ScalarOp;
@@ -443,8 +462,20 @@ mod tests {
             dev.tensor_from_vec(values(n, s), (Const, Const))
         };
         let (a, w) = (t(5), t(6));
-        for op in [ScalarOp::Add, ScalarOp::Sub, ScalarOp::Mul, ScalarOp::Div] {
-            for s in [2.5, -0.3, 0.0, 65504.0, 6e-8, -1.0] {
+        let ops = [
+            ScalarOp::Add,
+            ScalarOp::Sub,
+            ScalarOp::Mul,
+            ScalarOp::Div,
+            ScalarOp::Neg,
+        ];
+        for op in ops {
+            let scalars: &[f32] = if op == ScalarOp::Neg {
+                &[-1.0]
+            } else {
+                &[2.5, -0.3, 0.0, 65504.0, 6e-8, -1.0]
+            };
+            for &s in scalars {
                 let s = f16::from_f32(s);
                 let run = |ours: bool| {
                     let ta = a.leaky_trace();
@@ -456,6 +487,7 @@ mod tests {
                             ScalarOp::Sub => ta.try_sub(s).unwrap(),
                             ScalarOp::Mul => ta.try_mul(s).unwrap(),
                             ScalarOp::Div => ta.try_div(s).unwrap(),
+                            ScalarOp::Neg => -ta,
                         }
                     };
                     let out = y.retaped::<NoneTape>().as_vec();
@@ -515,5 +547,9 @@ mod tests {
             bits(&(a.clone() * f16::from_f32(3.0)).as_vec())
         );
         assert!((&Operands::new(a.clone(), b.clone())).div_op().is_none());
+        // a tensor alone: its negation; a number alone: as written
+        let ours = (&Operands::new(a.clone(), ())).neg_op().unwrap();
+        assert_eq!(bits(&ours.as_vec()), bits(&(-a.clone()).as_vec()));
+        assert!((&Operands::new(2.0f32, ())).neg_op::<f32>().is_none());
     }
 }
