@@ -2,8 +2,8 @@
 //! `tests/real_code/` as their authors wrote them (dfdx's MNIST, DQN and PPO examples, its
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, one with weight tensors of its own, one
-//! written as dense layers by hand (biases broadcast), one with scalar ops, a hand-unrolled RNN
-//! (a module of the user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of
+//! written as dense layers by hand (biases broadcast), one with scalar ops, attention written by
+//! hand over sequences (batched products), a hand-unrolled RNN (a module of the user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of
 //! dfdx's that mpx keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with
 //! `LeakyReLU`, one with a residual block, a token model (an embedding table) and an MLP with
 //! batch norms in training mode. Each row runs one call of the loop in f32 and in mixed f16 in
@@ -309,6 +309,49 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 16>, E, D, OwnedTape<E, D>>
     }
 }
 
+/// A module of the user's own over sequences, with the two lines: one head of attention written
+/// by hand, `softmax(q·kᵀ * 0.25)·v` with `q = x·Wq`, `k = x·Wk`, `v = x·Wv` (batched products),
+/// then `·Wo`.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Attend<E: Dtype, D: Device<E>> {
+    wq: Tensor<Rank2<32, 16>, E, D>,
+    wk: Tensor<Rank2<32, 16>, E, D>,
+    wv: Tensor<Rank2<32, 16>, E, D>,
+    wo: Tensor<Rank2<16, 4>, E, D>,
+}
+
+weights_only!(Attend { wq, wk, wv, wo });
+
+type Tokens<E, T> = Tensor<Rank3<8, 16, 32>, E, Cpu, T>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank3<8, 16, 32>, E, D, OwnedTape<E, D>>>
+    for Attend<E, D>
+{
+    type Output = Tensor<Rank3<8, 16, 4>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank3<8, 16, 32>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let (x, tape) = x.split_tape();
+        let q = x.clone().put_tape(tape).try_matmul(self.wq.clone())?;
+        let (q, tape) = q.split_tape();
+        let k = x.clone().put_tape(tape).try_matmul(self.wk.clone())?;
+        let (k, tape) = k.split_tape();
+        let v = x.put_tape(tape).try_matmul(self.wv.clone())?;
+        let (v, tape) = v.split_tape();
+        let quarter = E::from_f32(0.25).unwrap();
+        let scores = q
+            .put_tape(tape)
+            .try_matmul(k.permute::<_, Axes3<0, 2, 1>>())?
+            * quarter;
+        let (scores, tape) = scores.split_tape();
+        let weights = scores.put_tape(tape).try_softmax::<Axis<2>>()?;
+        weights.try_matmul(v)?.try_matmul(self.wo.clone())
+    }
+}
+
 /// One step of each shape, written once for f32 and once with the attribute.
 macro_rules! steps {
     ($f32:ident, $mixed:ident, ($($arg:ident: $ty:ty),*), |$m:ident, $o:ident| $body:block) => {
@@ -371,6 +414,18 @@ mod scaled {
     use super::*;
     pub type M = Scaled<f32, Cpu>;
     steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
+        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod attend {
+    use super::*;
+    pub type M = Attend<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tokens<f32, NoneTape>, y: &Tensor<Rank3<8, 16, 4>, f32, Cpu>), |model, opt| {
         let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
         let v = loss.array();
         let grads = loss.backward();
@@ -789,6 +844,12 @@ fn table(rounds: usize) {
             => dense(dense::M::build(&dev); &x, &y);
         "a module of the user's own with scalar ops (x·W * s + t, / s; 16-256-4, batch 64)"
             => scaled(scaled::M::build(&dev); &x, &y);
+    );
+    let tokens: Tokens<f32, NoneTape> = dev.sample_normal();
+    let y: Tensor<Rank3<8, 16, 4>, f32, Cpu> = dev.sample_normal();
+    adam_rows!(rows, rounds * 20;
+        "a module of the user's own over sequences: attention by hand (batched matmuls; 8x16x32, one head of 16)"
+            => attend(attend::M::build(&dev); &tokens, &y);
     );
     // a hand-unrolled RNN, a REINFORCE policy
     let xs: [Seq<f32>; 4] = std::array::from_fn(|_| dev.sample_normal());

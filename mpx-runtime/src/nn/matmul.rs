@@ -1,9 +1,10 @@
-//! `a.matmul(b)` of two f16 matrices, as a `#[half_forward]` working copy runs it: on mpx's GEMM,
-//! the sums in f32 and rounded once to f16 (as mpx's `Linear` computes `x·Wᵀ`), where dfdx's f16
-//! matmul ran on dfdx's scalar f16 path. The gradients likewise: `dA += dY·Bᵀ` and
+//! `a.matmul(b)` of two f16 matrices, or batches of them in dfdx's shapes (`(B, M, K)` by
+//! `(K, N)` or `(B, K, N)`, `(B, S, M, K)` by `(B, S, K, N)`), as a `#[half_forward]` working copy
+//! runs it: on mpx's GEMM, the sums in f32 and rounded once to f16 (as mpx's `Linear` computes
+//! `x·Wᵀ`), where dfdx's f16 matmul ran on dfdx's scalar f16 path. The gradients likewise: `dA += dY·Bᵀ` and
 //! `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
 
-use dfdx::shapes::{Dim, HasShape};
+use dfdx::shapes::{Dim, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 use mpx_kernels::{MatRef, gemm};
@@ -18,52 +19,76 @@ fn mat(v: &[f16], r: usize, c: usize) -> Result<MatRef<'_>, CpuError> {
     MatRef::row_major_f16(v, r, c).map_err(shape_err)
 }
 
-/// `a · b` for `a` of `m x k` and `b` of `k x n` f16 values (see the [module docs](self)).
-fn matmul<M: Dim, K: Dim, N: Dim, LT, RT>(
-    a: Tensor<(M, K), f16, Cpu, LT>,
-    b: Tensor<(K, N), f16, Cpu, RT>,
-) -> Result<Tensor<(M, N), f16, Cpu, LT>, CpuError>
+/// The sizes of a (batched) product: `batch` products of an `m x k` matrix of `a` by a `k x n`
+/// one of `b`, each matrix contiguous after the last. A `b` shared by a batch of `a`s is one
+/// product of the stacked rows (`batch` 1, `m` the rows of all of them).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+/// `a · b` of f16 values in `dims`' products, with the output's shape `out` (see the [module
+/// docs](self)).
+fn matmul<SA: Shape, SB: Shape, SY: Shape, LT, RT>(
+    a: Tensor<SA, f16, Cpu, LT>,
+    b: Tensor<SB, f16, Cpu, RT>,
+    dims: Dims,
+    out: SY,
+) -> Result<Tensor<SY, f16, Cpu, LT>, CpuError>
 where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
+    let Dims { batch, m, k, n } = dims;
     let (a, b, mut tape) = contiguous_pair(a, b)?;
-    let (m, k) = (a.shape().0.size(), a.shape().1.size());
-    let n = b.shape().1.size();
-    if b.shape().0.size() != k {
-        return Err(CpuError::WrongNumElements);
-    }
     let (av, bv) = (read(&a), read(&b));
-    let mut sums = scratch::take::<f32>(m * n);
-    gemm(mat(&av, m, k)?, mat(&bv, k, n)?, &mut sums, false).map_err(shape_err)?;
-    let mut y = vec![f16::ZERO; m * n];
+    let (a_at, b_at, y_at) = (
+        move |i: usize| i * m * k,
+        move |i: usize| i * k * n,
+        move |i: usize| i * m * n,
+    );
+    let mut sums = scratch::take::<f32>(batch * m * n);
+    for i in 0..batch {
+        let (x, w) = (mat(&av[a_at(i)..], m, k)?, mat(&bv[b_at(i)..], k, n)?);
+        gemm(x, w, &mut sums[y_at(i)..y_at(i + 1)], false).map_err(shape_err)?;
+    }
+    let mut y = vec![f16::ZERO; batch * m * n];
     f16::round(&sums, &mut y);
     drop(sums);
-    let y = a
-        .device()
-        .try_tensor_from_vec(y, (a.shape().0, b.shape().1))?;
+    let y = a.device().try_tensor_from_vec(y, out)?;
     if LT::OWNS_TAPE {
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
         drop((a, b));
         tape.add_backward_op(move |grads| {
             // copied: the operands' entries are written while it is read
-            let mut dy = scratch::take::<f16>(m * n);
+            let mut dy = scratch::take::<f16>(batch * m * n);
             dy.copy_from_slice(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
-            let mut sums = scratch::take::<f32>(m * k);
             // dA = dY · Bᵀ
-            gemm(mat(&dy, m, n)?, mat(&bv, k, n)?.t(), &mut sums, false).map_err(shape_err)?;
+            let mut sums = scratch::take::<f32>(batch * m * k);
+            for i in 0..batch {
+                let (g, w) = (mat(&dy[y_at(i)..], m, n)?, mat(&bv[b_at(i)..], k, n)?.t());
+                gemm(g, w, &mut sums[a_at(i)..a_at(i + 1)], false).map_err(shape_err)?;
+            }
             accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &sums)?;
             // dB = Aᵀ · dY
-            let mut sums = scratch::take::<f32>(k * n);
-            gemm(mat(&av, m, k)?.t(), mat(&dy, m, n)?, &mut sums, false).map_err(shape_err)?;
+            let mut sums = scratch::take::<f32>(batch * k * n);
+            for i in 0..batch {
+                let (x, g) = (mat(&av[a_at(i)..], m, k)?.t(), mat(&dy[y_at(i)..], m, n)?);
+                gemm(x, g, &mut sums[b_at(i)..b_at(i + 1)], false).map_err(shape_err)?;
+            }
             accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &sums)
         });
     }
     Ok(y.put_tape(tape))
 }
 
-/// `matmul` / `try_matmul` of two f16 matrices (picked first: `(&operands).matmul_op()` is
-/// `Some`; any other operands take [`AsWritten`](super::binary::AsWritten)'s `None`).
+/// `matmul` / `try_matmul` of f16 tensors in dfdx's matrix shapes (picked first:
+/// `(&operands).matmul_op()` is `Some`; any other operands take
+/// [`AsWritten`](super::binary::AsWritten)'s `None`).
 #[doc(hidden)]
 pub trait HalfMatMul {
     /// The product.
@@ -74,19 +99,78 @@ pub trait HalfMatMul {
     fn try_matmul_op(&self) -> Option<Result<Self::Output, CpuError>>;
 }
 
-impl<M: Dim, K: Dim, N: Dim, LT, RT> HalfMatMul
-    for Operands<Tensor<(M, K), f16, Cpu, LT>, Tensor<(K, N), f16, Cpu, RT>>
+impl<SA, SB, LT, RT> HalfMatMul for Operands<Tensor<SA, f16, Cpu, LT>, Tensor<SB, f16, Cpu, RT>>
 where
+    SA: Products<SB>,
+    SB: Shape,
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    type Output = Tensor<(M, N), f16, Cpu, LT>;
+    type Output = Tensor<SA::Out, f16, Cpu, LT>;
     fn matmul_op(&self) -> Option<Self::Output> {
         self.try_matmul_op().map(Result::unwrap)
     }
     fn try_matmul_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        Some(matmul(a, b))
+        let (dims, agree, out) = a.shape().products(b.shape());
+        if !agree {
+            return Some(Err(CpuError::WrongNumElements));
+        }
+        Some(matmul(a, b, dims, out))
+    }
+}
+
+/// A pair of shapes dfdx multiplies as matrices (`Self` by `SB`): the products, whether the
+/// sizes agree (dfdx asserts that they do), and the output's shape.
+#[doc(hidden)]
+pub trait Products<SB>: Shape {
+    /// The output's shape.
+    type Out: Shape;
+    /// See the [trait docs](Products).
+    fn products(&self, b: &SB) -> (Dims, bool, Self::Out);
+}
+
+impl<M: Dim, K: Dim, N: Dim> Products<(K, N)> for (M, K) {
+    type Out = (M, N);
+    fn products(&self, b: &(K, N)) -> (Dims, bool, (M, N)) {
+        let (m, k, n) = (self.0.size(), self.1.size(), b.1.size());
+        (Dims { batch: 1, m, k, n }, b.0.size() == k, (self.0, b.1))
+    }
+}
+
+/// A `b` shared by the batch: one product of the stacked rows.
+impl<B: Dim, M: Dim, K: Dim, N: Dim> Products<(K, N)> for (B, M, K) {
+    type Out = (B, M, N);
+    fn products(&self, b: &(K, N)) -> (Dims, bool, (B, M, N)) {
+        let (m, k, n) = (self.0.size() * self.1.size(), self.2.size(), b.1.size());
+        (
+            Dims { batch: 1, m, k, n },
+            b.0.size() == k,
+            (self.0, self.1, b.1),
+        )
+    }
+}
+
+impl<B: Dim, M: Dim, K: Dim, N: Dim> Products<(B, K, N)> for (B, M, K) {
+    type Out = (B, M, N);
+    fn products(&self, b: &(B, K, N)) -> (Dims, bool, (B, M, N)) {
+        let (batch, m, k, n) = (self.0.size(), self.1.size(), self.2.size(), b.2.size());
+        let agree = b.0.size() == batch && b.1.size() == k;
+        (Dims { batch, m, k, n }, agree, (self.0, self.1, b.2))
+    }
+}
+
+impl<B: Dim, S: Dim, M: Dim, K: Dim, N: Dim> Products<(B, S, K, N)> for (B, S, M, K) {
+    type Out = (B, S, M, N);
+    fn products(&self, b: &(B, S, K, N)) -> (Dims, bool, (B, S, M, N)) {
+        let batch = self.0.size() * self.1.size();
+        let (m, k, n) = (self.2.size(), self.3.size(), b.3.size());
+        let agree = b.0.size() == self.0.size() && b.1.size() == self.1.size() && b.2.size() == k;
+        (
+            Dims { batch, m, k, n },
+            agree,
+            (self.0, self.1, self.2, b.3),
+        )
     }
 }
 
@@ -157,5 +241,103 @@ mod tests {
         // f32 operands: `None`, for dfdx's matmul as written
         let ops = Operands::new(a32, b32);
         assert!((&ops).matmul_op::<()>().is_none());
+    }
+
+    /// `y`, `dA` and `dB` of `sum(y * w)` for `batch` products `m x k` by `k x n`, in f64 from the
+    /// f16 values (flattened); `shared`: one `b` for every product, its gradient summed over them.
+    fn reference(
+        (a, b, w): (&[f16], &[f16], &[f16]),
+        (batch, m, k, n): (usize, usize, usize, usize),
+        shared: bool,
+    ) -> [Vec<f64>; 3] {
+        let f = |v: f16| f64::from(v.to_f32());
+        let (mut y, mut da) = (vec![0.0; batch * m * n], vec![0.0; batch * m * k]);
+        let mut db = vec![0.0; if shared { k * n } else { batch * k * n }];
+        for t in 0..batch {
+            let bt = if shared { 0 } else { t };
+            for i in 0..m {
+                for p in 0..k {
+                    for j in 0..n {
+                        let (ai, bi, yi) = (
+                            (t * m + i) * k + p,
+                            (bt * k + p) * n + j,
+                            (t * m + i) * n + j,
+                        );
+                        y[yi] += f(a[ai]) * f(b[bi]);
+                        da[ai] += f(w[yi]) * f(b[bi]);
+                        db[bi] += f(a[ai]) * f(w[yi]);
+                    }
+                }
+            }
+        }
+        [y, da, db]
+    }
+
+    /// mpx's product of `a` and `b` (both traced) and its gradients under `w`, against
+    /// [`reference`]: each within one f16 rounding of its f64 value.
+    #[allow(
+        clippy::needless_borrow,
+        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+    )]
+    fn check<SA, SB, SY>(
+        a: &Tensor<SA, f16, Cpu>,
+        b: &Tensor<SB, f16, Cpu>,
+        w: &Tensor<SY, f16, Cpu>,
+        dims: (usize, usize, usize, usize),
+        shared: bool,
+    ) where
+        SA: super::Products<SB, Out = SY>,
+        SB: Shape,
+        SY: Shape,
+    {
+        let y = (&Operands::new(a.leaky_trace(), b.leaky_trace()))
+            .try_matmul_op()
+            .expect("f16 operands take mpx's product")
+            .unwrap();
+        let yv = y.retaped::<NoneTape>().as_vec();
+        let g = (y * w.clone()).sum().backward();
+        let got = [yv, g.get(a).as_vec(), g.get(b).as_vec()];
+        let want = reference((&a.as_vec(), &b.as_vec(), &w.as_vec()), dims, shared);
+        for ((got, want), what) in got.iter().zip(&want).zip(["y", "dA", "dB"]) {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (g, w) in got.iter().zip(want) {
+                let tol = w.abs() * 2f64.powi(-10) + 1e-6;
+                assert!(
+                    (f64::from(g.to_f32()) - w).abs() <= tol,
+                    "{what}: {g} against {w}"
+                );
+            }
+        }
+    }
+
+    /// The batched shapes dfdx multiplies: `(B, M, K)` by a shared `(K, N)` and by `(B, K, N)`,
+    /// `(B, S, M, K)` by `(B, S, K, N)`; batches whose sizes disagree are errors, as dfdx's
+    /// asserts are.
+    #[test]
+    #[allow(
+        clippy::needless_borrow,
+        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+    )]
+    fn batched_products_and_their_gradients_match_an_f64_reference() {
+        let dev = Cpu::seed_from_u64(9);
+        let a: Tensor<Rank3<3, 4, 5>, f16, Cpu> = dev.sample_normal();
+        let w: Tensor<Rank3<3, 4, 6>, f16, Cpu> = dev.sample_normal();
+        let b: Tensor<Rank2<5, 6>, f16, Cpu> = dev.sample_normal();
+        check(&a, &b, &w, (3, 4, 5, 6), true);
+        let b: Tensor<Rank3<3, 5, 6>, f16, Cpu> = dev.sample_normal();
+        check(&a, &b, &w, (3, 4, 5, 6), false);
+        let a: Tensor<Rank4<2, 3, 4, 5>, f16, Cpu> = dev.sample_normal();
+        let b: Tensor<Rank4<2, 3, 5, 6>, f16, Cpu> = dev.sample_normal();
+        let w: Tensor<Rank4<2, 3, 4, 6>, f16, Cpu> = dev.sample_normal();
+        check(&a, &b, &w, (6, 4, 5, 6), false);
+        // run-time batches that disagree
+        let a: Tensor<(usize, Const<2>, Const<3>), f16, Cpu> =
+            dev.sample_normal_like(&(2, Const, Const));
+        let b: Tensor<(usize, Const<3>, Const<2>), f16, Cpu> =
+            dev.sample_normal_like(&(3, Const, Const));
+        let r = (&Operands::new(a.leaky_trace(), b))
+            .try_matmul_op()
+            .unwrap();
+        assert!(r.is_err());
     }
 }
