@@ -1074,13 +1074,15 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>>
     type Error = D::Err;
     fn try_forward(&self, x: Tensor<Rank2<3, 4>, E, D, T>) -> Result<Self::Output, D::Err> {
         // a transposed weight and a broadcast bias (non-contiguous, untraced rhs), scalar ops,
-        // negation, closures, iterators
+        // negation, element-wise methods, closures, iterators
         let y = x.try_matmul(self.w.clone().permute())? + self.b.clone().broadcast();
         let half = E::from_f32(0.5).unwrap();
         let y = y * half;
         let y = -y;
         let y = (y / E::from_f32(0.8).unwrap()).try_add(half)? - half;
         let y = y.try_div(E::from_f32(1.25).unwrap())?;
+        // element-wise methods of a tensor (mpx's layers) and of a number (as written)
+        let y = y.try_abs()?.square() * E::from_f32(0.25f32.sqrt().tanh()).unwrap();
         let f = |t: Tensor<Rank2<3, 4>, E, D, T>| t.try_mul(half);
         let y = f(y)?;
         let n: usize = (0..3).map(|i| i * 2 + 1).sum();

@@ -18,14 +18,16 @@ use crate::step::{
 pub use crate::step::pending::Masters;
 pub use dfdx;
 
-/// `a + b`, `a - b`, `a * b`, their `try_` methods and `matmul` / `try_matmul` in a
-/// `#[half_forward]` working copy's code: mpx's op for two f16 tensors (`HalfOps`, of one shape;
-/// `HalfMatMul`, two matrices), `None` for anything else (`AsWritten`), by autoref:
+/// `a + b`, `a - b`, `a * b`, `a / b`, `-a`, their `try_` methods, `matmul` / `try_matmul` and
+/// the element-wise methods in a `#[half_forward]` working copy's code: mpx's op for f16 tensors
+/// (`HalfOps`, of one shape or with a scalar; `HalfMatMul`, matrices; `HalfMethods`, a tensor of
+/// any half type alone), `None` for anything else (`AsWritten`), by autoref:
 /// `(&Operands::new(a, b)).add_op()`; on `None` the generated code runs the operator or method
 /// as written on the two values (`Operands::into_inner`).
 pub mod binary {
     pub use crate::nn::binary::{AsWritten, HalfOps, Operands};
     pub use crate::nn::matmul::HalfMatMul;
+    pub use crate::nn::methods::HalfMethods;
 }
 
 /// `(expr).__mpx_by_mut()` borrows a place mutably whether it holds a value or a `&mut`

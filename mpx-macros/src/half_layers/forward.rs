@@ -195,6 +195,20 @@ fn twin(
     quote!(#imp)
 }
 
+/// The element-wise tensor methods (each also in its `try_` form) that run as mpx's layers.
+const METHODS: &[&str] = &[
+    "relu",
+    "tanh",
+    "sigmoid",
+    "fast_gelu",
+    "accurate_gelu",
+    "abs",
+    "square",
+    "sqrt",
+    "sin",
+    "cos",
+];
+
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
 /// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
 /// the activations written as tensor methods, the element-wise `+`, `-`, `*`, `/` (and
@@ -293,11 +307,11 @@ impl Concrete<'_> {
         let site = proc_macro2::Span::call_site();
         let dispatch = syn::Ident::new(dispatch, site);
         // an operand's own parentheses are not needed as an argument (nor warned about)
-        let unparen = |e: &syn::Expr| -> syn::Expr {
-            match e {
-                syn::Expr::Paren(p) => (*p.expr).clone(),
-                other => other.clone(),
+        let unparen = |mut e: &syn::Expr| -> syn::Expr {
+            while let syn::Expr::Paren(p) = e {
+                e = &p.expr;
             }
+            e.clone()
         };
         let (a, b) = (unparen(a), unparen(b));
         let half = syn::Ident::new(half, site);
@@ -416,38 +430,27 @@ impl VisitMut for Concrete<'_> {
             *e = r;
             return;
         }
-        // the activations written as tensor methods run as mpx's layers, as the layers of the
-        // same names do in the working copy: `x.tanh()` as `nn::Tanh`, `x.try_relu()` as
-        // `nn::ReLU`'s `try_forward`
+        // the element-wise methods of a half tensor run as the layers of the same names do in
+        // the working copy (`x.tanh()` as `nn::Tanh`, `x.try_square()` as `nn::InF32` of
+        // dfdx's `Square`); of anything else (a number's `x.sqrt()`), as written
         if let syn::Expr::MethodCall(m) = e
             && m.args.is_empty()
             && m.turbofish.is_none()
         {
             let name = m.method.to_string();
-            let (base, fallible) = match name.strip_prefix("try_") {
-                Some(b) => (b, true),
-                None => (name.as_str(), false),
-            };
-            let layer = match base {
-                "relu" => "ReLU",
-                "tanh" => "Tanh",
-                "sigmoid" => "Sigmoid",
-                _ => return,
-            };
-            let rt = self.rt;
-            let layer = syn::Ident::new(layer, m.method.span());
-            // `(a + b).relu()`: the argument without its parentheses (an argument needs none;
-            // kept, they would be the user's `unused_parens` warning)
-            let mut x = &*m.receiver;
-            while let syn::Expr::Paren(p) = x {
-                x = &p.expr;
+            let base = name.strip_prefix("try_").unwrap_or(&name);
+            if !METHODS.contains(&base) {
+                return;
             }
-            let call = quote!(#rt::__private::dfdx::nn::Module::try_forward(&#rt::nn::#layer, #x));
-            *e = if fallible {
-                syn::parse_quote!(#call)
-            } else {
-                syn::parse_quote!(#call.unwrap())
-            };
+            let unit: syn::Expr = syn::parse_quote!(());
+            let dispatch = format!("{name}_op");
+            let method = &m.method;
+            *e = self.binary((&m.receiver, &unit), ("HalfMethods", &dispatch), |x, y| {
+                quote!({
+                    let () = #y;
+                    #x.#method()
+                })
+            });
         }
     }
 
@@ -553,9 +556,10 @@ mod tests {
         ] {
             assert_eq!(out.matches(chain).count(), twins, "{chain}: {out}");
         }
-        // an activation in a region's input runs as mpx's layer, before the region
+        // an activation in a region's input goes through the methods' dispatch (mpx's layer
+        // for a half tensor), before the region
         assert_eq!(
-            out.matches("ElemRegion::run(::mpx::__private::mpx_runtime::__private::dfdx::nn::Module::try_forward(&::mpx::__private::mpx_runtime::nn::Tanh,x).unwrap(),").count(),
+            out.matches("ElemRegion::run({use::mpx::__private::mpx_runtime::__private::binary::{AsWrittenas_,HalfMethodsas_};let__mpx_ops=::mpx::__private::mpx_runtime::__private::binary::Operands::new(x,());match(&__mpx_ops).tanh_op()").count(),
             twins,
             "{out}"
         );
@@ -568,13 +572,24 @@ mod tests {
     }
 
     /// `(a + b).relu()`: the activation's argument loses the parentheses an argument does not
-    /// need (kept, they would warn in the user's crate).
+    /// need (kept, they would warn in the user's crate); the element-wise methods dispatch by
+    /// type, in their plain and `try_` forms, with the method as written for anything else.
     #[test]
     fn an_activations_parenthesised_receiver_is_its_argument_without_them() {
         let out = twins(&quote! {
-                ((x.clone() + x)).try_relu()
+                let s = (2.0f32).sqrt();
+                ((x.clone() + x)).try_relu()?.square()
         });
-        assert_eq!(out.matches("nn::ReLU,{use").count(), 3, "{out}");
-        assert!(!out.contains("nn::ReLU,("), "{out}");
+        // per twin: `relu`'s argument is the add's dispatch, `square`'s the relu's (and `?`)
+        assert_eq!(out.matches("Operands::new({use").count(), 6, "{out}");
+        assert!(!out.contains("Operands::new(("), "{out}");
+        for (dispatch, written) in [
+            (".try_relu_op()", "__mpx_a.try_relu()"),
+            (".square_op()", "__mpx_a.square()"),
+            (".sqrt_op()", "__mpx_a.sqrt()"),
+        ] {
+            assert_eq!(out.matches(dispatch).count(), 3, "{dispatch}: {out}");
+            assert_eq!(out.matches(written).count(), 3, "{written}: {out}");
+        }
     }
 }

@@ -383,7 +383,27 @@ as_written!(
     try_div_op,
     neg_op,
     matmul_op,
-    try_matmul_op
+    try_matmul_op,
+    relu_op,
+    try_relu_op,
+    tanh_op,
+    try_tanh_op,
+    sigmoid_op,
+    try_sigmoid_op,
+    fast_gelu_op,
+    try_fast_gelu_op,
+    accurate_gelu_op,
+    try_accurate_gelu_op,
+    abs_op,
+    try_abs_op,
+    square_op,
+    try_square_op,
+    sqrt_op,
+    try_sqrt_op,
+    sin_op,
+    try_sin_op,
+    cos_op,
+    try_cos_op
 );
 
 impl<A, B> AsWritten for &Operands<A, B> {}

@@ -54,6 +54,7 @@ mod layer_norm;
 mod layer_norm_kernel;
 pub(crate) mod linear;
 pub(crate) mod matmul;
+pub(crate) mod methods;
 mod mha;
 mod mixed;
 mod relu;
