@@ -1083,6 +1083,10 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>> Module<Tensor<Rank2<3, 4>, E, D, T>>
         let y = y.try_div(E::from_f32(1.25).unwrap())?;
         // element-wise methods of a tensor (mpx's layers) and of a number (as written)
         let y = y.try_abs()?.square() * E::from_f32(0.25f32.sqrt().tanh()).unwrap();
+        // a quotient of two tensors (the divisor untraced)
+        let (y, tape) = y.split_tape();
+        let d = y.clone().square() + E::from_f32(1.0).unwrap();
+        let y = y.put_tape(tape) / d;
         let f = |t: Tensor<Rank2<3, 4>, E, D, T>| t.try_mul(half);
         let y = f(y)?;
         let n: usize = (0..3).map(|i| i * 2 + 1).sum();

@@ -1,5 +1,6 @@
-//! `a + b`, `a - b` and `a * b` of two f16 tensors of one shape, and `a + s`, `a - s`, `a * s`,
-//! `a / s` of an f16 tensor and a scalar, as a `#[half_forward]` working copy runs them: in
+//! `a + b`, `a - b`, `a * b` and `a / b` of two f16 tensors of one shape, `a + s`, `a - s`,
+//! `a * s`, `a / s` of an f16 tensor and a scalar, and `-a`, as a `#[half_forward]` working copy
+//! runs them: in
 //! vector passes, with the same bits as dfdx's f16 ops, which convert every element through a
 //! function call (a user's RNN step spent most of its time there).
 //!
@@ -7,7 +8,8 @@
 //! `f16::from_f32(a.to_f32() + b.to_f32())`), and accumulates a gradient the same way:
 //! `da += df/da * dy`, the product rounded to f16, then the sum. So does this op: the output
 //! `round(wide(a) op wide(b))`, and on a tape `da = round(wide(da) + wide(round(df/da * dy)))`,
-//! likewise `db`. Operands are made contiguous first ([`contiguous`]).
+//! likewise `db` (a quotient's derivatives rounded at each of dfdx's f16 steps, [`quotient`]).
+//! Operands are made contiguous first ([`contiguous`]).
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
@@ -18,12 +20,13 @@ use super::half_ops::{accumulate, grad_slice, widen};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
 
-/// One of the three ops.
+/// One of the four ops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
     Add,
     Sub,
     Mul,
+    Div,
 }
 
 impl Op {
@@ -32,6 +35,7 @@ impl Op {
             Op::Add => a + b,
             Op::Sub => a - b,
             Op::Mul => a * b,
+            Op::Div => a / b,
         }
     }
 }
@@ -60,9 +64,9 @@ where
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if LT::OWNS_TAPE {
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
-        // `Mul`'s derivatives are the other operand's values: the tensors are kept (their
-        // buffers shared, not copied), as dfdx's own op keeps them
-        let kept = (op == Op::Mul).then(|| (a.clone(), b.clone()));
+        // `Mul`'s and `Div`'s derivatives are made of the operands' values: the tensors are
+        // kept (their buffers shared, not copied), as dfdx's own op keeps them
+        let kept = matches!(op, Op::Mul | Op::Div).then(|| (a.clone(), b.clone()));
         drop((a, b, wa, wb));
         tape.add_backward_op(move |grads| {
             let g = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?);
@@ -73,7 +77,11 @@ where
             f16::widen(g, &mut dy);
             // the contributions to dA and dB
             let (da, db) = if let Some((a, b)) = &kept {
-                (product(b, &dy), product(a, &dy))
+                if op == Op::Div {
+                    quotient(a, b, &dy)
+                } else {
+                    (product(b, &dy), product(a, &dy))
+                }
             } else {
                 let mut db = scratch::take::<f32>(n);
                 db.copy_from_slice(&dy);
@@ -120,6 +128,35 @@ fn product<S: Shape>(d: &Tensor<S, f16, Cpu>, dy: &[f32]) -> Buf<f32> {
     }
     through_f16(&mut p);
     p
+}
+
+/// The contributions of `dy` to the gradients of `a / b`, each step rounded to f16 as dfdx's f16
+/// derivatives round it: `dA = round(round(1 / b) * dy)` and
+/// `dB = round(round(-a / round(b * b)) * dy)`.
+fn quotient<S: Shape>(
+    a: &Tensor<S, f16, Cpu>,
+    b: &Tensor<S, f16, Cpu>,
+    dy: &[f32],
+) -> (Buf<f32>, Buf<f32>) {
+    let (wa, mut da) = (widen(a), widen(b));
+    let mut db = scratch::take::<f32>(da.len());
+    for (d, q) in da.iter_mut().zip(db.iter_mut()) {
+        *q = *d * *d;
+        *d = 1.0 / *d;
+    }
+    through_f16(&mut da);
+    through_f16(&mut db);
+    for (q, x) in db.iter_mut().zip(wa.iter()) {
+        *q = -*x / *q;
+    }
+    through_f16(&mut db);
+    for ((d, q), g) in da.iter_mut().zip(db.iter_mut()).zip(dy) {
+        *d *= g;
+        *q *= g;
+    }
+    through_f16(&mut da);
+    through_f16(&mut db);
+    (da, db)
 }
 
 /// Values rounded to f16 and widened again, in place.
@@ -317,6 +354,10 @@ where
         let (a, b) = self.take();
         Some(binary(Op::Mul, a, b))
     }
+    fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
+        let (a, b) = self.take();
+        Some(binary(Op::Div, a, b))
+    }
 }
 
 /// An f16 tensor and a scalar: an f16 one, or an f32 one, which dfdx rounds to f16 first.
@@ -441,7 +482,12 @@ mod tests {
     fn the_ops_give_dfdxs_f16_bits_forward_and_backward() {
         let dev = Cpu::default();
         let n = 4 * 33;
-        for op in [super::Op::Add, super::Op::Sub, super::Op::Mul] {
+        for op in [
+            super::Op::Add,
+            super::Op::Sub,
+            super::Op::Mul,
+            super::Op::Div,
+        ] {
             for seed in [1, 7, 99] {
                 let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
                     dev.tensor_from_vec(values(n, s), (Const, Const))
@@ -456,6 +502,7 @@ mod tests {
                             super::Op::Add => ta.try_add(tb).unwrap(),
                             super::Op::Sub => ta.try_sub(tb).unwrap(),
                             super::Op::Mul => ta.try_mul(tb).unwrap(),
+                            super::Op::Div => ta.try_div(tb).unwrap(),
                         }
                     };
                     let out = y.retaped::<NoneTape>().as_vec();
@@ -554,8 +601,8 @@ mod tests {
         assert_eq!((l + r).array(), [2.0, 4.0]);
         let ops = Operands::new(x, 3.0f32);
         assert!((&ops).try_mul_op::<()>().is_none());
-        // an f16 tensor and a scalar, f16 or f32 (rounded to f16 as dfdx does): mpx's op; two
-        // tensors divided: as written
+        // an f16 tensor and a scalar, f16 or f32 (rounded to f16 as dfdx does), and two tensors
+        // divided: mpx's op
         let ours = (&Operands::new(a.clone(), 0.1f32)).div_op().unwrap();
         let theirs = a.clone().try_div(0.1f32).unwrap();
         assert_eq!(bits(&ours.as_vec()), bits(&theirs.as_vec()));
@@ -566,7 +613,11 @@ mod tests {
             bits(&ours.as_vec()),
             bits(&(a.clone() * f16::from_f32(3.0)).as_vec())
         );
-        assert!((&Operands::new(a.clone(), b.clone())).div_op().is_none());
+        let ours = (&Operands::new(a.clone(), b.clone())).div_op().unwrap();
+        assert_eq!(
+            bits(&ours.as_vec()),
+            bits(&(a.clone() / b.clone()).as_vec())
+        );
         // a tensor alone: its negation; a number alone: as written
         let ours = (&Operands::new(a.clone(), ())).neg_op().unwrap();
         assert_eq!(bits(&ours.as_vec()), bits(&(-a.clone()).as_vec()));
