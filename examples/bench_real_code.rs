@@ -361,77 +361,36 @@ macro_rules! steps {
     };
 }
 
-mod own {
-    use super::*;
-    pub type M = Own<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
+/// A module of the user's own, one Adam step of the mean squared error of its output, per row:
+/// `mod name { M = Module<f32, Cpu>; f32_step, mixed_step }` with the input and target types.
+macro_rules! mse_steps {
+    ($($(#[$attr:meta])* $name:ident: $module:ident, $x:ty, $y:ty;)+) => {$(
+        $(#[$attr])*
+        mod $name {
+            use super::*;
+            pub type M = $module<f32, Cpu>;
+            steps!(f32_step, mixed_step, (x: &$x, y: &$y), |model, opt| {
+                let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
+                let v = loss.array();
+                let grads = loss.backward();
+                opt.update(model, &grads).unwrap();
+                v
+            });
+        }
+    )+};
 }
 
-#[allow(deprecated)] // runs on dfdx's f16 layers: the compiler says so, this benchmark measures it
-mod bare {
-    use super::*;
-    pub type M = Bare<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
+type Rows64<const N: usize> = Tensor<Rank2<64, N>, f32, Cpu>;
 
-mod raw {
-    use super::*;
-    pub type M = Raw<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod dense {
-    use super::*;
-    pub type M = Dense<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod scaled {
-    use super::*;
-    pub type M = Scaled<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 16>, f32, Cpu>, y: &Tensor<Rank2<64, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
-}
-
-mod attend {
-    use super::*;
-    pub type M = Attend<f32, Cpu>;
-    steps!(f32_step, mixed_step, (x: &Tokens<f32, NoneTape>, y: &Tensor<Rank3<8, 16, 4>, f32, Cpu>), |model, opt| {
-        let loss = mse_loss(model.forward(x.trace(model.alloc_grads())), y.clone());
-        let v = loss.array();
-        let grads = loss.backward();
-        opt.update(model, &grads).unwrap();
-        v
-    });
+mse_steps! {
+    own: Own, Rows64<16>, Rows64<4>;
+    // runs on dfdx's f16 layers: the compiler says so, this benchmark measures it
+    #[allow(deprecated)]
+    bare: Bare, Rows64<16>, Rows64<4>;
+    raw: Raw, Rows64<16>, Rows64<4>;
+    dense: Dense, Rows64<16>, Rows64<4>;
+    scaled: Scaled, Rows64<16>, Rows64<4>;
+    attend: Attend, Tokens<f32, NoneTape>, Tensor<Rank3<8, 16, 4>, f32, Cpu>;
 }
 
 mod rnn {

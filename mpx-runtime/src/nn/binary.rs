@@ -166,23 +166,17 @@ fn through_f16(p: &mut [f32]) {
     f16::widen(&rounded, p);
 }
 
-/// One of the four ops of a tensor and a scalar, or negation (whose scalar is -1).
+/// An op of a tensor and a scalar, or negation (whose scalar is -1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScalarOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
+    Of(Op),
     Neg,
 }
 
 impl ScalarOp {
     fn f(self, x: f32, s: f32) -> f32 {
         match self {
-            ScalarOp::Add => x + s,
-            ScalarOp::Sub => x - s,
-            ScalarOp::Mul => x * s,
-            ScalarOp::Div => x / s,
+            ScalarOp::Of(op) => op.f(x, s),
             ScalarOp::Neg => -x,
         }
     }
@@ -190,9 +184,9 @@ impl ScalarOp {
     /// The derivative, in f16 as dfdx computes it (`1 / s` rounded for a division).
     fn df(self, s: f16) -> f16 {
         match self {
-            ScalarOp::Add | ScalarOp::Sub => f16::ONE,
-            ScalarOp::Mul | ScalarOp::Neg => s,
-            ScalarOp::Div => f16::ONE / s,
+            ScalarOp::Of(Op::Add | Op::Sub) => f16::ONE,
+            ScalarOp::Of(Op::Mul) | ScalarOp::Neg => s,
+            ScalarOp::Of(Op::Div) => f16::ONE / s,
         }
     }
 }
@@ -367,19 +361,19 @@ macro_rules! scalar_ops {
             type Output = Tensor<S, f16, Cpu, T>;
             fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Add, a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Op::Add), a, $to_f16(s)))
             }
             fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Sub, a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Op::Sub), a, $to_f16(s)))
             }
             fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Mul, a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Op::Mul), a, $to_f16(s)))
             }
             fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Div, a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Op::Div), a, $to_f16(s)))
             }
         }
     )*};
@@ -450,6 +444,10 @@ as_written!(
 impl<A, B> AsWritten for &Operands<A, B> {}
 
 #[cfg(test)]
+#[allow(
+    clippy::needless_borrow,
+    reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+)]
 mod tests {
     use dfdx::prelude::*;
     use half::f16;
@@ -522,7 +520,7 @@ mod tests {
     /// zero included).
     #[test]
     fn the_scalar_ops_give_dfdxs_f16_bits_forward_and_backward() {
-        use super::ScalarOp;
+        use super::{Op, ScalarOp};
         let dev = Cpu::default();
         let n = 4 * 33;
         let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
@@ -530,10 +528,10 @@ mod tests {
         };
         let (a, w) = (t(5), t(6));
         let ops = [
-            ScalarOp::Add,
-            ScalarOp::Sub,
-            ScalarOp::Mul,
-            ScalarOp::Div,
+            ScalarOp::Of(Op::Add),
+            ScalarOp::Of(Op::Sub),
+            ScalarOp::Of(Op::Mul),
+            ScalarOp::Of(Op::Div),
             ScalarOp::Neg,
         ];
         for op in ops {
@@ -550,10 +548,10 @@ mod tests {
                         super::scalar(op, ta, s).unwrap()
                     } else {
                         match op {
-                            ScalarOp::Add => ta.try_add(s).unwrap(),
-                            ScalarOp::Sub => ta.try_sub(s).unwrap(),
-                            ScalarOp::Mul => ta.try_mul(s).unwrap(),
-                            ScalarOp::Div => ta.try_div(s).unwrap(),
+                            ScalarOp::Of(Op::Add) => ta.try_add(s).unwrap(),
+                            ScalarOp::Of(Op::Sub) => ta.try_sub(s).unwrap(),
+                            ScalarOp::Of(Op::Mul) => ta.try_mul(s).unwrap(),
+                            ScalarOp::Of(Op::Div) => ta.try_div(s).unwrap(),
                             ScalarOp::Neg => -ta,
                         }
                     };
@@ -571,10 +569,6 @@ mod tests {
     /// Through the dispatch: two f16 tensors (one taped, one not, as in a residual) take mpx's
     /// op and match dfdx's; anything else gives `None`, for the op as written.
     #[test]
-    #[allow(
-        clippy::needless_borrow,
-        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
-    )]
     fn the_dispatch_takes_mpxs_op_for_half_tensors_and_leaves_the_rest_as_written() {
         let dev = Cpu::default();
         let a: Tensor<Rank1<6>, f16, Cpu> = dev.tensor_from_vec(values(6, 3), (Const,));

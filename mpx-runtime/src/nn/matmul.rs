@@ -175,6 +175,10 @@ impl<B: Dim, S: Dim, M: Dim, K: Dim, N: Dim> Products<(B, S, K, N)> for (B, S, M
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::needless_borrow,
+    reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+)]
 mod tests {
     use dfdx::prelude::*;
     use half::f16;
@@ -186,10 +190,6 @@ mod tests {
     /// gradients within one rounding of their f64 values; the untaped and other-typed operands
     /// take dfdx's matmul.
     #[test]
-    #[allow(
-        clippy::needless_borrow,
-        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
-    )]
     fn the_product_and_its_gradients_match_an_f64_reference() {
         let dev = Cpu::seed_from_u64(5);
         let a32: Tensor<Rank2<7, 13>, f32, Cpu> = dev.sample_normal();
@@ -275,10 +275,6 @@ mod tests {
 
     /// mpx's product of `a` and `b` (both traced) and its gradients under `w`, against
     /// [`reference`]: each within one f16 rounding of its f64 value.
-    #[allow(
-        clippy::needless_borrow,
-        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
-    )]
     fn check<SA, SB, SY>(
         a: &Tensor<SA, f16, Cpu>,
         b: &Tensor<SB, f16, Cpu>,
@@ -314,10 +310,6 @@ mod tests {
     /// `(B, S, M, K)` by `(B, S, K, N)`; batches whose sizes disagree are errors, as dfdx's
     /// asserts are.
     #[test]
-    #[allow(
-        clippy::needless_borrow,
-        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
-    )]
     fn batched_products_and_their_gradients_match_an_f64_reference() {
         let dev = Cpu::seed_from_u64(9);
         let a: Tensor<Rank3<3, 4, 5>, f16, Cpu> = dev.sample_normal();

@@ -70,6 +70,10 @@ methods! {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::needless_borrow,
+    reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
+)]
 mod tests {
     use dfdx::prelude::*;
     use half::f16;
@@ -82,10 +86,6 @@ mod tests {
     /// gradient of `sum(y * w)` too (mpx's `Tanh` and `Sigmoid` take theirs from the rounded
     /// output, as dfdx's do: their own tests cover them).
     #[test]
-    #[allow(
-        clippy::needless_borrow,
-        reason = "the dispatch is by autoref: `(&operands)`, as the generated code writes it"
-    )]
     fn a_half_tensors_methods_are_the_f32_ones_rounded_once() {
         type X<E, T = NoneTape> = Tensor<Rank2<3, 7>, E, Cpu, T>;
         type Ours = fn(&Operands<X<f16, OwnedTape<f16, Cpu>>, ()>) -> X<f16, OwnedTape<f16, Cpu>>;
