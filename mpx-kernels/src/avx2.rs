@@ -10,8 +10,8 @@
 use super::caches;
 use super::strided::{TileA, TileB, Tiles};
 
-const MR: usize = caches::AVX2_TILE.0;
-const NR: usize = caches::AVX2_TILE.1;
+pub(crate) const MR: usize = caches::AVX2_TILE.0;
+pub(crate) const NR: usize = caches::AVX2_TILE.1;
 
 /// The kernel with the blocking of [`caches::avx2_blocking`]: `mc` and `nc` sized to this CPU's
 /// caches, `kc` fixed (the k blocks decide where the roundings fall: see [`caches`]).

@@ -83,8 +83,62 @@ pub(crate) fn gemm_threads<'a>(
     if tiny::gemm(path, &a, &b, c, accumulate) {
         return Ok(());
     }
+    if transposes(path, &a, &b) {
+        transposed(path, (a, b), (c, accumulate), threads);
+        return Ok(());
+    }
     blocked(path, (a, b), (c, accumulate), threads);
     Ok(())
+}
+
+/// Whether a product runs as its transpose on `path` ([`transposed`]): its `n` columns would fill
+/// the micro-kernel's tile (`mr x nr`) far less than its `m` rows do (a 64 x 4 product fills a
+/// quarter of each 6 x 16 tile; its 4 x 64 transpose two thirds). Only the f32 FMA kernels, for
+/// f32 and f16 operands, whose elements are each one chain of multiply-adds over `k` whichever
+/// operand the kernel reads across.
+pub(crate) fn transposes(path: KernelPath, a: &MatRef<'_>, b: &MatRef<'_>) -> bool {
+    let (mr, nr) = match path {
+        KernelPath::Avx2Fma => (avx2::MR, avx2::NR),
+        KernelPath::Avx512 => (avx512::MR, avx512::NR),
+        KernelPath::Portable => (portable::MR, portable::NR),
+        KernelPath::Avx512Fp16 | KernelPath::Avx512Bf16 => return false,
+    };
+    if matches!(a.values(), FloatSlice::Bf16(_)) || matches!(b.values(), FloatSlice::Bf16(_)) {
+        return false;
+    }
+    let (m, n) = (a.rows(), b.cols());
+    let padded = |x: usize, r: usize| x.div_ceil(r) * r;
+    // the tiles' work as written, and as the transpose, which must save a third of it (the
+    // transposed A is packed, and the output copied back)
+    let written = padded(m, mr) * padded(n, nr);
+    let flipped = padded(n, mr) * padded(m, nr);
+    2 * written > 3 * flipped
+}
+
+/// `C (+)= A·B` computed as `Cᵀ (+)= Bᵀ·Aᵀ` into a buffer, then copied into `C`: each element of
+/// `Cᵀ` is the same chain of multiply-adds over `k` as the element of `C` (the tests compare
+/// the bits), on the rows of `Cᵀ` (`C`'s few columns) down the tile and its columns across.
+fn transposed(
+    path: KernelPath,
+    (a, b): (MatRef<'_>, MatRef<'_>),
+    (c, accumulate): (&mut [f32], bool),
+    threads: usize,
+) {
+    let (m, n) = (a.rows(), b.cols());
+    let mut ct = vec![0.0f32; m * n];
+    if accumulate {
+        for (i, row) in c.chunks_exact(n).enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                ct[j * m + i] = v;
+            }
+        }
+    }
+    blocked(path, (b.t(), a.t()), (&mut ct, accumulate), threads);
+    for (i, row) in c.chunks_exact_mut(n).enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = ct[j * m + i];
+        }
+    }
 }
 
 /// The blocked product of [`gemm_threads`] (checked, not empty), whatever its size.

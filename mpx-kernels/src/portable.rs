@@ -2,8 +2,8 @@
 
 use super::tile::Micro;
 
-const MR: usize = 4;
-const NR: usize = 16;
+pub(crate) const MR: usize = 4;
+pub(crate) const NR: usize = 16;
 
 pub(crate) fn micro() -> Micro<f32> {
     Micro::new(MR, NR, kernel)

@@ -1393,3 +1393,65 @@ fn tiny_products_give_the_bits_of_the_blocked_kernels() {
         );
     }
 }
+
+/// A product with few columns runs as its transpose (`driver::transposed`) on the f32 FMA paths:
+/// the same bits as the product run as written (`driver::blocked`), for f32 and f16 operands,
+/// row-major and transposed views, overwriting and accumulating, on one thread and two.
+#[test]
+fn a_thin_product_run_as_its_transpose_has_the_same_bits() {
+    for path in KernelPath::supported() {
+        for &(m, n, k) in &[
+            (64, 4, 256),
+            (256, 4, 64),
+            (100, 1, 37),
+            (48, 2, 700),
+            (33, 3, 5),
+        ] {
+            let (av, bv) = (values(m * k, 71), values(k * n, 72));
+            let (ah, bh): (Vec<f16>, Vec<f16>) = (
+                av.iter().copied().map(f16::from_f32).collect(),
+                bv.iter().copied().map(f16::from_f32).collect(),
+            );
+            let pairs = [
+                (FloatSlice::F32(&av), FloatSlice::F32(&bv)),
+                (FloatSlice::F16(&ah), FloatSlice::F16(&bh)),
+            ];
+            for (a, b) in pairs {
+                let views = [
+                    (
+                        MatRef::new(a, m, k, k, 1).unwrap(),
+                        MatRef::new(b, k, n, n, 1).unwrap(),
+                    ),
+                    (
+                        MatRef::new(a, k, m, m, 1).unwrap().t(),
+                        MatRef::new(b, n, k, k, 1).unwrap().t(),
+                    ),
+                ];
+                for (a, b) in views {
+                    let flips = driver::transposes(path, &a, &b);
+                    if matches!(path, KernelPath::Avx2Fma | KernelPath::Avx512) {
+                        assert!(flips || n * 16 >= m, "{path:?} {m}x{n}x{k} not transposed");
+                    }
+                    for (init, accumulate) in
+                        [(values(m * n, 73), true), (vec![f32::NAN; m * n], false)]
+                    {
+                        for threads in [1, 2] {
+                            let mut ours = init.clone();
+                            driver::gemm_threads(path, a, b, &mut ours, accumulate, threads)
+                                .unwrap();
+                            let mut written = init.clone();
+                            driver::blocked(path, (a, b), (&mut written, accumulate), threads);
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&ours),
+                                bits(&written),
+                                "{path:?} {m}x{n}x{k} accumulate {accumulate} threads {threads}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
