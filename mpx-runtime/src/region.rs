@@ -207,8 +207,9 @@ impl<H: Precision> RegionDevice<H> for Cpu {
         leaves: &mut Leaves<H::Elem, Cpu>,
     ) -> Result<(Traced32<S, Cpu>, T), CpuError> {
         // A permuted or broadcast input is first made contiguous inside the outer graph, so that
-        // its gradient buffer and its logical values line up.
-        let (x, tape) = x.try_contiguous()?.split_tape();
+        // its gradient buffer and its logical values line up (mpx's op: its gradient summed in
+        // f32, as the half ops' operands are).
+        let (x, tape) = crate::nn::contiguous(x)?.split_tape();
         let n = x.shape().num_elements();
         let x32 = widen(&x)?;
         leaves.outer.push(x.try_reshape_like(&(n,))?);

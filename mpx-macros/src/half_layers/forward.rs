@@ -332,6 +332,24 @@ impl Concrete<'_> {
             }
         })
     }
+
+    /// `-a` or `a.method()` as mpx's op where `a` is a half tensor, else as written: the
+    /// dispatch of [`Concrete::binary`] on the operands `(a, ())`.
+    fn unary(
+        &self,
+        a: &syn::Expr,
+        (half, dispatch): (&str, &str),
+        written: impl FnOnce(&syn::Ident) -> TokenStream,
+    ) -> syn::Expr {
+        let unit: syn::Expr = syn::parse_quote!(());
+        self.binary((a, &unit), (half, dispatch), |x, y| {
+            let written = written(x);
+            quote!({
+                let () = #y;
+                #written
+            })
+        })
+    }
 }
 
 impl VisitMut for Concrete<'_> {
@@ -370,9 +388,9 @@ impl VisitMut for Concrete<'_> {
         }
         // the element-wise ops and the matrix product of two half tensors (and the element-wise
         // ops of a half tensor and a scalar) run as mpx's (`nn::binary`, `nn::matmul`); any
-        // other operands, as written. A method's receiver
-        // that is a field is left alone: moving it out would not compile (and a tensor's
-        // `try_add` / `matmul`, which take it by value, cannot have one there).
+        // other operands, as written. A method's receiver that is a field is left alone: moving
+        // it out would not compile (and a tensor's `try_add` / `matmul`, which take it by value,
+        // cannot have one there).
         let rewritten = match &*e {
             syn::Expr::Binary(bin) => {
                 let dispatch = match bin.op {
@@ -391,19 +409,11 @@ impl VisitMut for Concrete<'_> {
                     )
                 })
             }
-            // `-a`: the operands `(a, ())` (a literal is a number: left as written)
+            // `-a` (a literal is a number: left as written)
             syn::Expr::Unary(u)
                 if matches!(u.op, syn::UnOp::Neg(_)) && !matches!(&*u.expr, syn::Expr::Lit(_)) =>
             {
-                let unit: syn::Expr = syn::parse_quote!(());
-                Some(
-                    self.binary((&u.expr, &unit), ("HalfOps", "neg_op"), |x, y| {
-                        quote!({
-                            let () = #y;
-                            -#x
-                        })
-                    }),
-                )
+                Some(self.unary(&u.expr, ("HalfOps", "neg_op"), |x| quote!(-#x)))
             }
             syn::Expr::MethodCall(m)
                 if m.args.len() == 1
@@ -442,15 +452,13 @@ impl VisitMut for Concrete<'_> {
             if !METHODS.contains(&base) {
                 return;
             }
-            let unit: syn::Expr = syn::parse_quote!(());
             let dispatch = format!("{name}_op");
             let method = &m.method;
-            *e = self.binary((&m.receiver, &unit), ("HalfMethods", &dispatch), |x, y| {
-                quote!({
-                    let () = #y;
-                    #x.#method()
-                })
-            });
+            *e = self.unary(
+                &m.receiver,
+                ("HalfMethods", &dispatch),
+                |x| quote!(#x.#method()),
+            );
         }
     }
 

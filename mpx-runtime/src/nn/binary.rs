@@ -1,8 +1,7 @@
 //! `a + b`, `a - b`, `a * b` and `a / b` of two f16 tensors of one shape, `a + s`, `a - s`,
 //! `a * s`, `a / s` of an f16 tensor and a scalar, and `-a`, as a `#[half_forward]` working copy
-//! runs them: in
-//! vector passes, with the same bits as dfdx's f16 ops, which convert every element through a
-//! function call (a user's RNN step spent most of its time there).
+//! runs them: in vector passes, with the same bits as dfdx's f16 ops, which convert every
+//! element through a function call (a user's RNN step spent most of its time there).
 //!
 //! dfdx computes each f16 result in f32 and rounds it once (`f16 + f16` is
 //! `f16::from_f32(a.to_f32() + b.to_f32())`), and accumulates a gradient the same way:
@@ -15,7 +14,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::contiguous;
+use super::contiguous::{contiguous, contiguous_onto};
 use super::half_ops::{accumulate, grad_slice, widen};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
@@ -101,9 +100,9 @@ where
 /// Two f16 operands without their tapes, and the tapes merged.
 pub(crate) type Pair<SA, SB, LT> = (Tensor<SA, f16, Cpu>, Tensor<SB, f16, Cpu>, LT);
 
-/// Two operands made contiguous (dfdx's op, with its own backward) and their tapes merged. The
-/// second is made contiguous on a tape of the first's kind: an untraced operand that is not
-/// contiguous (a broadcast bias, a permuted weight, which dfdx's own ops read in place under
+/// Two operands made contiguous ([`contiguous`]) and their tapes merged. The second is made
+/// contiguous on a tape of the first's kind ([`contiguous_onto`]): an untraced operand that is
+/// not contiguous (a broadcast bias, a permuted weight, which dfdx's own ops read in place under
 /// their own id) becomes a copy under a new id, and its gradient still goes back to it.
 pub(crate) fn contiguous_pair<SA: Shape, SB: Shape, LT, RT>(
     a: Tensor<SA, f16, Cpu, LT>,
@@ -115,7 +114,7 @@ where
 {
     let (a, a_tape) = contiguous(a)?.split_tape();
     let (b, b_tape) = b.split_tape();
-    let (b, copy_tape) = contiguous(b.put_tape(LT::default()))?.split_tape();
+    let (b, copy_tape) = contiguous_onto::<LT, _, _>(b)?;
     Ok((a, b, a_tape.merge(b_tape).merge(copy_tape)))
 }
 
@@ -159,11 +158,15 @@ fn quotient<S: Shape>(
     (da, db)
 }
 
-/// Values rounded to f16 and widened again, in place.
+/// Values rounded to f16 and widened again, in place: 256 at a time through a buffer on the
+/// stack (no allocation, in the backward passes' inner loops too).
 fn through_f16(p: &mut [f32]) {
-    let mut rounded = scratch::take::<f16>(p.len());
-    f16::round(p, &mut rounded);
-    f16::widen(&rounded, p);
+    let mut rounded = [f16::ZERO; 256];
+    for chunk in p.chunks_mut(256) {
+        let r = &mut rounded[..chunk.len()];
+        f16::round(chunk, r);
+        f16::widen(r, chunk);
+    }
 }
 
 /// An op of a tensor and a scalar, or negation (whose scalar is -1).

@@ -8,14 +8,15 @@
 //! adds converts both sides in software and rounds, and a broadcast bias's gradient is a sum of
 //! a whole batch of them, rounded at every step.
 //!
-//! [`contiguous`] copies the view (a row at a time where its last axis is contiguous) and sums each buffer element's gradient in f32, rounded once when it is added to the
-//! gradient already there: a permuted view's gradient has dfdx's f16 bits (one add per
-//! element), a broadcast's is its f32 sum rounded once (as mpx's fused `Linear` sums its bias
-//! gradient). Tensors of other element types keep dfdx's op.
+//! [`contiguous`] copies the view (a row at a time where its last axis is contiguous) and sums
+//! each buffer element's gradient in f32, rounded once when it is added to the gradient already
+//! there: a permuted view's gradient has dfdx's f16 bits (one add per element), a broadcast's is
+//! its f32 sum rounded once (as mpx's fused `Linear` sums its bias gradient). Tensors of other
+//! element types keep dfdx's op.
 
 use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::ReshapeTo;
 
 use super::half_ops::{accumulate, grad_slice};
 use super::scratch;
@@ -31,7 +32,6 @@ pub(crate) fn contiguous<S, E, T>(t: Tensor<S, E, Cpu, T>) -> Result<Tensor<S, E
 where
     S: Shape,
     E: Precision<Elem = E> + Dtype,
-    Cpu: Device<E>,
     T: Tape<E, Cpu>,
 {
     let half = matches!(E::floats(&[]), FloatSlice::F16(_));
@@ -69,6 +69,23 @@ where
         });
     }
     Ok(y.put_tape(tape))
+}
+
+/// An untraced operand (a bias, a residual) made contiguous on a fresh tape of kind `T`, the
+/// tape returned for the caller to merge into its own: a view becomes a copy under a new id whose
+/// gradient still goes back to the view's tensor.
+///
+/// # Errors
+/// As [`contiguous`].
+pub(crate) fn contiguous_onto<T, S, E>(
+    t: Tensor<S, E, Cpu>,
+) -> Result<(Tensor<S, E, Cpu>, T), CpuError>
+where
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+    T: Tape<E, Cpu>,
+{
+    Ok(contiguous(t.put_tape(T::default()))?.split_tape())
 }
 
 /// How a (non-empty) tensor's elements, in logical order, lie in its buffer: its dims and, per

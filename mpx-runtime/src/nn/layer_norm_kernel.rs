@@ -12,9 +12,9 @@
 
 use dfdx::shapes::{HasShape, Rank1, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
-use dfdx::tensor_ops::{Device, ReshapeTo};
+use dfdx::tensor_ops::Device;
 
-use super::contiguous::contiguous;
+use super::contiguous::{contiguous, contiguous_onto};
 use super::half_ops::{accumulate, grad_slice, narrow, widen};
 use super::scratch;
 use crate::precision::Precision;
@@ -36,7 +36,16 @@ where
     T: Tape<E, Cpu>,
 {
     let (a, mut tape) = contiguous(a)?.split_tape();
-    let b = b.map(ReshapeTo::try_contiguous).transpose()?;
+    // the untraced residual made contiguous on a tape of `a`'s kind (a permuted input's
+    // gradient goes back to it)
+    let b = match b {
+        Some(b) => {
+            let (b, copy_tape) = contiguous_onto::<T, _, _>(b)?;
+            tape = tape.merge(copy_tape);
+            Some(b)
+        }
+        None => None,
+    };
     let mut z = widen(&a);
     if let Some(b) = &b {
         for (z, v) in z.iter_mut().zip(widen(b).iter()) {
@@ -113,4 +122,44 @@ where
         });
     }
     Ok(out.put_tape(tape))
+}
+
+#[cfg(test)]
+mod tests {
+    use dfdx::prelude::*;
+    use half::f16;
+
+    use super::add_layer_norm;
+
+    /// A residual that is a view (a permuted tensor, untraced) trains: its gradient is the one a
+    /// contiguous copy of it gets, laid back out as the view (a permutation's gradient is a copy).
+    #[test]
+    fn a_residual_view_gets_its_gradient() {
+        let dev = Cpu::seed_from_u64(4);
+        let a: Tensor<Rank3<2, 3, 4>, f16, Cpu> = dev.sample_normal();
+        let r: Tensor<Rank3<2, 4, 3>, f16, Cpu> = dev.sample_normal();
+        let w: Tensor<Rank3<2, 3, 4>, f16, Cpu> = dev.sample_normal();
+        let (gamma, beta): (Tensor<Rank1<4>, f16, Cpu>, _) =
+            (dev.sample_normal(), dev.sample_normal());
+        let run = |b: Tensor<Rank3<2, 3, 4>, f16, Cpu>| {
+            let y =
+                add_layer_norm::<f16, f16, 4, _, _>(a.leaky_trace(), Some(b), &gamma, &beta, 1e-5)
+                    .unwrap();
+            (y * w.clone()).sum().backward()
+        };
+        let view = r.clone().permute::<Rank3<2, 3, 4>, Axes3<0, 2, 1>>();
+        let g = run(view).get(&r).as_vec();
+        let copy = r
+            .clone()
+            .permute::<Rank3<2, 3, 4>, Axes3<0, 2, 1>>()
+            .contiguous();
+        let want = run(copy.clone())
+            .get(&copy)
+            .permute::<Rank3<2, 4, 3>, Axes3<0, 2, 1>>();
+        assert!(
+            g.iter().any(|v| v.to_f32() != 0.0),
+            "the residual got no gradient"
+        );
+        assert_eq!(g, want.as_vec());
+    }
 }

@@ -1,8 +1,8 @@
 //! `a.matmul(b)` of two f16 matrices, or batches of them in dfdx's shapes (`(B, M, K)` by
 //! `(K, N)` or `(B, K, N)`, `(B, S, M, K)` by `(B, S, K, N)`), as a `#[half_forward]` working copy
 //! runs it: on mpx's GEMM, the sums in f32 and rounded once to f16 (as mpx's `Linear` computes
-//! `x·Wᵀ`), where dfdx's f16 matmul ran on dfdx's scalar f16 path. The gradients likewise: `dA += dY·Bᵀ` and
-//! `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
+//! `x·Wᵀ`), where dfdx's f16 matmul ran on dfdx's scalar f16 path. The gradients likewise:
+//! `dA += dY·Bᵀ` and `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
 
 use dfdx::shapes::{Dim, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, Tape, Tensor, TensorFromVec};
