@@ -11,7 +11,7 @@
 //! the medians and their ratio; the last line is the median ratio.
 //!
 //! ```text
-//! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2]
+//! cargo run --release --example bench_real_code [-- ROUNDS] [--avx2] [--only TEXT]
 //! ```
 //!
 //! `--avx2` forces mpx's GEMM onto its AVX2 + FMA path, the instructions of a CPU without AVX-512
@@ -521,14 +521,26 @@ mlp_loop!(
 // ---- the table ---------------------------------------------------------------------------------
 
 /// One row: the f32 call and the mixed call, measured interleaved.
+/// Measures one row and pushes it onto `rows`, unless `--only` names other rows.
 fn row(
+    rows: &mut Vec<(&'static str, Duration, Duration)>,
+    label: &'static str,
     rounds: usize,
     f32_call: &mut dyn FnMut(),
     mixed_call: &mut dyn FnMut(),
-) -> (Duration, Duration) {
+) {
+    if ONLY
+        .get()
+        .is_some_and(|only| !label.contains(only.as_str()))
+    {
+        return;
+    }
     let t = measure::measure(rounds, &mut [f32_call, mixed_call]);
-    (t[0], t[1])
+    rows.push((label, t[0], t[1]));
 }
+
+/// `--only TEXT`: the rows whose label contains `TEXT`, alone (for a profiler).
+static ONLY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Rows of shapes written by [`steps!`], one per `label => module(init; args)`: the module's f32
 /// step and mixed step, each on its own copy of `init` with its own Adam, measured interleaved;
@@ -542,7 +554,9 @@ macro_rules! adam_rows {
             Adam::new(&b, Default::default()),
         );
         let mut s = GradScaler::default();
-        let (f, m) = row(
+        row(
+            &mut $rows,
+            $label,
             $rounds,
             &mut || {
                 std::hint::black_box($m::f32_step(&mut a, &mut oa, $($arg),*));
@@ -551,7 +565,6 @@ macro_rules! adam_rows {
                 std::hint::black_box($m::mixed_step(&mut b, &mut ob, $($arg,)* &mut s));
             },
         );
-        $rows.push(($label, f, m));
     })+};
 }
 
@@ -566,13 +579,16 @@ fn sgd_config() -> SgdConfig {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rounds: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(15);
+    if let Some(i) = args.iter().position(|a| a == "--only") {
+        let _ = ONLY.set(args.get(i + 1).cloned().unwrap_or_default());
+    }
     measure::on_path(args.iter().any(|a| a == "--avx2"), || table(rounds));
 }
 
 /// Runs every loop for `rounds` interleaved rounds and prints the table.
 fn table(rounds: usize) {
     let cpu = measure::cpu_name();
-    let mut rows: Vec<(&str, Duration, Duration)> = Vec::new();
+    let mut rows: Vec<(&'static str, Duration, Duration)> = Vec::new();
     let dev = Cpu::seed_from_u64(0);
 
     // dfdx's MNIST example: two epochs of 8 batches
@@ -585,16 +601,13 @@ fn table(rounds: usize) {
             Adam::new(&b, Default::default()),
         );
         let mut s = GradScaler::<f16>::default();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "mnist (dfdx example, MLP 784-512-128-32-10, batch 32)",
             rounds,
             &mut || drop(original::mnist::train(&mut a, &mut oa, &data, 1)),
             &mut || drop(half::mnist::train(&mut b, &mut ob, &data, 1, &mut s)),
         );
-        rows.push((
-            "mnist (dfdx example, MLP 784-512-128-32-10, batch 32)",
-            f,
-            m,
-        ));
     }
     // dfdx's DQN and PPO examples: 3 epochs on a batch of 64 transitions
     {
@@ -612,7 +625,9 @@ fn table(rounds: usize) {
             (init.clone(), init.clone(), init.clone(), init.clone());
         let (mut oa, mut ob) = (Sgd::new(&qa, sgd_config()), Sgd::new(&qb, sgd_config()));
         let mut s = GradScaler::<f16>::default();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "dqn (dfdx example, Q-network 4-64-64-2, batch 64)",
             rounds,
             &mut || {
                 (qa, ta) = (init.clone(), init.clone());
@@ -627,13 +642,14 @@ fn table(rounds: usize) {
                 ))
             },
         );
-        rows.push(("dqn (dfdx example, Q-network 4-64-64-2, batch 64)", f, m));
         let (mut pa, mut ta, mut pb, mut tb) =
             (init.clone(), init.clone(), init.clone(), init.clone());
         let (mut oa, mut ob) = (Sgd::new(&pa, sgd_config()), Sgd::new(&pb, sgd_config()));
         let mut s = GradScaler::<f16>::default();
         let adv = reward.clone();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "ppo (dfdx example, policy 4-64-64-2, batch 64)",
             rounds,
             // each call from the same policy: repeated, PPO's surrogate runs away in both
             &mut || {
@@ -649,7 +665,6 @@ fn table(rounds: usize) {
                 ))
             },
         );
-        rows.push(("ppo (dfdx example, policy 4-64-64-2, batch 64)", f, m));
     }
     // dfdx's housing struct: 16 batches of 32
     {
@@ -673,7 +688,9 @@ fn table(rounds: usize) {
             half::housing::Predictor::new(3),
         );
         let mut s = GradScaler::<f16>::default();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "housing (dfdx example, MLP 2-32-32-1 in a struct, batch 32)",
             rounds,
             &mut || {
                 for (x, y) in &batches {
@@ -686,11 +703,6 @@ fn table(rounds: usize) {
                 }
             },
         );
-        rows.push((
-            "housing (dfdx example, MLP 2-32-32-1 in a struct, batch 32)",
-            f,
-            m,
-        ));
     }
     // dfdx's generic train loop: 100 batches of 5
     {
@@ -714,7 +726,9 @@ fn table(rounds: usize) {
             Sgd::new(&b, Default::default()),
         );
         let mut s = GradScaler::<f16>::default();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "generic (dfdx example, Linear 10-2 generic over its model, batch 5)",
             rounds,
             &mut || {
                 original::generic::classification_train(
@@ -738,11 +752,6 @@ fn table(rounds: usize) {
                 .unwrap()
             },
         );
-        rows.push((
-            "generic (dfdx example, Linear 10-2 generic over its model, batch 5)",
-            f,
-            m,
-        ));
     }
     // a GAN: 40 iterations of two models
     {
@@ -774,7 +783,9 @@ fn table(rounds: usize) {
             Adam::new(&db, Default::default()),
         );
         let mut s = GradScaler::<f16>::default();
-        let (f, m) = row(
+        row(
+            &mut rows,
+            "gan (two MLPs 4-32-2 and 2-32-1, batch 32)",
             rounds,
             &mut || {
                 drop(original::gan::train(
@@ -787,7 +798,6 @@ fn table(rounds: usize) {
                 ))
             },
         );
-        rows.push(("gan (two MLPs 4-32-2 and 2-32-1, batch 32)", f, m));
     }
     // the user's own modules, with the two lines and without
     let x: Tensor<Rank2<64, 16>, f32, Cpu> = dev.sample_normal();
@@ -863,9 +873,10 @@ fn table(rounds: usize) {
         );
     }
     ratios.sort_by(f64::total_cmp);
-    println!(
-        "median mixed / f32 over {} loops: {:.2}",
-        ratios.len(),
-        ratios[ratios.len() / 2]
-    );
+    if let Some(median) = ratios.get(ratios.len() / 2) {
+        println!(
+            "median mixed / f32 over {} loops: {median:.2}",
+            ratios.len()
+        );
+    }
 }

@@ -8,14 +8,16 @@
 //! `da += df/da * dy`, the product rounded to f16, then the sum. So does this op: the output
 //! `round(wide(a) op wide(b))`, and on a tape `da = round(wide(da) + wide(round(df/da * dy)))`,
 //! likewise `db` (a quotient's derivatives rounded at each of dfdx's f16 steps, [`quotient`]).
-//! Operands are made contiguous first ([`contiguous`]).
+//! A view operand (a bias broadcast over the batch, a permuted weight) is read where it lies, its
+//! gradient summed back per buffer element in f32 ([`operand`]); the scalar ops make theirs
+//! contiguous first ([`contiguous`]).
 
 use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::{contiguous, contiguous_onto};
-use super::half_ops::{accumulate, grad_slice, widen};
+use super::contiguous::{View, add_grad, contiguous, contiguous_onto, operand, values};
+use super::half_ops::{accumulate, grad_slice};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
 
@@ -39,7 +41,9 @@ impl Op {
     }
 }
 
-/// `a op b` on two f16 tensors of one shape (see the [module docs](self)).
+/// `a op b` on two f16 tensors of one shape (see the [module docs](self)). A view (a bias
+/// broadcast over the batch) is read where it lies and its gradient summed back in f32
+/// ([`operand`]), with no copy of its own.
 pub(crate) fn binary<S: Shape, LT, RT>(
     op: Op,
     a: Tensor<S, f16, Cpu, LT>,
@@ -49,10 +53,13 @@ where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let (a, b, mut tape) = contiguous_pair(a, b)?;
+    let ((a, a_tape), (b, b_tape)) = (a.split_tape(), b.split_tape());
+    let (a, va, a_copy) = operand::<LT, _, _>(a)?;
+    let (b, vb, b_copy) = operand::<LT, _, _>(b)?;
+    let mut tape = a_tape.merge(b_tape).merge(a_copy).merge(b_copy);
     let shape = *a.shape();
     let n = shape.num_elements();
-    let (wa, wb) = (widen(&a), widen(&b));
+    let (wa, wb) = (widened(&a, va.as_ref())?, widened(&b, vb.as_ref())?);
     let mut wide = scratch::take::<f32>(n);
     for ((y, &x), &z) in wide.iter_mut().zip(wa.iter()).zip(wb.iter()) {
         *y = op.f(x, z);
@@ -76,10 +83,11 @@ where
             f16::widen(g, &mut dy);
             // the contributions to dA and dB
             let (da, db) = if let Some((a, b)) = &kept {
+                let (wa, wb) = (widened(a, va.as_ref())?, widened(b, vb.as_ref())?);
                 if op == Op::Div {
-                    quotient(a, b, &dy)
+                    quotient(&wa, wb, &dy)
                 } else {
-                    (product(b, &dy), product(a, &dy))
+                    (product(wb, &dy), product(wa, &dy))
                 }
             } else {
                 let mut db = scratch::take::<f32>(n);
@@ -90,11 +98,30 @@ where
                 (dy, db)
             };
             // dfdx's f16 `+=`: the sum in f32, rounded once
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &da)?;
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &db)
+            add_grad(
+                grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?),
+                va.as_ref(),
+                &da,
+            )?;
+            add_grad(
+                grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?),
+                vb.as_ref(),
+                &db,
+            )
         });
     }
     Ok(y.put_tape(tape))
+}
+
+/// An [`operand`]'s values in logical order, widened to f32.
+fn widened<S: Shape>(
+    t: &Tensor<S, f16, Cpu>,
+    view: Option<&View<S>>,
+) -> Result<Buf<f32>, CpuError> {
+    let h = values(t, view)?;
+    let mut w = scratch::take::<f32>(h.len());
+    f16::widen(&h, &mut w);
+    Ok(w)
 }
 
 /// Two f16 operands without their tapes, and the tapes merged.
@@ -118,10 +145,9 @@ where
     Ok((a, b, a_tape.merge(b_tape).merge(copy_tape)))
 }
 
-/// `d * dy` per element for the values `d` of a tensor, rounded to f16 and widened again: dfdx's
-/// f16 product `df * go`, which it rounds before adding it to the gradient.
-fn product<S: Shape>(d: &Tensor<S, f16, Cpu>, dy: &[f32]) -> Buf<f32> {
-    let mut p = widen(d);
+/// `d * dy` per element for the values `d` of a tensor (widened), rounded to f16 and widened
+/// again: dfdx's f16 product `df * go`, which it rounds before adding it to the gradient.
+fn product(mut p: Buf<f32>, dy: &[f32]) -> Buf<f32> {
     for (p, &g) in p.iter_mut().zip(dy) {
         *p *= g;
     }
@@ -132,12 +158,7 @@ fn product<S: Shape>(d: &Tensor<S, f16, Cpu>, dy: &[f32]) -> Buf<f32> {
 /// The contributions of `dy` to the gradients of `a / b`, each step rounded to f16 as dfdx's f16
 /// derivatives round it: `dA = round(round(1 / b) * dy)` and
 /// `dB = round(round(-a / round(b * b)) * dy)`.
-fn quotient<S: Shape>(
-    a: &Tensor<S, f16, Cpu>,
-    b: &Tensor<S, f16, Cpu>,
-    dy: &[f32],
-) -> (Buf<f32>, Buf<f32>) {
-    let (wa, mut da) = (widen(a), widen(b));
+fn quotient(wa: &[f32], mut da: Buf<f32>, dy: &[f32]) -> (Buf<f32>, Buf<f32>) {
     let mut db = scratch::take::<f32>(da.len());
     for (d, q) in da.iter_mut().zip(db.iter_mut()) {
         *q = *d * *d;
@@ -514,6 +535,66 @@ mod tests {
                 assert_eq!(bits(&ours.0), bits(&theirs.0), "{op:?} output, seed {seed}");
                 assert_eq!(bits(&ours.1), bits(&theirs.1), "{op:?} da, seed {seed}");
                 assert_eq!(bits(&ours.2), bits(&theirs.2), "{op:?} db, seed {seed}");
+            }
+        }
+    }
+
+    /// A view operand read where it lies (a broadcast bias on either side, traced or not; a
+    /// permuted tensor) gives the bits of its contiguous copy made by `nn::contiguous` (whose
+    /// gradient is the f32 sum of the view's, rounded once): the output and every gradient, for
+    /// each op.
+    #[test]
+    fn a_view_operand_gives_the_bits_of_its_contiguous_copy() {
+        use super::super::contiguous::{contiguous, contiguous_onto};
+        type Taped<S> = Tensor<S, f16, Cpu, OwnedTape<f16, Cpu>>;
+        type X = Rank2<300, 33>;
+        let dev = Cpu::default();
+        let bias: Tensor<Rank1<33>, f16, Cpu> = dev.tensor_from_vec(values(33, 11), (Const,));
+        let m: Tensor<Rank2<33, 300>, f16, Cpu> =
+            dev.tensor_from_vec(values(33 * 300, 12), (Const, Const));
+        let x: Tensor<X, f16, Cpu> = dev.tensor_from_vec(values(300 * 33, 13), (Const, Const));
+        let w: Tensor<X, f16, Cpu> = dev.tensor_from_vec(values(300 * 33, 14), (Const, Const));
+        let broadcast = |t: Taped<Rank1<33>>| t.broadcast::<X, Axis<0>>();
+        let permute = |t: Taped<Rank2<33, 300>>| t.permute::<X, Axes2<1, 0>>();
+        for op in [
+            super::Op::Add,
+            super::Op::Sub,
+            super::Op::Mul,
+            super::Op::Div,
+        ] {
+            // the output, then the gradients of x, the bias and m (zeros where unused)
+            let grads = |y: Taped<X>| {
+                let out = bits(&y.retaped::<NoneTape>().as_vec());
+                let mut g = (y * w.clone()).sum().backward();
+                let dx = bits(g.get_or_alloc_mut(&x).unwrap());
+                let db = bits(g.get_or_alloc_mut(&bias).unwrap());
+                (out, dx, db, bits(g.get_or_alloc_mut(&m).unwrap()))
+            };
+            // the traced batch and an untraced broadcast bias (a dense layer written by hand)
+            let read_in_place = {
+                let b = bias.clone().broadcast::<X, Axis<0>>();
+                grads(super::binary(op, x.leaky_trace(), b).unwrap())
+            };
+            let copied = {
+                let (b, tape) = contiguous_onto::<OwnedTape<f16, Cpu>, _, _>(
+                    bias.clone().broadcast::<X, Axis<0>>(),
+                )
+                .unwrap();
+                grads(super::binary(op, x.leaky_trace(), b.put_tape(tape)).unwrap())
+            };
+            assert_eq!(read_in_place.0, copied.0, "{op:?}: x op bias, output");
+            assert_eq!(read_in_place.1, copied.1, "{op:?}: x op bias, dx");
+            assert_eq!(read_in_place.2, copied.2, "{op:?}: x op bias, dbias");
+            // a traced broadcast, then a traced permuted view, on the left of an untraced x
+            let views: [(&str, &dyn Fn() -> Taped<X>); 2] = [
+                ("bias op x", &|| broadcast(bias.leaky_trace())),
+                ("m^T op x", &|| permute(m.leaky_trace())),
+            ];
+            for (what, view) in views {
+                let read_in_place = grads(super::binary(op, view(), x.clone()).unwrap());
+                let copied =
+                    grads(super::binary(op, contiguous(view()).unwrap(), x.clone()).unwrap());
+                assert_eq!(read_in_place, copied, "{op:?}: {what}");
             }
         }
     }

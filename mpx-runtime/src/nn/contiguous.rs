@@ -18,8 +18,8 @@ use dfdx::shapes::{Dtype, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Gradients, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::ReshapeTo;
 
-use super::half_ops::{accumulate, grad_slice};
-use super::scratch;
+use super::half_ops::{accumulate, grad_slice, read};
+use super::scratch::{self, Buf};
 use crate::precision::{FloatSlice, Precision};
 
 /// `t` made contiguous on its own tape (see the [module docs](self)): `t` itself when it already
@@ -45,13 +45,8 @@ where
         return t.try_contiguous();
     }
     let (t, mut tape) = t.split_tape();
-    // the buffer, whose length only a gradient buffer for it tells
-    let len = grad_slice::<E>(Gradients::<E, Cpu>::leaky().get_or_alloc_mut(&t)?).len();
-    let mut raw = scratch::take::<E>(len);
-    t.copy_into(&mut raw);
     let mut values = vec![E::default(); view.elements()];
-    view.gather(&raw, &mut values)?;
-    drop(raw);
+    gather(&t, &view, &mut values)?;
     let y = t.device().try_tensor_from_vec(values, *t.shape())?;
     if T::OWNS_TAPE {
         let (t_id, y_id) = (t.ghost(), y.ghost());
@@ -62,10 +57,11 @@ where
             }
             let mut dy = scratch::take::<f32>(g.len());
             E::widen(g, &mut dy);
-            let gt = grad_slice::<E>(grads.get_or_alloc_mut(&t_id)?);
-            let mut sums = scratch::take_zeroed::<f32>(gt.len());
-            view.scatter_sum(&dy, &mut sums)?;
-            accumulate::<E>(gt, &sums)
+            add_grad(
+                grad_slice::<E>(grads.get_or_alloc_mut(&t_id)?),
+                Some(&view),
+                &dy,
+            )
         });
     }
     Ok(y.put_tape(tape))
@@ -88,10 +84,92 @@ where
     Ok(contiguous(t.put_tape(T::default()))?.split_tape())
 }
 
+/// An untraced operand of an element-wise op as the op reads it: a view of f16 values (a
+/// broadcast bias, a permuted weight) as it is, with its [`View`], for the op to gather its
+/// values ([`values`]) and sum its gradient back per buffer element ([`add_grad`]) with no copy
+/// of its own; any other operand made contiguous first ([`contiguous_onto`], on a fresh tape of
+/// kind `T`, returned for the caller to merge).
+///
+/// # Errors
+/// As [`contiguous`].
+pub(crate) fn operand<T, S, E>(
+    t: Tensor<S, E, Cpu>,
+) -> Result<(Tensor<S, E, Cpu>, Option<View<S>>, T), CpuError>
+where
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+    T: Tape<E, Cpu>,
+{
+    let half = matches!(E::floats(&[]), FloatSlice::F16(_));
+    if half && t.shape().num_elements() > 0 {
+        let view = View::of(&t);
+        if !view.is_contiguous() {
+            return Ok((t, Some(view), T::default()));
+        }
+    }
+    let (t, tape) = contiguous_onto::<T, _, _>(t)?;
+    Ok((t, None, tape))
+}
+
+/// An [`operand`]'s values in logical order.
+///
+/// # Errors
+/// A device (allocation) error.
+pub(crate) fn values<S, E>(
+    t: &Tensor<S, E, Cpu>,
+    view: Option<&View<S>>,
+) -> Result<Buf<E>, CpuError>
+where
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+{
+    let Some(view) = view else {
+        return Ok(read(t));
+    };
+    let mut v = scratch::take::<E>(view.elements());
+    gather(t, view, &mut v)?;
+    Ok(v)
+}
+
+/// Adds an [`operand`]'s gradient, `add` (in logical order), to its gradient buffer `g`,
+/// rounded once: element by element for a contiguous operand; for a view, each buffer element's
+/// share summed in f32 first.
+///
+/// # Errors
+/// A shape error should `g` or `add` not match the operand.
+pub(crate) fn add_grad<S: Shape, E: Precision<Elem = E>>(
+    g: &mut [E],
+    view: Option<&View<S>>,
+    add: &[f32],
+) -> Result<(), CpuError> {
+    let Some(view) = view else {
+        if g.len() != add.len() {
+            return Err(CpuError::WrongNumElements);
+        }
+        return accumulate::<E>(g, add);
+    };
+    let mut sums = scratch::take_zeroed::<f32>(g.len());
+    view.scatter_sum(add, &mut sums)?;
+    accumulate::<E>(g, &sums)
+}
+
+/// `t`'s values in logical order into `out`, read through its whole buffer (whose length only a
+/// gradient buffer for it tells).
+fn gather<S: Shape, E: Precision<Elem = E> + Dtype, T>(
+    t: &Tensor<S, E, Cpu, T>,
+    view: &View<S>,
+    out: &mut [E],
+) -> Result<(), CpuError> {
+    let len = grad_slice::<E>(Gradients::<E, Cpu>::leaky().get_or_alloc_mut(t)?).len();
+    let mut raw = scratch::take::<E>(len);
+    t.copy_into(&mut raw);
+    view.gather(&raw, out)
+}
+
 /// How a (non-empty) tensor's elements, in logical order, lie in its buffer: its dims and, per
 /// axis, how far apart in the buffer two neighbours along it lie.
 #[derive(Clone, Copy, Debug)]
-struct View<S: Shape> {
+pub(crate) struct View<S: Shape> {
     dims: S::Concrete,
     strides: S::Concrete,
 }
