@@ -47,9 +47,9 @@ use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::shapes::{Dtype, HasShape, Rank0, Shape};
 use dfdx::tensor::{
     Cpu, CpuError, Gradients, HasErr, Merge, OwnedTape, PutTape, SplitTape, Storage, Tape, Tensor,
-    TensorFromVec, Trace,
+    TensorFromVec, Trace, ZerosTensor,
 };
-use dfdx::tensor_ops::{Backward, Device, ReshapeTo, SumTo, TryMul};
+use dfdx::tensor_ops::{Backward, Device, ReshapeTo};
 
 use crate::cast::grad_slice;
 use crate::precision::Precision;
@@ -269,12 +269,10 @@ fn cpu_backward<H: Precision>(
     y32: Flat<f32>,
     mut inner_tape: OwnedTape<f32, Cpu>,
 ) -> Result<(), CpuError> {
-    let dev = y32.device().clone();
     let n = y.shape().num_elements();
     // Output gradient, widened to f32.
     let mut g32 = vec![0.0f32; n];
     <H::Elem as Precision>::widen(grad_slice::<H::Elem>(grads.get_or_alloc_mut(y)?), &mut g32);
-    let g32: Flat<f32> = dev.try_tensor_from_vec(g32, (n,))?;
 
     // What each leaf's gradient holds already (widened). A tensor passed twice shares one
     // gradient entry: only its first occurrence carries that value, the others add to it.
@@ -310,9 +308,20 @@ fn cpu_backward<H: Precision>(
         }
         Ok(())
     });
-    let vjp: Tensor<Rank0, f32, Cpu, OwnedTape<f32, Cpu>> =
-        y32.put_tape(inner_tape).try_mul(g32)?.try_sum()?;
-    let mut inner = vjp.try_backward()?;
+    // The output's gradient, added last so that it runs first of all: `0 + g` into its fresh
+    // buffer, what the backward of `sum(y32 * g)` would write there, without that product and
+    // sum.
+    let y32_id = y32.ghost();
+    inner_tape.add_backward_op(move |g: &mut Gradients<f32, Cpu>| {
+        let buf = g.get_or_alloc_mut(&y32_id)?;
+        if buf.len() != g32.len() {
+            return Err(CpuError::WrongNumElements);
+        }
+        buf.iter_mut().zip(&g32).for_each(|(b, s)| *b += *s);
+        Ok(())
+    });
+    let anchor: Tensor<Rank0, f32, Cpu> = y32.device().try_zeros()?;
+    let mut inner = anchor.put_tape(inner_tape).try_backward()?;
 
     // Sum per gradient entry in f32, then round once into the outer buffer.
     let mut sums: Vec<Option<Vec<f32>>> = vec![None; leaves.inner.len()];
