@@ -31,6 +31,16 @@ pub(crate) enum Op {
 }
 
 impl Op {
+    /// `x = x op s` for every value, one loop per op (each a vector loop).
+    fn apply(self, xs: &mut [f32], s: f32) {
+        match self {
+            Op::Add => xs.iter_mut().for_each(|x| *x += s),
+            Op::Sub => xs.iter_mut().for_each(|x| *x -= s),
+            Op::Mul => xs.iter_mut().for_each(|x| *x *= s),
+            Op::Div => xs.iter_mut().for_each(|x| *x /= s),
+        }
+    }
+
     fn f(self, a: f32, b: f32) -> f32 {
         match self {
             Op::Add => a + b,
@@ -198,13 +208,6 @@ pub(crate) enum ScalarOp {
 }
 
 impl ScalarOp {
-    fn f(self, x: f32, s: f32) -> f32 {
-        match self {
-            ScalarOp::Of(op) => op.f(x, s),
-            ScalarOp::Neg => -x,
-        }
-    }
-
     /// The derivative, in f16 as dfdx computes it (`1 / s` rounded for a division).
     fn df(self, s: f16) -> f16 {
         match self {
@@ -232,19 +235,17 @@ pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
     a.copy_into(&mut y);
     // a chunk at a time, through a buffer on the stack: one pass over the values (a negation
     // flips the sign bit, as dfdx's does, NaN payloads included)
-    if op == ScalarOp::Neg {
-        for v in &mut y {
-            *v = -*v;
-        }
-    } else {
+    if let ScalarOp::Of(op) = op {
         let mut wide = [0.0f32; 256];
         for chunk in y.chunks_mut(256) {
             let w = &mut wide[..chunk.len()];
             f16::widen(chunk, w);
-            for x in w.iter_mut() {
-                *x = op.f(*x, s32);
-            }
+            op.apply(w, s32);
             f16::round(w, chunk);
+        }
+    } else {
+        for v in &mut y {
+            *v = -*v;
         }
     }
     let y = a.device().try_tensor_from_vec(y, shape)?;
@@ -263,16 +264,16 @@ pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
             if ga.len() != n {
                 return Err(CpuError::WrongNumElements);
             }
-            let mut wide = [0.0f32; 256];
+            let (mut wide, mut rounded) = ([0.0f32; 256], [f16::ZERO; 256]);
             for (d, g) in dy.chunks(256).zip(ga.chunks_mut(256)) {
                 let w = &mut wide[..d.len()];
                 f16::widen(d, w);
                 if df != f16::ONE {
-                    let df = df.to_f32();
-                    for g in w.iter_mut() {
-                        *g *= df;
-                    }
-                    through_f16(w);
+                    // dfdx's product `df * dy`, rounded to f16 before it is added
+                    Op::Mul.apply(w, df.to_f32());
+                    let r = &mut rounded[..d.len()];
+                    f16::round(w, r);
+                    f16::widen(r, w);
                 }
                 accumulate::<f16>(g, w)?;
             }

@@ -63,8 +63,10 @@ where
 /// everywhere else (NaN and `-0` included).
 fn f16_relu(b: u16) -> u16 {
     let mag = b & 0x7fff;
-    let negative = b & 0x8000 != 0 && mag != 0 && mag <= 0x7c00;
-    if negative { 0 } else { b }
+    // 1 for a negative number (sign set, not -0, not NaN), as a mask without branches (a
+    // vector loop)
+    let negative = (b >> 15) & u16::from(mag != 0) & u16::from(mag <= 0x7c00);
+    b & negative.wrapping_sub(1)
 }
 
 /// `y = max(y, 0)` in place.
