@@ -111,6 +111,30 @@ where
     Ok((t, None, tape))
 }
 
+/// `t`'s values in logical order into `out` (`t`'s element count): one copy of its buffer when it
+/// is contiguous, else gathered through it. No tensor is made.
+///
+/// # Errors
+/// A shape error if `out` does not hold `t`'s elements; a device (allocation) error.
+pub(crate) fn read_into<S: Shape, E: Precision<Elem = E> + Dtype, T>(
+    t: &Tensor<S, E, Cpu, T>,
+    out: &mut [E],
+) -> Result<(), CpuError> {
+    if out.len() != t.shape().num_elements() {
+        return Err(CpuError::WrongNumElements);
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let view = View::of(t);
+    if view.is_contiguous() {
+        t.copy_into(out);
+        Ok(())
+    } else {
+        gather(t, &view, out)
+    }
+}
+
 /// An [`operand`]'s values in logical order.
 ///
 /// # Errors
@@ -395,6 +419,24 @@ mod tests {
         let w: Tensor<Rank2<9, 7>, f16, Cpu> = dev.sample_normal();
         let view = |t: Taped<Rank2<7, 9>>| t.permute::<Rank2<9, 7>, Axes2<1, 0>>();
         assert_eq!(grad(&m, &view, &w, true), grad(&m, &view, &w, false));
+    }
+
+    #[test]
+    fn read_into_gives_the_values_in_logical_order() {
+        let dev = Cpu::default();
+        let m: Tensor<Rank2<3, 5>, f32, Cpu> = dev.sample_normal();
+        let mut out = vec![0.0f32; 15];
+        read_into(&m, &mut out).unwrap();
+        assert_eq!(out, m.as_vec());
+        let t = m.clone().permute::<Rank2<5, 3>, Axes2<1, 0>>();
+        read_into(&t, &mut out).unwrap();
+        assert_eq!(out, t.as_vec());
+        let b: Tensor<Rank1<5>, f16, Cpu> = dev.sample_normal();
+        let v = b.broadcast::<Rank2<4, 5>, Axis<0>>();
+        let mut out = vec![f16::ZERO; 20];
+        read_into(&v, &mut out).unwrap();
+        assert_eq!(out, v.as_vec());
+        assert!(read_into(&v, &mut [f16::ZERO; 5]).is_err());
     }
 
     #[test]

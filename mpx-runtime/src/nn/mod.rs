@@ -65,7 +65,7 @@ mod unary;
 mod unbiased;
 pub mod vit;
 
-pub(crate) use contiguous::contiguous;
+pub(crate) use contiguous::{contiguous, read_into};
 pub use convert::*;
 pub use decoder::*;
 pub use embedding::Embedding;

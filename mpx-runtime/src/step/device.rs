@@ -276,7 +276,7 @@ mod cpu {
     use crate::finite::{add_scaled_checked, all_finite_f32};
     use crate::master::link::RegionLinks;
     use crate::master::slots::MasterSlot;
-    use crate::nn::scratch;
+    use crate::nn::{read_into, scratch};
     use crate::precision::{FloatSlice, FloatSliceMut, Precision, sized};
     use crate::step::error::StepError;
     use mpx_kernels::{every_part, zip_parts};
@@ -394,7 +394,7 @@ mod cpu {
             }
             let n = x.shape().num_elements();
             let wide = sized(&mut store.wide, n);
-            x.clone().try_contiguous()?.copy_into(wide);
+            read_into(x, wide)?;
             if n.saturating_mul(std::mem::size_of::<H::Elem>()) < CACHED_BYTES {
                 // rounded straight into the tensor's own buffer, on the master's device
                 let mut half = vec![H::Elem::default(); n];
@@ -431,12 +431,11 @@ mod cpu {
             x: &Tensor<S, f32, Cpu, T>,
         ) -> Result<Tensor<S, H::Elem, Cpu>, CpuError> {
             let n = x.shape().num_elements();
-            // A contiguous view (the same buffer when it already is) read with one memcpy:
-            // dfdx's `as_vec` walks the tensor index by index. Read through a fused op's scratch
-            // buffer (a short one allocates nothing).
-            let x = x.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
+            // read with one memcpy (gathered where it is a view): dfdx's `as_vec` walks the
+            // tensor index by index; through a fused op's scratch buffer (a short one allocates
+            // nothing)
             let mut values = scratch::take::<f32>(n);
-            x.copy_into(&mut values);
+            read_into(x, &mut values)?;
             let mut half = vec![H::Elem::default(); n];
             H::round(&values, &mut half);
             x.device().try_tensor_from_vec(half, *x.shape())
@@ -446,10 +445,9 @@ mod cpu {
             y: &Tensor<S, H::Elem, Cpu, T>,
         ) -> Result<Tensor<S, f32, Cpu>, CpuError> {
             let n = y.shape().num_elements();
-            let y = y.retaped::<dfdx::tensor::NoneTape>().try_contiguous()?;
             // read through a fused op's scratch buffer (a short one allocates nothing)
             let mut half = scratch::take::<H::Elem>(n);
-            y.copy_into(&mut half);
+            read_into(y, &mut half)?;
             let mut full = vec![0.0f32; n];
             H::widen(&half, &mut full);
             y.device().try_tensor_from_vec(full, *y.shape())
