@@ -23,6 +23,15 @@ pub(crate) type LayerParts<'a, const I: usize, const O: usize, E> = (
     Option<&'a Link>,
 );
 
+/// Where a fused layer's weight and bias gradients go.
+enum Sink<G> {
+    /// In f32, straight into the master's (a mixed step's forward pass).
+    Master(Link),
+    /// Into the layer's own gradient entries (`G`: the weight's and the bias's ghosts), rounded
+    /// to its element type.
+    Own(G),
+}
+
 /// `ReLU` mask (where given) and bias-gradient column sums, in one pass.
 fn mask_bias_grad<E: Precision<Elem = E> + Dtype>(
     dy: &mut [E],
@@ -139,7 +148,13 @@ where
     if T::OWNS_TAPE {
         // The op keeps the input and the weight (the tensors, shared), the ReLU mask (1 bit per
         // output) and ghosts for the gradient entries.
-        let (x_id, w_id, b_id, y_id) = (x.ghost(), weight.ghost(), bias.ghost(), y.ghost());
+        let (x_id, y_id) = (x.ghost(), y.ghost());
+        // where the weight's and bias's gradients go: the master's through the link, else their
+        // own gradient entries
+        let sink = match link {
+            Some(link) => Sink::Master(link),
+            None => Sink::Own((weight.ghost(), bias.ghost())),
+        };
         let w = weight.clone();
         tape.add_backward_op(move |grads| {
             let mut dz = scratch::take::<E>(rows * O);
@@ -149,20 +164,23 @@ where
             drop(mask);
             let xv = read(&x);
             drop(x);
-            if let Some(link) = &link {
-                link.add_bias_grad(&db)?;
-                with_weight_grad::<P, E, _>(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
-                    .map_err(shape_err)??;
-            } else {
-                let gb = grad_slice::<E>(grads.get_or_alloc_mut(&b_id)?);
-                add_f32_into(&db, E::floats_mut(gb)).map_err(shape_err)?;
-                round_in_place::<P>(gb);
-                let gw = grad_slice::<E>(grads.get_or_alloc_mut(&w_id)?);
-                write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
+            match &sink {
+                Sink::Master(link) => {
+                    link.add_bias_grad(&db)?;
+                    with_weight_grad::<P, E, _>(&dz, &xv, rows, |dw| Ok(link.add_weight_grad(dw)))
+                        .map_err(shape_err)??;
+                }
+                Sink::Own((w_id, b_id)) => {
+                    let gb = grad_slice::<E>(grads.get_or_alloc_mut(b_id)?);
+                    add_f32_into(&db, E::floats_mut(gb)).map_err(shape_err)?;
+                    round_in_place::<P>(gb);
+                    let gw = grad_slice::<E>(grads.get_or_alloc_mut(w_id)?);
+                    write_weight_grad::<P, E>(&dz, &xv, rows, gw).map_err(shape_err)?;
+                }
             }
             drop((db, xv));
             let gx = grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?);
-            if link.as_ref().is_some_and(|l| l.is_unread(gx)) {
+            if matches!(&sink, Sink::Master(link) if link.is_unread(gx)) {
                 // a mixed step's batch whose gradient nothing reads
                 return Ok(());
             }
