@@ -16,7 +16,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::{View, add_grad, contiguous, contiguous_onto, operand, values};
+use super::contiguous::{View, add_grad, contiguous, operand, values};
 use super::half_ops::{accumulate, grad_slice};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
@@ -63,10 +63,7 @@ where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let ((a, a_tape), (b, b_tape)) = (a.split_tape(), b.split_tape());
-    let (a, va, a_copy) = operand::<LT, _, _>(a)?;
-    let (b, vb, b_copy) = operand::<LT, _, _>(b)?;
-    let mut tape = a_tape.merge(b_tape).merge(a_copy).merge(b_copy);
+    let ((a, va), (b, vb), mut tape) = operands(a, b)?;
     let shape = *a.shape();
     let n = shape.num_elements();
     let (wa, wb) = (widened(&a, va.as_ref())?, widened(&b, vb.as_ref())?);
@@ -134,25 +131,24 @@ fn widened<S: Shape>(
     Ok(w)
 }
 
-/// Two f16 operands without their tapes, and the tapes merged.
-pub(crate) type Pair<SA, SB, LT> = (Tensor<SA, f16, Cpu>, Tensor<SB, f16, Cpu>, LT);
+/// An f16 operand without its tape, with its [`View`] where it is read in place.
+pub(crate) type Read<S> = (Tensor<S, f16, Cpu>, Option<View<S>>);
 
-/// Two operands made contiguous ([`contiguous`]) and their tapes merged. The second is made
-/// contiguous on a tape of the first's kind ([`contiguous_onto`]): an untraced operand that is
-/// not contiguous (a broadcast bias, a permuted weight, which dfdx's own ops read in place under
-/// their own id) becomes a copy under a new id, and its gradient still goes back to it.
-pub(crate) fn contiguous_pair<SA: Shape, SB: Shape, LT, RT>(
+/// Two f16 operands as their op reads them ([`operand`]: a view where it lies, anything else
+/// contiguous), and their tapes merged (with the tape of a copy the second needed).
+pub(crate) fn operands<SA: Shape, SB: Shape, LT, RT>(
     a: Tensor<SA, f16, Cpu, LT>,
     b: Tensor<SB, f16, Cpu, RT>,
-) -> Result<Pair<SA, SB, LT>, CpuError>
+) -> Result<(Read<SA>, Read<SB>, LT), CpuError>
 where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
-    let (a, a_tape) = contiguous(a)?.split_tape();
-    let (b, b_tape) = b.split_tape();
-    let (b, copy_tape) = contiguous_onto::<LT, _, _>(b)?;
-    Ok((a, b, a_tape.merge(b_tape).merge(copy_tape)))
+    let ((a, a_tape), (b, b_tape)) = (a.split_tape(), b.split_tape());
+    let (a, va, a_copy) = operand::<LT, _, _>(a)?;
+    let (b, vb, b_copy) = operand::<LT, _, _>(b)?;
+    let tape = a_tape.merge(b_tape).merge(a_copy).merge(b_copy);
+    Ok(((a, va), (b, vb), tape))
 }
 
 /// `d * dy` per element for the values `d` of a tensor (widened), rounded to f16 and widened

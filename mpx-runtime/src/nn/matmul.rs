@@ -2,15 +2,17 @@
 //! `(K, N)` or `(B, K, N)`, `(B, S, M, K)` by `(B, S, K, N)`), as a `#[half_forward]` working copy
 //! runs it: on mpx's GEMM, the sums in f32 and rounded once to f16 (as mpx's `Linear` computes
 //! `x·Wᵀ`), where dfdx's f16 matmul ran on dfdx's scalar f16 path. The gradients likewise:
-//! `dA += dY·Bᵀ` and `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry.
+//! `dA += dY·Bᵀ` and `dB += Aᵀ·dY`, each summed in f32 and rounded once into the gradient entry
+//! (a view's, such as a transposed weight's, summed per buffer element first).
 
 use dfdx::shapes::{Dim, HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 use mpx_kernels::{MatRef, gemm};
 
-use super::binary::{Operands, contiguous_pair};
-use super::half_ops::{accumulate, grad_slice, read, shape_err};
+use super::binary::{Operands, operands};
+use super::contiguous::{add_grad, values};
+use super::half_ops::{grad_slice, shape_err};
 use super::scratch;
 use crate::precision::Precision;
 
@@ -44,8 +46,9 @@ where
     RT: Tape<f16, Cpu>,
 {
     let Dims { batch, m, k, n } = dims;
-    let (a, b, mut tape) = contiguous_pair(a, b)?;
-    let (av, bv) = (read(&a), read(&b));
+    // a view (a transposed weight, `k.permute()`) is gathered, not copied into a tensor first
+    let ((a, va), (b, vb), mut tape) = operands(a, b)?;
+    let (av, bv) = (values(&a, va.as_ref())?, values(&b, vb.as_ref())?);
     let (a_at, b_at, y_at) = (
         move |i: usize| i * m * k,
         move |i: usize| i * k * n,
@@ -73,14 +76,22 @@ where
                 let (g, w) = (mat(&dy[y_at(i)..], m, n)?, mat(&bv[b_at(i)..], k, n)?.t());
                 gemm(g, w, &mut sums[a_at(i)..a_at(i + 1)], false).map_err(shape_err)?;
             }
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?), &sums)?;
+            add_grad(
+                grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?),
+                va.as_ref(),
+                &sums,
+            )?;
             // dB = Aᵀ · dY
             let mut sums = scratch::take::<f32>(batch * k * n);
             for i in 0..batch {
                 let (x, g) = (mat(&av[a_at(i)..], m, k)?.t(), mat(&dy[y_at(i)..], m, n)?);
                 gemm(x, g, &mut sums[b_at(i)..b_at(i + 1)], false).map_err(shape_err)?;
             }
-            accumulate::<f16>(grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?), &sums)
+            add_grad(
+                grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?),
+                vb.as_ref(),
+                &sums,
+            )
         });
     }
     Ok(y.put_tape(tape))
@@ -304,6 +315,61 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Views as operands, read where they lie: a transposed weight (`x·Wᵀ` by hand, `W` untraced)
+    /// and a matrix broadcast over a batch; each buffer element's gradient is the f32 sum of
+    /// what its uses get, rounded once (within one f16 rounding of the f64 sum).
+    #[test]
+    fn view_operands_get_their_gradients_summed_per_buffer_element() {
+        let dev = Cpu::seed_from_u64(11);
+        let close = |got: &[f16], want: &[f64], what: &str| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (g, w) in got.iter().zip(want) {
+                let tol = w.abs() * 2f64.powi(-10) + 1e-6;
+                assert!(
+                    (f64::from(g.to_f32()) - w).abs() <= tol,
+                    "{what}: {g} against {w}"
+                );
+            }
+        };
+        // `a · wtᵀ`, the weight stored as `5 x 13`
+        let a: Tensor<Rank2<7, 13>, f16, Cpu> = dev.sample_normal();
+        let wt: Tensor<Rank2<5, 13>, f16, Cpu> = dev.sample_normal();
+        let w: Tensor<Rank2<7, 5>, f16, Cpu> = dev.sample_normal();
+        let view = wt.clone().permute::<Rank2<13, 5>, Axes2<1, 0>>();
+        let logical = view.as_vec();
+        let y = (&Operands::new(a.leaky_trace(), view))
+            .try_matmul_op()
+            .expect("f16 operands take mpx's product")
+            .unwrap();
+        let yv = y.retaped::<NoneTape>().as_vec();
+        let g = (y * w.clone()).sum().backward();
+        let [want_y, want_da, want_db] =
+            reference((&a.as_vec(), &logical, &w.as_vec()), (1, 7, 13, 5), false);
+        close(&yv, &want_y, "y");
+        close(&g.get(&a).as_vec(), &want_da, "dA");
+        // the weight's buffer is `5 x 13`: element (j, p) is the view's (p, j)
+        let want_dwt: Vec<f64> = (0..5 * 13)
+            .map(|e| want_db[(e % 13) * 5 + e / 13])
+            .collect();
+        close(&g.get(&wt).as_vec(), &want_dwt, "dWᵀ");
+        // one `5 x 6` matrix broadcast over a batch of 3: its gradient the sum over the batch
+        let a: Tensor<Rank3<3, 4, 5>, f16, Cpu> = dev.sample_normal();
+        let b: Tensor<Rank2<5, 6>, f16, Cpu> = dev.sample_normal();
+        let w: Tensor<Rank3<3, 4, 6>, f16, Cpu> = dev.sample_normal();
+        let y = (&Operands::new(
+            a.leaky_trace(),
+            b.leaky_trace().broadcast::<Rank3<3, 5, 6>, Axis<0>>(),
+        ))
+            .try_matmul_op()
+            .expect("f16 operands take mpx's product")
+            .unwrap();
+        let g = (y * w.clone()).sum().backward();
+        let [_, want_da, want_db] =
+            reference((&a.as_vec(), &b.as_vec(), &w.as_vec()), (3, 4, 5, 6), true);
+        close(&g.get(&a).as_vec(), &want_da, "batched dA");
+        close(&g.get(&b).as_vec(), &want_db, "broadcast dB");
     }
 
     /// The batched shapes dfdx multiplies: `(B, M, K)` by a shared `(K, N)` and by `(B, K, N)`,
