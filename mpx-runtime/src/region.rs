@@ -251,7 +251,7 @@ impl<H: Precision> RegionDevice<H> for Cpu {
         let y_flat = y.clone().try_reshape_like(&(n,))?;
         let y32_flat = y32.try_reshape_like(&(n,))?;
         tape.add_backward_op(move |grads: &mut Gradients<H::Elem, Cpu>| {
-            cpu_backward::<H>(grads, &leaves, &y_flat, y32_flat, inner_tape)
+            cpu_backward::<H>(grads, &leaves, &y_flat, &y32_flat, inner_tape)
         });
         Ok(y.put_tape(tape))
     }
@@ -266,7 +266,7 @@ fn cpu_backward<H: Precision>(
     grads: &mut Gradients<H::Elem, Cpu>,
     leaves: &Leaves<H::Elem, Cpu>,
     y: &Flat<H::Elem>,
-    y32: Flat<f32>,
+    y32: &Flat<f32>,
     mut inner_tape: OwnedTape<f32, Cpu>,
 ) -> Result<(), CpuError> {
     let n = y.shape().num_elements();

@@ -16,7 +16,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::{View, add_grad, contiguous, operand, values};
+use super::contiguous::{Operand, View, add_grad, contiguous, operand, values};
 use super::half_ops::{accumulate, grad_slice};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
@@ -131,24 +131,23 @@ fn widened<S: Shape>(
     Ok(w)
 }
 
-/// An f16 operand without its tape, with its [`View`] where it is read in place.
-pub(crate) type Read<S> = (Tensor<S, f16, Cpu>, Option<View<S>>);
+/// Two f16 operands as [`operands`] gives them, and their merged tape.
+pub(crate) type ReadPair<SA, SB, LT> = (Operand<SA, f16>, Operand<SB, f16>, LT);
 
 /// Two f16 operands as their op reads them ([`operand`]: a view where it lies, anything else
 /// contiguous), and their tapes merged (with the tape of a copy the second needed).
 pub(crate) fn operands<SA: Shape, SB: Shape, LT, RT>(
     a: Tensor<SA, f16, Cpu, LT>,
     b: Tensor<SB, f16, Cpu, RT>,
-) -> Result<(Read<SA>, Read<SB>, LT), CpuError>
+) -> Result<ReadPair<SA, SB, LT>, CpuError>
 where
     LT: Tape<f16, Cpu> + Merge<RT>,
     RT: Tape<f16, Cpu>,
 {
     let ((a, a_tape), (b, b_tape)) = (a.split_tape(), b.split_tape());
-    let (a, va, a_copy) = operand::<LT, _, _>(a)?;
-    let (b, vb, b_copy) = operand::<LT, _, _>(b)?;
-    let tape = a_tape.merge(b_tape).merge(a_copy).merge(b_copy);
-    Ok(((a, va), (b, vb), tape))
+    let (a, a_copy) = operand::<LT, _, _>(a)?;
+    let (b, b_copy) = operand::<LT, _, _>(b)?;
+    Ok((a, b, a_tape.merge(b_tape).merge(a_copy).merge(b_copy)))
 }
 
 /// `d * dy` per element for the values `d` of a tensor (widened), rounded to f16 and widened

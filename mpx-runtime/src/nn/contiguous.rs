@@ -92,9 +92,7 @@ where
 ///
 /// # Errors
 /// As [`contiguous`].
-pub(crate) fn operand<T, S, E>(
-    t: Tensor<S, E, Cpu>,
-) -> Result<(Tensor<S, E, Cpu>, Option<View<S>>, T), CpuError>
+pub(crate) fn operand<T, S, E>(t: Tensor<S, E, Cpu>) -> Result<(Operand<S, E>, T), CpuError>
 where
     S: Shape,
     E: Precision<Elem = E> + Dtype,
@@ -104,12 +102,15 @@ where
     if half && t.shape().num_elements() > 0 {
         let view = View::of(&t);
         if !view.is_contiguous() {
-            return Ok((t, Some(view), T::default()));
+            return Ok(((t, Some(view)), T::default()));
         }
     }
     let (t, tape) = contiguous_onto::<T, _, _>(t)?;
-    Ok((t, None, tape))
+    Ok(((t, None), tape))
 }
+
+/// An [`operand`] without its tape, with its [`View`] where it is read in place.
+pub(crate) type Operand<S, E> = (Tensor<S, E, Cpu>, Option<View<S>>);
 
 /// `t`'s values in logical order into `out` (`t`'s element count): one copy of its buffer when it
 /// is contiguous, else gathered through it. No tensor is made.
