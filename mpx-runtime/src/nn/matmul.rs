@@ -306,14 +306,19 @@ mod tests {
         let got = [yv, g.get(a).as_vec(), g.get(b).as_vec()];
         let want = reference((&a.as_vec(), &b.as_vec(), &w.as_vec()), dims, shared);
         for ((got, want), what) in got.iter().zip(&want).zip(["y", "dA", "dB"]) {
-            assert_eq!(got.len(), want.len(), "{what}");
-            for (g, w) in got.iter().zip(want) {
-                let tol = w.abs() * 2f64.powi(-10) + 1e-6;
-                assert!(
-                    (f64::from(g.to_f32()) - w).abs() <= tol,
-                    "{what}: {g} against {w}"
-                );
-            }
+            close(got, want, what);
+        }
+    }
+
+    /// `got` within one f16 rounding of the f64 values `want`, element by element.
+    fn close(got: &[f16], want: &[f64], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (g, w) in got.iter().zip(want) {
+            let tol = w.abs() * 2f64.powi(-10) + 1e-6;
+            assert!(
+                (f64::from(g.to_f32()) - w).abs() <= tol,
+                "{what}: {g} against {w}"
+            );
         }
     }
 
@@ -323,16 +328,6 @@ mod tests {
     #[test]
     fn view_operands_get_their_gradients_summed_per_buffer_element() {
         let dev = Cpu::seed_from_u64(11);
-        let close = |got: &[f16], want: &[f64], what: &str| {
-            assert_eq!(got.len(), want.len(), "{what}");
-            for (g, w) in got.iter().zip(want) {
-                let tol = w.abs() * 2f64.powi(-10) + 1e-6;
-                assert!(
-                    (f64::from(g.to_f32()) - w).abs() <= tol,
-                    "{what}: {g} against {w}"
-                );
-            }
-        };
         // `a · wtᵀ`, the weight stored as `5 x 13`
         let a: Tensor<Rank2<7, 13>, f16, Cpu> = dev.sample_normal();
         let wt: Tensor<Rank2<5, 13>, f16, Cpu> = dev.sample_normal();
