@@ -16,7 +16,7 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::{Operand, View, add_grad, contiguous, operand, values};
+use super::contiguous::{Operand, add_grad, contiguous, operand, widened};
 use super::half_ops::{accumulate, grad_slice};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
@@ -41,12 +41,14 @@ impl Op {
         }
     }
 
-    fn f(self, a: f32, b: f32) -> f32 {
+    /// `x = x op y` element by element, one loop per op (each a vector loop).
+    fn zip(self, xs: &mut [f32], ys: &[f32]) {
+        let pairs = xs.iter_mut().zip(ys);
         match self {
-            Op::Add => a + b,
-            Op::Sub => a - b,
-            Op::Mul => a * b,
-            Op::Div => a / b,
+            Op::Add => pairs.for_each(|(x, y)| *x += y),
+            Op::Sub => pairs.for_each(|(x, y)| *x -= y),
+            Op::Mul => pairs.for_each(|(x, y)| *x *= y),
+            Op::Div => pairs.for_each(|(x, y)| *x /= y),
         }
     }
 }
@@ -66,14 +68,10 @@ where
     let ((a, va), (b, vb), mut tape) = operands(a, b)?;
     let shape = *a.shape();
     let n = shape.num_elements();
-    let (wa, wb) = (widened(&a, va.as_ref())?, widened(&b, vb.as_ref())?);
-    let mut wide = scratch::take::<f32>(n);
-    for ((y, &x), &z) in wide.iter_mut().zip(wa.iter()).zip(wb.iter()) {
-        *y = op.f(x, z);
-    }
+    let (mut wa, wb) = (widened(&a, va.as_ref())?, widened(&b, vb.as_ref())?);
+    op.zip(&mut wa, &wb);
     let mut y = vec![f16::ZERO; n];
-    f16::round(&wide, &mut y);
-    drop(wide);
+    f16::round(&wa, &mut y);
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if LT::OWNS_TAPE {
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
@@ -88,47 +86,30 @@ where
             }
             let mut dy = scratch::take::<f32>(n);
             f16::widen(g, &mut dy);
-            // the contributions to dA and dB
-            let (da, db) = if let Some((a, b)) = &kept {
+            // dfdx's f16 `+=`: the sum in f32, rounded once
+            let mut add = |id, view, contribution: &[f32]| {
+                add_grad::<f16, S>(grad_slice(grads.get_or_alloc_mut(id)?), view, contribution)
+            };
+            if let Some((a, b)) = &kept {
                 let (wa, wb) = (widened(a, va.as_ref())?, widened(b, vb.as_ref())?);
-                if op == Op::Div {
+                let (da, db) = if op == Op::Div {
                     quotient(&wa, wb, &dy)
                 } else {
                     (product(wb, &dy), product(wa, &dy))
-                }
+                };
+                add(&a_id, va.as_ref(), &da)?;
+                add(&b_id, vb.as_ref(), &db)
             } else {
-                let mut db = scratch::take::<f32>(n);
-                db.copy_from_slice(&dy);
+                // `dy` itself for both, negated for `b` of a difference
+                add(&a_id, va.as_ref(), &dy)?;
                 if op == Op::Sub {
-                    db.iter_mut().for_each(|g| *g = -*g);
+                    dy.iter_mut().for_each(|g| *g = -*g);
                 }
-                (dy, db)
-            };
-            // dfdx's f16 `+=`: the sum in f32, rounded once
-            add_grad(
-                grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?),
-                va.as_ref(),
-                &da,
-            )?;
-            add_grad(
-                grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?),
-                vb.as_ref(),
-                &db,
-            )
+                add(&b_id, vb.as_ref(), &dy)
+            }
         });
     }
     Ok(y.put_tape(tape))
-}
-
-/// An [`operand`]'s values in logical order, widened to f32.
-fn widened<S: Shape>(
-    t: &Tensor<S, f16, Cpu>,
-    view: Option<&View<S>>,
-) -> Result<Buf<f32>, CpuError> {
-    let h = values(t, view)?;
-    let mut w = scratch::take::<f32>(h.len());
-    f16::widen(&h, &mut w);
-    Ok(w)
 }
 
 /// Two f16 operands as [`operands`] gives them, and their merged tape.
@@ -541,7 +522,7 @@ mod tests {
     /// each op.
     #[test]
     fn a_view_operand_gives_the_bits_of_its_contiguous_copy() {
-        use super::super::contiguous::{contiguous, contiguous_onto};
+        use super::super::contiguous::contiguous;
         type Taped<S> = Tensor<S, f16, Cpu, OwnedTape<f16, Cpu>>;
         type X = Rank2<300, 33>;
         let dev = Cpu::default();
@@ -572,11 +553,9 @@ mod tests {
                 grads(super::binary(op, x.leaky_trace(), b).unwrap())
             };
             let copied = {
-                let (b, tape) = contiguous_onto::<OwnedTape<f16, Cpu>, _, _>(
-                    bias.clone().broadcast::<X, Axis<0>>(),
-                )
-                .unwrap();
-                grads(super::binary(op, x.leaky_trace(), b.put_tape(tape)).unwrap())
+                let b = bias.clone().broadcast::<X, Axis<0>>();
+                let b = contiguous(b.put_tape(OwnedTape::<f16, Cpu>::default())).unwrap();
+                grads(super::binary(op, x.leaky_trace(), b).unwrap())
             };
             assert_eq!(read_in_place.0, copied.0, "{op:?}: x op bias, output");
             assert_eq!(read_in_place.1, copied.1, "{op:?}: x op bias, dx");

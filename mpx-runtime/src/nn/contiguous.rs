@@ -57,7 +57,7 @@ where
             }
             let mut dy = scratch::take::<f32>(g.len());
             E::widen(g, &mut dy);
-            add_grad(
+            add_grad::<E, S>(
                 grad_slice::<E>(grads.get_or_alloc_mut(&t_id)?),
                 Some(&view),
                 &dy,
@@ -73,9 +73,7 @@ where
 ///
 /// # Errors
 /// As [`contiguous`].
-pub(crate) fn contiguous_onto<T, S, E>(
-    t: Tensor<S, E, Cpu>,
-) -> Result<(Tensor<S, E, Cpu>, T), CpuError>
+fn contiguous_onto<T, S, E>(t: Tensor<S, E, Cpu>) -> Result<(Tensor<S, E, Cpu>, T), CpuError>
 where
     S: Shape,
     E: Precision<Elem = E> + Dtype,
@@ -156,14 +154,32 @@ where
     Ok(v)
 }
 
+/// An [`operand`]'s values in logical order, widened to f32.
+///
+/// # Errors
+/// A device (allocation) error.
+pub(crate) fn widened<S, E>(
+    t: &Tensor<S, E, Cpu>,
+    view: Option<&View<S>>,
+) -> Result<Buf<f32>, CpuError>
+where
+    S: Shape,
+    E: Precision<Elem = E> + Dtype,
+{
+    let v = values(t, view)?;
+    let mut w = scratch::take::<f32>(v.len());
+    E::widen(&v, &mut w);
+    Ok(w)
+}
+
 /// Adds an [`operand`]'s gradient, `add` (in logical order), to its gradient buffer `g`,
-/// rounded once: element by element for a contiguous operand; for a view, each buffer element's
-/// share summed in f32 first.
+/// rounded once to `P`: element by element for a contiguous operand; for a view, each buffer
+/// element's share summed in f32 first.
 ///
 /// # Errors
 /// A shape error should `g` or `add` not match the operand.
-pub(crate) fn add_grad<S: Shape, E: Precision<Elem = E>>(
-    g: &mut [E],
+pub(crate) fn add_grad<P: Precision, S: Shape>(
+    g: &mut [P::Elem],
     view: Option<&View<S>>,
     add: &[f32],
 ) -> Result<(), CpuError> {
@@ -171,11 +187,11 @@ pub(crate) fn add_grad<S: Shape, E: Precision<Elem = E>>(
         if g.len() != add.len() {
             return Err(CpuError::WrongNumElements);
         }
-        return accumulate::<E>(g, add);
+        return accumulate::<P>(g, add);
     };
     let mut sums = scratch::take_zeroed::<f32>(g.len());
     view.scatter_sum(add, &mut sums)?;
-    accumulate::<E>(g, &sums)
+    accumulate::<P>(g, &sums)
 }
 
 /// `t`'s values in logical order into `out`, read through its whole buffer (whose length only a

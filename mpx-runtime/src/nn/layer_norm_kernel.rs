@@ -14,7 +14,7 @@ use dfdx::shapes::{HasShape, Rank1, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::Device;
 
-use super::contiguous::{contiguous, contiguous_onto};
+use super::contiguous::{add_grad, contiguous, operand, widened};
 use super::half_ops::{accumulate, grad_slice, narrow, widen};
 use super::scratch;
 use crate::precision::Precision;
@@ -36,19 +36,19 @@ where
     T: Tape<E, Cpu>,
 {
     let (a, mut tape) = contiguous(a)?.split_tape();
-    // the untraced residual made contiguous on a tape of `a`'s kind (a permuted input's
-    // gradient goes back to it)
+    // the untraced residual read as the binary ops read an operand (a view where it lies, its
+    // gradient summed back per buffer element)
     let b = match b {
         Some(b) => {
-            let (b, copy_tape) = contiguous_onto::<T, _, _>(b)?;
+            let (b, copy_tape) = operand::<T, _, _>(b)?;
             tape = tape.merge(copy_tape);
             Some(b)
         }
         None => None,
     };
     let mut z = widen(&a);
-    if let Some(b) = &b {
-        for (z, v) in z.iter_mut().zip(widen(b).iter()) {
+    if let Some((b, vb)) = &b {
+        for (z, v) in z.iter_mut().zip(widened(b, vb.as_ref())?.iter()) {
             *z += v;
         }
     }
@@ -80,7 +80,7 @@ where
         let xhat = z;
         let (a_id, b_id, g_id, bt_id, y_id) = (
             a.ghost(),
-            b.as_ref().map(Tensor::ghost),
+            b.as_ref().map(|(b, vb)| (b.ghost(), *vb)),
             gamma.ghost(),
             beta.ghost(),
             out.ghost(),
@@ -115,8 +115,8 @@ where
             accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&g_id)?), &dg)?;
             accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&bt_id)?), &db)?;
             accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(&a_id)?), &dy)?;
-            if let Some(b_id) = &b_id {
-                accumulate::<P>(grad_slice::<E>(grads.get_or_alloc_mut(b_id)?), &dy)?;
+            if let Some((b_id, vb)) = &b_id {
+                add_grad::<P, S>(grad_slice(grads.get_or_alloc_mut(b_id)?), vb.as_ref(), &dy)?;
             }
             Ok(())
         });

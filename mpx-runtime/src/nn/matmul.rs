@@ -76,7 +76,7 @@ where
                 let (g, w) = (mat(&dy[y_at(i)..], m, n)?, mat(&bv[b_at(i)..], k, n)?.t());
                 gemm(g, w, &mut sums[a_at(i)..a_at(i + 1)], false).map_err(shape_err)?;
             }
-            add_grad(
+            add_grad::<f16, _>(
                 grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?),
                 va.as_ref(),
                 &sums,
@@ -87,7 +87,7 @@ where
                 let (x, g) = (mat(&av[a_at(i)..], m, k)?.t(), mat(&dy[y_at(i)..], m, n)?);
                 gemm(x, g, &mut sums[b_at(i)..b_at(i + 1)], false).map_err(shape_err)?;
             }
-            add_grad(
+            add_grad::<f16, _>(
                 grad_slice::<f16>(grads.get_or_alloc_mut(&b_id)?),
                 vb.as_ref(),
                 &sums,
