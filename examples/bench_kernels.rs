@@ -284,7 +284,6 @@ fn main() {
     for (ci, &(path, dtype, th)) in configs.iter().enumerate() {
         let resolved = path.unwrap_or(match dtype {
             "bf16" if KernelPath::Avx512Bf16.is_supported() => KernelPath::Avx512Bf16,
-            "f16" if KernelPath::Avx512Fp16.is_supported() => KernelPath::Avx512Fp16,
             _ => cal.chosen,
         });
         let peak_of = match (resolved, dtype) {

@@ -113,12 +113,14 @@
 //!   operands, and the staging of f16 and bf16 panels before they are widened or rounded.
 //!
 //! # Paths
-//! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, f16 and
-//! bf16 operands run on their own instructions where the CPU has them (AVX512-FP16,
-//! AVX512-BF16), and everything else on the fastest of the paths that compute the same bits,
-//! measured on first use ([`calibration`]: once for thin products, once for the others).
-//! [`with_path`] forces one for the current thread (tests and benchmarks run every path the CPU
-//! supports this way).
+//! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, bf16
+//! operands run on their own instructions where the CPU has them (AVX512-BF16: exact products,
+//! f32 sums), and everything else, f16 operands included, on the fastest of the paths that
+//! compute the same bits, measured on first use ([`calibration`]: once for thin products, once
+//! for the others). f16 operands are widened and summed in f32, so a product gives the same bits
+//! on every CPU; [`KernelPath::Avx512Fp16`], which sums in f16 (see the error bounds below),
+//! runs only where it is forced. [`with_path`] forces a path for the current thread (tests and
+//! benchmarks run every path the CPU supports this way).
 //!
 //! | path | f32 operands | f16 operands | bf16 operands (f32 storage) |
 //! |---|---|---|---|

@@ -14,9 +14,12 @@
 //! Only paths that compute **the same bits** compete: [`KernelPath::Avx512`] and
 //! [`KernelPath::Avx2Fma`] run the same FMA chain per output in the same order (the tests check
 //! it bit for bit), so the choice changes speed, never results. Paths with other arithmetic are
-//! chosen by operand type, not by timing: f16 operands take [`KernelPath::Avx512Fp16`] and bf16
-//! operands [`KernelPath::Avx512Bf16`] where the CPU has them; the portable loop only where
-//! neither FMA path runs.
+//! chosen by operand type, not by timing: bf16 operands take [`KernelPath::Avx512Bf16`] where the
+//! CPU has it (exact products summed in f32). [`KernelPath::Avx512Fp16`] sums f16 products in
+//! f16, far coarser, and a product or partial sum past 65504 is infinite there where the f32 sum
+//! is finite: f16 operands are widened and summed in f32 as on every other CPU (the same bits),
+//! and that path runs only where [`with_path`] forces it. The portable loop runs only where
+//! neither FMA path does.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -150,18 +153,15 @@ pub(crate) fn detected_path() -> KernelPath {
     calibration().chosen
 }
 
-/// The path an `m x n` product of `a` and `b` runs on when none is forced: f16 operands on
-/// [`KernelPath::Avx512Fp16`] and bf16 operands on [`KernelPath::Avx512Bf16`] where the CPU has
-/// them, everything else on the calibration's choice for its class (thin or not).
+/// The path an `m x n` product of `a` and `b` runs on when none is forced: bf16 operands on
+/// [`KernelPath::Avx512Bf16`] where the CPU has it (exact products, f32 sums), everything else,
+/// f16 operands included, on the calibration's choice for its class (thin or not): f16
+/// operands are widened and summed in f32, the same bits on every CPU.
+/// [`KernelPath::Avx512Fp16`] sums in f16 (a product past 65504 is infinite there, where the f32
+/// sum is finite), so it runs only where [`with_path`] forces it.
 pub(crate) fn path_for(a: FloatSlice<'_>, b: FloatSlice<'_>, m: usize, n: usize) -> KernelPath {
-    static FP16: OnceLock<bool> = OnceLock::new();
     static BF16: OnceLock<bool> = OnceLock::new();
     match (a, b) {
-        (FloatSlice::F16(_), FloatSlice::F16(_))
-            if *FP16.get_or_init(|| KernelPath::Avx512Fp16.is_supported()) =>
-        {
-            KernelPath::Avx512Fp16
-        }
         (FloatSlice::Bf16(_), FloatSlice::Bf16(_))
             if *BF16.get_or_init(|| KernelPath::Avx512Bf16.is_supported()) =>
         {

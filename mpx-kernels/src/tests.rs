@@ -159,6 +159,62 @@ fn forcing_a_path_needs_the_cpu_features() {
     assert_eq!(active_path(), detected_path());
 }
 
+/// With no path forced, f16 operands are summed in f32 on every CPU: the product of f16 values
+/// is the product of the same values widened to f32, bit for bit (thin and ordinary shapes),
+/// and products past f16's range (512 x 256 = 131072 > 65504) sum to their finite f32 value.
+/// On a CPU with AVX512-FP16 the f16-summing path, forced, gives infinity there.
+#[test]
+fn f16_operands_sum_in_f32_unless_a_path_is_forced() {
+    for (m, n, k) in [(4, 8, 3), (64, 80, 200), (33, 130, 70)] {
+        let (a, b) = (values(m * k, 11), values(k * n, 12));
+        let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let (ah, bh) = (h(&a), h(&b));
+        let w = |v: &[f16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        let (aw, bw) = (w(&ah), w(&bh));
+        let mut c16 = vec![0.0f32; m * n];
+        let mut c32 = vec![0.0f32; m * n];
+        gemm(
+            MatRef::row_major_f16(&ah, m, k).unwrap(),
+            MatRef::row_major_f16(&bh, k, n).unwrap(),
+            &mut c16,
+            false,
+        )
+        .unwrap();
+        gemm(
+            MatRef::row_major_f32(&aw, m, k).unwrap(),
+            MatRef::row_major_f32(&bw, k, n).unwrap(),
+            &mut c32,
+            false,
+        )
+        .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&c16), bits(&c32), "{m} x {n} x {k}");
+    }
+    let (m, n, k) = (8, 64, 4);
+    let a = vec![f16::from_f32(512.0); m * k];
+    let b = vec![f16::from_f32(256.0); k * n];
+    let run = |path: Option<KernelPath>| {
+        let mut c = vec![0.0f32; m * n];
+        let (a, b) = (
+            MatRef::row_major_f16(&a, m, k).unwrap(),
+            MatRef::row_major_f16(&b, k, n).unwrap(),
+        );
+        match path {
+            Some(p) => with_path(p, || gemm(a, b, &mut c, false)).unwrap().unwrap(),
+            None => gemm(a, b, &mut c, false).unwrap(),
+        }
+        c
+    };
+    assert!(run(None).iter().all(|&v| v == 4.0 * 131072.0));
+    if KernelPath::Avx512Fp16.is_supported() {
+        assert!(
+            run(Some(KernelPath::Avx512Fp16))
+                .iter()
+                .all(|v| v.is_infinite())
+        );
+    }
+}
+
 #[test]
 fn shape_errors_are_reported() {
     let a = [0.0f32; 6];
