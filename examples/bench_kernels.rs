@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use dfdx::prelude::*;
 use mpx::__bench::{
-    Caches, FloatSlice, KernelPath, MatRef, Sizing, available_threads, calibration, gemm, gemm_on,
-    peak_fma_flops, use_scoped_threads, with_blocking, with_threads,
+    Caches, FloatSlice, KernelPath, MatRef, Sizing, available_threads, bf16_pairs_preferred,
+    calibration, gemm, gemm_on, peak_fma_flops, use_scoped_threads, with_blocking, with_threads,
 };
 use mpx::precision::f16;
 
@@ -283,7 +283,7 @@ fn main() {
     };
     for (ci, &(path, dtype, th)) in configs.iter().enumerate() {
         let resolved = path.unwrap_or(match dtype {
-            "bf16" if KernelPath::Avx512Bf16.is_supported() => KernelPath::Avx512Bf16,
+            "bf16" if bf16_pairs_preferred() => KernelPath::Avx512Bf16,
             _ => cal.chosen,
         });
         let peak_of = match (resolved, dtype) {

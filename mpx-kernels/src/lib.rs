@@ -114,8 +114,8 @@
 //!
 //! # Paths
 //! A [`KernelPath`] names the instruction set the arithmetic runs on. With none forced, bf16
-//! operands run on their own instructions where the CPU has them (AVX512-BF16: exact products,
-//! f32 sums), and everything else, f16 operands included, on the fastest of the paths that
+//! operands run on their own instructions (AVX512-BF16: exact products, f32 sums) on the CPUs
+//! that run them faster than f32 FMAs ([`bf16_pairs_preferred`]), and everything else, f16 operands included, on the fastest of the paths that
 //! compute the same bits, measured on first use ([`calibration`]: once for thin products, once
 //! for the others). f16 operands are widened and summed in f32, so a product gives the same bits
 //! on every CPU; [`KernelPath::Avx512Fp16`], which sums in f16 (see the error bounds below),
@@ -231,7 +231,7 @@ pub use epilogue::{
 pub use error::KernelError;
 pub use isa::KernelPath;
 pub use mat::MatRef;
-pub use path::{Calibration, active_path, calibration, gemm, with_path};
+pub use path::{Calibration, active_path, bf16_pairs_preferred, calibration, gemm, with_path};
 pub use peak::peak_fma_flops;
 pub use pool::{every_part, zip_parts};
 pub use views::{FloatSlice, FloatSliceMut};

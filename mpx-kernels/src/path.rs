@@ -14,8 +14,9 @@
 //! Only paths that compute **the same bits** compete: [`KernelPath::Avx512`] and
 //! [`KernelPath::Avx2Fma`] run the same FMA chain per output in the same order (the tests check
 //! it bit for bit), so the choice changes speed, never results. Paths with other arithmetic are
-//! chosen by operand type, not by timing: bf16 operands take [`KernelPath::Avx512Bf16`] where the
-//! CPU has it (exact products summed in f32). [`KernelPath::Avx512Fp16`] sums f16 products in
+//! chosen by operand type and CPU, not by timing: bf16 operands take [`KernelPath::Avx512Bf16`]
+//! (exact products summed in f32) on the CPUs that run it faster than f32 FMAs (AMD's; see
+//! [`bf16_pairs_preferred`]). [`KernelPath::Avx512Fp16`] sums f16 products in
 //! f16, far coarser, and a product or partial sum past 65504 is infinite there where the f32 sum
 //! is finite: f16 operands are widened and summed in f32 as on every other CPU (the same bits),
 //! and that path runs only where [`with_path`] forces it. The portable loop runs only where
@@ -154,21 +155,52 @@ pub(crate) fn detected_path() -> KernelPath {
 }
 
 /// The path an `m x n` product of `a` and `b` runs on when none is forced: bf16 operands on
-/// [`KernelPath::Avx512Bf16`] where the CPU has it (exact products, f32 sums), everything else,
-/// f16 operands included, on the calibration's choice for its class (thin or not): f16
-/// operands are widened and summed in f32, the same bits on every CPU.
-/// [`KernelPath::Avx512Fp16`] sums in f16 (a product past 65504 is infinite there, where the f32
-/// sum is finite), so it runs only where [`with_path`] forces it.
+/// [`KernelPath::Avx512Bf16`] where [`bf16_pairs_preferred`], everything else, f16 operands
+/// included, on the calibration's choice for its class (thin or not): f16 operands are widened
+/// and summed in f32, the same bits on every CPU. [`KernelPath::Avx512Fp16`] sums in f16 (a
+/// product past 65504 is infinite there, where the f32 sum is finite), so it runs only where
+/// [`with_path`] forces it.
 pub(crate) fn path_for(a: FloatSlice<'_>, b: FloatSlice<'_>, m: usize, n: usize) -> KernelPath {
     static BF16: OnceLock<bool> = OnceLock::new();
     match (a, b) {
-        (FloatSlice::Bf16(_), FloatSlice::Bf16(_))
-            if *BF16.get_or_init(|| KernelPath::Avx512Bf16.is_supported()) =>
-        {
+        (FloatSlice::Bf16(_), FloatSlice::Bf16(_)) if *BF16.get_or_init(bf16_pairs_preferred) => {
             KernelPath::Avx512Bf16
         }
         _ if m.min(n) <= THIN => calibration().chosen_thin,
         _ => detected_path(),
+    }
+}
+
+/// Whether bf16 operands run on [`KernelPath::Avx512Bf16`] when no path is forced: where the CPU
+/// has it and is an AMD one. AMD's Zen 4 and Zen 5 run `vdpbf16ps` (two products per f32 lane)
+/// faster than f32 FMAs (`bench_kernels`' peak table: 524 against 285 GFLOP/s on a Zen 5); Intel's
+/// Sapphire and Emerald Rapids at half their f32 FMA rate (87 against 177 GFLOP/s on an Emerald
+/// Rapids), where the f32 path on the operands rounded to bf16 ran the step's products faster
+/// (102 against 69 GFLOP/s on one thread). Decided by the CPU's vendor, not by timing: the two
+/// paths differ in the order of each pair's sum and in flushing subnormals, so a choice by timing
+/// could change a result from one run to the next.
+///
+/// # Examples
+/// ```
+/// use mpx_kernels::{KernelPath, bf16_pairs_preferred};
+/// // never without the instructions
+/// assert!(!bf16_pairs_preferred() || KernelPath::Avx512Bf16.is_supported());
+/// ```
+pub fn bf16_pairs_preferred() -> bool {
+    KernelPath::Avx512Bf16.is_supported() && is_amd()
+}
+
+/// Whether the CPU's vendor (CPUID leaf 0) is AMD.
+fn is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = std::arch::x86_64::__cpuid(0);
+        // the vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD"
+        [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -182,8 +214,9 @@ pub(crate) fn forced_path() -> Option<KernelPath> {
 }
 
 /// The path f32 products called on this thread use: the one forced by [`with_path`], else
-/// the [calibration](calibration)'s choice for ordinary products (f16 and bf16 operands with
-/// their own instructions take those when none is forced, see the crate docs).
+/// the [calibration](calibration)'s choice for ordinary products (bf16 operands take
+/// [`KernelPath::Avx512Bf16`] on the CPUs that run it faster when none is forced, see the crate
+/// docs).
 ///
 /// # Examples
 /// ```
@@ -232,10 +265,10 @@ pub fn with_path<R>(path: KernelPath, f: impl FnOnce() -> R) -> Result<R, Kernel
 }
 
 /// `C = A·B` (or `C += A·B` with `accumulate`) on the path forced by
-/// [`with_path`], else the one chosen for these operands: f16 and bf16
-/// operands on their own instructions where the CPU has them, everything else on the
-/// [calibration](calibration)'s choice. `C` is row-major `A.rows x B.cols` f32. Every path reads
-/// f16 and bf16 operands as they are and sums in f32 (the error bounds of the
+/// [`with_path`], else the one chosen for these operands: bf16 operands on
+/// [`KernelPath::Avx512Bf16`] on the CPUs that run it faster than f32 FMAs, everything else on
+/// the [calibration](calibration)'s choice. `C` is row-major `A.rows x B.cols` f32. Every path
+/// but a forced [`KernelPath::Avx512Fp16`] sums in f32 (the error bounds of the
 /// [crate docs](crate#error-bounds)).
 ///
 /// # Errors

@@ -1211,7 +1211,7 @@ fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
         )));
     }
     // gemm with no forced path: f32 on the chosen path (the thin one for n <= THIN), bf16 on
-    // its own where the CPU has it
+    // its own where it is preferred, f16 as f32
     let (m, n, k) = (20, 10, 50);
     let (a, b) = (values(m * k, 83), values(k * n, 84));
     let (am, bm) = (
@@ -1224,17 +1224,21 @@ fn the_calibration_keeps_the_fastest_candidate_and_gemm_follows_it() {
     assert_eq!(got, expect);
     let (m, n, k) = (20, 40, 50);
     let (a, b) = (values(m * k, 81), values(k * n, 82));
+    let h = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+    let (ah, bh) = (h(&a), h(&b));
     for (ao, bo, want) in [
         (FloatSlice::F32(&a), FloatSlice::F32(&b), c.chosen),
         (
             FloatSlice::Bf16(&a),
             FloatSlice::Bf16(&b),
-            if KernelPath::Avx512Bf16.is_supported() {
+            if bf16_pairs_preferred() {
                 KernelPath::Avx512Bf16
             } else {
                 c.chosen
             },
         ),
+        // f16 operands: widened and summed in f32 (never on the f16 FMA path unless forced)
+        (FloatSlice::F16(&ah), FloatSlice::F16(&bh), c.chosen),
     ] {
         let (am, bm) = (
             MatRef::row_major(ao, m, k).unwrap(),

@@ -76,8 +76,8 @@ pub mod __bench {
     };
     pub use mpx_kernels::{
         Caches, Calibration, KernelError, KernelPath, MatRef, Sizing, active_path,
-        bf16_error_bound, calibration, f32_error_bound, fp16_error_bound, gemm, gemm_on,
-        peak_fma_flops, with_blocking, with_path,
+        bf16_error_bound, bf16_pairs_preferred, calibration, f32_error_bound, fp16_error_bound,
+        gemm, gemm_on, peak_fma_flops, with_blocking, with_path,
     };
 }
 
