@@ -205,7 +205,7 @@ fn f16_operands_sum_in_f32_unless_a_path_is_forced() {
         }
         c
     };
-    assert!(run(None).iter().all(|&v| v == 4.0 * 131072.0));
+    assert!(run(None).iter().all(|&v| v == 4.0 * 131_072.0));
     if KernelPath::Avx512Fp16.is_supported() {
         assert!(
             run(Some(KernelPath::Avx512Fp16))
