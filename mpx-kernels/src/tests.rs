@@ -171,24 +171,15 @@ fn f16_operands_sum_in_f32_unless_a_path_is_forced() {
         let (ah, bh) = (h(&a), h(&b));
         let w = |v: &[f16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
         let (aw, bw) = (w(&ah), w(&bh));
-        let mut c16 = vec![0.0f32; m * n];
-        let mut c32 = vec![0.0f32; m * n];
-        gemm(
-            MatRef::row_major_f16(&ah, m, k).unwrap(),
-            MatRef::row_major_f16(&bh, k, n).unwrap(),
-            &mut c16,
-            false,
-        )
-        .unwrap();
-        gemm(
-            MatRef::row_major_f32(&aw, m, k).unwrap(),
-            MatRef::row_major_f32(&bw, k, n).unwrap(),
-            &mut c32,
-            false,
-        )
-        .unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&c16), bits(&c32), "{m} x {n} x {k}");
+        let product = |a: FloatSlice<'_>, b: FloatSlice<'_>| {
+            let mut c = vec![0.0f32; m * n];
+            let (a, b) = (MatRef::row_major(a, m, k), MatRef::row_major(b, k, n));
+            gemm(a.unwrap(), b.unwrap(), &mut c, false).unwrap();
+            c.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+        };
+        let c16 = product(FloatSlice::F16(&ah), FloatSlice::F16(&bh));
+        let c32 = product(FloatSlice::F32(&aw), FloatSlice::F32(&bw));
+        assert_eq!(c16, c32, "{m} x {n} x {k}");
     }
     let (m, n, k) = (8, 64, 4);
     let a = vec![f16::from_f32(512.0); m * k];
