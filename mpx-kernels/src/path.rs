@@ -176,7 +176,8 @@ pub(crate) fn path_for(a: FloatSlice<'_>, b: FloatSlice<'_>, m: usize, n: usize)
 /// faster than f32 FMAs (`bench_kernels`' peak table: 524 against 285 GFLOP/s on a Zen 5); Intel's
 /// Sapphire and Emerald Rapids at half their f32 FMA rate (87 against 177 GFLOP/s on an Emerald
 /// Rapids), where the f32 path on the operands rounded to bf16 ran the step's products faster
-/// (102 against 69 GFLOP/s on one thread). Decided by the CPU's vendor, not by timing: the two
+/// (102 against 69 GFLOP/s on one thread; `cargo run --release --example bench_kernels`, both
+/// runs in `docs/benchmarks.md`). Decided by the CPU's vendor, not by timing: the two
 /// paths differ in the order of each pair's sum and in flushing subnormals, so a choice by timing
 /// could change a result from one run to the next.
 ///

@@ -16,8 +16,8 @@ use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use half::f16;
 
-use super::contiguous::{Operand, add_grad, contiguous, operand, widened};
-use super::half_ops::{accumulate, grad_slice};
+use super::contiguous::{Operand, add_grad, contiguous, operand, values};
+use super::half_ops::{accumulate, grad_slice, widen_values};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
 
@@ -68,7 +68,10 @@ where
     let ((a, va), (b, vb), mut tape) = operands(a, b)?;
     let shape = *a.shape();
     let n = shape.num_elements();
-    let (mut wa, wb) = (widened(&a, va.as_ref())?, widened(&b, vb.as_ref())?);
+    let (mut wa, wb) = (
+        widen_values(&values(&a, va.as_ref())?),
+        widen_values(&values(&b, vb.as_ref())?),
+    );
     op.zip(&mut wa, &wb);
     let mut y = vec![f16::ZERO; n];
     f16::round(&wa, &mut y);
@@ -91,7 +94,10 @@ where
                 add_grad::<f16, S>(grad_slice(grads.get_or_alloc_mut(id)?), view, contribution)
             };
             if let Some((a, b)) = &kept {
-                let (wa, wb) = (widened(a, va.as_ref())?, widened(b, vb.as_ref())?);
+                let (wa, wb) = (
+                    widen_values(&values(a, va.as_ref())?),
+                    widen_values(&values(b, vb.as_ref())?),
+                );
                 let (da, db) = if op == Op::Div {
                     quotient(&wa, wb, &dy)
                 } else {

@@ -154,24 +154,6 @@ where
     Ok(v)
 }
 
-/// An [`operand`]'s values in logical order, widened to f32.
-///
-/// # Errors
-/// A device (allocation) error.
-pub(crate) fn widened<S, E>(
-    t: &Tensor<S, E, Cpu>,
-    view: Option<&View<S>>,
-) -> Result<Buf<f32>, CpuError>
-where
-    S: Shape,
-    E: Precision<Elem = E> + Dtype,
-{
-    let v = values(t, view)?;
-    let mut w = scratch::take::<f32>(v.len());
-    E::widen(&v, &mut w);
-    Ok(w)
-}
-
 /// Adds an [`operand`]'s gradient, `add` (in logical order), to its gradient buffer `g`,
 /// rounded once to `P`: element by element for a contiguous operand; for a view, each buffer
 /// element's share summed in f32 first.

@@ -24,14 +24,16 @@ pub(crate) fn read<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
 pub(crate) fn widen<S: Shape, E: Precision<Elem = E> + dfdx::shapes::Dtype, T>(
     t: &Tensor<S, E, Cpu, T>,
 ) -> Buf<f32> {
-    let h = read(t);
-    let mut v = scratch::take::<f32>(h.len());
-    E::widen(&h, &mut v);
+    widen_values(&read(t))
+}
+
+/// Values of a precision's storage type widened to f32, in a pooled buffer.
+pub(crate) fn widen_values<E: Precision<Elem = E>>(values: &[E]) -> Buf<f32> {
+    let mut v = scratch::take::<f32>(values.len());
+    E::widen(values, &mut v);
     v
 }
 
-/// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
-/// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
 /// `ReLU`'s mask of outputs `y`: set where `y > 0` (NaN, zeros and negatives clear).
 pub(crate) fn relu_mask_of<E: Precision<Elem = E> + dfdx::shapes::Dtype>(y: &[E]) -> ReluMask {
     match E::floats(y) {
@@ -40,6 +42,8 @@ pub(crate) fn relu_mask_of<E: Precision<Elem = E> + dfdx::shapes::Dtype>(y: &[E]
     }
 }
 
+/// Rounds values of `P`'s storage type to `P` in place: nothing to do for a precision that
+/// stores itself (f32, f16, `AMP<f16>`); emulated bf16 (f32 storage) rounds to bf16.
 pub(crate) fn round_in_place<P: Precision>(values: &mut [P::Elem]) {
     if P::DTYPE == <P::Elem as Precision>::DTYPE {
         return;

@@ -14,8 +14,8 @@ use dfdx::shapes::{HasShape, Rank1, Shape};
 use dfdx::tensor::{Cpu, CpuError, PutTape, SplitTape, Tape, Tensor, TensorFromVec};
 use dfdx::tensor_ops::Device;
 
-use super::contiguous::{add_grad, contiguous, operand, widened};
-use super::half_ops::{accumulate, grad_slice, narrow, widen};
+use super::contiguous::{add_grad, contiguous, operand, values};
+use super::half_ops::{accumulate, grad_slice, narrow, widen, widen_values};
 use super::scratch;
 use crate::precision::Precision;
 
@@ -48,7 +48,10 @@ where
     };
     let mut z = widen(&a);
     if let Some((b, vb)) = &b {
-        for (z, v) in z.iter_mut().zip(widened(b, vb.as_ref())?.iter()) {
+        for (z, v) in z
+            .iter_mut()
+            .zip(widen_values(&values(b, vb.as_ref())?).iter())
+        {
             *z += v;
         }
     }
