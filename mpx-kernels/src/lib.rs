@@ -16,6 +16,7 @@
 //! | [`FloatSlice`], [`FloatSliceMut`] | a slice of values of some precision, to read or to write (mpx re-exports them from `mpx::precision`) |
 //! | [`bias_act_into`], [`ReluMask`], [`relu_mask_bias_grad_f16`], [`relu_mask_bias_grad_f32`], [`add_f32_into`] | the fused element-wise passes around a Linear layer's products |
 //! | [`convert`] | f16 and bf16 slice conversions (F16C, AVX2) |
+//! | [`apply_scalar_f16`], [`zip_f16`], [`add_scaled_f16`], [`Arith`] | f16 tensors' arithmetic with a scalar or with each other, and a constant derivative's gradient pass, each in one pass (F16C) |
 //! | `amp` | views between `AMP<f16>` and `f16` slices (feature `amp`) |
 //! | [`zip_parts`], [`every_part`] | element-wise passes over long slices, cut over the pool's threads |
 //! | [`with_avx2`], [`Avx2Task`] | safe code run in a copy compiled for AVX2 where the CPU has it (mpx's MX block codec) |
@@ -190,6 +191,7 @@
 
 #[cfg(feature = "amp")]
 pub mod amp;
+mod arith;
 mod avx2;
 mod avx512;
 mod bf16;
@@ -219,6 +221,7 @@ mod transpose;
 mod views;
 mod wide;
 
+pub use arith::{Arith, add_scaled_f16, apply_scalar_f16, zip_f16};
 pub use caches::Caches;
 #[doc(hidden)]
 pub use caches::{Sizing, with_blocking};

@@ -17,47 +17,16 @@ use dfdx::tensor::{Cpu, CpuError, Merge, PutTape, SplitTape, Tape, Tensor, Tenso
 use half::f16;
 
 use super::contiguous::{Operand, add_grad, contiguous, operand, values};
-use super::half_ops::{accumulate, grad_slice, widen_values};
+use super::half_ops::{grad_slice, widen_values};
 use super::scratch::{self, Buf};
 use crate::precision::Precision;
-
-/// One of the four ops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    Add,
-    Sub,
-    Mul,
-    Div,
-}
-
-impl Op {
-    /// `x = x op s` for every value, one loop per op (each a vector loop).
-    fn apply(self, xs: &mut [f32], s: f32) {
-        match self {
-            Op::Add => xs.iter_mut().for_each(|x| *x += s),
-            Op::Sub => xs.iter_mut().for_each(|x| *x -= s),
-            Op::Mul => xs.iter_mut().for_each(|x| *x *= s),
-            Op::Div => xs.iter_mut().for_each(|x| *x /= s),
-        }
-    }
-
-    /// `x = x op y` element by element, one loop per op (each a vector loop).
-    fn zip(self, xs: &mut [f32], ys: &[f32]) {
-        let pairs = xs.iter_mut().zip(ys);
-        match self {
-            Op::Add => pairs.for_each(|(x, y)| *x += y),
-            Op::Sub => pairs.for_each(|(x, y)| *x -= y),
-            Op::Mul => pairs.for_each(|(x, y)| *x *= y),
-            Op::Div => pairs.for_each(|(x, y)| *x /= y),
-        }
-    }
-}
+use mpx_kernels::{Arith, add_scaled_f16, apply_scalar_f16, zip_f16};
 
 /// `a op b` on two f16 tensors of one shape (see the [module docs](self)). A view (a bias
 /// broadcast over the batch) is read where it lies and its gradient summed back in f32
 /// ([`operand`]), with no copy of its own.
 pub(crate) fn binary<S: Shape, LT, RT>(
-    op: Op,
+    op: Arith,
     a: Tensor<S, f16, Cpu, LT>,
     b: Tensor<S, f16, Cpu, RT>,
 ) -> Result<Tensor<S, f16, Cpu, LT>, CpuError>
@@ -68,51 +37,74 @@ where
     let ((a, va), (b, vb), mut tape) = operands(a, b)?;
     let shape = *a.shape();
     let n = shape.num_elements();
-    let (mut wa, wb) = (
-        widen_values(&values(&a, va.as_ref())?),
-        widen_values(&values(&b, vb.as_ref())?),
-    );
-    op.zip(&mut wa, &wb);
     let mut y = vec![f16::ZERO; n];
-    f16::round(&wa, &mut y);
+    zip_f16(
+        &values(&a, va.as_ref())?,
+        &values(&b, vb.as_ref())?,
+        op,
+        &mut y,
+    );
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if LT::OWNS_TAPE {
         let (a_id, b_id, y_id) = (a.ghost(), b.ghost(), y.ghost());
         // `Mul`'s and `Div`'s derivatives are made of the operands' values: the tensors are
         // kept (their buffers shared, not copied), as dfdx's own op keeps them
-        let kept = matches!(op, Op::Mul | Op::Div).then(|| (a.clone(), b.clone()));
-        drop((a, b, wa, wb));
+        let kept = matches!(op, Arith::Mul | Arith::Div).then(|| (a.clone(), b.clone()));
+        drop((a, b));
         tape.add_backward_op(move |grads| {
-            let g = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?);
-            if g.len() != n {
+            // a copy: dfdx lends one gradient at a time
+            let dy = scratch::copy_of(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
+            if dy.len() != n {
                 return Err(CpuError::WrongNumElements);
             }
-            let mut dy = scratch::take::<f32>(n);
-            f16::widen(g, &mut dy);
-            // dfdx's f16 `+=`: the sum in f32, rounded once
-            let mut add = |id, view, contribution: &[f32]| {
-                add_grad::<f16, S>(grad_slice(grads.get_or_alloc_mut(id)?), view, contribution)
-            };
             if let Some((a, b)) = &kept {
+                // dfdx's f16 `+=`: the sum in f32, rounded once
+                let mut add = |id, view, contribution: &[f32]| {
+                    add_grad::<f16, S>(grad_slice(grads.get_or_alloc_mut(id)?), view, contribution)
+                };
                 let (wa, wb) = (
                     widen_values(&values(a, va.as_ref())?),
                     widen_values(&values(b, vb.as_ref())?),
                 );
-                let (da, db) = if op == Op::Div {
+                let dy = widen_values(&dy);
+                let (da, db) = if op == Arith::Div {
                     quotient(&wa, wb, &dy)
                 } else {
                     (product(wb, &dy), product(wa, &dy))
                 };
                 add(&a_id, va.as_ref(), &da)?;
-                add(&b_id, vb.as_ref(), &db)
-            } else {
-                // `dy` itself for both, negated for `b` of a difference
-                add(&a_id, va.as_ref(), &dy)?;
-                if op == Op::Sub {
-                    dy.iter_mut().for_each(|g| *g = -*g);
-                }
-                add(&b_id, vb.as_ref(), &dy)
+                return add(&b_id, vb.as_ref(), &db);
             }
+            // `dy` itself for both, negated for `b` of a difference: a contiguous operand's
+            // gradient in one pass over the f16 values, a view's summed per buffer element
+            let mut wide: Option<Buf<f32>> = None;
+            for (id, view, d) in [
+                (&a_id, va.as_ref(), f16::ONE),
+                (
+                    &b_id,
+                    vb.as_ref(),
+                    if op == Arith::Sub {
+                        f16::NEG_ONE
+                    } else {
+                        f16::ONE
+                    },
+                ),
+            ] {
+                let Some(view) = view else {
+                    let g = grad_slice::<f16>(grads.get_or_alloc_mut(id)?);
+                    if g.len() != n {
+                        return Err(CpuError::WrongNumElements);
+                    }
+                    add_scaled_f16(&dy, d, g);
+                    continue;
+                };
+                let w = wide.get_or_insert_with(|| widen_values(&dy));
+                if d != f16::ONE {
+                    w.iter_mut().for_each(|g| *g = -*g);
+                }
+                add_grad::<f16, S>(grad_slice(grads.get_or_alloc_mut(id)?), Some(view), w)?;
+            }
+            Ok(())
         });
     }
     Ok(y.put_tape(tape))
@@ -185,7 +177,7 @@ fn through_f16(p: &mut [f32]) {
 /// An op of a tensor and a scalar, or negation (whose scalar is -1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScalarOp {
-    Of(Op),
+    Of(Arith),
     Neg,
 }
 
@@ -193,15 +185,15 @@ impl ScalarOp {
     /// The derivative, in f16 as dfdx computes it (`1 / s` rounded for a division).
     fn df(self, s: f16) -> f16 {
         match self {
-            ScalarOp::Of(Op::Add | Op::Sub) => f16::ONE,
-            ScalarOp::Of(Op::Mul) | ScalarOp::Neg => s,
-            ScalarOp::Of(Op::Div) => f16::ONE / s,
+            ScalarOp::Of(Arith::Add | Arith::Sub) => f16::ONE,
+            ScalarOp::Of(Arith::Mul) | ScalarOp::Neg => s,
+            ScalarOp::Of(Arith::Div) => f16::ONE / s,
         }
     }
 }
 
-/// `a op s` of an f16 tensor and an f16 scalar with dfdx's f16 bits, in vector passes: the output
-/// `round(wide(a) op wide(s))` (`-a` for a negation), and on a tape
+/// `a op s` of an f16 tensor and an f16 scalar with dfdx's f16 bits, each way in one pass: the
+/// output `round(wide(a) op wide(s))` (`-a` for a negation), and on a tape
 /// `da = round(wide(da) + wide(round(df * dy)))` with dfdx's constant derivative `df` (1, `s`,
 /// or `1 / s` rounded; -1 for a negation).
 pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
@@ -212,23 +204,12 @@ pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
     let (a, mut tape) = contiguous(a)?.split_tape();
     let shape = *a.shape();
     let n = shape.num_elements();
-    let s32 = s.to_f32();
     let mut y = vec![f16::ZERO; n];
     a.copy_into(&mut y);
-    // a chunk at a time, through a buffer on the stack: one pass over the values (a negation
-    // flips the sign bit, as dfdx's does, NaN payloads included)
-    if let ScalarOp::Of(op) = op {
-        let mut wide = [0.0f32; 256];
-        for chunk in y.chunks_mut(256) {
-            let w = &mut wide[..chunk.len()];
-            f16::widen(chunk, w);
-            op.apply(w, s32);
-            f16::round(w, chunk);
-        }
-    } else {
-        for v in &mut y {
-            *v = -*v;
-        }
+    match op {
+        ScalarOp::Of(op) => apply_scalar_f16(&mut y, op, s.to_f32()),
+        // a negation flips the sign bit, as dfdx's does, NaN payloads included
+        ScalarOp::Neg => y.iter_mut().for_each(|v| *v = -*v),
     }
     let y = a.device().try_tensor_from_vec(y, shape)?;
     if T::OWNS_TAPE {
@@ -236,29 +217,13 @@ pub(crate) fn scalar<S: Shape, T: Tape<f16, Cpu>>(
         let (a_id, y_id) = (a.ghost(), y.ghost());
         drop(a);
         tape.add_backward_op(move |grads| {
-            let mut dy = scratch::take::<f16>(n);
-            let g = grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?);
-            if g.len() != n {
-                return Err(CpuError::WrongNumElements);
-            }
-            dy.copy_from_slice(g);
+            // a copy: dfdx lends one gradient at a time
+            let dy = scratch::copy_of(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
             let ga = grad_slice::<f16>(grads.get_or_alloc_mut(&a_id)?);
-            if ga.len() != n {
+            if dy.len() != n || ga.len() != n {
                 return Err(CpuError::WrongNumElements);
             }
-            let (mut wide, mut rounded) = ([0.0f32; 256], [f16::ZERO; 256]);
-            for (d, g) in dy.chunks(256).zip(ga.chunks_mut(256)) {
-                let w = &mut wide[..d.len()];
-                f16::widen(d, w);
-                if df != f16::ONE {
-                    // dfdx's product `df * dy`, rounded to f16 before it is added
-                    Op::Mul.apply(w, df.to_f32());
-                    let r = &mut rounded[..d.len()];
-                    f16::round(w, r);
-                    f16::widen(r, w);
-                }
-                accumulate::<f16>(g, w)?;
-            }
+            add_scaled_f16(&dy, df, ga);
             Ok(())
         });
     }
@@ -345,19 +310,19 @@ where
     type Output = Tensor<S, f16, Cpu, LT>;
     fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        Some(binary(Op::Add, a, b))
+        Some(binary(Arith::Add, a, b))
     }
     fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        Some(binary(Op::Sub, a, b))
+        Some(binary(Arith::Sub, a, b))
     }
     fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        Some(binary(Op::Mul, a, b))
+        Some(binary(Arith::Mul, a, b))
     }
     fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
         let (a, b) = self.take();
-        Some(binary(Op::Div, a, b))
+        Some(binary(Arith::Div, a, b))
     }
 }
 
@@ -368,19 +333,19 @@ macro_rules! scalar_ops {
             type Output = Tensor<S, f16, Cpu, T>;
             fn try_add_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Of(Op::Add), a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Arith::Add), a, $to_f16(s)))
             }
             fn try_sub_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Of(Op::Sub), a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Arith::Sub), a, $to_f16(s)))
             }
             fn try_mul_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Of(Op::Mul), a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Arith::Mul), a, $to_f16(s)))
             }
             fn try_div_op(&self) -> Option<Result<Self::Output, CpuError>> {
                 let (a, s) = self.take();
-                Some(scalar(ScalarOp::Of(Op::Div), a, $to_f16(s)))
+                Some(scalar(ScalarOp::Of(Arith::Div), a, $to_f16(s)))
             }
         }
     )*};
@@ -488,10 +453,10 @@ mod tests {
         let dev = Cpu::default();
         let n = 4 * 33;
         for op in [
-            super::Op::Add,
-            super::Op::Sub,
-            super::Op::Mul,
-            super::Op::Div,
+            super::Arith::Add,
+            super::Arith::Sub,
+            super::Arith::Mul,
+            super::Arith::Div,
         ] {
             for seed in [1, 7, 99] {
                 let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
@@ -504,10 +469,10 @@ mod tests {
                         super::binary(op, ta, tb).unwrap()
                     } else {
                         match op {
-                            super::Op::Add => ta.try_add(tb).unwrap(),
-                            super::Op::Sub => ta.try_sub(tb).unwrap(),
-                            super::Op::Mul => ta.try_mul(tb).unwrap(),
-                            super::Op::Div => ta.try_div(tb).unwrap(),
+                            super::Arith::Add => ta.try_add(tb).unwrap(),
+                            super::Arith::Sub => ta.try_sub(tb).unwrap(),
+                            super::Arith::Mul => ta.try_mul(tb).unwrap(),
+                            super::Arith::Div => ta.try_div(tb).unwrap(),
                         }
                     };
                     let out = y.retaped::<NoneTape>().as_vec();
@@ -540,10 +505,10 @@ mod tests {
         let broadcast = |t: Taped<Rank1<33>>| t.broadcast::<X, Axis<0>>();
         let permute = |t: Taped<Rank2<33, 300>>| t.permute::<X, Axes2<1, 0>>();
         for op in [
-            super::Op::Add,
-            super::Op::Sub,
-            super::Op::Mul,
-            super::Op::Div,
+            super::Arith::Add,
+            super::Arith::Sub,
+            super::Arith::Mul,
+            super::Arith::Div,
         ] {
             // the output, then the gradients of x, the bias and m (zeros where unused)
             let grads = |y: Taped<X>| {
@@ -585,7 +550,7 @@ mod tests {
     /// zero included).
     #[test]
     fn the_scalar_ops_give_dfdxs_f16_bits_forward_and_backward() {
-        use super::{Op, ScalarOp};
+        use super::{Arith, ScalarOp};
         let dev = Cpu::default();
         let n = 4 * 33;
         let t = |s: u32| -> Tensor<Rank2<4, 33>, f16, Cpu> {
@@ -593,10 +558,10 @@ mod tests {
         };
         let (a, w) = (t(5), t(6));
         let ops = [
-            ScalarOp::Of(Op::Add),
-            ScalarOp::Of(Op::Sub),
-            ScalarOp::Of(Op::Mul),
-            ScalarOp::Of(Op::Div),
+            ScalarOp::Of(Arith::Add),
+            ScalarOp::Of(Arith::Sub),
+            ScalarOp::Of(Arith::Mul),
+            ScalarOp::Of(Arith::Div),
             ScalarOp::Neg,
         ];
         for op in ops {
@@ -613,10 +578,10 @@ mod tests {
                         super::scalar(op, ta, s).unwrap()
                     } else {
                         match op {
-                            ScalarOp::Of(Op::Add) => ta.try_add(s).unwrap(),
-                            ScalarOp::Of(Op::Sub) => ta.try_sub(s).unwrap(),
-                            ScalarOp::Of(Op::Mul) => ta.try_mul(s).unwrap(),
-                            ScalarOp::Of(Op::Div) => ta.try_div(s).unwrap(),
+                            ScalarOp::Of(Arith::Add) => ta.try_add(s).unwrap(),
+                            ScalarOp::Of(Arith::Sub) => ta.try_sub(s).unwrap(),
+                            ScalarOp::Of(Arith::Mul) => ta.try_mul(s).unwrap(),
+                            ScalarOp::Of(Arith::Div) => ta.try_div(s).unwrap(),
                             ScalarOp::Neg => -ta,
                         }
                     };

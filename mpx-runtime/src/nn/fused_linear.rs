@@ -157,8 +157,7 @@ where
         };
         let w = weight.clone();
         tape.add_backward_op(move |grads| {
-            let mut dz = scratch::take::<E>(rows * O);
-            dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            let mut dz = scratch::copy_of(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
             let mut db = scratch::take_zeroed::<f32>(O);
             mask_bias_grad(&mut dz, mask.as_ref(), &mut db).map_err(shape_err)?;
             drop(mask);

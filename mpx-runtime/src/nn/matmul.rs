@@ -68,8 +68,7 @@ where
         drop((a, b));
         tape.add_backward_op(move |grads| {
             // copied: the operands' entries are written while it is read
-            let mut dy = scratch::take::<f16>(batch * m * n);
-            dy.copy_from_slice(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
+            let dy = scratch::copy_of(grad_slice::<f16>(grads.get_or_alloc_mut(&y_id)?));
             // dA = dY · Bᵀ
             let mut sums = scratch::take::<f32>(batch * m * k);
             for i in 0..batch {

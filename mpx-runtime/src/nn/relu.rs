@@ -107,8 +107,7 @@ where
         let (x_id, y_id) = (x.ghost(), y.ghost());
         drop(x);
         tape.add_backward_op(move |grads| {
-            let mut dz = scratch::take::<E>(n);
-            dz.copy_from_slice(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
+            let mut dz = scratch::copy_of(grad_slice::<E>(grads.get_or_alloc_mut(&y_id)?));
             if let Some(mask) = &mask {
                 mask.zero_where_clear(E::floats_mut(&mut dz))
                     .map_err(shape_err)?;
@@ -118,17 +117,11 @@ where
                 (FloatSliceMut::F32(g), FloatSlice::F32(d) | FloatSlice::Bf16(d)) => {
                     g.iter_mut().zip(d).for_each(|(g, d)| *g += *d);
                 }
-                (FloatSliceMut::F16(g), _) => {
-                    // widened a chunk at a time: no f32 copy of the whole gradient at the
-                    // step's peak
-                    let mut wide = scratch::take::<f32>(n.min(scratch::CHUNK));
-                    for (gc, dc) in g.chunks_mut(scratch::CHUNK).zip(dz.chunks(scratch::CHUNK)) {
-                        let w = &mut wide[..dc.len()];
-                        E::widen(dc, w);
-                        mpx_kernels::convert::add_f32_into_f16(w, gc);
-                    }
+                // the sum in f32, rounded once, in one pass
+                (FloatSliceMut::F16(g), FloatSlice::F16(d)) if g.len() == d.len() => {
+                    mpx_kernels::add_scaled_f16(d, half::f16::ONE, g);
                 }
-                (FloatSliceMut::F32(_), FloatSlice::F16(_)) => {
+                (FloatSliceMut::F16(_), _) | (FloatSliceMut::F32(_), FloatSlice::F16(_)) => {
                     return Err(CpuError::WrongNumElements);
                 }
             }

@@ -125,7 +125,7 @@ pub trait ResidualAdd: Sized {
 
 impl<S: Shape, T: Tape<f16, Cpu> + Merge<T>> ResidualAdd for Tensor<S, f16, Cpu, T> {
     fn residual_add(self, b: Self) -> Result<Self, CpuError> {
-        super::binary::binary(super::binary::Op::Add, self, b)
+        super::binary::binary(mpx_kernels::Arith::Add, self, b)
     }
 }
 

@@ -191,6 +191,21 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     }
 }
 
+/// A buffer holding a copy of `values`: a small one is copied into fresh memory without being
+/// initialised first (a pooled one is already initialised, see [`take`]).
+pub(crate) fn copy_of<T: Copy + Default + Send + 'static>(values: &[T]) -> Buf<T> {
+    let n = values.len();
+    if n > INLINE && small::<T>(n) {
+        return Buf {
+            values: Values::Heap(values.to_vec()),
+            n,
+        };
+    }
+    let mut b = take(n);
+    b.copy_from_slice(values);
+    b
+}
+
 /// A zeroed buffer of `n` values (for sums that are added to).
 pub(crate) fn take_zeroed<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     let mut b = take(n);
