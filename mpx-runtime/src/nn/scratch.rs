@@ -174,9 +174,14 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         }
         best.map(|(i, _)| pool.free.swap_remove(i))
     };
-    let mut values = found
-        .and_then(|b| b.downcast::<Vec<T>>().ok())
-        .map_or_else(Vec::new, |b| *b);
+    let Some(mut values) = found.and_then(|b| b.downcast::<Vec<T>>().ok()).map(|b| *b) else {
+        // a fresh buffer as `vec!` makes it: a zeroed allocation where the type allows (f32),
+        // which the allocator need not clear when the memory is fresh from the system
+        return Buf {
+            values: Values::Heap(vec![T::default(); n]),
+            n,
+        };
+    };
     // A pooled vector stays initialised up to its capacity, so a buffer taken for fewer values
     // and then for more again writes nothing: only growth writes its new tail, once.
     if values.len() < n {
