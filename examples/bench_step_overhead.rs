@@ -13,6 +13,10 @@
 //!
 //! Models: a 2-2-1 XOR net (batch 4), a 16-32-4 MLP (batch 32), a 64-128-128-8 policy (batch 64,
 //! the sizes RL loops use), each with Adam.
+//!
+//! `--profile xor|mlp|policy [f32|mixed]` runs one model's pair (or one step of it alone) many
+//! times, untimed, for a profiler; `valgrind --tool=callgrind` on each step alone counts what
+//! the mixed step adds (`docs/benchmarks.md`).
 
 use std::time::Duration;
 
@@ -62,8 +66,10 @@ macro_rules! model {
                 grads
             }
 
-            /// (f32 step, mixed step) medians over `rounds` interleaved rounds.
-            pub fn run(rounds: usize) -> (Duration, Duration) {
+            /// (f32 step, mixed step) medians over `rounds` interleaved rounds; with `only`
+            /// (0: the f32 step, 1: the mixed step), that step alone `rounds` times, untimed (for
+            /// a profiler or an instruction count).
+            pub fn run(rounds: usize, only: Option<usize>) -> (Duration, Duration) {
                 let dev = Cpu::seed_from_u64(0);
                 let init = dev.build_module::<$arch, f32>();
                 let x: X = dev.sample_normal();
@@ -75,23 +81,29 @@ macro_rules! model {
                 );
                 let (mut ga, mut gb) = (Some(a.alloc_grads()), Some(b.alloc_grads()));
                 let mut scaler = GradScaler::default();
-                let t = measure::measure(
-                    rounds,
-                    &mut [
-                        &mut || ga = Some(f32_step(&mut a, &mut oa, ga.take().unwrap(), &x, &y)),
-                        &mut || {
-                            gb = Some(mixed_step(
-                                &mut b,
-                                &mut ob,
-                                gb.take().unwrap(),
-                                &x,
-                                &y,
-                                &mut scaler,
-                            ))
-                        },
-                    ],
-                );
-                assert!(scaler.last_step().is_some_and(|s| s.mpx_layers));
+                let mut ops: [&mut dyn FnMut(); 2] = [
+                    &mut || ga = Some(f32_step(&mut a, &mut oa, ga.take().unwrap(), &x, &y)),
+                    &mut || {
+                        gb = Some(mixed_step(
+                            &mut b,
+                            &mut ob,
+                            gb.take().unwrap(),
+                            &x,
+                            &y,
+                            &mut scaler,
+                        ))
+                    },
+                ];
+                let t = match only {
+                    Some(i) => {
+                        (0..rounds).for_each(|_| ops[i]());
+                        vec![Duration::ZERO; 2]
+                    }
+                    None => measure::measure(rounds, &mut ops),
+                };
+                if only != Some(0) {
+                    assert!(scaler.last_step().is_some_and(|s| s.mpx_layers));
+                }
                 (t[0], t[1])
             }
         }
@@ -115,13 +127,19 @@ model!(
 );
 
 fn main() {
-    // `--profile xor|mlp|policy`: one pair for a profiler, many rounds
+    // `--profile xor|mlp|policy [f32|mixed]`: one pair (or one step of it) for a profiler, many
+    // rounds
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--profile") {
+        let only = match args.get(i + 2).map(String::as_str) {
+            Some("f32") => Some(0),
+            Some("mixed") => Some(1),
+            _ => None,
+        };
         match args.get(i + 1).map(String::as_str) {
-            Some("mlp") => drop(mlp::run(100_000)),
-            Some("policy") => drop(policy::run(10_000)),
-            _ => drop(xor::run(200_000)),
+            Some("mlp") => drop(mlp::run(100_000, only)),
+            Some("policy") => drop(policy::run(10_000, only)),
+            _ => drop(xor::run(200_000, only)),
         }
         return;
     }
@@ -143,9 +161,9 @@ fn table(rounds: usize) {
     println!("| model | batch | f32 step | mixed step | mixed / f32 |");
     println!("|---|---|---|---|---|");
     for (name, batch, (f, m)) in [
-        ("2-2-1 (Tanh)", 4, xor::run(rounds)),
-        ("16-32-4 (ReLU)", 32, mlp::run(rounds)),
-        ("64-128-128-8 (ReLU)", 64, policy::run(rounds)),
+        ("2-2-1 (Tanh)", 4, xor::run(rounds, None)),
+        ("16-32-4 (ReLU)", 32, mlp::run(rounds, None)),
+        ("64-128-128-8 (ReLU)", 64, policy::run(rounds, None)),
     ] {
         println!(
             "| {name} | {batch} | {:.1} µs | {:.1} µs | {:.2} |",

@@ -48,7 +48,8 @@
 //! 2. *Raw-pointer loads and stores* inside those functions: the micro-kernels read panels of A
 //!    and B and read-modify-write tiles of C through pointers and strides; the smallest products
 //!    (`micro.rs`) read their operands element by element without a bounds check each; the
-//!    conversions and the transpose load and store groups of 8 or 16 values.
+//!    conversions, the f16 arithmetic (`arith.rs`) and the transpose load and store groups of 8
+//!    or 16 values.
 //! 3. *Shared mutable views across threads*: a split product's threads write disjoint blocks of
 //!    one output (`tile.rs`'s `Out`) and fill disjoint parts of the packed operands that every
 //!    block then reads (`packs.rs`'s `PackView`); the borrow checker cannot see that the blocks
