@@ -74,9 +74,7 @@ pub fn apply_scalar_f16(values: &mut [f16], op: Arith, s: f32) {
         // SAFETY: F16C and AVX detected just above.
         unsafe { x86::apply(values, op, s) };
     } else {
-        for v in values {
-            *v = f16::from_f32(op.of(v.to_f32(), s));
-        }
+        portable::apply(values, op, s);
     }
 }
 
@@ -103,9 +101,7 @@ pub fn zip_f16(a: &[f16], b: &[f16], op: Arith, out: &mut [f16]) {
         // SAFETY: F16C and AVX detected just above; the lengths match.
         unsafe { x86::zip(a, b, op, out) };
     } else {
-        for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
-            *o = f16::from_f32(op.of(a.to_f32(), b.to_f32()));
-        }
+        portable::zip(a, b, op, out);
     }
 }
 
@@ -132,8 +128,32 @@ pub fn add_scaled_f16(dy: &[f16], d: f16, g: &mut [f16]) {
         // SAFETY: F16C and AVX detected just above; the lengths match.
         unsafe { x86::add_scaled(dy, d.to_f32(), unit, g) };
     } else {
+        portable::add_scaled(dy, d, g);
+    }
+}
+
+/// The ops value by value through `half`'s conversions: the path of a CPU without F16C, and
+/// the definition the F16C loops are tested against.
+mod portable {
+    use half::f16;
+
+    use super::Arith;
+
+    pub(super) fn apply(values: &mut [f16], op: Arith, s: f32) {
+        for v in values {
+            *v = f16::from_f32(op.of(v.to_f32(), s));
+        }
+    }
+
+    pub(super) fn zip(a: &[f16], b: &[f16], op: Arith, out: &mut [f16]) {
+        for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+            *o = f16::from_f32(op.of(a.to_f32(), b.to_f32()));
+        }
+    }
+
+    pub(super) fn add_scaled(dy: &[f16], d: f16, g: &mut [f16]) {
         for (g, dy) in g.iter_mut().zip(dy) {
-            let add = if unit {
+            let add = if d == f16::ONE {
                 *dy
             } else {
                 f16::from_f32(d.to_f32() * dy.to_f32())
@@ -310,7 +330,7 @@ mod x86 {
 mod tests {
     use half::f16;
 
-    use super::{Arith, add_scaled_f16, apply_scalar_f16, zip_f16};
+    use super::{Arith, add_scaled_f16, apply_scalar_f16, portable, zip_f16};
 
     /// f16 values of every kind: both zeros, subnormals, normals near 1 and near the top of the
     /// range, infinities and NaN, in a length that leaves a partial last group.
@@ -330,19 +350,26 @@ mod tests {
         v
     }
 
+    /// The same bits, or both NaN (a NaN's payload is not part of the ops' contract).
+    fn same(got: f16, want: f16) -> bool {
+        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
+    }
+
     /// Each op against the same op written value by value with `half`'s conversions (dfdx's
     /// f16 arithmetic), for scalars that round, overflow and divide by zero.
     #[test]
     fn each_op_is_the_op_in_f32_rounded_once() {
         for op in [Arith::Add, Arith::Sub, Arith::Mul, Arith::Div] {
             for s in [0.1f32, -3.0, 1e5, 0.0, 1.0 / 3.0] {
-                let mut got = values();
+                let (mut got, mut port) = (values(), values());
                 apply_scalar_f16(&mut got, op, s);
-                for (g, v) in got.iter().zip(values()) {
+                portable::apply(&mut port, op, s);
+                for ((g, p), v) in got.iter().zip(&port).zip(values()) {
                     let want = f16::from_f32(op.of(v.to_f32(), s));
+                    assert!(same(*g, want), "{op:?} {s}: {v} gave {g}, want {want}");
                     assert!(
-                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                        "{op:?} {s}: {v} gave {g}, want {want}"
+                        same(*p, want),
+                        "portable {op:?} {s}: {v} gave {p}, want {want}"
                     );
                 }
             }
@@ -356,13 +383,15 @@ mod tests {
         let a = values();
         let b: Vec<f16> = a.iter().rev().copied().collect();
         for op in [Arith::Add, Arith::Sub, Arith::Mul, Arith::Div] {
-            let mut got = vec![f16::ZERO; a.len()];
+            let (mut got, mut port) = (vec![f16::ZERO; a.len()], vec![f16::ZERO; a.len()]);
             zip_f16(&a, &b, op, &mut got);
-            for ((g, x), y) in got.iter().zip(&a).zip(&b) {
+            portable::zip(&a, &b, op, &mut port);
+            for (((g, p), x), y) in got.iter().zip(&port).zip(&a).zip(&b) {
                 let want = f16::from_f32(op.of(x.to_f32(), y.to_f32()));
+                assert!(same(*g, want), "{op:?}: {x} and {y} gave {g}, want {want}");
                 assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "{op:?}: {x} and {y} gave {g}, want {want}"
+                    same(*p, want),
+                    "portable {op:?}: {x} and {y} gave {p}, want {want}"
                 );
             }
         }
@@ -385,9 +414,10 @@ mod tests {
         for d in [1.0f32, -1.0, 0.1, 3.0, 1e4] {
             let d = f16::from_f32(d);
             let mut got: Vec<f16> = dy.iter().rev().copied().collect();
-            let start = got.clone();
+            let (start, mut port) = (got.clone(), got.clone());
             add_scaled_f16(&dy, d, &mut got);
-            for ((g, s), y) in got.iter().zip(&start).zip(&dy) {
+            portable::add_scaled(&dy, d, &mut port);
+            for (((g, p), s), y) in got.iter().zip(&port).zip(&start).zip(&dy) {
                 let add = if d == f16::ONE {
                     *y
                 } else {
@@ -395,8 +425,12 @@ mod tests {
                 };
                 let want = f16::from_f32(s.to_f32() + add.to_f32());
                 assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    same(*g, want),
                     "d {d}: {s} + {d} * {y} gave {g}, want {want}"
+                );
+                assert!(
+                    same(*p, want),
+                    "portable, d {d}: {s} + {d} * {y} gave {p}, want {want}"
                 );
             }
         }
