@@ -350,9 +350,16 @@ mod tests {
         v
     }
 
-    /// The same bits, or both NaN (a NaN's payload is not part of the ops' contract).
-    fn same(got: f16, want: f16) -> bool {
-        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
+    /// The F16C loop's value (`got`, the public function's on this CPU) and the portable path's
+    /// are both `want`: the same bits, or both NaN (a NaN's payload is not part of the ops'
+    /// contract).
+    fn check(got: f16, portable: f16, want: f16, case: &dyn std::fmt::Display) {
+        let same = |v: f16| v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan());
+        assert!(same(got), "{case}: gave {got}, want {want}");
+        assert!(
+            same(portable),
+            "portable, {case}: gave {portable}, want {want}"
+        );
     }
 
     /// Each op against the same op written value by value with `half`'s conversions (dfdx's
@@ -366,11 +373,7 @@ mod tests {
                 portable::apply(&mut port, op, s);
                 for ((g, p), v) in got.iter().zip(&port).zip(values()) {
                     let want = f16::from_f32(op.of(v.to_f32(), s));
-                    assert!(same(*g, want), "{op:?} {s}: {v} gave {g}, want {want}");
-                    assert!(
-                        same(*p, want),
-                        "portable {op:?} {s}: {v} gave {p}, want {want}"
-                    );
+                    check(*g, *p, want, &format_args!("{v} {op:?} {s}"));
                 }
             }
         }
@@ -388,11 +391,7 @@ mod tests {
             portable::zip(&a, &b, op, &mut port);
             for (((g, p), x), y) in got.iter().zip(&port).zip(&a).zip(&b) {
                 let want = f16::from_f32(op.of(x.to_f32(), y.to_f32()));
-                assert!(same(*g, want), "{op:?}: {x} and {y} gave {g}, want {want}");
-                assert!(
-                    same(*p, want),
-                    "portable {op:?}: {x} and {y} gave {p}, want {want}"
-                );
+                check(*g, *p, want, &format_args!("{x} {op:?} {y}"));
             }
         }
     }
@@ -424,14 +423,7 @@ mod tests {
                     f16::from_f32(d.to_f32() * y.to_f32())
                 };
                 let want = f16::from_f32(s.to_f32() + add.to_f32());
-                assert!(
-                    same(*g, want),
-                    "d {d}: {s} + {d} * {y} gave {g}, want {want}"
-                );
-                assert!(
-                    same(*p, want),
-                    "portable, d {d}: {s} + {d} * {y} gave {p}, want {want}"
-                );
+                check(*g, *p, want, &format_args!("{s} + {d} * {y}"));
             }
         }
     }

@@ -77,19 +77,13 @@ where
             }
             // `dy` itself for both, negated for `b` of a difference: a contiguous operand's
             // gradient in one pass over the f16 values, a view's summed per buffer element
+            let db = if op == Arith::Sub {
+                f16::NEG_ONE
+            } else {
+                f16::ONE
+            };
             let mut wide: Option<Buf<f32>> = None;
-            for (id, view, d) in [
-                (&a_id, va.as_ref(), f16::ONE),
-                (
-                    &b_id,
-                    vb.as_ref(),
-                    if op == Arith::Sub {
-                        f16::NEG_ONE
-                    } else {
-                        f16::ONE
-                    },
-                ),
-            ] {
+            for (id, view, d) in [(&a_id, va.as_ref(), f16::ONE), (&b_id, vb.as_ref(), db)] {
                 let Some(view) = view else {
                     let g = grad_slice::<f16>(grads.get_or_alloc_mut(id)?);
                     if g.len() != n {

@@ -113,12 +113,15 @@ where
                     .map_err(shape_err)?;
             }
             let gx = grad_slice::<E>(grads.get_or_alloc_mut(&x_id)?);
+            if gx.len() != dz.len() {
+                return Err(CpuError::WrongNumElements);
+            }
             match (E::floats_mut(gx), E::floats(&dz)) {
                 (FloatSliceMut::F32(g), FloatSlice::F32(d) | FloatSlice::Bf16(d)) => {
                     g.iter_mut().zip(d).for_each(|(g, d)| *g += *d);
                 }
                 // the sum in f32, rounded once, in one pass
-                (FloatSliceMut::F16(g), FloatSlice::F16(d)) if g.len() == d.len() => {
+                (FloatSliceMut::F16(g), FloatSlice::F16(d)) => {
                     mpx_kernels::add_scaled_f16(d, half::f16::ONE, g);
                 }
                 (FloatSliceMut::F16(_), _) | (FloatSliceMut::F32(_), FloatSlice::F16(_)) => {

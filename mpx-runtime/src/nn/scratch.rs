@@ -140,8 +140,9 @@ const INLINE: usize = 32;
 /// no pass holds an f32 copy of a whole gradient at the step's peak.
 pub(crate) const CHUNK: usize = 2048;
 
-/// A buffer of `n` values (see [`Buf`]): the pool's best fit of element type `T` (the smallest
-/// capacity that holds `n`, else the largest, grown), or a new one.
+/// A buffer of `n` values (see [`Buf`]): the pool's best fit of element type `T` ([`pooled`]),
+/// or a new one as `vec!` makes it (a zeroed allocation where the type allows, f32, which the
+/// allocator need not clear when the memory is fresh from the system).
 pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
     if n <= INLINE {
         return Buf {
@@ -149,11 +150,41 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
             n,
         };
     }
+    let values = pooled(n).unwrap_or_else(|| vec![T::default(); n]);
+    Buf {
+        values: Values::Heap(values),
+        n,
+    }
+}
+
+/// A buffer holding a copy of `values`: a pooled one overwritten, else new memory the copy is
+/// the first to write (no clearing first).
+pub(crate) fn copy_of<T: Copy + Default + Send + 'static>(values: &[T]) -> Buf<T> {
+    let n = values.len();
+    if n <= INLINE {
+        let mut b = take(n);
+        b.copy_from_slice(values);
+        return b;
+    }
+    let values = match pooled(n) {
+        Some(mut v) => {
+            v[..n].copy_from_slice(values);
+            v
+        }
+        None => values.to_vec(),
+    };
+    Buf {
+        values: Values::Heap(values),
+        n,
+    }
+}
+
+/// The pool's best fit for `n` values of `T` (the smallest capacity that holds `n`, else the
+/// largest, grown), taken out of the pool; `None` for a small buffer (which never enters the
+/// pool) or when the pool holds none of `T`.
+fn pooled<T: Copy + Default + Send + 'static>(n: usize) -> Option<Vec<T>> {
     if small::<T>(n) {
-        return Buf {
-            values: Values::Heap(vec![T::default(); n]),
-            n,
-        };
+        return None;
     }
     let found = {
         let mut pool = pool();
@@ -174,14 +205,7 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         }
         best.map(|(i, _)| pool.free.swap_remove(i))
     };
-    let Some(mut values) = found.and_then(|b| b.downcast::<Vec<T>>().ok()).map(|b| *b) else {
-        // a fresh buffer as `vec!` makes it: a zeroed allocation where the type allows (f32),
-        // which the allocator need not clear when the memory is fresh from the system
-        return Buf {
-            values: Values::Heap(vec![T::default(); n]),
-            n,
-        };
-    };
+    let mut values = *found?.downcast::<Vec<T>>().ok()?;
     // A pooled vector stays initialised up to its capacity, so a buffer taken for fewer values
     // and then for more again writes nothing: only growth writes its new tail, once.
     if values.len() < n {
@@ -190,25 +214,7 @@ pub(crate) fn take<T: Copy + Default + Send + 'static>(n: usize) -> Buf<T> {
         values.resize(n, T::default());
         values.resize(values.capacity(), T::default());
     }
-    Buf {
-        values: Values::Heap(values),
-        n,
-    }
-}
-
-/// A buffer holding a copy of `values`: a small one is copied into fresh memory without being
-/// initialised first (a pooled one is already initialised, see [`take`]).
-pub(crate) fn copy_of<T: Copy + Default + Send + 'static>(values: &[T]) -> Buf<T> {
-    let n = values.len();
-    if n > INLINE && small::<T>(n) {
-        return Buf {
-            values: Values::Heap(values.to_vec()),
-            n,
-        };
-    }
-    let mut b = take(n);
-    b.copy_from_slice(values);
-    b
+    Some(values)
 }
 
 /// A zeroed buffer of `n` values (for sums that are added to).
@@ -293,6 +299,29 @@ mod tests {
         drop(again);
         let zeroed = take_zeroed::<A>(5);
         assert_eq!(&zeroed[..], &[A(0); 5]);
+    }
+
+    #[test]
+    fn a_copy_holds_the_values_in_a_kept_buffer_or_in_new_memory() {
+        // element type of its own (see above)
+        #[derive(Clone, Copy, Default, PartialEq, Debug)]
+        struct D(u32);
+        let _alone = alone();
+        for n in [5, 1_000, 70_001] {
+            let values: Vec<D> = (0..n).map(|i| D(i as u32 * 7 + 1)).collect();
+            assert_eq!(
+                &copy_of(&values)[..],
+                &values[..],
+                "{n} values, nothing kept"
+            );
+        }
+        let _keep = KeepBuffers::new();
+        let n = 70_001;
+        let at = take::<D>(n + 9).as_ptr();
+        let values: Vec<D> = (0..n).map(|i| D(i as u32 ^ 0x5555)).collect();
+        let copy = copy_of(&values);
+        assert_eq!(copy.as_ptr(), at, "the kept buffer is reused");
+        assert_eq!(&copy[..], &values[..]);
     }
 
     #[test]
