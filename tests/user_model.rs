@@ -1343,3 +1343,148 @@ fn a_module_reading_a_layers_weight_field_trains_like_its_f32_twin() {
             .as_vec()
     );
 }
+
+// ---- time steps as an array or a `Vec` ----------------------------------------------------------
+
+/// A user's recurrent module unrolled over its time steps, taken as an array (and giving one
+/// output per step) or as a `Vec` (a sequence of any length): both enter and leave the half
+/// region element by element.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Unrolled<E: Dtype, D: Device<E>> {
+    w: dfdx::nn::modules::Linear<2, 4, E, D>,
+    u: dfdx::nn::modules::Linear<4, 4, E, D>,
+    head: dfdx::nn::modules::Linear<4, 2, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Unrolled<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Unrolled<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("w", |s| &s.w, |s| &mut s.w),
+                Self::module("u", |s| &s.u, |s| &mut s.u),
+                Self::module("head", |s| &s.head, |s| &mut s.head),
+            ),
+            |(w, u, head)| Unrolled { w, u, head },
+        )
+    }
+}
+
+type Step<E, D, T> = Tensor<Rank2<5, 2>, E, D, T>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D> + Merge<T>> Module<[Step<E, D, T>; 3]>
+    for Unrolled<E, D>
+{
+    type Output = [Step<E, D, T>; 2];
+    type Error = D::Err;
+    fn try_forward(&self, [a, b, c]: [Step<E, D, T>; 3]) -> Result<Self::Output, D::Err> {
+        let h1 = self.w.try_forward(a)?.try_tanh()?;
+        let h2 = self
+            .w
+            .try_forward(b)?
+            .try_add(self.u.try_forward(h1)?)?
+            .try_tanh()?;
+        let y2 = self.head.try_forward(h2.with_empty_tape())?;
+        let h3 = self
+            .w
+            .try_forward(c)?
+            .try_add(self.u.try_forward(h2)?)?
+            .try_tanh()?;
+        Ok([y2, self.head.try_forward(h3)?])
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>, T: Tape<E, D> + Merge<T>> Module<Vec<Step<E, D, T>>>
+    for Unrolled<E, D>
+{
+    type Output = Step<E, D, T>;
+    type Error = D::Err;
+    fn try_forward(&self, xs: Vec<Step<E, D, T>>) -> Result<Self::Output, D::Err> {
+        let mut xs = xs.into_iter();
+        let first = xs.next().expect("a sequence of at least one step");
+        let mut h = self.w.try_forward(first)?.try_tanh()?;
+        for x in xs {
+            h = self
+                .w
+                .try_forward(x)?
+                .try_add(self.u.try_forward(h)?)?
+                .try_tanh()?;
+        }
+        self.head.try_forward(h)
+    }
+}
+
+type Steps = [Step<f32, Cpu, NoneTape>; 3];
+
+/// Two updates: one on both outputs of the array form, one on the `Vec` form's output, its
+/// input written as `vec![..]` (whose traced element `#[mixed_step]` reads inside the macro).
+fn unrolled_f32(
+    m: &mut Unrolled<f32, Cpu>,
+    opt: &mut Sgd<Unrolled<f32, Cpu>, f32, Cpu>,
+    [a, b, c]: Steps,
+    y: &Step<f32, Cpu, NoneTape>,
+) {
+    let [y2, y3] = m.forward([a.trace(m.alloc_grads()), b.retaped(), c.retaped()]);
+    let grads = (mse_loss(y2, y.clone()) + mse_loss(y3, y.clone())).backward();
+    opt.update(m, &grads).unwrap();
+    let out = m.forward(vec![a.trace(m.alloc_grads()), b.retaped(), c.retaped()]);
+    let grads = mse_loss(out, y.clone()).backward();
+    opt.update(m, &grads).unwrap();
+}
+
+// `(a + b).backward()` converts without a lint: the rewritten call binds the loss without the
+// parentheses
+#[mixed_step(scaling = scaler)]
+#[deny(unused_parens)]
+fn unrolled_mixed(
+    m: &mut Unrolled<f32, Cpu>,
+    opt: &mut Sgd<Unrolled<f32, Cpu>, f32, Cpu>,
+    [a, b, c]: Steps,
+    y: &Step<f32, Cpu, NoneTape>,
+    scaler: &mut GradScaler,
+) {
+    let [y2, y3] = m.forward([a.trace(m.alloc_grads()), b.retaped(), c.retaped()]);
+    let grads = (mse_loss(y2, y.clone()) + mse_loss(y3, y.clone())).backward();
+    opt.update(m, &grads).unwrap();
+    let out = m.forward(vec![a.trace(m.alloc_grads()), b.retaped(), c.retaped()]);
+    let grads = mse_loss(out, y.clone()).backward();
+    opt.update(m, &grads).unwrap();
+}
+
+#[test]
+fn time_steps_as_an_array_or_a_vec_train_like_the_f32_twin() {
+    let dev = Cpu::seed_from_u64(14);
+    let init = Unrolled {
+        w: dev.build_module::<Linear<2, 4>, f32>(),
+        u: dev.build_module::<Linear<4, 4>, f32>(),
+        head: dev.build_module::<Linear<4, 2>, f32>(),
+    };
+    let xs: Steps = std::array::from_fn(|_| dev.sample_normal());
+    let y: Step<f32, Cpu, NoneTape> = dev.sample_normal();
+    let (mut m32, mut m16) = (init.clone(), init.clone());
+    let cfg = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let (mut o32, mut o16) = (Sgd::new(&m32, cfg), Sgd::new(&m16, cfg));
+    let mut scaler = GradScaler::default();
+    for _ in 0..5 {
+        unrolled_f32(&mut m32, &mut o32, xs.clone(), &y);
+        unrolled_mixed(&mut m16, &mut o16, xs.clone(), &y, &mut scaler);
+    }
+    let step = scaler.last_step().unwrap();
+    assert_eq!((step.precision, step.mpx_layers), (DType::Float16, true));
+    assert_eq!(scaler.applied_steps(), 10);
+    let err = rel(&values(&m16), &values(&m32));
+    assert!(err < 1e-2, "parameters {err} from the f32 twin's");
+    assert!(
+        rel(&values(&m16), &values(&init)) > 0.05,
+        "the parameters barely moved"
+    );
+}

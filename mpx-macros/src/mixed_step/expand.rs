@@ -316,7 +316,12 @@ impl Rewriter {
                 })
             }
             Role::Backward => {
-                let loss = &m.receiver;
+                // `(a + b).backward()`: bound without its parentheses (`let __mpx_loss = (a +
+                // b);` would be linted at the user's tokens as unused parentheses)
+                let mut loss = &*m.receiver;
+                while let syn::Expr::Paren(p) = loss {
+                    loss = &p.expr;
+                }
                 let method = &m.method;
                 let call = if m.method == "try_backward" {
                     quote!(try_backward)

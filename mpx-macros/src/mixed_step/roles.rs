@@ -223,6 +223,38 @@ impl<'ast> Visit<'ast> for Mentions<'_> {
             self.found = true;
         }
     }
+    fn visit_macro(&mut self, m: &'ast syn::Macro) {
+        // A macro's arguments are tokens, not expressions (`vec![x.traced(grads), ..]`): read
+        // them as such.
+        self.found |= self.in_tokens(m.tokens.clone());
+    }
+}
+
+impl Mentions<'_> {
+    /// Whether `tokens` call a tracing method (`.traced(`) or name a traced binding (not a
+    /// field: `.x`).
+    fn in_tokens(&self, tokens: proc_macro2::TokenStream) -> bool {
+        let mut after_dot = false;
+        for tt in tokens {
+            let found = match &tt {
+                proc_macro2::TokenTree::Group(g) => self.in_tokens(g.stream()),
+                proc_macro2::TokenTree::Ident(id) => {
+                    let id = id.to_string();
+                    if after_dot {
+                        TRACING.contains(&id.as_str())
+                    } else {
+                        self.names.contains(&id)
+                    }
+                }
+                _ => false,
+            };
+            if found {
+                return true;
+            }
+            after_dot = matches!(&tt, proc_macro2::TokenTree::Punct(p) if p.as_char() == '.');
+        }
+        false
+    }
 }
 
 /// Every `let` and assignment of the body: (names bound, value).

@@ -23,7 +23,7 @@ pub(crate) type PostOp<D> =
 /// hands the master's gradients to the scaler's backward; the value is what the f32 step passes.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot enter a half-precision forward pass",
-    label = "expected an f32 (or integer) tensor, traced or not, or a tuple of them",
+    label = "expected an f32 (or integer) tensor, traced or not, or a tuple, array or `Vec` of them",
     note = "pass the f32 batch as in an f32 step (`x.traced(grads)`): the mixed step rounds it to the half type itself; a half tensor can be widened with `mpx::cast::cast_to_f32(&t)`"
 )]
 pub trait FullInput<D: Device<f32>> {
@@ -101,3 +101,17 @@ tuples!(A);
 tuples!(A, B);
 tuples!(A, B, C);
 tuples!(A, B, C, D4);
+
+impl<D: Device<f32>, T: FullInput<D>> FullInput<D> for Vec<T> {
+    type Plain = Vec<T::Plain>;
+    fn attach(self, post: &mut Option<PostOp<D>>) -> Self::Plain {
+        self.into_iter().map(|x| x.attach(post)).collect()
+    }
+}
+
+impl<D: Device<f32>, T: FullInput<D>, const N: usize> FullInput<D> for [T; N] {
+    type Plain = [T::Plain; N];
+    fn attach(self, post: &mut Option<PostOp<D>>) -> Self::Plain {
+        self.map(|x| x.attach(post))
+    }
+}

@@ -158,10 +158,10 @@ pub struct Batch<T>(pub T);
 
 /// An input of a model's forward pass, as it enters the half region: f32 tensors (traced or
 /// not) are rounded to the half type, integer tensors (token ids) keep their values and only
-/// change tape, tuples convert element by element.
+/// change tape, tuples, arrays and `Vec`s (an RNN's time steps) convert element by element.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot enter a half-precision forward pass",
-    label = "expected an f32 (or integer) tensor, traced or not, or a tuple of them",
+    label = "expected an f32 (or integer) tensor, traced or not, or a tuple, array or `Vec` of them",
     note = "pass the f32 batch as in an f32 step (`x.traced(grads)`): the mixed step rounds it to the half type itself; a half tensor can be widened with `mpx::cast::cast_to_f32(&t)`"
 )]
 pub trait HalfInput<H: Precision, D: MixedDevice<H> = Cpu> {
@@ -239,11 +239,11 @@ integer_input!(usize, u32, u64, i32, i64, bool);
 
 /// An output of a model's forward pass, as it leaves the half region: half tensors are widened
 /// to f32 (traced ones on the inputs' f32 tape, with one backward bridge for all of them, so
-/// several heads that share a trunk backpropagate through it together), tuples and `Result`s
-/// (from `try_forward`) convert element by element.
+/// several heads that share a trunk backpropagate through it together), tuples, arrays, `Vec`s
+/// and `Result`s (from `try_forward`) convert element by element.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot leave a half-precision forward pass",
-    label = "expected the model's half tensor output (or a tuple or `Result` of them)",
+    label = "expected the model's half tensor output (or a tuple, array, `Vec` or `Result` of them)",
     note = "a mixed step runs the model's forward pass in half precision and widens its tensor output to f32"
 )]
 pub trait HalfOutput<H: Precision, D: MixedDevice<H> = Cpu> {
@@ -410,3 +410,59 @@ macro_rules! tuples {
 tuples!(A, B);
 tuples!(A, B, C);
 tuples!(A, B, C, D4);
+
+/// The inputs entered one by one, in order: an array or a `Vec` of them (an RNN's time steps).
+fn enter_each<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>>(
+    xs: impl IntoIterator<Item = T>,
+    region: &mut Region<H, D>,
+) -> Result<Vec<T::Half>, D::Err> {
+    xs.into_iter().map(|x| x.enter(region)).collect()
+}
+
+impl<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>> HalfInput<H, D> for Vec<T> {
+    type Half = Vec<T::Half>;
+    fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
+        enter_each(self, region)
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>, const N: usize> HalfInput<H, D>
+    for [T; N]
+{
+    type Half = [T::Half; N];
+    fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
+        let entered = enter_each(self, region)?;
+        match entered.try_into() {
+            Ok(half) => Ok(half),
+            Err(_) => unreachable!("each of the {N} inputs entered once"),
+        }
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>, T: HalfOutput<H, D>> HalfOutput<H, D> for Vec<T> {
+    type Full = Vec<T::Full>;
+    type Widened = Vec<T::Widened>;
+    fn widen(self, region: &mut Region<H, D>) -> Result<Self::Widened, D::Err> {
+        self.into_iter().map(|y| y.widen(region)).collect()
+    }
+    fn attach(w: Self::Widened, region: &mut Region<H, D>) -> Self::Full {
+        w.into_iter().map(|w| T::attach(w, region)).collect()
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>, T: HalfOutput<H, D>, const N: usize> HalfOutput<H, D>
+    for [T; N]
+{
+    type Full = [T::Full; N];
+    type Widened = Vec<T::Widened>;
+    fn widen(self, region: &mut Region<H, D>) -> Result<Self::Widened, D::Err> {
+        self.into_iter().map(|y| y.widen(region)).collect()
+    }
+    fn attach(w: Self::Widened, region: &mut Region<H, D>) -> Self::Full {
+        let full: Vec<T::Full> = w.into_iter().map(|w| T::attach(w, region)).collect();
+        match full.try_into() {
+            Ok(full) => full,
+            Err(_) => unreachable!("each of the {N} outputs widened once"),
+        }
+    }
+}
