@@ -260,6 +260,25 @@ mod step {
         loss_value
     }
 
+    /// The same step with its calls written by path (`Trait::method(receiver, ..)`), as generic
+    /// code does to name a trait: the attribute reads them as the method calls they are.
+    #[mixed_step(scaling = scaler)]
+    pub fn by_path(
+        model: &mut Model,
+        opt: &mut Adam<Model, f32, Cpu>,
+        x: X,
+        y: Y,
+        scaler: &mut GradScaler,
+    ) -> f32 {
+        let grads = model.alloc_grads();
+        let logits = ModuleMut::forward_mut(model, x.traced(grads));
+        let loss = cross_entropy_with_logits_loss(logits, y);
+        let loss_value = loss.array();
+        let grads = Backward::backward(loss);
+        Optimizer::update(opt, model, &grads).expect("update");
+        loss_value
+    }
+
     /// The runtime calls the attribute stands for, written out (for this model of dfdx's
     /// `Linear` and `ReLU`, the working copy of mpx's layers: `Mixed::mapped`; the batch's
     /// gradient, which nothing reads, left out: `Batch`).
@@ -339,16 +358,25 @@ fn mixed_step_is_exactly_the_runtime_calls_it_stands_for() {
     let data = common::digits::Digits::load(0.2, 3);
     let mut a = dev.build_module::<step::Mlp, f32>();
     let mut b = mpx::step::Mixed::mapped(a.clone());
-    let (mut oa, mut ob) = (step::adam(&a), step::adam(&b));
+    let mut c = a.clone();
+    let (mut oa, mut ob, mut oc) = (step::adam(&a), step::adam(&b), step::adam(&c));
     // A large initial scale: the first steps overflow in f16 and are skipped, then it recovers.
     let (mut sa, mut sb) = (step::scaler(2f32.powi(24)), step::scaler(2f32.powi(24)));
+    let mut sc = step::scaler(2f32.powi(24));
     let mut skipped = 0;
     for i in 0..12 {
         let (x, y) = step::batch(&dev, &data, i);
         let before = common::params::value_bits(&a);
         let la = step::mixed(&mut a, &mut oa, x.clone(), y.clone(), &mut sa);
-        let lb = step::by_hand(&mut b, &mut ob, x, y, &mut sb);
+        let lb = step::by_hand(&mut b, &mut ob, x.clone(), y.clone(), &mut sb);
+        let lc = step::by_path(&mut c, &mut oc, x, y, &mut sc);
         assert_eq!(la.to_bits(), lb.to_bits());
+        assert_eq!(la.to_bits(), lc.to_bits());
+        assert_eq!(sa.last_step(), sc.last_step());
+        assert_eq!(
+            common::params::value_bits(&a),
+            common::params::value_bits(&c)
+        );
         let (ra, rb) = (sa.last_step().unwrap(), sb.last_step().unwrap());
         assert_eq!(ra, rb);
         assert_eq!(ra.loss.to_bits(), la.to_bits());

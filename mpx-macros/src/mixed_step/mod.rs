@@ -1,9 +1,11 @@
-//! `#[mixed_step]`: parse ([`ast`]) -> validate ([`valid`], with the roles of the body found by
-//! [`roles`]) -> expand ([`expand`]).
+//! `#[mixed_step]`: parse ([`ast`], the roles called by path read as method calls:
+//! [`path_calls`]) -> validate ([`valid`], with the roles of the body found by [`roles`]) ->
+//! expand ([`expand`]).
 
 mod ast;
 mod expand;
 mod generic;
+mod path_calls;
 mod roles;
 mod valid;
 
@@ -21,7 +23,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         (args, item),
         ast::parse_args,
         |args, f, cx| {
-            let f = f?;
+            let f = path_calls::as_method_calls(f?);
             Some((valid::check(args, &f, cx)?, f))
         },
         |args, (plan, f)| expand::expand(args, plan, f),
@@ -355,6 +357,42 @@ mod tests {
         let m = messages(&out);
         assert_eq!(m.len(), 1, "{m:#?}");
         assert!(m[0].starts_with("this update names `b`, but no traced forward pass of `b` runs in this step: the traced forward pass runs `a`"), "{m:#?}");
+        // an optimizer for each part of a model whose forward pass runs as a whole
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(m: &mut M, oe: &mut O, od: &mut O, x: X) {
+                    let g = m.forward(x.traced(m.alloc_grads())).mean().backward();
+                    oe.update(&mut m.enc, &g).unwrap();
+                    od.update(&mut m.dec, &g).unwrap();
+                }
+            ),
+        );
+        let m = messages(&out);
+        assert_eq!(m.len(), 2, "{m:#?}");
+        assert!(
+            m[0].starts_with(
+                "this update names `m.enc`, a part of `m`, whose forward pass runs as a whole"
+            ),
+            "{m:#?}"
+        );
+        assert!(
+            m[1].contains("each on the last one's output (`m.dec.forward(..)` among them"),
+            "{m:#?}"
+        );
+        // a forward pass inside a helper function: the message says the body is all it reads
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(a: &mut A, oa: &mut O, x: X, y: Y) {
+                    let g = loss_of(a, x.traced(a.alloc_grads()), y).backward();
+                    oa.update(a, &g).unwrap();
+                }
+            ),
+        );
+        let m = messages(&out);
+        assert_eq!(m.len(), 1, "{m:#?}");
+        assert!(m[0].ends_with("a forward pass inside a helper function is not seen: call `a.forward(..)` here and pass its output to the helper"), "{m:#?}");
     }
 
     #[test]

@@ -9,6 +9,9 @@
 //! | backward | `loss.backward()`, `loss.try_backward()` | `scaler.backward(loss)` (half gradients unscaled into the master's) |
 //! | gradient allocation, traced input, `zero_grads` | `model.alloc_grads()`, `x.traced(grads)`, `x.trace(grads)`, `model.zero_grads(&mut grads)` | unchanged: the master's f32 gradients flow exactly as in the f32 step (a batch traced with gradients nothing can read it from is passed as a `Batch`: see [`unread_batch`]) |
 //!
+//! The same calls written by path (`Optimizer::update(opt, model, &grads)`, `Module::forward(&model,
+//! x)`) were read as method calls before ([`path_calls`](super::path_calls)).
+//!
 //! The master is the model the optimizer updates. A forward pass of the master (or of one of its
 //! fields) runs on the half working copy when its input is traced: an argument that mentions a
 //! traced value (`x.traced(..)`, `x.trace(..)`, a binding made from one, a parameter whose type

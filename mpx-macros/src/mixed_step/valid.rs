@@ -135,6 +135,12 @@ fn check_forwards(
                     "this forward pass of `{master_key}` has no traced input: `#[mixed_step]` runs the traced forward pass (`{master_key}.forward(x.traced(grads))`) in half precision; trace the input as the f32 step does"
                 ),
             ),
+            (None, Some(other)) if master_key.starts_with(&format!("{other}.")) => cx.error_spanned(
+                written,
+                format!(
+                    "this update names `{master_key}`, a part of `{other}`, whose forward pass runs as a whole: a mixed step judges and updates the models whose forward passes run, so with an optimizer for each part, run the parts' forward passes in turn, each on the last one's output (`{master_key}.forward(..)` among them; the first on `x.traced(grads)`), or update `{other}` with one optimizer"
+                ),
+            ),
             (None, Some(other)) => cx.error_spanned(
                 written,
                 format!(
@@ -144,7 +150,7 @@ fn check_forwards(
             (None, None) => cx.error_spanned(
                 if found.forwards.is_empty() { f.sig.ident.to_token_stream() } else { written.to_token_stream() },
                 format!(
-                    "no traced forward pass of `{master_key}` (the model the optimizer updates) in this step: `#[mixed_step]` runs `{master_key}.forward(x.traced(grads))` (or `forward_mut`, `try_forward`, a field's forward) on the half working copy"
+                    "no traced forward pass of `{master_key}` (the model the optimizer updates) in this step: `#[mixed_step]` runs `{master_key}.forward(x.traced(grads))` (or `forward_mut`, `try_forward`, a field's forward) on the half working copy; it reads this function's body only, so a forward pass inside a helper function is not seen: call `{master_key}.forward(..)` here and pass its output to the helper"
                 ),
             ),
         }
