@@ -1488,3 +1488,132 @@ fn time_steps_as_an_array_or_a_vec_train_like_the_f32_twin() {
         "the parameters barely moved"
     );
 }
+
+// ---- an optimizer for each part of one model ------------------------------------------------------
+
+type Trunk = (Linear<4, 16>, Tanh);
+type Head = Linear<16, 3>;
+type Parted = <(Trunk, Head) as BuildOnDevice<Cpu, f32>>::Built;
+type TrunkM = <Trunk as BuildOnDevice<Cpu, f32>>::Built;
+type HeadM = <Head as BuildOnDevice<Cpu, f32>>::Built;
+type PartOpts = (Adam<TrunkM, f32, Cpu>, Sgd<HeadM, f32, Cpu>);
+
+/// The whole model's forward pass, then an update of each part with its own optimizer (a trunk
+/// on Adam, a head on SGD).
+fn parts_f32(m: &mut Parted, (ot, oh): &mut PartOpts, x: &X8, y: &Y8x3) {
+    let grads = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone()).backward();
+    ot.update(&mut m.0, &grads).unwrap();
+    oh.update(&mut m.1, &grads).unwrap();
+}
+
+#[mixed_step(scaling = scaler)]
+fn parts_mixed(m: &mut Parted, (ot, oh): &mut PartOpts, x: &X8, y: &Y8x3, scaler: &mut GradScaler) {
+    let grads = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone()).backward();
+    ot.update(&mut m.0, &grads).unwrap();
+    oh.update(&mut m.1, &grads).unwrap();
+}
+
+/// The same with the trunk frozen: the head's optimizer alone.
+fn head_f32(m: &mut Parted, (_, oh): &mut PartOpts, x: &X8, y: &Y8x3) {
+    let grads = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone()).backward();
+    oh.update(&mut m.1, &grads).unwrap();
+}
+
+#[mixed_step(scaling = scaler)]
+fn head_mixed(m: &mut Parted, (_, oh): &mut PartOpts, x: &X8, y: &Y8x3, scaler: &mut GradScaler) {
+    let grads = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone()).backward();
+    oh.update(&mut m.1, &grads).unwrap();
+}
+
+type Y8x3 = Tensor<Rank2<8, 3>, f32, Cpu>;
+type PartsF32 = fn(&mut Parted, &mut PartOpts, &X8, &Y8x3);
+type PartsMixed = fn(&mut Parted, &mut PartOpts, &X8, &Y8x3, &mut GradScaler);
+
+fn part_opts(m: &Parted) -> PartOpts {
+    let sgd = SgdConfig {
+        lr: 0.05,
+        ..Default::default()
+    };
+    (Adam::new(&m.0, Default::default()), Sgd::new(&m.1, sgd))
+}
+
+#[test]
+fn an_optimizer_for_each_part_trains_like_the_f32_twin_and_skips_each_part() {
+    let dev = Cpu::seed_from_u64(15);
+    let init = dev.build_module::<(Trunk, Head), f32>();
+    let x: X8 = dev.sample_normal();
+    let y: Y8x3 = dev.sample_normal();
+    let steps: [(PartsF32, PartsMixed, u64); 2] =
+        [(parts_f32, parts_mixed, 2), (head_f32, head_mixed, 1)];
+    for (f32_step, mixed_step, parts) in steps {
+        let (mut m32, mut m16) = (init.clone(), init.clone());
+        let (mut o32, mut o16) = (part_opts(&m32), part_opts(&m16));
+        // a scale that overflows f16 at first: the first steps are skipped, then it comes down
+        let mut scaler = GradScaler::new(
+            DynamicLossScale::builder()
+                .initial(2f32.powi(24))
+                .build()
+                .unwrap(),
+        );
+        let mut updates = 0;
+        for _ in 0..40 {
+            let before = values(&m16);
+            let scale = scaler.loss_scale();
+            mixed_step(&mut m16, &mut o16, &x, &y, &mut scaler);
+            let step = scaler.last_step().unwrap();
+            assert_eq!((step.precision, step.mpx_layers), (DType::Float16, true));
+            if step.is_applied() {
+                f32_step(&mut m32, &mut o32, &x, &y);
+                updates += 1;
+            } else {
+                assert_eq!(values(&m16), before, "a skipped step moved a part");
+                // one iteration, one back-off, however many parts it updates
+                assert_eq!(scaler.loss_scale(), scale / 2.0);
+            }
+        }
+        assert!(scaler.skipped_steps() >= parts, "2^24 must overflow f16");
+        assert_eq!(scaler.applied_steps(), updates * parts);
+        assert!(updates >= 20, "{updates} applied steps");
+        let err = rel(&values(&m16), &values(&m32));
+        assert!(
+            err < 1e-2,
+            "parameters {err} from the f32 twin's ({parts} parts)"
+        );
+        if parts == 1 {
+            assert_eq!(values(&m16.0), values(&init.0), "the frozen trunk moved");
+        }
+    }
+}
+
+type NormedTrunk = (Linear<4, 8>, dfdx::nn::builders::BatchNorm1D<8>);
+type NormedParted = <(NormedTrunk, Linear<8, 3>) as BuildOnDevice<Cpu, f32>>::Built;
+
+#[mixed_step(scaling = scaler)]
+fn normed_parts(
+    m: &mut NormedParted,
+    ot: &mut Sgd<<NormedTrunk as BuildOnDevice<Cpu, f32>>::Built, f32, Cpu>,
+    oh: &mut Sgd<<Linear<8, 3> as BuildOnDevice<Cpu, f32>>::Built, f32, Cpu>,
+    x: &X8,
+    scaler: &mut GradScaler,
+) {
+    let grads = m
+        .forward_mut(x.trace(m.alloc_grads()))
+        .square()
+        .mean()
+        .backward();
+    ot.update(&mut m.0, &grads).unwrap();
+    oh.update(&mut m.1, &grads).unwrap();
+}
+
+/// Batch-norm statistics a forward pass of the whole model changed belong to no part the step
+/// updates: an error that says so, not statistics left behind.
+#[test]
+#[should_panic(expected = "changed its batch-norm statistics, but the step updates parts of it")]
+fn batch_norm_statistics_of_a_model_updated_part_by_part_are_an_error() {
+    let dev = Cpu::seed_from_u64(16);
+    let mut m = dev.build_module::<(NormedTrunk, Linear<8, 3>), f32>();
+    let mut ot = Sgd::new(&m.0, Default::default());
+    let mut oh = Sgd::new(&m.1, Default::default());
+    let x: X8 = dev.sample_normal();
+    normed_parts(&mut m, &mut ot, &mut oh, &x, &mut GradScaler::default());
+}

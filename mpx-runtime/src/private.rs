@@ -3,8 +3,10 @@
 
 use std::marker::PhantomData;
 
+use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::nn::{Module, ModuleMut};
 use dfdx::tensor::{AsArray, Cpu, Gradients};
+use dfdx::tensor_ops::Device;
 
 use crate::boundary::MasterModel;
 use crate::precision::Precision;
@@ -15,7 +17,8 @@ use crate::step::{
     StepError, Verdict, WorkingCopy,
 };
 
-pub use crate::step::pending::Masters;
+use crate::step::pending::Owners;
+pub use crate::step::pending::{Masters, Part};
 pub use dfdx;
 
 /// `a + b`, `a - b`, `a * b`, `a / b`, `-a`, their `try_` methods, `matmul` / `try_matmul` and
@@ -196,6 +199,8 @@ pub struct Forward<'a, H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B
     masters: &'a Masters,
     /// Taken by the one forward pass.
     call: Option<(R, X)>,
+    /// The parts of the model the step updates on their own, when it updates no whole.
+    parts: Option<Vec<Part>>,
     marker: PhantomData<fn() -> (C, B)>,
 }
 
@@ -204,6 +209,22 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B> Forward<'_, H, L
         match self.call.take() {
             Some(call) => call,
             None => panic!("a mixed forward pass ran twice"),
+        }
+    }
+
+    /// The forward pass of a model the step updates part by part (an optimizer for each of
+    /// `parts`): their gradients are judged and counted each for its own update.
+    #[must_use]
+    pub fn parts(mut self, parts: Vec<Part>) -> Self {
+        self.parts = Some(parts);
+        self
+    }
+
+    /// Whose gradients this forward pass of `model` computes.
+    fn owners<M>(&self, model: &M) -> Owners {
+        match &self.parts {
+            Some(parts) => Owners::Parts(parts.clone()),
+            None => Owners::Whole(self.masters.cell(model)),
         }
     }
 
@@ -220,8 +241,11 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B> Forward<'_, H, L
     {
         let (master, input) = self.take();
         let m = master.shared();
-        let cell = self.masters.cell(m);
-        match self.scaler.run::<R::Model, K, X, Y, F>(m, &cell, input, f) {
+        let owners = self.owners(m);
+        match self
+            .scaler
+            .run::<R::Model, K, X, Y, F>(m, &owners, input, f)
+        {
             Ok(y) => y,
             Err(e) => panic!("mixed-precision forward pass failed: {e}"),
         }
@@ -244,7 +268,17 @@ where
         scaler,
         masters,
         call: Some((master, input)),
+        parts: None,
         marker: PhantomData,
+    }
+}
+
+/// `part` of the model a forward pass runs, which the step updates on its own (see
+/// [`Forward::parts`]).
+pub fn part<D: Device<f32>, M: TensorCollection<f32, D>>(masters: &Masters, part: &M) -> Part {
+    match masters.part(part) {
+        Ok(part) => part,
+        Err(e) => panic!("mixed-precision forward pass failed: {e:?}"),
     }
 }
 
@@ -399,8 +433,8 @@ macro_rules! via_full {
                 F: FnOnce(R, X::Plain) -> Y,
             {
                 let (master, input) = self.take();
-                let cell = self.masters.cell(master.shared());
-                match self.scaler.run_full::<R::Model, X>(master.shared(), &cell, input) {
+                let owners = self.owners(master.shared());
+                match self.scaler.run_full::<R::Model, X>(master.shared(), &owners, input) {
                     Ok(x) => f(master, x),
                     Err(e) => panic!("mixed-precision forward pass failed: {e}"),
                 }

@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 
 use super::ast::{Args, Half};
-use super::roles::{Traced, as_update, forward_path, is_backward, key, unread_batch};
+use super::roles::{Traced, as_update, forward_path, is_backward, key, place, unread_batch};
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
 
@@ -214,9 +214,18 @@ struct Rewriter {
 
 /// What a method call is, decided on the call as the user wrote it; the index is the master's.
 enum Role {
-    Forward(usize, Vec<syn::Member>),
+    Forward(Target, Vec<syn::Member>),
     Backward,
     Update(usize),
+}
+
+/// The model a forward pass runs.
+enum Target {
+    /// A master (the forward pass is of it, or of one of its fields: the role's path).
+    Master(usize),
+    /// A model the step updates part by part (its place, and the masters that are its parts:
+    /// an optimizer for each).
+    Parts(Box<syn::Expr>, Vec<usize>),
 }
 
 impl Rewriter {
@@ -237,10 +246,22 @@ impl Rewriter {
         if !self.traced.mentions(m.args.first()?) {
             return None;
         }
-        self.masters
-            .iter()
-            .enumerate()
-            .find_map(|(i, (k, _))| forward_path(m, k).map(|p| Role::Forward(i, p)))
+        let of_master = self.masters.iter().enumerate().find_map(|(i, (k, _))| {
+            forward_path(m, k).map(|p| Role::Forward(Target::Master(i), p))
+        });
+        of_master.or_else(|| {
+            // a forward pass of a model whose parts the step updates, each on its own
+            let whole = key(&m.receiver);
+            let parts: Vec<usize> = (0..self.masters.len())
+                .filter(|&i| self.masters[i].0.starts_with(&format!("{whole}.")))
+                .collect();
+            (forward_path(m, &whole).is_some() && !parts.is_empty()).then(|| {
+                Role::Forward(
+                    Target::Parts(Box::new(place(&m.receiver).clone()), parts),
+                    Vec::new(),
+                )
+            })
+        })
     }
 
     /// `&mut GradScaler<H, _>`, from the place the user named; every token carries the place's
@@ -255,29 +276,24 @@ impl Rewriter {
         )
     }
 
-    /// Master `i`, borrowed (`&M`, or `&mut M` when `mutable`) however the user holds it
-    /// (a value, a `&mut` binding, a field, a box), as method calls auto-deref; spanned at the
-    /// master's tokens, so a half model is reported there.
+    /// Master `i`, [`borrowed`].
     fn master(&self, i: usize, mutable: bool) -> TokenStream {
-        let place = &self.masters[i].1;
-        let span = place.span();
-        let method = if mutable {
-            quote_spanned!(span=> __mpx_master_mut)
-        } else {
-            quote_spanned!(span=> __mpx_master)
-        };
-        quote_spanned!(span=> (#place).#method())
+        borrowed(&self.masters[i].1, mutable)
     }
 
     fn rewrite(&self, role: Role, m: &syn::ExprMethodCall) -> syn::Expr {
         let root = &self.root;
         let scaler = self.scaler();
         let tokens = match role {
-            Role::Forward(i, path) => {
-                let master_ref = self.master(i, false);
+            Role::Forward(target, path) => {
+                let (place, parts) = match &target {
+                    Target::Master(i) => (&self.masters[*i].1, &[][..]),
+                    Target::Parts(place, parts) => (&**place, &parts[..]),
+                };
+                let master_ref = borrowed(place, false);
                 // `forward_mut` needs the master mutably where it runs in f32 on the master.
                 let mutable = m.method.to_string().ends_with("_mut");
-                let master_for_call = self.master(i, mutable);
+                let master_for_call = borrowed(place, mutable);
                 let method = &m.method;
                 let turbofish = &m.turbofish;
                 let arg = &m.args[0];
@@ -287,10 +303,21 @@ impl Rewriter {
                     quote!(#arg)
                 };
                 // The master boundary first, at the model's tokens, so its message leads.
-                let span = self.masters[i].1.span();
+                let span = place.span();
                 let check_master = quote_spanned!(span=>
                     let _ = #root::boundary::require_master(#master_ref);
                 );
+                // the parts the step updates, each with its own optimizer, of a model it updates
+                // no whole of
+                let (parts, with_parts) = if parts.is_empty() {
+                    (quote!(), quote!())
+                } else {
+                    let refs = parts.iter().map(|&j| self.master(j, false));
+                    (
+                        quote!(let __mpx_parts = ::std::vec![#(#root::__private::part(&__mpx_masters, #refs)),*];),
+                        quote!(.parts(__mpx_parts)),
+                    )
+                };
                 let call = match (path.is_empty(), mutable) {
                     (false, _) => quote!(#root::__private::call::Field),
                     (true, false) => quote!(#root::__private::call::Forward),
@@ -306,12 +333,13 @@ impl Rewriter {
                 quote!({
                     let __mpx_input = #input;
                     #check_master
+                    #parts
                     (&mut &mut #root::__private::forward::<_, _, _, _, _, #call, #fallback>(
                         #scaler,
                         &__mpx_masters,
                         #master_for_call,
                         __mpx_input,
-                    ))
+                    )#with_parts)
                     .#run(|__mpx_working, __mpx_x| __mpx_working #(.#path)* .#method #turbofish (__mpx_x))
                 })
             }
@@ -375,6 +403,19 @@ impl Rewriter {
 }
 
 /// `tokens` with every span set to `span` (groups included).
+/// `place`, borrowed (`&M`, or `&mut M` when `mutable`) however the user holds it (a value, a
+/// `&mut` binding, a field, a box), as method calls auto-deref; spanned at the place's tokens,
+/// so a half model is reported there.
+fn borrowed(place: &syn::Expr, mutable: bool) -> TokenStream {
+    let span = place.span();
+    let method = if mutable {
+        quote_spanned!(span=> __mpx_master_mut)
+    } else {
+        quote_spanned!(span=> __mpx_master)
+    };
+    quote_spanned!(span=> (#place).#method())
+}
+
 fn respan(tokens: TokenStream, span: proc_macro2::Span) -> TokenStream {
     tokens
         .into_iter()

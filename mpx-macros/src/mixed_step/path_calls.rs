@@ -78,7 +78,7 @@ fn role_method(call: &syn::ExprCall) -> Option<syn::Ident> {
 mod tests {
     use quote::{ToTokens, quote};
 
-    fn rewritten(body: proc_macro2::TokenStream) -> String {
+    fn rewritten(body: &proc_macro2::TokenStream) -> String {
         let f: syn::ItemFn = syn::parse2(quote!(fn step() { #body })).unwrap();
         super::as_method_calls(f)
             .block
@@ -90,7 +90,7 @@ mod tests {
     #[test]
     fn the_roles_called_by_path_become_method_calls() {
         assert_eq!(
-            rewritten(quote!(
+            rewritten(&quote!(
                 let y = Module::forward(&model, x.traced(g));
                 let y = dfdx::nn::ModuleMut::try_forward_mut(&mut model.l1, y)?;
                 let y = <Net as Module<X>>::forward(&model, y);
@@ -116,7 +116,7 @@ mod tests {
             quote!(<Net>::forward(&model, x);),
         ] {
             let want = quote!({ #body }).to_string().replace(' ', "");
-            assert_eq!(rewritten(body), want);
+            assert_eq!(rewritten(&body), want);
         }
     }
 }

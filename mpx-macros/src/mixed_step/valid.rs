@@ -119,9 +119,22 @@ fn check_forwards(
         .filter(|(m, _)| traced.mentions(&m.args[0]))
         .map(|(m, _)| key(&m.receiver))
         .collect();
+    // a traced forward pass of a model that is no master nor part of one, whose parts the step
+    // updates each with its own optimizer
+    let of_parts = |master_key: &str| {
+        found.forwards.iter().any(|(m, _)| {
+            let whole = key(&m.receiver);
+            traced.mentions(&m.args[0])
+                && master_key.starts_with(&format!("{whole}."))
+                && forward_path(m, &whole).is_some()
+                && !masters
+                    .iter()
+                    .any(|(other, _)| forward_path(m, &key(other)).is_some())
+        })
+    };
     for (master, written) in masters {
         let master_key = key(master);
-        if traced_of(&master_key).is_some() {
+        if traced_of(&master_key).is_some() || of_parts(&master_key) {
             continue;
         }
         let untraced = found
@@ -133,12 +146,6 @@ fn check_forwards(
                 &m.args[0],
                 format!(
                     "this forward pass of `{master_key}` has no traced input: `#[mixed_step]` runs the traced forward pass (`{master_key}.forward(x.traced(grads))`) in half precision; trace the input as the f32 step does"
-                ),
-            ),
-            (None, Some(other)) if master_key.starts_with(&format!("{other}.")) => cx.error_spanned(
-                written,
-                format!(
-                    "this update names `{master_key}`, a part of `{other}`, whose forward pass runs as a whole: a mixed step judges and updates the models whose forward passes run, so with an optimizer for each part, run the parts' forward passes in turn, each on the last one's output (`{master_key}.forward(..)` among them; the first on `x.traced(grads)`), or update `{other}` with one optimizer"
                 ),
             ),
             (None, Some(other)) => cx.error_spanned(

@@ -93,9 +93,11 @@ where
     }
 }
 
-/// One tensor's gradient buffer, with the tensor's element count.
+/// One tensor's gradient buffer, with the tensor's element count and address.
 pub struct Slot<E: Dtype, D: SlotDevice<E> = Cpu> {
     pub(crate) len: usize,
+    /// Where the tensor lies (tells a part's tensors apart within a model, while both are borrowed).
+    pub(crate) addr: usize,
     get: D::Slot,
 }
 
@@ -107,6 +109,7 @@ impl<E: Dtype, D: SlotDevice<E>> Slot<E, D> {
     pub(crate) fn of<S: Shape>(t: &Tensor<S, E, D>) -> Self {
         Self {
             len: t.shape().num_elements(),
+            addr: std::ptr::from_ref(t).addr(),
             get: D::slot(t),
         }
     }
@@ -128,6 +131,7 @@ where
     fn clone(&self) -> Self {
         Self {
             len: self.len,
+            addr: self.addr,
             get: Arc::clone(&self.get),
         }
     }

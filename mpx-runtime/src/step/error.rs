@@ -53,6 +53,17 @@ pub enum StepError {
         model: &'static str,
     },
 
+    /// A forward pass of a model the step updates part by part (an optimizer for each of its
+    /// fields) changed the model's batch-norm statistics, which belong to no part: they could
+    /// not reach the master.
+    #[error(
+        "the forward pass of this `{model}` changed its batch-norm statistics, but the step updates parts of it, each with its own optimizer: the statistics would reach no master; run each part's forward pass, or update the whole model with one optimizer"
+    )]
+    PartsState {
+        /// The model's type.
+        model: &'static str,
+    },
+
     /// A master model without tensors on a device that has no default one: there is nothing to
     /// train, and no device to run on.
     #[error("`{model}` has no tensors: a master model must have parameters on the step's device")]
@@ -185,8 +196,8 @@ pub enum StepError {
 /// are one of them convert:
 /// - a device error ([`StepError::Device`], or the optimizer's `DeviceError` inside
 ///   [`StepError::Optimizer`]) as itself;
-/// - tensors that did not line up ([`StepError::MasterChanged`], [`StepError::Cast`], the
-///   optimizer's `UnusedParams`) as `WrongNumElements`.
+/// - tensors that did not line up ([`StepError::MasterChanged`], [`StepError::PartsState`],
+///   [`StepError::Cast`], the optimizer's `UnusedParams`) as `WrongNumElements`.
 ///
 /// # Panics
 /// On the causes `CpuError` has no variant for ([`StepError::TooManySkips`],
@@ -208,6 +219,7 @@ impl From<StepError> for CpuError {
         match e {
             StepError::Device(e) | StepError::Optimizer(OptimizerUpdateError::DeviceError(e)) => e,
             StepError::MasterChanged { .. }
+            | StepError::PartsState { .. }
             | StepError::Cast(_)
             | StepError::Optimizer(OptimizerUpdateError::UnusedParams(_)) => {
                 CpuError::WrongNumElements

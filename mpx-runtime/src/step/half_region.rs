@@ -23,7 +23,7 @@ use dfdx::tensor::{Cpu, Gradients, HasErr, NoneTape, OwnedTape, PutTape, SplitTa
 use dfdx::tensor_ops::{Backward, ReshapeTo};
 
 use super::device::{FullOp, HalfOp, MixedDevice, Pair, SeedOp};
-use super::pending::Cell;
+use super::pending::{Cell, Owners};
 use crate::master::slots::MasterSlot;
 use crate::precision::Precision;
 
@@ -43,11 +43,34 @@ pub(crate) struct Finished<D: MixedDevice<H>, H: Precision> {
 /// Where the backward bridges of a scaler's forward passes leave what they finished.
 pub(crate) type Inbox<D, H> = Arc<Mutex<Vec<Finished<D, H>>>>;
 
+/// Leaves in `inbox` the gradient slots of a forward pass whose backward has run, shared out
+/// among their `owners` (one master, or the parts the step updates).
+pub(crate) fn finished<D: MixedDevice<H>, H: Precision>(
+    inbox: &Inbox<D, H>,
+    owners: &Owners,
+    slots: Vec<MasterSlot<D>>,
+) {
+    let mut inbox = inbox.lock().unwrap_or_else(PoisonError::into_inner);
+    owners.share(
+        slots,
+        |s| s.addr,
+        |cell, slots| {
+            inbox.push(Finished {
+                slots,
+                cell: cell.clone(),
+                verdict: None,
+                marker: std::marker::PhantomData,
+            });
+        },
+    );
+}
+
 /// What one forward pass hands its backward bridge: the working copy's tensors and the master
-/// tensors they stand for, the master's cell and the inbox.
+/// tensors they stand for, whose gradients they are (the master's cell, or its parts') and the
+/// inbox.
 pub(crate) struct Handoff<H: Precision, D: MixedDevice<H>> {
     pub(crate) pairs: Vec<Pair<H, D>>,
-    pub(crate) cell: Cell,
+    pub(crate) owners: Owners,
     pub(crate) inbox: Inbox<D, H>,
 }
 
@@ -313,16 +336,16 @@ impl<H: Precision, D: MixedDevice<H>> Region<H, D> {
             for w in &writers {
                 w(g32)?;
             }
-            let Handoff { pairs, cell, inbox } = handoff;
-            inbox
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(Finished {
-                    slots: pairs.into_iter().map(|p| p.master).collect(),
-                    cell,
-                    verdict: None,
-                    marker: std::marker::PhantomData,
-                });
+            let Handoff {
+                pairs,
+                owners,
+                inbox,
+            } = handoff;
+            finished(
+                &inbox,
+                &owners,
+                pairs.into_iter().map(|p| p.master).collect(),
+            );
             Ok(())
         });
         self.outer = Some(outer);

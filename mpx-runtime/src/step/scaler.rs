@@ -12,11 +12,11 @@ use dfdx::tensor::{AsArray, Cpu, Gradients, HasErr, OwnedTape, Tensor};
 use super::device::{MixedDevice, check_all};
 use super::error::StepError;
 use super::full::FullInput;
-use super::half_region::{Finished, HalfInput, HalfOutput, Handoff, Inbox, Region};
+use super::half_region::{Finished, HalfInput, HalfOutput, Handoff, Inbox, Region, finished};
 use super::iteration::{Iteration, Site};
 use super::mixed::Mixed;
 use super::outcome::{SkipReason, UpdateOutcome};
-use super::pending::{Cell, Ran};
+use super::pending::{Cell, Owners, Ran};
 use super::report::StepReport;
 use super::working::Kind;
 use crate::boundary::MasterModel;
@@ -301,14 +301,16 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         Y: HalfOutput<H, D>,
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
-        self.run::<M, K, X, Y, F>(master, &master.cell, input, f)
+        let owners = Owners::Whole(master.cell.clone());
+        self.run::<M, K, X, Y, F>(master, &owners, input, f)
     }
 
-    /// A forward pass of `master` (whose state is `cell`) on its working copy of kind `K`.
+    /// A forward pass of `master` on its working copy of kind `K`, whose gradients are `owners'`
+    /// (the master's own cell, or those of the parts of it the step updates).
     pub(crate) fn run<M, K, X, Y, F>(
         &mut self,
         master: &M,
-        cell: &Cell,
+        owners: &Owners,
         input: X,
         f: F,
     ) -> Result<Y::Full, StepError>
@@ -325,10 +327,12 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         // the last pass's working copy was dropped when it returned
         D::recycle(&mut self.store);
         let built = K::build(master, &links, &mut self.store)?;
-        cell.lock().ran = Some(Ran {
-            precision: H::DTYPE,
-            mapped: K::MAPPED,
-        });
+        for cell in owners.cells() {
+            cell.lock().ran = Some(Ran {
+                precision: H::DTYPE,
+                mapped: K::MAPPED,
+            });
+        }
         let super::working::Built {
             mut copy,
             pairs,
@@ -336,7 +340,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         } = built;
         let handoff = Handoff {
             pairs,
-            cell: cell.clone(),
+            owners: owners.clone(),
             inbox: Arc::clone(&self.inbox),
         };
         let mut region = Region::<H, D>::new(dev, (scale, inv), links, handoff);
@@ -345,6 +349,11 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         let out = y.leave(&mut region).map_err(D::step_error)?;
         // statistics a training-mode pass changed, for the master on an applied update
         if let Some(changed) = state.changed(&copy).map_err(D::step_error)? {
+            let Owners::Whole(cell) = owners else {
+                return Err(StepError::PartsState {
+                    model: std::any::type_name::<M>(),
+                });
+            };
             cell.lock().state = Some(changed);
         }
         Ok(out)
@@ -355,29 +364,23 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     pub(crate) fn run_full<M, X>(
         &mut self,
         master: &M,
-        cell: &Cell,
+        owners: &Owners,
         input: X,
     ) -> Result<X::Plain, StepError>
     where
         M: MasterModel<D>,
         X: FullInput<D>,
     {
-        cell.lock().ran = Some(Ran {
-            precision: DType::Float32,
-            mapped: false,
-        });
+        for cell in owners.cells() {
+            cell.lock().ran = Some(Ran {
+                precision: DType::Float32,
+                mapped: false,
+            });
+        }
         let slots = trainable_slots::<D, M>(master).map_err(D::step_error)?;
-        let (inbox, cell) = (Arc::clone(&self.inbox), cell.clone());
+        let (inbox, owners) = (Arc::clone(&self.inbox), owners.clone());
         let mut post = Some(Box::new(move |_: &mut Gradients<f32, D>| {
-            inbox
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(Finished {
-                    slots,
-                    cell,
-                    verdict: None,
-                    marker: PhantomData,
-                });
+            finished(&inbox, &owners, slots);
             Ok(())
         }) as super::full::PostOp<D>);
         Ok(input.attach(&mut post))
