@@ -13,11 +13,13 @@ use dfdx::{optim::*, prelude::*};
 use mpx::mixed_step;
 use mpx::precision::{DType, f16};
 use mpx::scaling::{DynamicLossScale, StaticLossScale};
-use mpx::step::{GradScaler, Mixed, ScalerState, StepError, clip_grad_norm};
+use mpx::step::{
+    GradScaler, Mapped, Mixed, MixedPart, Plain, ScalerState, StepError, clip_grad_norm,
+};
 
 mod common;
 use common::compare::rel;
-use common::params::{load, values};
+use common::params::{load, value_bits, values};
 
 // ---- a module of the user's own, with settings that are not tensors ----------------------------
 
@@ -1525,6 +1527,26 @@ fn head_mixed(m: &mut Parted, (_, oh): &mut PartOpts, x: &X8, y: &Y8x3, scaler: 
     oh.update(&mut m.1, &grads).unwrap();
 }
 
+/// The runtime calls `parts_mixed` stands for, written out.
+fn parts_by_hand(
+    m: &mut Parted,
+    (ot, oh): &mut PartOpts,
+    x: &X8,
+    y: &Y8x3,
+    (trunk, head): &(MixedPart, MixedPart),
+    scaler: &mut GradScaler,
+) {
+    let parts = vec![trunk.of(&m.0).unwrap(), head.of(&m.1).unwrap()];
+    let out = scaler
+        .forward_parts(&*m, Mapped, parts, x.trace(m.alloc_grads()), |w, x| {
+            w.forward(x)
+        })
+        .unwrap();
+    let grads = scaler.backward(mse_loss(out, y.clone())).unwrap();
+    scaler.update_part(trunk, &mut m.0, ot, &grads).unwrap();
+    scaler.update_part(head, &mut m.1, oh, &grads).unwrap();
+}
+
 type Y8x3 = Tensor<Rank2<8, 3>, f32, Cpu>;
 type PartsF32 = fn(&mut Parted, &mut PartOpts, &X8, &Y8x3);
 type PartsMixed = fn(&mut Parted, &mut PartOpts, &X8, &Y8x3, &mut GradScaler);
@@ -1549,17 +1571,28 @@ fn an_optimizer_for_each_part_trains_like_the_f32_twin_and_skips_each_part() {
         let (mut m32, mut m16) = (init.clone(), init.clone());
         let (mut o32, mut o16) = (part_opts(&m32), part_opts(&m16));
         // a scale that overflows f16 at first: the first steps are skipped, then it comes down
-        let mut scaler = GradScaler::new(
-            DynamicLossScale::builder()
-                .initial(2f32.powi(24))
-                .build()
-                .unwrap(),
-        );
+        let new_scaler = || {
+            GradScaler::new(
+                DynamicLossScale::builder()
+                    .initial(2f32.powi(24))
+                    .build()
+                    .unwrap(),
+            )
+        };
+        let mut scaler = new_scaler();
+        // the same by hand, for the two parts
+        let (mut by_hand, mut oh) = (init.clone(), part_opts(&init));
+        let (mut sh, states) = (new_scaler(), (MixedPart::new(), MixedPart::new()));
         let mut updates = 0;
         for _ in 0..40 {
             let before = values(&m16);
             let scale = scaler.loss_scale();
             mixed_step(&mut m16, &mut o16, &x, &y, &mut scaler);
+            if parts == 2 {
+                parts_by_hand(&mut by_hand, &mut oh, &x, &y, &states, &mut sh);
+                assert_eq!(value_bits(&by_hand), value_bits(&m16));
+                assert_eq!(sh.last_step(), scaler.last_step());
+            }
             let step = scaler.last_step().unwrap();
             assert_eq!((step.precision, step.mpx_layers), (DType::Float16, true));
             if step.is_applied() {
@@ -1616,4 +1649,54 @@ fn batch_norm_statistics_of_a_model_updated_part_by_part_are_an_error() {
     let mut oh = Sgd::new(&m.1, Default::default());
     let x: X8 = dev.sample_normal();
     normed_parts(&mut m, &mut ot, &mut oh, &x, &mut GradScaler::default());
+}
+
+/// By hand, on either working copy (the model's own layers in f16, or mpx's): a non-finite
+/// gradient skips every part it reaches, and a part of another model is an error, not a part
+/// judged on nothing.
+#[test]
+fn parts_by_hand_skip_on_their_own_gradients_and_must_be_the_model_s() {
+    let dev = Cpu::seed_from_u64(17);
+    let init = dev.build_module::<(Trunk, Head), f32>();
+    let mut bad = [[0.5f32; 4]; 8];
+    bad[3][1] = f32::NAN;
+    let x: X8 = dev.tensor(bad);
+    for mapped in [false, true] {
+        let mut m = init.clone();
+        let (mut ot, mut oh) = part_opts(&m);
+        let (trunk, head) = (MixedPart::new(), MixedPart::new());
+        let mut scaler = GradScaler::<f16>::default();
+        let parts = vec![trunk.of(&m.0).unwrap(), head.of(&m.1).unwrap()];
+        let xt = x.trace(m.alloc_grads());
+        let out = if mapped {
+            scaler.forward_parts(&m, Mapped, parts, xt, |w, x| w.forward(x))
+        } else {
+            scaler.forward_parts(&m, Plain, parts, xt, |w, x| w.forward(x))
+        }
+        .unwrap();
+        let grads = scaler.backward(out.square().mean()).unwrap();
+        for outcome in [
+            scaler
+                .update_part(&trunk, &mut m.0, &mut ot, &grads)
+                .unwrap(),
+            scaler
+                .update_part(&head, &mut m.1, &mut oh, &grads)
+                .unwrap(),
+        ] {
+            assert!(!outcome.is_applied(), "mapped {mapped}: {outcome:?}");
+        }
+        assert_eq!(value_bits(&m), value_bits(&init));
+        // a part of another model
+        let other = init.clone();
+        let err = scaler
+            .forward_parts(
+                &m,
+                Mapped,
+                vec![head.of(&other.1).unwrap()],
+                x.trace(m.alloc_grads()),
+                |w, x| w.forward(x),
+            )
+            .unwrap_err();
+        assert!(matches!(err, StepError::NotAPart { .. }), "{err}");
+    }
 }

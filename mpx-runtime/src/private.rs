@@ -17,8 +17,9 @@ use crate::step::{
     StepError, Verdict, WorkingCopy,
 };
 
-use crate::step::pending::Owners;
-pub use crate::step::pending::{Masters, Part};
+use crate::step::Part;
+use crate::step::parts::Owners;
+pub use crate::step::pending::Masters;
 pub use dfdx;
 
 /// `a + b`, `a - b`, `a * b`, `a / b`, `-a`, their `try_` methods, `matmul` / `try_matmul` and

@@ -64,6 +64,18 @@ pub enum StepError {
         model: &'static str,
     },
 
+    /// A part given to a forward pass of a model ([`MixedPart::of`](super::MixedPart::of)) is not
+    /// a part of that model: its gradients would be judged on nothing.
+    #[error(
+        "this `{part}` is not a part of the `{model}` whose forward pass it was given to: make each part with `MixedPart::of(&model.field)` of the model the forward pass runs"
+    )]
+    NotAPart {
+        /// The part's type.
+        part: &'static str,
+        /// The model's type.
+        model: &'static str,
+    },
+
     /// A master model without tensors on a device that has no default one: there is nothing to
     /// train, and no device to run on.
     #[error("`{model}` has no tensors: a master model must have parameters on the step's device")]
@@ -197,7 +209,8 @@ pub enum StepError {
 /// - a device error ([`StepError::Device`], or the optimizer's `DeviceError` inside
 ///   [`StepError::Optimizer`]) as itself;
 /// - tensors that did not line up ([`StepError::MasterChanged`], [`StepError::PartsState`],
-///   [`StepError::Cast`], the optimizer's `UnusedParams`) as `WrongNumElements`.
+///   [`StepError::NotAPart`], [`StepError::Cast`], the optimizer's `UnusedParams`) as
+///   `WrongNumElements`.
 ///
 /// # Panics
 /// On the causes `CpuError` has no variant for ([`StepError::TooManySkips`],
@@ -220,6 +233,7 @@ impl From<StepError> for CpuError {
             StepError::Device(e) | StepError::Optimizer(OptimizerUpdateError::DeviceError(e)) => e,
             StepError::MasterChanged { .. }
             | StepError::PartsState { .. }
+            | StepError::NotAPart { .. }
             | StepError::Cast(_)
             | StepError::Optimizer(OptimizerUpdateError::UnusedParams(_)) => {
                 CpuError::WrongNumElements

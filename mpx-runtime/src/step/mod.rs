@@ -12,6 +12,7 @@
 //! | `mpx.optimizer_update(model, optimizer, optimizer_state, grads, grads_finite)` | `update` |
 //! | `optax.apply_if_finite(.., max_consecutive_errors)` | [`GradScaler::with_max_consecutive_skips`] (an error, never a bad update) |
 //! | `torch.nn.utils.clip_grad_norm_` after `scaler.unscale_(opt)` | [`clip_grad_norm`] (the gradients are already unscaled) |
+//! | `scaler.step(opt1); scaler.step(opt2)`, an optimizer for each part of one model | [`GradScaler::forward_parts`] + [`GradScaler::update_part`] with a [`MixedPart`] per part |
 //!
 //! The state of a step lives in typed values the code names, never in tables found by a
 //! model's identity: the scaler holds what spans models (the loss scale, the counters); each
@@ -58,6 +59,7 @@ pub(crate) mod iteration;
 mod mapped;
 mod mixed;
 mod outcome;
+pub(crate) mod parts;
 pub(crate) mod pending;
 #[cfg(feature = "mpi")]
 mod reducer;
@@ -81,6 +83,7 @@ pub use half_region::Region;
 pub use half_region::{Batch, HalfInput, HalfOutput};
 pub use mixed::Mixed;
 pub use outcome::{SkipReason, UpdateOutcome};
+pub use parts::{MixedPart, Part};
 pub use report::StepReport;
 pub use scaler::GradScaler;
 #[doc(hidden)]

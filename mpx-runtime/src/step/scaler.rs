@@ -16,7 +16,8 @@ use super::half_region::{Finished, HalfInput, HalfOutput, Handoff, Inbox, Region
 use super::iteration::{Iteration, Site};
 use super::mixed::Mixed;
 use super::outcome::{SkipReason, UpdateOutcome};
-use super::pending::{Cell, Owners, Ran};
+use super::parts::Owners;
+use super::pending::{Cell, Ran};
 use super::report::StepReport;
 use super::working::Kind;
 use crate::boundary::MasterModel;
@@ -327,6 +328,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         // the last pass's working copy was dropped when it returned
         D::recycle(&mut self.store);
         let built = K::build(master, &links, &mut self.store)?;
+        let addrs: Vec<usize> = built.pairs.iter().map(|p| p.master.addr).collect();
+        owners.check_parts_of::<M>(&addrs)?;
         for cell in owners.cells() {
             cell.lock().ran = Some(Ran {
                 precision: H::DTYPE,
@@ -371,13 +374,15 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         M: MasterModel<D>,
         X: FullInput<D>,
     {
+        let slots = trainable_slots::<D, M>(master).map_err(D::step_error)?;
+        let addrs: Vec<usize> = slots.iter().map(|s| s.addr).collect();
+        owners.check_parts_of::<M>(&addrs)?;
         for cell in owners.cells() {
             cell.lock().ran = Some(Ran {
                 precision: DType::Float32,
                 mapped: false,
             });
         }
-        let slots = trainable_slots::<D, M>(master).map_err(D::step_error)?;
         let (inbox, owners) = (Arc::clone(&self.inbox), owners.clone());
         let mut post = Some(Box::new(move |_: &mut Gradients<f32, D>| {
             finished(&inbox, &owners, slots);
@@ -610,8 +615,23 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<<D as HasErr>::Err>>,
     {
         let cell = master.cell.clone();
-        let verdict = self.begin(&cell, &mut **master, site)?;
-        let ran = verdict.applies().then(|| apply(&mut **master));
+        self.update_of(&cell, &mut **master, site, apply)
+    }
+
+    /// The update of `master`, whose state is `cell` (a [`Mixed`] handle's, or a part's).
+    pub(crate) fn update_of<M, F>(
+        &mut self,
+        cell: &Cell,
+        master: &mut M,
+        site: Site,
+        apply: F,
+    ) -> Result<UpdateOutcome, StepError>
+    where
+        M: MasterModel<D>,
+        F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<<D as HasErr>::Err>>,
+    {
+        let verdict = self.begin(cell, master, site)?;
+        let ran = verdict.applies().then(|| apply(master));
         let outcome = self.end(verdict, ran.as_ref().map(Result::is_ok))?;
         match ran {
             Some(Err(e)) => Err(D::optimizer_error(e)),
