@@ -11,9 +11,7 @@ use std::panic::Location;
 
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::Optimizer;
-use dfdx::shapes::Shape;
-use dfdx::tensor::{Gradients, Tensor};
-use dfdx::tensor_ops::Device;
+use dfdx::tensor::Gradients;
 
 use super::device::MixedDevice;
 use super::error::StepError;
@@ -24,9 +22,9 @@ use super::pending::Cell;
 use super::scaler::GradScaler;
 use super::working::Kind;
 use crate::boundary::MasterModel;
+use crate::master::slots::{SlotDevice, trainable_slots};
 use crate::precision::Precision;
 use crate::scaling::LossScale;
-use crate::walk::{Each, each};
 
 /// The state a mixed step keeps for one part of a model that its own optimizer updates: what
 /// the last backward pass saw of the part's gradients, for the part's next update. The by-hand
@@ -57,7 +55,7 @@ impl MixedPart {
     ///
     /// # Examples
     /// See [`GradScaler::forward_parts`].
-    pub fn of<D: Device<f32>, P: TensorCollection<f32, D>>(
+    pub fn of<D: SlotDevice<f32>, P: TensorCollection<f32, D>>(
         &self,
         part: &P,
     ) -> Result<Part, D::Err> {
@@ -167,29 +165,16 @@ pub struct Part {
 
 impl Part {
     /// `part`, whose state is `cell`.
-    pub(crate) fn of<D: Device<f32>, M: TensorCollection<f32, D>>(
+    pub(crate) fn of<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
         cell: Cell,
         part: &M,
     ) -> Result<Self, D::Err> {
-        struct Addrs(Vec<usize>);
-        impl<D: Device<f32>> Each<f32, D> for Addrs {
-            type Error = D::Err;
-            fn tensor<S: Shape>(
-                &mut self,
-                trainable: bool,
-                t: &Tensor<S, f32, D>,
-            ) -> Result<(), D::Err> {
-                if trainable {
-                    self.0.push(std::ptr::from_ref(t).addr());
-                }
-                Ok(())
-            }
-        }
-        let mut addrs = Addrs(Vec::new());
-        each(part, &mut addrs, std::convert::identity)?;
         Ok(Part {
             cell,
-            tensors: addrs.0,
+            tensors: trainable_slots::<D, M>(part)?
+                .iter()
+                .map(|s| s.addr)
+                .collect(),
             name: std::any::type_name::<M>(),
         })
     }
@@ -254,6 +239,7 @@ impl Owners {
 mod tests {
     use super::*;
     use crate::step::pending::Masters;
+    use dfdx::tensor::Tensor;
 
     #[test]
     fn a_forward_pass_s_gradients_are_shared_out_among_the_parts_by_tensor() {

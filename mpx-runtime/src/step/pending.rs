@@ -11,9 +11,9 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use dfdx::nn::tensor_collection::TensorCollection;
-use dfdx::tensor_ops::Device;
 
 use super::parts::Part;
+use crate::master::slots::SlotDevice;
 use crate::precision::DType;
 
 /// How a master's forward passes ran.
@@ -112,7 +112,7 @@ impl Masters {
     }
 
     /// `part` (a part of the model a forward pass runs, updated on its own), with its cell.
-    pub(crate) fn part<D: Device<f32>, M: TensorCollection<f32, D>>(
+    pub(crate) fn part<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
         &self,
         part: &M,
     ) -> Result<Part, D::Err> {

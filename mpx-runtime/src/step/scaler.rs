@@ -563,8 +563,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         M: MasterModel<D>,
         O: Optimizer<M, D, f32>,
     {
-        let site = Site::Call(Location::caller());
-        self.update_at(master, site, |m| optimizer.update(m, grads))
+        let (cell, site) = (master.cell.clone(), Site::Call(Location::caller()));
+        self.update_of(&cell, &mut **master, site, |m| optimizer.update(m, grads))
     }
 
     /// [`update`](Self::update) with the optimizer call given as a closure (PyTorch's
@@ -601,20 +601,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         M: MasterModel<D>,
         F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<<D as HasErr>::Err>>,
     {
-        self.update_at(master, Site::Call(Location::caller()), apply)
-    }
-
-    fn update_at<M, K, F>(
-        &mut self,
-        master: &mut Mixed<M, K>,
-        site: Site,
-        apply: F,
-    ) -> Result<UpdateOutcome, StepError>
-    where
-        M: MasterModel<D>,
-        F: FnOnce(&mut M) -> Result<(), OptimizerUpdateError<<D as HasErr>::Err>>,
-    {
-        let cell = master.cell.clone();
+        let (cell, site) = (master.cell.clone(), Site::Call(Location::caller()));
         self.update_of(&cell, &mut **master, site, apply)
     }
 
