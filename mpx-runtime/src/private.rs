@@ -18,7 +18,7 @@ use crate::step::{
 };
 
 use crate::step::Part;
-use crate::step::parts::Owners;
+use crate::step::owners::Owners;
 pub use crate::step::pending::Masters;
 pub use dfdx;
 
@@ -277,7 +277,7 @@ where
 /// `part` of the model a forward pass runs, which the step updates on its own (see
 /// [`Forward::parts`]).
 pub fn part<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(masters: &Masters, part: &M) -> Part {
-    match masters.part(part) {
+    match Part::of(masters.cell(part), part) {
         Ok(part) => part,
         Err(e) => panic!("mixed-precision forward pass failed: {e:?}"),
     }

@@ -23,7 +23,7 @@ use dfdx::tensor::{Cpu, Gradients, HasErr, NoneTape, OwnedTape, PutTape, SplitTa
 use dfdx::tensor_ops::{Backward, ReshapeTo};
 
 use super::device::{FullOp, HalfOp, MixedDevice, Pair, SeedOp};
-use super::parts::Owners;
+use super::owners::Owners;
 use super::pending::Cell;
 use crate::master::slots::MasterSlot;
 use crate::precision::Precision;

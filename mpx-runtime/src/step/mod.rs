@@ -59,7 +59,8 @@ pub(crate) mod iteration;
 mod mapped;
 mod mixed;
 mod outcome;
-pub(crate) mod parts;
+pub(crate) mod owners;
+mod parts;
 pub(crate) mod pending;
 #[cfg(feature = "mpi")]
 mod reducer;
@@ -83,7 +84,8 @@ pub use half_region::Region;
 pub use half_region::{Batch, HalfInput, HalfOutput};
 pub use mixed::Mixed;
 pub use outcome::{SkipReason, UpdateOutcome};
-pub use parts::{MixedPart, Part};
+pub use owners::Part;
+pub use parts::MixedPart;
 pub use report::StepReport;
 pub use scaler::GradScaler;
 #[doc(hidden)]

@@ -18,11 +18,12 @@ use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput};
 use super::iteration::Site;
 use super::outcome::UpdateOutcome;
+use super::owners::{Owners, Part};
 use super::pending::Cell;
 use super::scaler::GradScaler;
 use super::working::Kind;
 use crate::boundary::MasterModel;
-use crate::master::slots::{SlotDevice, trainable_slots};
+use crate::master::slots::SlotDevice;
 use crate::precision::Precision;
 use crate::scaling::LossScale;
 
@@ -134,149 +135,5 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     {
         let site = Site::Call(Location::caller());
         self.update_of(&state.cell, part, site, |p| optimizer.update(p, grads))
-    }
-}
-
-/// Whose gradients a forward pass computes: the master's whose forward pass it is, or, for a
-/// forward pass of a model the step updates part by part (an optimizer for its encoder, another
-/// for its head), each part's.
-#[derive(Debug, Clone)]
-pub(crate) enum Owners {
-    /// The master the forward pass runs (its cell).
-    Whole(Cell),
-    /// The parts of the model the forward pass runs that the step updates.
-    Parts(Vec<Part>),
-}
-
-/// A part of a model (a field, or a field of one) that its own optimizer updates, as a forward
-/// pass of the whole model sees it: the part's state and which tensors are the part's. Made by
-/// [`MixedPart::of`] for [`GradScaler::forward_parts`] (and by `#[mixed_step]` for a step that
-/// updates parts).
-///
-/// # Examples
-/// See [`GradScaler::forward_parts`].
-#[derive(Debug, Clone)]
-pub struct Part {
-    cell: Cell,
-    tensors: Vec<usize>,
-    /// The part's type, for messages.
-    name: &'static str,
-}
-
-impl Part {
-    /// `part`, whose state is `cell`.
-    pub(crate) fn of<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
-        cell: Cell,
-        part: &M,
-    ) -> Result<Self, D::Err> {
-        Ok(Part {
-            cell,
-            tensors: trainable_slots::<D, M>(part)?
-                .iter()
-                .map(|s| s.addr)
-                .collect(),
-            name: std::any::type_name::<M>(),
-        })
-    }
-}
-
-impl Owners {
-    /// Each owner's cell.
-    pub(crate) fn cells(&self) -> impl Iterator<Item = &Cell> {
-        let (whole, parts) = match self {
-            Owners::Whole(cell) => (Some(cell), &[][..]),
-            Owners::Parts(parts) => (None, &parts[..]),
-        };
-        whole.into_iter().chain(parts.iter().map(|p| &p.cell))
-    }
-
-    /// Checks that every tensor of every part is one of the model's trainable tensors
-    /// (`tensors`, their addresses): a part of another model would be judged on nothing.
-    pub(crate) fn check_parts_of<M>(&self, tensors: &[usize]) -> Result<(), StepError> {
-        let Owners::Parts(parts) = self else {
-            return Ok(());
-        };
-        match parts
-            .iter()
-            .find(|p| p.tensors.iter().any(|t| !tensors.contains(t)))
-        {
-            Some(p) => Err(StepError::NotAPart {
-                part: p.name,
-                model: std::any::type_name::<M>(),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    /// Hands each owner its share of `items` (each with the address of the master tensor it
-    /// stands for): all of them to a whole master; to each part those of its tensors (a tensor of
-    /// the model in no part the step updates goes to none).
-    pub(crate) fn share<T>(
-        &self,
-        items: Vec<T>,
-        addr: impl Fn(&T) -> usize,
-        mut to: impl FnMut(&Cell, Vec<T>),
-    ) {
-        match self {
-            Owners::Whole(cell) => to(cell, items),
-            Owners::Parts(parts) => {
-                let mut shares: Vec<Vec<T>> = parts.iter().map(|_| Vec::new()).collect();
-                for item in items {
-                    let a = addr(&item);
-                    if let Some(i) = parts.iter().position(|p| p.tensors.contains(&a)) {
-                        shares[i].push(item);
-                    }
-                }
-                for (part, share) in parts.iter().zip(shares) {
-                    to(&part.cell, share);
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::step::pending::Masters;
-    use dfdx::tensor::Tensor;
-
-    #[test]
-    fn a_forward_pass_s_gradients_are_shared_out_among_the_parts_by_tensor() {
-        let masters = Masters::new();
-        let dev = dfdx::tensor::Cpu::default();
-        let (trunk, head): (Tensor<dfdx::shapes::Rank1<3>, f32, _>, Tensor<_, f32, _>) = (
-            dfdx::tensor::ZerosTensor::zeros(&dev),
-            dfdx::tensor::ZerosTensor::zeros(&dev),
-        );
-        let parts = [masters.part(&trunk).unwrap(), masters.part(&head).unwrap()];
-        let owners = Owners::Parts(parts.to_vec());
-        let mut got = Vec::new();
-        // (the address of the master tensor an item stands for, the item)
-        let addr = |t: &Tensor<dfdx::shapes::Rank1<3>, f32, _>| std::ptr::from_ref(t).addr();
-        let items = vec![(addr(&head), 'h'), (1, 'x'), (addr(&trunk), 't')];
-        owners.share(
-            items,
-            |i| i.0,
-            |cell, share| {
-                got.push((
-                    cell.clone(),
-                    share.into_iter().map(|i| i.1).collect::<String>(),
-                ));
-            },
-        );
-        // each part its own tensors', in order; an item of no part goes to none
-        assert_eq!(got.len(), 2);
-        assert!(got[0].0.same(&parts[0].cell) && got[0].1 == "t");
-        assert!(got[1].0.same(&parts[1].cell) && got[1].1 == "h");
-        assert!(parts[0].cell.same(&masters.cell(&trunk)));
-        // a whole master takes every item
-        let whole = Owners::Whole(masters.cell(&trunk));
-        let mut n = 0;
-        whole.share(vec![1, 2, 3], |_| 0, |_, share| n += share.len());
-        assert_eq!(
-            (n, whole.cells().count(), owners.cells().count()),
-            (3, 1, 2)
-        );
     }
 }

@@ -10,10 +10,6 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use dfdx::nn::tensor_collection::TensorCollection;
-
-use super::parts::Part;
-use crate::master::slots::SlotDevice;
 use crate::precision::DType;
 
 /// How a master's forward passes ran.
@@ -109,14 +105,6 @@ impl Masters {
         let cell = Cell::default();
         cells.push((key.0, key.1, cell.clone()));
         cell
-    }
-
-    /// `part` (a part of the model a forward pass runs, updated on its own), with its cell.
-    pub(crate) fn part<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
-        &self,
-        part: &M,
-    ) -> Result<Part, D::Err> {
-        Part::of(self.cell(part), part)
     }
 }
 

@@ -16,7 +16,7 @@ use super::half_region::{Finished, HalfInput, HalfOutput, Handoff, Inbox, Region
 use super::iteration::{Iteration, Site};
 use super::mixed::Mixed;
 use super::outcome::{SkipReason, UpdateOutcome};
-use super::parts::Owners;
+use super::owners::Owners;
 use super::pending::{Cell, Ran};
 use super::report::StepReport;
 use super::working::Kind;
