@@ -61,16 +61,22 @@ impl Owners {
         whole.into_iter().chain(parts.iter().map(|p| &p.cell))
     }
 
-    /// Checks that every tensor of every part is one of the model's trainable tensors
-    /// (`tensors`, their addresses): a part of another model would be judged on nothing.
-    pub(crate) fn check_parts_of<M>(&self, tensors: &[usize]) -> Result<(), StepError> {
+    /// Checks that every tensor of every part is one of the model's trainable tensors (`items`,
+    /// each with the address of the tensor it stands for): a part of another model would be
+    /// judged on nothing.
+    pub(crate) fn check_parts_of<M, T>(
+        &self,
+        items: &[T],
+        addr: impl Fn(&T) -> usize,
+    ) -> Result<(), StepError> {
         let Owners::Parts(parts) = self else {
             return Ok(());
         };
-        match parts
-            .iter()
-            .find(|p| p.tensors.iter().any(|t| !tensors.contains(t)))
-        {
+        match parts.iter().find(|p| {
+            p.tensors
+                .iter()
+                .any(|&t| !items.iter().any(|i| addr(i) == t))
+        }) {
             Some(p) => Err(StepError::NotAPart {
                 part: p.name,
                 model: std::any::type_name::<M>(),

@@ -328,8 +328,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         // the last pass's working copy was dropped when it returned
         D::recycle(&mut self.store);
         let built = K::build(master, &links, &mut self.store)?;
-        let addrs: Vec<usize> = built.pairs.iter().map(|p| p.master.addr).collect();
-        owners.check_parts_of::<M>(&addrs)?;
+        owners.check_parts_of::<M, _>(&built.pairs, |p| p.master.addr)?;
         for cell in owners.cells() {
             cell.lock().ran = Some(Ran {
                 precision: H::DTYPE,
@@ -375,8 +374,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         X: FullInput<D>,
     {
         let slots = trainable_slots::<D, M>(master).map_err(D::step_error)?;
-        let addrs: Vec<usize> = slots.iter().map(|s| s.addr).collect();
-        owners.check_parts_of::<M>(&addrs)?;
+        owners.check_parts_of::<M, _>(&slots, |s| s.addr)?;
         for cell in owners.cells() {
             cell.lock().ran = Some(Ran {
                 precision: DType::Float32,
