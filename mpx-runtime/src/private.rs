@@ -221,10 +221,10 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B> Forward<'_, H, L
         self
     }
 
-    /// Whose gradients this forward pass of `model` computes.
-    fn owners<M>(&self, model: &M) -> Owners {
-        match &self.parts {
-            Some(parts) => Owners::Parts(parts.clone()),
+    /// Whose gradients this forward pass of `model` computes (taken with the one pass).
+    fn owners<M>(&mut self, model: &M) -> Owners {
+        match self.parts.take() {
+            Some(parts) => Owners::Parts(parts),
             None => Owners::Whole(self.masters.cell(model)),
         }
     }

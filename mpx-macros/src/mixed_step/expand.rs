@@ -7,7 +7,9 @@ use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 
 use super::ast::{Args, Half};
-use super::roles::{Traced, as_update, forward_path, is_backward, key, place, unread_batch};
+use super::roles::{
+    Traced, as_update, forward_path, is_backward, key, parts_of, place, unread_batch,
+};
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
 
@@ -251,11 +253,9 @@ impl Rewriter {
         });
         of_master.or_else(|| {
             // a forward pass of a model whose parts the step updates, each on its own
-            let whole = key(&m.receiver);
-            let parts: Vec<usize> = (0..self.masters.len())
-                .filter(|&i| self.masters[i].0.starts_with(&format!("{whole}.")))
-                .collect();
-            (forward_path(m, &whole).is_some() && !parts.is_empty()).then(|| {
+            let keys: Vec<String> = self.masters.iter().map(|(k, _)| k.clone()).collect();
+            let parts = parts_of(m, &keys);
+            (!parts.is_empty()).then(|| {
                 Role::Forward(
                     Target::Parts(Box::new(place(&m.receiver).clone()), parts),
                     Vec::new(),
@@ -402,7 +402,6 @@ impl Rewriter {
     }
 }
 
-/// `tokens` with every span set to `span` (groups included).
 /// `place`, borrowed (`&M`, or `&mut M` when `mutable`) however the user holds it (a value, a
 /// `&mut` binding, a field, a box), as method calls auto-deref; spanned at the place's tokens,
 /// so a half model is reported there.
@@ -416,6 +415,7 @@ fn borrowed(place: &syn::Expr, mutable: bool) -> TokenStream {
     quote_spanned!(span=> (#place).#method())
 }
 
+/// `tokens` with every span set to `span` (groups included).
 fn respan(tokens: TokenStream, span: proc_macro2::Span) -> TokenStream {
     tokens
         .into_iter()

@@ -163,6 +163,20 @@ pub(crate) fn forward_path(m: &syn::ExprMethodCall, master: &str) -> Option<Vec<
     }
 }
 
+/// The masters (by index into `masters`, their keys) that are parts of the model forward call
+/// `m` runs, when that model is no master nor part of one: the step updates it part by part,
+/// each with its own optimizer. Empty otherwise.
+pub(crate) fn parts_of(m: &syn::ExprMethodCall, masters: &[String]) -> Vec<usize> {
+    let whole = key(&m.receiver);
+    if forward_path(m, &whole).is_none() || masters.iter().any(|k| forward_path(m, k).is_some()) {
+        return Vec::new();
+    }
+    let prefix = format!("{whole}.");
+    (0..masters.len())
+        .filter(|&i| masters[i].starts_with(&prefix))
+        .collect()
+}
+
 /// Names whose values carry a tape, found by a flow-insensitive pass over the bindings.
 #[derive(Default)]
 pub(crate) struct Traced {

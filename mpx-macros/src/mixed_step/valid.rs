@@ -7,7 +7,7 @@ use super::ast::{Args, Half};
 
 use quote::ToTokens;
 
-use super::roles::{Found, Traced, as_update, forward_path, key, place};
+use super::roles::{Found, Traced, as_update, forward_path, key, parts_of, place};
 use crate::ctxt::{Ctxt, plain_fn_only};
 
 /// Everything `expand` needs.
@@ -119,22 +119,17 @@ fn check_forwards(
         .filter(|(m, _)| traced.mentions(&m.args[0]))
         .map(|(m, _)| key(&m.receiver))
         .collect();
-    // a traced forward pass of a model that is no master nor part of one, whose parts the step
-    // updates each with its own optimizer
-    let of_parts = |master_key: &str| {
-        found.forwards.iter().any(|(m, _)| {
-            let whole = key(&m.receiver);
-            traced.mentions(&m.args[0])
-                && master_key.starts_with(&format!("{whole}."))
-                && forward_path(m, &whole).is_some()
-                && !masters
-                    .iter()
-                    .any(|(other, _)| forward_path(m, &key(other)).is_some())
-        })
+    // a traced forward pass of a model whose parts the step updates, each with its own optimizer
+    let keys: Vec<String> = masters.iter().map(|(m, _)| key(m)).collect();
+    let of_parts = |i: usize| {
+        found
+            .forwards
+            .iter()
+            .any(|(m, _)| traced.mentions(&m.args[0]) && parts_of(m, &keys).contains(&i))
     };
-    for (master, written) in masters {
+    for (i, (master, written)) in masters.iter().enumerate() {
         let master_key = key(master);
-        if traced_of(&master_key).is_some() || of_parts(&master_key) {
+        if traced_of(&master_key).is_some() || of_parts(i) {
             continue;
         }
         let untraced = found

@@ -435,6 +435,14 @@ tuples!(A, B);
 tuples!(A, B, C);
 tuples!(A, B, C, D4);
 
+/// The `N` values an array's elements became, one for each, as an array again.
+fn array_of<T, const N: usize>(values: Vec<T>) -> [T; N] {
+    match values.try_into() {
+        Ok(array) => array,
+        Err(_) => unreachable!("one value for each of the {N} elements"),
+    }
+}
+
 /// The inputs entered one by one, in order: an array or a `Vec` of them (an RNN's time steps).
 fn enter_each<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>>(
     xs: impl IntoIterator<Item = T>,
@@ -455,11 +463,7 @@ impl<H: Precision, D: MixedDevice<H>, T: HalfInput<H, D>, const N: usize> HalfIn
 {
     type Half = [T::Half; N];
     fn enter(self, region: &mut Region<H, D>) -> Result<Self::Half, D::Err> {
-        let entered = enter_each(self, region)?;
-        match entered.try_into() {
-            Ok(half) => Ok(half),
-            Err(_) => unreachable!("each of the {N} inputs entered once"),
-        }
+        Ok(array_of(enter_each(self, region)?))
     }
 }
 
@@ -483,10 +487,6 @@ impl<H: Precision, D: MixedDevice<H>, T: HalfOutput<H, D>, const N: usize> HalfO
         self.into_iter().map(|y| y.widen(region)).collect()
     }
     fn attach(w: Self::Widened, region: &mut Region<H, D>) -> Self::Full {
-        let full: Vec<T::Full> = w.into_iter().map(|w| T::attach(w, region)).collect();
-        match full.try_into() {
-            Ok(full) => full,
-            Err(_) => unreachable!("each of the {N} outputs widened once"),
-        }
+        array_of(w.into_iter().map(|w| T::attach(w, region)).collect())
     }
 }
