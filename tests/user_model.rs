@@ -1700,3 +1700,54 @@ fn parts_by_hand_skip_on_their_own_gradients_and_must_be_the_model_s() {
         assert!(matches!(err, StepError::NotAPart { .. }), "{err}");
     }
 }
+
+/// Parts by hand that could leave a tensor unjudged are errors: two parts that share a tensor (a
+/// part given twice, a field and a field of it: the shared tensor would be judged for one
+/// update only), and an update through the state of another part (the part it names was not
+/// judged for it), even one of the same type in another model.
+#[test]
+fn parts_by_hand_that_share_a_tensor_or_swap_their_states_are_errors() {
+    let dev = Cpu::seed_from_u64(18);
+    let init = dev.build_module::<(Trunk, Head), f32>();
+    let x: X8 = dev.sample_normal();
+    let mut m = init.clone();
+    let (mut ot, mut oh) = part_opts(&m);
+    let (trunk, head, inner) = (MixedPart::new(), MixedPart::new(), MixedPart::new());
+    let mut scaler = GradScaler::<f16>::default();
+    for parts in [
+        vec![trunk.of(&m.0).unwrap(), inner.of(&m.0.0).unwrap()],
+        vec![head.of(&m.1).unwrap(), inner.of(&m.1).unwrap()],
+    ] {
+        let err = scaler
+            .forward_parts(&m, Mapped, parts, x.trace(m.alloc_grads()), |w, x| {
+                w.forward(x)
+            })
+            .unwrap_err();
+        assert!(matches!(err, StepError::PartsOverlap { .. }), "{err}");
+    }
+    // the trunk frozen, the head a part; its state then names the trunk, or another model's head
+    let mut other = init.clone();
+    let parts = vec![head.of(&m.1).unwrap()];
+    let out = scaler
+        .forward_parts(&m, Mapped, parts, x.trace(m.alloc_grads()), |w, x| {
+            w.forward(x)
+        })
+        .unwrap();
+    let grads = scaler.backward(out.square().mean()).unwrap();
+    let err = scaler
+        .update_part(&head, &mut m.0, &mut ot, &grads)
+        .unwrap_err();
+    assert!(matches!(err, StepError::OtherPart { .. }), "{err}");
+    let err = scaler
+        .update_part(&head, &mut other.1, &mut oh, &grads)
+        .unwrap_err();
+    assert!(matches!(err, StepError::OtherPart { .. }), "{err}");
+    assert_eq!(value_bits(&m), value_bits(&init));
+    assert_eq!(value_bits(&other), value_bits(&init));
+    // the part it was made of is updated
+    let outcome = scaler
+        .update_part(&head, &mut m.1, &mut oh, &grads)
+        .unwrap();
+    assert!(outcome.is_applied(), "{outcome:?}");
+    assert_ne!(value_bits(&m.1), value_bits(&init.1));
+}

@@ -357,6 +357,29 @@ mod tests {
         let m = messages(&out);
         assert_eq!(m.len(), 1, "{m:#?}");
         assert!(m[0].starts_with("this update names `b`, but no traced forward pass of `b` runs in this step: the traced forward pass runs `a`"), "{m:#?}");
+        // a model and a part of it, or a part and a part of that, each with an optimizer: the
+        // inner update is reported at its model's tokens, once
+        for (outer, inner) in [(quote!(m), quote!(m.dec)), (quote!(m.enc), quote!(m.enc.0))] {
+            let out = super::expand(
+                quote!(scaling = s),
+                quote!(
+                    fn step(m: &mut M, oe: &mut O, od: &mut O, x: X) {
+                        let g = m.forward(x.traced(m.alloc_grads())).mean().backward();
+                        oe.update(&mut #outer, &g).unwrap();
+                        od.update(&mut #inner, &g).unwrap();
+                    }
+                ),
+            );
+            let m = messages(&out);
+            assert_eq!(m.len(), 1, "{m:#?}");
+            let (outer, inner) = (flat(&outer), flat(&inner));
+            assert!(
+                m[0].starts_with(&format!(
+                    "this update names `{inner}`, a part of `{outer}`, which this step also updates"
+                )),
+                "{m:#?}"
+            );
+        }
         // an optimizer for each part of a model whose forward pass runs as a whole: the forward
         // pass hands each part's cell to the scaler
         let out = super::expand(

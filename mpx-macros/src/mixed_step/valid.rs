@@ -129,6 +129,18 @@ fn check_forwards(
     };
     for (i, (master, written)) in masters.iter().enumerate() {
         let master_key = key(master);
+        if let Some(outer) = keys
+            .iter()
+            .find(|k| master_key.starts_with(&format!("{k}.")))
+        {
+            cx.error_spanned(
+                written,
+                format!(
+                    "this update names `{master_key}`, a part of `{outer}`, which this step also updates: two optimizers would update `{master_key}`'s tensors, and each tensor's gradients are judged for one update; give each optimizer fields of its own (or update `{outer}` with one optimizer)"
+                ),
+            );
+            continue;
+        }
         if traced_of(&master_key).is_some() || of_parts(i) {
             continue;
         }

@@ -76,6 +76,30 @@ pub enum StepError {
         model: &'static str,
     },
 
+    /// Two parts given to one forward pass share a tensor (a part given twice, or a field and a
+    /// field of it): its gradient would be judged for one part's update and not the other's.
+    #[error(
+        "a tensor of this `{part}` is also in the `{other}` given to the same forward pass: each trained tensor belongs to at most one part (one optimizer); give each optimizer fields of its own"
+    )]
+    PartsOverlap {
+        /// The part's type.
+        part: &'static str,
+        /// The type of the other part that holds the tensor.
+        other: &'static str,
+    },
+
+    /// A part's update named another part than the one its state ([`MixedPart`](super::MixedPart))
+    /// was made of: that part's gradients were never judged for it.
+    #[error(
+        "this MixedPart was made of a `{state}`, but its update names a `{part}` (another part, or another model's): update the part whose state it is, `MixedPart::of(&model.field)` with the same field"
+    )]
+    OtherPart {
+        /// The type of the part the state was made of.
+        state: &'static str,
+        /// The type of the part the update named.
+        part: &'static str,
+    },
+
     /// A master model without tensors on a device that has no default one: there is nothing to
     /// train, and no device to run on.
     #[error("`{model}` has no tensors: a master model must have parameters on the step's device")]
@@ -209,7 +233,8 @@ pub enum StepError {
 /// - a device error ([`StepError::Device`], or the optimizer's `DeviceError` inside
 ///   [`StepError::Optimizer`]) as itself;
 /// - tensors that did not line up ([`StepError::MasterChanged`], [`StepError::PartsState`],
-///   [`StepError::NotAPart`], [`StepError::Cast`], the optimizer's `UnusedParams`) as
+///   [`StepError::NotAPart`], [`StepError::PartsOverlap`], [`StepError::OtherPart`],
+///   [`StepError::Cast`], the optimizer's `UnusedParams`) as
 ///   `WrongNumElements`.
 ///
 /// # Panics
@@ -234,6 +259,8 @@ impl From<StepError> for CpuError {
             StepError::MasterChanged { .. }
             | StepError::PartsState { .. }
             | StepError::NotAPart { .. }
+            | StepError::PartsOverlap { .. }
+            | StepError::OtherPart { .. }
             | StepError::Cast(_)
             | StepError::Optimizer(OptimizerUpdateError::UnusedParams(_)) => {
                 CpuError::WrongNumElements

@@ -40,15 +40,24 @@ impl Part {
         cell: Cell,
         part: &M,
     ) -> Result<Self, D::Err> {
+        let (tensors, name) = (addresses::<D, M>(part)?, std::any::type_name::<M>());
+        cell.lock().part = Some((tensors.clone(), name));
         Ok(Part {
             cell,
-            tensors: trainable_slots::<D, M>(part)?
-                .iter()
-                .map(|s| s.addr)
-                .collect(),
-            name: std::any::type_name::<M>(),
+            tensors,
+            name,
         })
     }
+}
+
+/// The addresses of `part`'s trained tensors, in visit order.
+pub(crate) fn addresses<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
+    part: &M,
+) -> Result<Vec<usize>, D::Err> {
+    Ok(trainable_slots::<D, M>(part)?
+        .iter()
+        .map(|s| s.addr)
+        .collect())
 }
 
 impl Owners {
@@ -62,8 +71,9 @@ impl Owners {
     }
 
     /// Checks that every tensor of every part is one of the model's trainable tensors (`items`,
-    /// each with the address of the tensor it stands for): a part of another model would be
-    /// judged on nothing.
+    /// each with the address of the tensor it stands for), and in one part only: a part of
+    /// another model would be judged on nothing, and a tensor shared out to one part of two
+    /// would go unjudged for the other's update.
     pub(crate) fn check_parts_of<M, T>(
         &self,
         items: &[T],
@@ -72,6 +82,17 @@ impl Owners {
         let Owners::Parts(parts) = self else {
             return Ok(());
         };
+        for (i, p) in parts.iter().enumerate() {
+            if let Some(other) = parts[..i]
+                .iter()
+                .find(|o| o.tensors.iter().any(|t| p.tensors.contains(t)))
+            {
+                return Err(StepError::PartsOverlap {
+                    part: p.name,
+                    other: other.name,
+                });
+            }
+        }
         match parts.iter().find(|p| {
             p.tensors
                 .iter()

@@ -18,7 +18,7 @@ use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput};
 use super::iteration::Site;
 use super::outcome::UpdateOutcome;
-use super::owners::{Owners, Part};
+use super::owners::{Owners, Part, addresses};
 use super::pending::Cell;
 use super::scaler::GradScaler;
 use super::working::Kind;
@@ -73,7 +73,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     ///
     /// # Errors
     /// As [`forward`](Self::forward); [`StepError::PartsState`] when the pass changed the model's
-    /// batch-norm statistics (they belong to no part).
+    /// batch-norm statistics (they belong to no part); [`StepError::NotAPart`] for a part that is
+    /// not the model's, [`StepError::PartsOverlap`] for two parts that share a tensor.
     ///
     /// # Examples
     /// ```
@@ -117,7 +118,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     /// backward pass were all finite and the loss was finite.
     ///
     /// # Errors
-    /// As [`update`](Self::update).
+    /// As [`update`](Self::update); [`StepError::OtherPart`] when `part` is not the part `state`
+    /// was made of.
     ///
     /// # Examples
     /// See [`forward_parts`](Self::forward_parts).
@@ -133,6 +135,15 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         P: MasterModel<D>,
         O: Optimizer<P, D, f32>,
     {
+        let made_of = state.cell.lock().part.clone();
+        if let Some((tensors, name)) = made_of
+            && tensors != addresses::<D, P>(part).map_err(D::step_error)?
+        {
+            return Err(StepError::OtherPart {
+                state: name,
+                part: std::any::type_name::<P>(),
+            });
+        }
         let site = Site::Call(Location::caller());
         self.update_of(&state.cell, part, site, |p| optimizer.update(p, grads))
     }

@@ -40,14 +40,18 @@ pub(crate) struct Pending {
     /// The non-trainable tensors (batch-norm statistics) as the last forward pass of the working
     /// copy left them, widened to f32, in the master's visit order; `None` when it changed none.
     pub(crate) state: Option<Vec<f32>>,
+    /// For a part's state: the part it was last made of (its trained tensors' addresses and its
+    /// type), which its update must name.
+    pub(crate) part: Option<(Vec<usize>, &'static str)>,
 }
 
 impl Pending {
     /// Forgets what the backward passes saw (after an update).
     pub(crate) fn consumed(&mut self) {
-        let ran = self.ran;
+        let (ran, part) = (self.ran, self.part.take());
         *self = Pending {
             ran,
+            part,
             ..Pending::default()
         };
     }
