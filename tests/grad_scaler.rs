@@ -412,6 +412,77 @@ fn too_many_consecutive_skips_is_an_error_and_changes_nothing() {
     assert_eq!(grad_norm(&*model, &mut grads).unwrap(), 0.0);
 }
 
+/// A step of two models, each with its own loss: `a`'s gradients overflow at every iteration
+/// (its loss is scaled up by `1e4` on top of the loss scale), `b`'s never do.
+#[mixed_step(scaling = scaler)]
+fn one_stuck<L: mpx::scaling::LossScale>(
+    a: &mut Model,
+    b: &mut Model,
+    (oa, ob): &mut (Sgd<Model, f32, Cpu>, Sgd<Model, f32, Cpu>),
+    x: &X,
+    scaler: &mut GradScaler<f16, L>,
+) {
+    let ga = (a.forward(x.trace(a.alloc_grads())) * 1e4)
+        .square()
+        .mean()
+        .backward();
+    oa.update(a, &ga).unwrap();
+    let gb = b
+        .forward(x.trace(b.alloc_grads()))
+        .square()
+        .mean()
+        .backward();
+    ob.update(b, &gb).unwrap();
+}
+
+/// One model skipped at every iteration while the other trains: its skips are counted in a row
+/// (the other's applied updates do not start the count over), so a static scale that always
+/// overflows it stops the run after 20 iterations (`ScaleStuck`, through the step's `unwrap`),
+/// and a limit of 2 at its third (`TooManySkips`); it was never trained, the other was. Both ran
+/// on for ever without a word.
+#[test]
+fn a_model_skipped_at_every_iteration_while_another_trains_stops_the_run() {
+    let dev = Cpu::seed_from_u64(9);
+    let (x, _) = batch(&dev, 0);
+    for (limit, at, says) in [
+        (
+            None,
+            20,
+            "20 steps in a row were skipped and the loss scale (1024) could not back off",
+        ),
+        (Some(2), 3, "3 consecutive steps were skipped (limit 2)"),
+    ] {
+        let (mut a, mut b) = (
+            dev.build_module::<Mlp, f32>(),
+            dev.build_module::<Mlp, f32>(),
+        );
+        let (a0, b0) = (value_bits(&a), value_bits(&b));
+        let mut opts = (
+            Sgd::new(&a, Default::default()),
+            Sgd::new(&b, Default::default()),
+        );
+        let mut scaler = GradScaler::new(StaticLossScale::new(1024.0).unwrap());
+        if let Some(limit) = limit {
+            scaler = scaler.with_max_consecutive_skips(limit);
+        }
+        let mut iterations = 0;
+        let stop = loop {
+            iterations += 1;
+            assert!(iterations <= 100, "no error after 100 iterations");
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                one_stuck(&mut a, &mut b, &mut opts, &x, &mut scaler);
+            }));
+            if let Err(payload) = run {
+                break payload.downcast::<String>().map(|s| *s).unwrap_or_default();
+            }
+        };
+        assert!(stop.contains(says), "{stop}");
+        assert_eq!(iterations, at);
+        assert_eq!(value_bits(&a), a0, "the stuck model changed");
+        assert_ne!(value_bits(&b), b0, "the other model did not train");
+    }
+}
+
 // ---- batch norm ---------------------------------------------------------------------------------
 
 type Bn = <(Linear<4, 4>, BatchNorm1D<4>, Linear<4, 3>) as BuildOnDevice<Cpu, f32>>::Built;

@@ -89,6 +89,8 @@ impl<H: Precision, L: LossScale + Clone, D: MixedDevice<H>> GradScaler<H, L, D> 
         self.skipped = state.skipped_steps;
         self.consecutive = state.consecutive_skips;
         self.max_consecutive_skips = state.max_consecutive_skips;
+        // each update's skips in a row are the run's, not the checkpoint's: they start over
+        self.streaks.clear();
         Ok(())
     }
 }

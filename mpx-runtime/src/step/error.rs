@@ -180,10 +180,11 @@ pub enum StepError {
     #[error("the checkpoint cannot be restored: {0}")]
     Checkpoint(String),
 
-    /// 20 steps in a row were skipped at a loss scale that did not move: a static scale that
-    /// overflows every step, or a dynamic one at its minimum, trains nothing, forever.
+    /// 20 updates of one model in a row (at one place in the code) were skipped at a loss scale
+    /// that did not move: a static scale that overflows every step, or a dynamic one at its
+    /// minimum, trains nothing in that model, forever, whatever the step's other models do.
     #[error(
-        "{consecutive} steps in a row were skipped and the loss scale ({scale}) could not back off any further, so nothing trains: use a DynamicLossScale (or a lower static scale, or a lower minimum), check the batch and the loss for NaN/inf, or set a limit of your own with `GradScaler::with_max_consecutive_skips`"
+        "{consecutive} steps in a row were skipped and the loss scale ({scale}) could not back off any further, so nothing trains in this model: use a DynamicLossScale (or a lower static scale, or a lower minimum), check the batch and the loss for NaN/inf, or set a limit of your own with `GradScaler::with_max_consecutive_skips`"
     )]
     ScaleStuck {
         /// Skips in a row at an unchanged scale.
@@ -201,7 +202,8 @@ pub enum StepError {
         max_norm: f32,
     },
 
-    /// More consecutive steps were skipped than the limit allows.
+    /// More consecutive steps were skipped than the limit allows: of the scaler's updates, or of
+    /// one model's (at one place in the code) while the step's other models trained.
     #[error(
         "{consecutive} consecutive steps were skipped (limit {limit}) because gradients or the \
          loss were not finite; the loss scale is now {scale}. Check the batch and the loss for \

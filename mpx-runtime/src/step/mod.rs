@@ -66,6 +66,7 @@ pub(crate) mod pending;
 mod reducer;
 mod report;
 mod scaler;
+mod streaks;
 mod with_scaler;
 mod working;
 

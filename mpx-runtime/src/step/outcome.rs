@@ -23,7 +23,9 @@ pub enum UpdateOutcome {
     Skipped {
         /// Why.
         reason: SkipReason,
-        /// Skipped steps in a row, this one included.
+        /// Skipped steps in a row, this one included: the scaler's, or this model's update's (at
+        /// this place in the code) where more, as a GAN's generator skipped while its
+        /// discriminator trains.
         consecutive: u64,
         /// Skipped steps since the scaler was built (or restored).
         total: u64,

@@ -19,6 +19,7 @@ use super::outcome::{SkipReason, UpdateOutcome};
 use super::owners::Owners;
 use super::pending::{Cell, Ran};
 use super::report::StepReport;
+use super::streaks::Streaks;
 use super::working::Kind;
 use crate::boundary::MasterModel;
 use crate::master::slots::trainable_slots;
@@ -26,9 +27,10 @@ use crate::precision::{DType, Precision, f16};
 use crate::scaling::{DynamicLossScale, LossScale};
 use crate::walk::{EachMut, each_mut};
 
-/// Skips in a row, at a loss scale that does not move, after which a step is an error even
-/// without a limit ([`StepError::ScaleStuck`]): a static scale that overflows every step, or a
-/// dynamic one at its minimum, trains nothing.
+/// Skips in a row at a loss scale that does not move, of the scaler's updates or of one update
+/// (one master's, at one place in the code), after which a step is an error even without a
+/// limit ([`StepError::ScaleStuck`]): a static scale that overflows every step, or a dynamic one
+/// at its minimum, trains nothing in that master, whatever the step's other masters do.
 const STUCK_SKIPS: u64 = 20;
 
 /// The state of mixed-precision training, kept across steps like PyTorch's `GradScaler`: the
@@ -95,7 +97,10 @@ pub struct GradScaler<H: Precision = f16, L: LossScale = DynamicLossScale, D: Mi
     pub(super) applied: u64,
     pub(super) skipped: u64,
     pub(super) consecutive: u64,
-    /// Skips in a row that left the loss scale where it was.
+    /// Each update's skips in a row (by site and master): what stops a run in which one master
+    /// never trains.
+    pub(super) streaks: Streaks,
+    /// The scaler's skips in a row that left the loss scale where it was.
     stuck: u64,
     last: Option<StepReport>,
     iteration: Iteration,
@@ -151,6 +156,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             applied: 0,
             skipped: 0,
             consecutive: 0,
+            streaks: Streaks::default(),
             stuck: 0,
             last: None,
             iteration: Iteration::default(),
@@ -164,9 +170,13 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
 
     /// Sets a limit on consecutive skipped steps: the `(limit + 1)`-th skip in a row makes
     /// [`update`](Self::update) return [`StepError::TooManySkips`] (master and optimizer still
-    /// untouched). Off by default (optax's `apply_if_finite(max_consecutive_errors)` applies the
-    /// bad update at that point instead; PyTorch has no limit). Without it, 20 skips in a row
-    /// at a loss scale that cannot back off any further are [`StepError::ScaleStuck`].
+    /// untouched). Skips are counted in a row over the scaler's updates and, for each model,
+    /// over that model's updates at one place in the code, so a model that is skipped at every
+    /// iteration while the step's others train (a GAN's generator) reaches the limit too. Off by
+    /// default (optax's `apply_if_finite(max_consecutive_errors)`, one per optimizer, applies
+    /// the bad update at that point instead; PyTorch has no limit). Without it, 20 skips of one
+    /// model's update in a row at a loss scale that cannot back off any further are
+    /// [`StepError::ScaleStuck`].
     ///
     /// # Examples
     /// ```
@@ -656,6 +666,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         }
         Ok(Verdict {
             cell: cell.clone(),
+            master: std::ptr::from_mut(master).addr(),
             scaler: self.address(),
             site,
             reason,
@@ -677,6 +688,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     ) -> Result<UpdateOutcome, StepError> {
         let Verdict {
             cell,
+            master,
             scaler,
             site,
             reason,
@@ -689,20 +701,24 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         }
         cell.lock().consumed();
         let before = self.scaling.loss_scale();
+        let mut stuck = 0;
         let outcome = match (reason, ran) {
             (None, Some(false)) => return Ok(UpdateOutcome::Applied),
             (None, Some(true)) => {
                 self.consecutive = 0;
                 self.stuck = 0;
+                self.streaks.applied(site, master);
                 self.applied = self.applied.saturating_add(1);
                 UpdateOutcome::Applied
             }
             (reason, _) => {
                 self.consecutive = self.consecutive.saturating_add(1);
                 self.skipped = self.skipped.saturating_add(1);
+                let (skips, at_one_scale) = self.streaks.skipped(site, master, scale);
+                stuck = at_one_scale;
                 UpdateOutcome::Skipped {
                     reason: reason.unwrap_or(SkipReason::GradsNotFinite),
-                    consecutive: self.consecutive,
+                    consecutive: self.consecutive.max(skips),
                     total: self.skipped,
                 }
             }
@@ -718,6 +734,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
             } else {
                 self.stuck.saturating_add(1)
             };
+            stuck = stuck.max(self.stuck);
         }
         self.last = Some(StepReport {
             loss,
@@ -737,9 +754,9 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
                         scale: self.scaling.loss_scale(),
                     });
                 }
-                None if self.stuck >= STUCK_SKIPS => {
+                None if stuck >= STUCK_SKIPS => {
                     return Err(StepError::ScaleStuck {
-                        consecutive: self.stuck,
+                        consecutive: stuck,
                         scale: self.scaling.loss_scale(),
                     });
                 }
@@ -756,6 +773,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
 #[must_use = "an update ends by handing the verdict back to the scaler that gave it"]
 pub struct Verdict {
     cell: Cell,
+    /// The address of the master (or part) the update names.
+    master: usize,
     /// The scaler that began the update ([`GradScaler::address`]).
     scaler: usize,
     site: Site,
