@@ -525,6 +525,125 @@ fn batch_norm_running_statistics_reach_the_master() {
     assert_eq!(value_bits(&b), value_bits(&a));
 }
 
+type BnParts = (
+    Sgd<<(Linear<4, 4>, BatchNorm1D<4>) as BuildOnDevice<Cpu, f32>>::Built, f32, Cpu>,
+    Sgd<<Linear<4, 3> as BuildOnDevice<Cpu, f32>>::Built, f32, Cpu>,
+);
+type BnNested = <((Linear<4, 4>, BatchNorm1D<4>), Linear<4, 3>) as BuildOnDevice<Cpu, f32>>::Built;
+
+/// Micro-batches accumulated into one update, each pass in training mode: a model updated whole,
+/// and one updated part by part.
+#[mixed_step(scaling = scaler)]
+fn bn_accumulated(
+    whole: &mut Bn,
+    opt: &mut Sgd<Bn, f32, Cpu>,
+    parted: &mut BnNested,
+    (ot, oh): &mut BnParts,
+    xs: &[X],
+    scaler: &mut GradScaler,
+) {
+    let mut grads = whole.alloc_grads();
+    for x in xs {
+        grads = whole.forward_mut(x.trace(grads)).square().mean().backward();
+    }
+    opt.update(whole, &grads).unwrap();
+    let mut grads = parted.alloc_grads();
+    for x in xs {
+        grads = parted
+            .forward_mut(x.trace(grads))
+            .square()
+            .mean()
+            .backward();
+    }
+    ot.update(&mut parted.0, &grads).unwrap();
+    oh.update(&mut parted.1, &grads).unwrap();
+}
+
+fn bn_accumulated_f32(m: &mut Bn, opt: &mut Sgd<Bn, f32, Cpu>, xs: &[X]) {
+    let mut grads = m.alloc_grads();
+    for x in xs {
+        grads = m.forward_mut(x.trace(grads)).square().mean().backward();
+    }
+    opt.update(m, &grads).unwrap();
+}
+
+/// Each micro-batch of an accumulation moves batch norm's running statistics on, as in f32:
+/// the update writes what the last pass left, which started from what the one before left. Each
+/// pass used to start from the master's statistics, so only the last micro-batch counted (the
+/// statistics 15% off the f32 twin's, normwise, after three).
+#[test]
+fn accumulated_micro_batches_each_move_the_running_statistics_on() {
+    let dev = Cpu::seed_from_u64(12);
+    let init = dev.build_module::<(Linear<4, 4>, BatchNorm1D<4>, Linear<4, 3>), f32>();
+    let xs: Vec<X> = (0..3)
+        .map(|k| dev.sample_normal::<Rank2<8, 4>>() + k as f32)
+        .collect();
+    let (mut m32, mut whole) = (init.clone(), init.clone());
+    let mut parted = dev.build_module::<((Linear<4, 4>, BatchNorm1D<4>), Linear<4, 3>), f32>();
+    (parted.0.0, parted.0.1, parted.1) = (init.0.clone(), init.1.clone(), init.2.clone());
+    let (mut o32, mut opt) = (
+        Sgd::new(&m32, Default::default()),
+        Sgd::new(&whole, Default::default()),
+    );
+    let mut parts = (
+        Sgd::new(&parted.0, Default::default()),
+        Sgd::new(&parted.1, Default::default()),
+    );
+    let mut scaler = GradScaler::default();
+    bn_accumulated_f32(&mut m32, &mut o32, &xs);
+    bn_accumulated(
+        &mut whole,
+        &mut opt,
+        &mut parted,
+        &mut parts,
+        &xs,
+        &mut scaler,
+    );
+    let want = [m32.1.running_mean.as_vec(), m32.1.running_var.as_vec()].concat();
+    for (what, bn) in [("whole", &whole.1), ("parts", &parted.0.1)] {
+        let got = [bn.running_mean.as_vec(), bn.running_var.as_vec()].concat();
+        let err = common::compare::rel(&got, &want);
+        assert!(
+            err < 1e-2,
+            "{what}: running statistics {err} from the f32 twin's"
+        );
+    }
+    // statistics written into the master in place between two passes (a checkpoint) win over
+    // what the pass before left, as in f32
+    let mut mixed = Mixed::mapped(init.clone());
+    let mut m32 = init.clone();
+    let (mut o16, mut o32) = (
+        Sgd::new(&*mixed, Default::default()),
+        Sgd::new(&m32, Default::default()),
+    );
+    let (mut grads, mut g32) = (mixed.alloc_grads(), m32.alloc_grads());
+    for (k, x) in xs.iter().enumerate() {
+        if k == 2 {
+            let restored: Vec<f32> = (0..4u8).map(f32::from).collect();
+            mixed.1.running_mean.copy_from(&restored);
+            m32.1.running_mean.copy_from(&restored);
+        }
+        let y = scaler
+            .forward(&mixed, x.trace(grads), |m, x| m.forward_mut(x))
+            .unwrap();
+        grads = scaler.backward(y.square().mean()).unwrap();
+        g32 = m32.forward_mut(x.trace(g32)).square().mean().backward();
+    }
+    let outcome = scaler.update(&mut mixed, &mut o16, &grads).unwrap();
+    assert!(outcome.is_applied());
+    o32.update(&mut m32, &g32).unwrap();
+    for (what, got, want) in [
+        ("mean", &mixed.1.running_mean, &m32.1.running_mean),
+        ("variance", &mixed.1.running_var, &m32.1.running_var),
+    ] {
+        let err = common::compare::rel(&got.as_vec(), &want.as_vec());
+        assert!(
+            err < 1e-2,
+            "restored in place: running {what} {err} from f32's"
+        );
+    }
+}
+
 // ---- a forward staged over several calls ----------------------------------------------------
 
 type Staged = <(Linear<4, 8>, Tanh, Linear<8, 3>) as BuildOnDevice<Cpu, f32>>::Built;

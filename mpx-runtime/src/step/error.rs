@@ -54,10 +54,10 @@ pub enum StepError {
     },
 
     /// A forward pass of a model the step updates part by part (an optimizer for each of its
-    /// fields) changed the model's batch-norm statistics, which belong to no part: they could
-    /// not reach the master.
+    /// fields) changed batch-norm statistics in no part the step updates (a frozen part run in
+    /// training mode): they could not reach the master.
     #[error(
-        "the forward pass of this `{model}` changed its batch-norm statistics, but the step updates parts of it, each with its own optimizer: the statistics would reach no master; run each part's forward pass, or update the whole model with one optimizer"
+        "the forward pass of this `{model}` changed batch-norm statistics in no part the step updates (a frozen part run in training mode), so they would reach no master: update that part too (an optimizer with a learning rate of 0 keeps its weights), or update the whole model with one optimizer"
     )]
     PartsState {
         /// The model's type.

@@ -3,10 +3,14 @@
 //! gradients' slots shared out among them by tensor.
 
 use dfdx::nn::tensor_collection::TensorCollection;
+use dfdx::shapes::{HasShape, Shape};
+use dfdx::tensor::Tensor;
+use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
 use super::pending::Cell;
 use crate::master::slots::{SlotDevice, trainable_slots};
+use crate::walk::{Each, each};
 
 /// Whose gradients a forward pass computes: the master's whose forward pass it is, or, for a
 /// forward pass of a model the step updates part by part (an optimizer for its encoder, another
@@ -30,6 +34,8 @@ pub(crate) enum Owners {
 pub struct Part {
     cell: Cell,
     tensors: Vec<usize>,
+    /// The addresses of the part's non-trainable tensors (batch-norm statistics).
+    state: Vec<usize>,
     /// The part's type, for messages.
     name: &'static str,
 }
@@ -41,10 +47,15 @@ impl Part {
         part: &M,
     ) -> Result<Self, D::Err> {
         let (tensors, name) = (addresses::<D, M>(part)?, std::any::type_name::<M>());
+        let state = state_tensors::<D, M>(part)?
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect();
         cell.lock().part = Some((tensors.clone(), name));
         Ok(Part {
             cell,
             tensors,
+            state,
             name,
         })
     }
@@ -60,7 +71,156 @@ pub(crate) fn addresses<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
         .collect())
 }
 
+/// The address and element count of each of `m`'s non-trainable tensors (batch-norm
+/// statistics), in visit order.
+fn state_tensors<D: Device<f32>, M: TensorCollection<f32, D>>(
+    m: &M,
+) -> Result<Vec<(usize, usize)>, D::Err> {
+    struct State(Vec<(usize, usize)>);
+    impl<D: Device<f32>> Each<f32, D> for State {
+        type Error = D::Err;
+        fn tensor<S: Shape>(
+            &mut self,
+            trainable: bool,
+            t: &Tensor<S, f32, D>,
+        ) -> Result<(), D::Err> {
+            if !trainable {
+                self.0
+                    .push((std::ptr::from_ref(t).addr(), t.shape().num_elements()));
+            }
+            Ok(())
+        }
+    }
+    let mut state = State(Vec::new());
+    each(m, &mut state, std::convert::identity)?;
+    Ok(state.0)
+}
+
 impl Owners {
+    /// Hands the non-trainable values a forward pass of `master` changed (`changed`, widened, in
+    /// its visit order) to their owners, for their applied updates, with the values the pass
+    /// started from (`from`, the master's as the copy was built): all of them to a whole master;
+    /// to each part the values of its own tensors, in its visit order.
+    ///
+    /// # Errors
+    /// [`StepError::PartsState`] when a changed tensor is in no part the step updates (a frozen
+    /// part run in training mode: its statistics would reach no master);
+    /// [`StepError::MasterChanged`] when `changed` does not line up with the master's tensors;
+    /// a device error (`device_error`) reading them.
+    pub(crate) fn share_state<D: Device<f32>, M: TensorCollection<f32, D>>(
+        &self,
+        master: &M,
+        (changed, from): (Vec<f32>, &[f32]),
+        device_error: impl Fn(D::Err) -> StepError,
+    ) -> Result<(), StepError> {
+        let model = std::any::type_name::<M>();
+        if changed.len() != from.len() {
+            return Err(StepError::MasterChanged { model });
+        }
+        let parts = match self {
+            Owners::Whole(cell) => {
+                let mut p = cell.lock();
+                (p.state, p.state_from) = (Some(changed), from.to_vec());
+                return Ok(());
+            }
+            Owners::Parts(parts) => parts,
+        };
+        let mut shares: Vec<(Vec<f32>, Vec<f32>)> =
+            parts.iter().map(|_| Default::default()).collect();
+        let mut offset = 0;
+        for (addr, n) in state_tensors::<D, M>(master).map_err(device_error)? {
+            let range = offset..offset + n;
+            let values = changed
+                .get(range.clone())
+                .ok_or(StepError::MasterChanged { model })?;
+            offset += n;
+            let i = parts
+                .iter()
+                .position(|p| p.state.contains(&addr))
+                .ok_or(StepError::PartsState { model })?;
+            shares[i].0.extend_from_slice(values);
+            shares[i].1.extend_from_slice(&from[range]);
+        }
+        if offset != changed.len() {
+            return Err(StepError::MasterChanged { model });
+        }
+        for (part, (values, from)) in parts.iter().zip(shares) {
+            if !values.is_empty() {
+                let mut p = part.cell.lock();
+                (p.state, p.state_from) = (Some(values), from);
+            }
+        }
+        Ok(())
+    }
+
+    /// What the owners' earlier forward passes left in `master`'s non-trainable tensors that no
+    /// update has written into it yet (see [`share_state`](Self::share_state)), where the master
+    /// still holds what those passes started from (`base`: its values now, widened, in visit
+    /// order; a checkpoint written into it in place in between wins): one entry per
+    /// non-trainable tensor, in visit order, the values to start from or `None` (the master's);
+    /// `None` when no owner has any waiting.
+    ///
+    /// # Errors
+    /// [`StepError::MasterChanged`] when what is waiting does not line up with the master's
+    /// tensors; a device error (`device_error`) reading them.
+    pub(crate) fn pending_state<D: Device<f32>, M: TensorCollection<f32, D>>(
+        &self,
+        master: &M,
+        base: &[f32],
+        device_error: impl Fn(D::Err) -> StepError,
+    ) -> Result<Option<Vec<Option<Vec<f32>>>>, StepError> {
+        if self.cells().all(|c| c.lock().state.is_none()) {
+            return Ok(None);
+        }
+        let model = std::any::type_name::<M>();
+        let changed = || StepError::MasterChanged { model };
+        // each owner's waiting values and what they started from, and how many are taken
+        let waiting: Vec<Option<(Vec<f32>, Vec<f32>)>> = self
+            .cells()
+            .map(|c| {
+                let p = c.lock();
+                p.state.clone().map(|v| (v, p.state_from.clone()))
+            })
+            .collect();
+        let mut taken = vec![0; waiting.len()];
+        let mut out = Vec::new();
+        let mut offset = 0;
+        for (addr, n) in state_tensors::<D, M>(master).map_err(&device_error)? {
+            let now = base.get(offset..offset + n).ok_or_else(changed)?;
+            offset += n;
+            // the whole master's owner holds every tensor; a part, its own
+            let owner = match self {
+                Owners::Whole(_) => Some(0),
+                Owners::Parts(parts) => parts.iter().position(|p| p.state.contains(&addr)),
+            };
+            let Some((i, (values, from))) = owner.and_then(|i| waiting[i].as_ref().map(|w| (i, w)))
+            else {
+                out.push(None);
+                continue;
+            };
+            let range = taken[i]..taken[i] + n;
+            taken[i] += n;
+            let (values, from) = (
+                values.get(range.clone()).ok_or_else(changed)?,
+                from.get(range).ok_or_else(changed)?,
+            );
+            let unchanged = from
+                .iter()
+                .zip(now)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            out.push(unchanged.then(|| values.to_vec()));
+        }
+        if offset != base.len()
+            || waiting
+                .iter()
+                .zip(&taken)
+                .any(|(w, &t)| w.as_ref().is_some_and(|w| w.0.len() != t))
+        {
+            return Err(changed());
+        }
+        Ok(Some(out))
+    }
+
     /// Each owner's cell.
     pub(crate) fn cells(&self) -> impl Iterator<Item = &Cell> {
         let (whole, parts) = match self {

@@ -72,8 +72,8 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
     /// its own update; a tensor in no part (a frozen trunk's) is not judged.
     ///
     /// # Errors
-    /// As [`forward`](Self::forward); [`StepError::PartsState`] when the pass changed the model's
-    /// batch-norm statistics (they belong to no part); [`StepError::NotAPart`] for a part that is
+    /// As [`forward`](Self::forward); [`StepError::PartsState`] when the pass changed batch-norm
+    /// statistics in no part (those of a part reach it at its applied update); [`StepError::NotAPart`] for a part that is
     /// not the model's, [`StepError::PartsOverlap`] for two parts that share a tensor.
     ///
     /// # Examples

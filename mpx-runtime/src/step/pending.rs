@@ -40,6 +40,10 @@ pub(crate) struct Pending {
     /// The non-trainable tensors (batch-norm statistics) as the last forward pass of the working
     /// copy left them, widened to f32, in the master's visit order; `None` when it changed none.
     pub(crate) state: Option<Vec<f32>>,
+    /// The values those tensors of the master held when that pass's working copy was built from
+    /// it (widened, as in `state`): the next pass starts from `state` only where the master
+    /// still holds these (a checkpoint written in place in between wins).
+    pub(crate) state_from: Vec<f32>,
     /// For a part's state: the part it was last made of (its trained tensors' addresses and its
     /// type), which its update must name.
     pub(crate) part: Option<(Vec<usize>, &'static str)>,

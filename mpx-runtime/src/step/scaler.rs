@@ -348,8 +348,16 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         let super::working::Built {
             mut copy,
             pairs,
-            state,
+            mut state,
         } = built;
+        // statistics an earlier pass left that no update has written yet (an accumulation); a
+        // copy without non-trainable tensors has none
+        let base = state.initial().to_vec();
+        if !base.is_empty()
+            && let Some(pending) = owners.pending_state::<D, M>(master, &base, D::step_error)?
+        {
+            state.resume(&mut copy, &pending)?;
+        }
         let handoff = Handoff {
             pairs,
             owners: owners.clone(),
@@ -361,12 +369,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         let out = y.leave(&mut region).map_err(D::step_error)?;
         // statistics a training-mode pass changed, for the master on an applied update
         if let Some(changed) = state.changed(&copy).map_err(D::step_error)? {
-            let Owners::Whole(cell) = owners else {
-                return Err(StepError::PartsState {
-                    model: std::any::type_name::<M>(),
-                });
-            };
-            cell.lock().state = Some(changed);
+            owners.share_state::<D, M>(master, (changed, &base), D::step_error)?;
         }
         Ok(out)
     }

@@ -16,7 +16,7 @@
 //! type and filling its tensors and scalars from the master's by position.
 
 use dfdx::nn::tensor_collection::TensorCollection;
-use dfdx::shapes::Shape;
+use dfdx::shapes::{HasShape, Shape};
 use dfdx::tensor::{Cpu, Tensor};
 
 use super::device::{MixedDevice, Pair};
@@ -25,7 +25,7 @@ use crate::boundary::MasterModel;
 use crate::cast::CastError;
 use crate::master::slots::{MasterSlot, Slot};
 use crate::precision::{Precision, Stored};
-use crate::walk::{Each, Map, each};
+use crate::walk::{Each, EachMut, Map, each, each_mut};
 
 /// The working copy of master model `M` in precision `H` on device `D` (the `Cpu` unless named):
 /// the same module with its float tensors stored as `H::Elem` (`f16`, `AMP<f16>`, or `f32` for
@@ -133,6 +133,74 @@ impl<H: Precision, D: MixedDevice<H>> StateWatch<H, D> {
                 .zip(&self.initial)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
         Ok((!same).then_some(now))
+    }
+}
+
+impl<H: Precision, D: MixedDevice<H>> StateWatch<H, D> {
+    /// The non-trainable tensors' values as the copy was built (widened, in visit order; after a
+    /// [`resume`](Self::resume), as it left them).
+    pub(crate) fn initial(&self) -> &[f32] {
+        &self.initial
+    }
+
+    /// Starts `copy`'s non-trainable tensors from `pending`: what an earlier forward pass of the
+    /// master left in them that no update has written into the master yet (each micro-batch of
+    /// an accumulation moves batch norm's running statistics on, as in f32). One entry per
+    /// non-trainable tensor, in visit order: its values, or `None` to keep the master's.
+    ///
+    /// # Errors
+    /// [`StepError::MasterChanged`] when `pending` does not line up with the copy's tensors; a
+    /// device error.
+    pub(crate) fn resume<C: TensorCollection<H::Elem, D>>(
+        &mut self,
+        copy: &mut C,
+        pending: &[Option<Vec<f32>>],
+    ) -> Result<(), StepError> {
+        struct Resume<'a, H, D> {
+            pending: &'a [Option<Vec<f32>>],
+            next: usize,
+            initial: Vec<f32>,
+            model: &'static str,
+            marker: std::marker::PhantomData<fn() -> (H, D)>,
+        }
+        impl<H: Precision, D: MixedDevice<H>> EachMut<H::Elem, D> for Resume<'_, H, D> {
+            type Error = StepError;
+            fn tensor<S: Shape>(
+                &mut self,
+                trainable: bool,
+                t: &mut Tensor<S, H::Elem, D>,
+            ) -> Result<(), StepError> {
+                if trainable {
+                    return Ok(());
+                }
+                let entry = self.pending.get(self.next);
+                self.next += 1;
+                match entry.ok_or(StepError::MasterChanged { model: self.model })? {
+                    Some(values) if values.len() == t.shape().num_elements() => {
+                        let mut half = vec![H::Elem::default(); values.len()];
+                        H::round(values, &mut half);
+                        t.copy_from(&half);
+                    }
+                    Some(_) => return Err(StepError::MasterChanged { model: self.model }),
+                    None => {}
+                }
+                widen_into::<H, S, D>(t, &mut self.initial);
+                Ok(())
+            }
+        }
+        let mut walk = Resume::<H, D> {
+            pending,
+            next: 0,
+            initial: Vec::with_capacity(self.initial.len()),
+            model: std::any::type_name::<C>(),
+            marker: std::marker::PhantomData,
+        };
+        each_mut(copy, &mut walk, D::step_error)?;
+        if walk.next != pending.len() {
+            return Err(StepError::MasterChanged { model: walk.model });
+        }
+        self.initial = walk.initial;
+        Ok(())
     }
 }
 
