@@ -3,10 +3,10 @@
 
 use std::marker::PhantomData;
 
-use crate::master::slots::SlotDevice;
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::nn::{Module, ModuleMut};
 use dfdx::tensor::{AsArray, Cpu, Gradients};
+use dfdx::tensor_ops::Device;
 
 use crate::boundary::MasterModel;
 use crate::precision::Precision;
@@ -276,7 +276,7 @@ where
 
 /// `part` of the model a forward pass runs, which the step updates on its own (see
 /// [`Forward::parts`]).
-pub fn part<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(masters: &Masters, part: &M) -> Part {
+pub fn part<D: Device<f32>, M: TensorCollection<f32, D>>(masters: &Masters, part: &M) -> Part {
     match Part::of(masters.cell(part), part) {
         Ok(part) => part,
         Err(e) => panic!("mixed-precision forward pass failed: {e:?}"),

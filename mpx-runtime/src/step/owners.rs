@@ -8,8 +8,7 @@ use dfdx::tensor::Tensor;
 use dfdx::tensor_ops::Device;
 
 use super::error::StepError;
-use super::pending::Cell;
-use crate::master::slots::{SlotDevice, trainable_slots};
+use super::pending::{Cell, StateLeft};
 use crate::walk::{Each, each};
 
 /// Whose gradients a forward pass computes: the master's whose forward pass it is, or, for a
@@ -42,58 +41,76 @@ pub struct Part {
 
 impl Part {
     /// `part`, whose state is `cell`.
-    pub(crate) fn of<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
+    pub(crate) fn of<D: Device<f32>, M: TensorCollection<f32, D>>(
         cell: Cell,
         part: &M,
     ) -> Result<Self, D::Err> {
-        let (tensors, name) = (addresses::<D, M>(part)?, std::any::type_name::<M>());
-        let state = state_tensors::<D, M>(part)?
-            .into_iter()
-            .map(|(a, _)| a)
-            .collect();
-        cell.lock().part = Some((tensors.clone(), name));
+        let Places { trained, state } = places::<D, M>(part)?;
         Ok(Part {
             cell,
-            tensors,
-            state,
-            name,
+            tensors: trained,
+            state: state.into_iter().map(|(a, _)| a).collect(),
+            name: std::any::type_name::<M>(),
         })
     }
-}
 
-/// The addresses of `part`'s trained tensors, in visit order.
-pub(crate) fn addresses<D: SlotDevice<f32>, M: TensorCollection<f32, D>>(
-    part: &M,
-) -> Result<Vec<usize>, D::Err> {
-    Ok(trainable_slots::<D, M>(part)?
-        .iter()
-        .map(|s| s.addr)
-        .collect())
-}
-
-/// The address and element count of each of `m`'s non-trainable tensors (batch-norm
-/// statistics), in visit order.
-fn state_tensors<D: Device<f32>, M: TensorCollection<f32, D>>(
-    m: &M,
-) -> Result<Vec<(usize, usize)>, D::Err> {
-    struct State(Vec<(usize, usize)>);
-    impl<D: Device<f32>> Each<f32, D> for State {
-        type Error = D::Err;
-        fn tensor<S: Shape>(
-            &mut self,
-            trainable: bool,
-            t: &Tensor<S, f32, D>,
-        ) -> Result<(), D::Err> {
-            if !trainable {
-                self.0
-                    .push((std::ptr::from_ref(t).addr(), t.shape().num_elements()));
-            }
-            Ok(())
-        }
+    /// Records in the part's state which part it was made of, for [`check_named`] (a state the
+    /// user's code holds and names at the update, [`MixedPart`](super::MixedPart)).
+    pub(crate) fn record(&self) {
+        self.cell.lock().part = Some((self.tensors.clone(), self.name));
     }
-    let mut state = State(Vec::new());
-    each(m, &mut state, std::convert::identity)?;
-    Ok(state.0)
+}
+
+/// Checks that an update through the part state `cell` names the part it was last made of
+/// ([`Part::record`]).
+///
+/// # Errors
+/// [`StepError::OtherPart`] for another part (of the same model or another's); a device error
+/// (`device_error`) reading `part`'s tensors.
+pub(crate) fn check_named<D: Device<f32>, P: TensorCollection<f32, D>>(
+    cell: &Cell,
+    part: &P,
+    device_error: impl Fn(D::Err) -> StepError,
+) -> Result<(), StepError> {
+    let named = places::<D, P>(part).map_err(device_error)?.trained;
+    match &cell.lock().part {
+        Some((tensors, state)) if *tensors != named => Err(StepError::OtherPart {
+            state,
+            part: std::any::type_name::<P>(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Where a model's tensors lie, in visit order (one walk, nothing allocated per tensor but the
+/// entry): the trained tensors' addresses, and each non-trainable tensor's (batch-norm
+/// statistics) address and element count.
+struct Places {
+    trained: Vec<usize>,
+    state: Vec<(usize, usize)>,
+}
+
+impl<D: Device<f32>> Each<f32, D> for Places {
+    type Error = D::Err;
+    fn tensor<S: Shape>(&mut self, trainable: bool, t: &Tensor<S, f32, D>) -> Result<(), D::Err> {
+        let addr = std::ptr::from_ref(t).addr();
+        if trainable {
+            self.trained.push(addr);
+        } else {
+            self.state.push((addr, t.shape().num_elements()));
+        }
+        Ok(())
+    }
+}
+
+/// The [`Places`] of `m`'s tensors.
+fn places<D: Device<f32>, M: TensorCollection<f32, D>>(m: &M) -> Result<Places, D::Err> {
+    let mut places = Places {
+        trained: Vec::new(),
+        state: Vec::new(),
+    };
+    each(m, &mut places, std::convert::identity)?;
+    Ok(places)
 }
 
 impl Owners {
@@ -120,7 +137,10 @@ impl Owners {
         let parts = match self {
             Owners::Whole(cell) => {
                 let mut p = cell.lock();
-                (p.state, p.state_from) = (Some(changed), from.to_vec());
+                p.state = Some(StateLeft {
+                    values: changed,
+                    from: from.to_vec(),
+                });
                 return Ok(());
             }
             Owners::Parts(parts) => parts,
@@ -128,7 +148,7 @@ impl Owners {
         let mut shares: Vec<(Vec<f32>, Vec<f32>)> =
             parts.iter().map(|_| Default::default()).collect();
         let mut offset = 0;
-        for (addr, n) in state_tensors::<D, M>(master).map_err(device_error)? {
+        for (addr, n) in places::<D, M>(master).map_err(device_error)?.state {
             let range = offset..offset + n;
             let values = changed
                 .get(range.clone())
@@ -147,7 +167,7 @@ impl Owners {
         for (part, (values, from)) in parts.iter().zip(shares) {
             if !values.is_empty() {
                 let mut p = part.cell.lock();
-                (p.state, p.state_from) = (Some(values), from);
+                p.state = Some(StateLeft { values, from });
             }
         }
         Ok(())
@@ -174,18 +194,13 @@ impl Owners {
         }
         let model = std::any::type_name::<M>();
         let changed = || StepError::MasterChanged { model };
-        // each owner's waiting values and what they started from, and how many are taken
-        let waiting: Vec<Option<(Vec<f32>, Vec<f32>)>> = self
-            .cells()
-            .map(|c| {
-                let p = c.lock();
-                p.state.clone().map(|v| (v, p.state_from.clone()))
-            })
-            .collect();
+        // each owner's waiting values (and what they started from), and how many are taken
+        let waiting: Vec<Option<StateLeft>> =
+            self.cells().map(|c| c.lock().state.clone()).collect();
         let mut taken = vec![0; waiting.len()];
         let mut out = Vec::new();
         let mut offset = 0;
-        for (addr, n) in state_tensors::<D, M>(master).map_err(&device_error)? {
+        for (addr, n) in places::<D, M>(master).map_err(&device_error)?.state {
             let now = base.get(offset..offset + n).ok_or_else(changed)?;
             offset += n;
             // the whole master's owner holds every tensor; a part, its own
@@ -193,7 +208,8 @@ impl Owners {
                 Owners::Whole(_) => Some(0),
                 Owners::Parts(parts) => parts.iter().position(|p| p.state.contains(&addr)),
             };
-            let Some((i, (values, from))) = owner.and_then(|i| waiting[i].as_ref().map(|w| (i, w)))
+            let Some((i, StateLeft { values, from })) =
+                owner.and_then(|i| waiting[i].as_ref().map(|w| (i, w)))
             else {
                 out.push(None);
                 continue;
@@ -214,7 +230,7 @@ impl Owners {
             || waiting
                 .iter()
                 .zip(&taken)
-                .any(|(w, &t)| w.as_ref().is_some_and(|w| w.0.len() != t))
+                .any(|(w, &t)| w.as_ref().is_some_and(|w| w.values.len() != t))
         {
             return Err(changed());
         }

@@ -12,18 +12,18 @@ use std::panic::Location;
 use dfdx::nn::tensor_collection::TensorCollection;
 use dfdx::optim::Optimizer;
 use dfdx::tensor::Gradients;
+use dfdx::tensor_ops::Device;
 
 use super::device::MixedDevice;
 use super::error::StepError;
 use super::half_region::{HalfInput, HalfOutput};
 use super::iteration::Site;
 use super::outcome::UpdateOutcome;
-use super::owners::{Owners, Part, addresses};
+use super::owners::{Owners, Part, check_named};
 use super::pending::Cell;
 use super::scaler::GradScaler;
 use super::working::Kind;
 use crate::boundary::MasterModel;
-use crate::master::slots::SlotDevice;
 use crate::precision::Precision;
 use crate::scaling::LossScale;
 
@@ -56,11 +56,13 @@ impl MixedPart {
     ///
     /// # Examples
     /// See [`GradScaler::forward_parts`].
-    pub fn of<D: SlotDevice<f32>, P: TensorCollection<f32, D>>(
+    pub fn of<D: Device<f32>, P: TensorCollection<f32, D>>(
         &self,
         part: &P,
     ) -> Result<Part, D::Err> {
-        Part::of(self.cell.clone(), part)
+        let made = Part::of(self.cell.clone(), part)?;
+        made.record();
+        Ok(made)
     }
 }
 
@@ -135,15 +137,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         P: MasterModel<D>,
         O: Optimizer<P, D, f32>,
     {
-        let made_of = state.cell.lock().part.clone();
-        if let Some((tensors, name)) = made_of
-            && tensors != addresses::<D, P>(part).map_err(D::step_error)?
-        {
-            return Err(StepError::OtherPart {
-                state: name,
-                part: std::any::type_name::<P>(),
-            });
-        }
+        check_named::<D, P>(&state.cell, part, D::step_error)?;
         let site = Site::Call(Location::caller());
         self.update_of(&state.cell, part, site, |p| optimizer.update(p, grads))
     }

@@ -21,6 +21,18 @@ pub(crate) struct Ran {
     pub(crate) mapped: bool,
 }
 
+/// The non-trainable tensors (batch-norm statistics) a forward pass changed, widened to f32, in
+/// the master's visit order (a part's: its own, in its visit order).
+#[derive(Debug, Clone)]
+pub(crate) struct StateLeft {
+    /// As the pass left them: what an applied update writes into the master.
+    pub(crate) values: Vec<f32>,
+    /// As the master held them when the pass's working copy was built: the next pass starts
+    /// from `values` only where the master still holds these (a checkpoint written into it in
+    /// place in between wins).
+    pub(crate) from: Vec<f32>,
+}
+
 /// What the last backward pass that reached a master saw, for its next update.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Pending {
@@ -38,12 +50,8 @@ pub(crate) struct Pending {
     /// The loss scale that backward pass applied.
     pub(crate) scale: f32,
     /// The non-trainable tensors (batch-norm statistics) as the last forward pass of the working
-    /// copy left them, widened to f32, in the master's visit order; `None` when it changed none.
-    pub(crate) state: Option<Vec<f32>>,
-    /// The values those tensors of the master held when that pass's working copy was built from
-    /// it (widened, as in `state`): the next pass starts from `state` only where the master
-    /// still holds these (a checkpoint written in place in between wins).
-    pub(crate) state_from: Vec<f32>,
+    /// copy left them; `None` when it changed none.
+    pub(crate) state: Option<StateLeft>,
     /// For a part's state: the part it was last made of (its trained tensors' addresses and its
     /// type), which its update must name.
     pub(crate) part: Option<(Vec<usize>, &'static str)>,
@@ -143,7 +151,10 @@ mod tests {
                 mapped: true,
             });
             p.backwards = 2;
-            p.state = Some(vec![1.0]);
+            p.state = Some(StateLeft {
+                values: vec![1.0],
+                from: vec![0.0],
+            });
         }
         assert_eq!(cell.lock().backwards, 2);
         cell.lock().consumed();

@@ -665,7 +665,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         if reason.is_none()
             && let Some(state) = &p.state
         {
-            write_state::<H, D, M>(master, state)?;
+            write_state::<H, D, M>(master, &state.values)?;
         }
         Ok(Verdict {
             cell: cell.clone(),

@@ -10,6 +10,8 @@
 //! an ensemble updated in a loop at one site has its own. A streak ends at an applied update; a
 //! master that moved, or a new one at an old address, starts a streak of its own or continues one
 //! that its skips alone could have made, so a count is never more than skips of what lies there.
+//! The scaler keeps its own count of skips in a row too, across all updates: that one still
+//! stops a lone master whose address changes from one step to the next.
 
 use super::iteration::Site;
 
