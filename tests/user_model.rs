@@ -1824,3 +1824,130 @@ fn parts_by_hand_that_share_a_tensor_or_swap_their_states_are_errors() {
     assert!(outcome.is_applied(), "{outcome:?}");
     assert_ne!(value_bits(&m.1), value_bits(&init.1));
 }
+
+// ---- helper methods of the module's own, a tuple struct, a tuple output ------------------------
+
+/// A variational autoencoder as users write one: a tuple struct whose forward pass calls a
+/// helper method (`encode`, in an inherent impl that also carries `#[half_forward]`) and returns
+/// the reconstruction with the log-variance, the reparameterisation's `exp` in f32.
+#[derive(Clone, mpx::HalfLayers)]
+struct Vae<E: Dtype, D: Device<E>>(
+    dfdx::nn::modules::Linear<4, 8, E, D>,
+    dfdx::nn::modules::Linear<8, 2, E, D>,
+    dfdx::nn::modules::Linear<8, 2, E, D>,
+    dfdx::nn::modules::Linear<2, 4, E, D>,
+);
+
+impl<E, D: Device<E>> TensorCollection<E, D> for Vae<E, D>
+where
+    E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform,
+{
+    type To<E2: Dtype, D2: Device<E2>> = Vae<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("0", |s| &s.0, |s| &mut s.0),
+                Self::module("1", |s| &s.1, |s| &mut s.1),
+                Self::module("2", |s| &s.2, |s| &mut s.2),
+                Self::module("3", |s| &s.3, |s| &mut s.3),
+            ),
+            |(a, b, c, d)| Vae(a, b, c, d),
+        )
+    }
+}
+
+type Z<E, D> = Tensor<Rank2<6, 2>, E, D, OwnedTape<E, D>>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Vae<E, D> {
+    /// The mean and the log-variance of `x`'s code.
+    fn encode(&self, x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>) -> (Z<E, D>, Z<E, D>) {
+        let (h, tape) = self.0.forward(x).tanh().split_tape();
+        (
+            self.1.forward(h.clone().put_tape(tape)),
+            self.2.forward(h.retaped()),
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Vae<E, D> {
+    type Output = (Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>, Z<E, D>);
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        // a fixed draw of the noise, so that both runs see the same
+        let ones: Tensor<Rank2<6, 2>, E, D> = x.device().ones();
+        let eps = ones * E::from_f32(0.3).unwrap();
+        let (mu, logvar) = self.encode(x);
+        let (lv, tape) = logvar.split_tape();
+        let std = (lv.clone().put_tape(tape) * E::from_f32(0.5).unwrap()).exp();
+        Ok((self.3.forward(mu + std * eps), lv.retaped()))
+    }
+}
+
+type VaeF32 = Vae<f32, Cpu>;
+
+fn vae_step_f32(m: &mut VaeF32, opt: &mut Adam<VaeF32, f32, Cpu>, x: &X6) -> f32 {
+    let (rec, logvar) = m.forward(x.trace(m.alloc_grads()));
+    let loss = mse_loss(rec, x.clone()) + logvar.square().mean() * 0.1;
+    let v = loss.array();
+    let grads = loss.backward();
+    opt.update(m, &grads).unwrap();
+    v
+}
+
+#[mixed_step(scaling = scaler)]
+fn vae_step(
+    m: &mut VaeF32,
+    opt: &mut Adam<VaeF32, f32, Cpu>,
+    x: &X6,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let (rec, logvar) = m.forward(x.trace(m.alloc_grads()));
+    let loss = mse_loss(rec, x.clone()) + logvar.square().mean() * 0.1;
+    let v = loss.array();
+    let grads = loss.backward();
+    opt.update(m, &grads).unwrap();
+    v
+}
+
+#[test]
+fn a_module_whose_forward_calls_its_own_helper_methods_runs_on_mpx_layers() {
+    let dev = Cpu::seed_from_u64(5);
+    let init = Vae::<f32, Cpu>(
+        BuildModule::build(&dev),
+        BuildModule::build(&dev),
+        BuildModule::build(&dev),
+        BuildModule::build(&dev),
+    );
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (
+        Adam::new(&a, Default::default()),
+        Adam::new(&b, Default::default()),
+    );
+    let mut scaler = GradScaler::default();
+    for k in 0..5 {
+        let (x, _) = batch(k);
+        let want = vae_step_f32(&mut a, &mut oa, &x);
+        let got = vae_step(&mut b, &mut ob, &x, &mut scaler);
+        assert!(
+            (got - want).abs() <= 1e-2 * want.abs(),
+            "step {k}: {got} against {want}"
+        );
+        let last = scaler.last_step().unwrap();
+        assert!(last.mpx_layers, "step {k} ran on dfdx's layers");
+        assert_eq!(last.precision, DType::Float16);
+    }
+    assert_eq!(scaler.applied_steps(), 5);
+    let err = rel(&values(&b), &values(&a));
+    assert!(err < 1e-2, "mixed vs f32 after 5 Adam steps: {err:e}");
+    assert!(
+        rel(&values(&b), &values(&init)) > 10.0 * err,
+        "the model trained"
+    );
+}

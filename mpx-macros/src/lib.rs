@@ -157,7 +157,11 @@ pub fn derive_half_layers(input: TokenStream) -> TokenStream {
 /// `#[autocast]` wraps: `softmax`, `log_softmax`, `exp`, `ln`, `sum`, `mean`, the losses, ..)
 /// run in f32 on their inputs widened, rounded back once, a chain of them in one region, as
 /// `#[autocast]` runs them (in emulated bf16, whose storage is f32, as written). The impl must
-/// be written for any element type. Put it on each of the module's `Module` impls.
+/// be written for any element type. Put it on each of the module's `Module` impls, and on each
+/// inherent impl that holds a helper method the forward code calls (`self.encode(x)` in a
+/// `Module` impl needs `#[half_forward] impl<E: Dtype, D: Device<E>> Net<E, D> { fn encode(..) }`:
+/// the working struct has the method only then, and rustc says "no method named `encode` found
+/// for `&NetWorking<f16>`" without it).
 ///
 /// # Examples
 /// See [`HalfLayers`](derive@HalfLayers).

@@ -243,6 +243,11 @@ impl<'a> Rewriter<'a> {
                 syn::Expr::Call(call)
             }
             (mut other, _) => {
+                // an input is an argument of the region's call: parentheses it no longer
+                // needs would warn in the user's crate (`(a * s).exp()`)
+                while let syn::Expr::Paren(p) = other {
+                    other = *p.expr;
+                }
                 self.visit_expr_mut(&mut other);
                 let x = region.input(other);
                 syn::parse_quote!(#x)

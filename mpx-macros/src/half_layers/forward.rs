@@ -1,6 +1,7 @@
-//! `#[half_forward]` on a module's `Module` (or `ModuleMut`) impl: the impl as written, and the
-//! same impl for the module's working struct in each precision, with the element type and the
-//! device made concrete.
+//! `#[half_forward]` on a module's `Module` (or `ModuleMut`) impl, or on an inherent impl holding
+//! the helpers its forward code calls (`self.encode(x)`): the impl as written, and the same impl
+//! for the module's working struct in each precision, with the element type and the device made
+//! concrete.
 
 use proc_macro2::TokenStream;
 use quote::quote;
@@ -24,29 +25,27 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     let imp: syn::ItemImpl = if let Ok(i) = syn::parse2(item.clone()) {
         i
     } else {
-        cx.error_spanned(
-            &item,
-            "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl, whose forward code it runs on the module's working copy",
-        );
+        cx.error_spanned(&item, APPLIES_TO);
         return finish(cx, item, &TokenStream::new());
     };
-    let is_module = imp.trait_.as_ref().is_some_and(|t| {
-        t.0.segments
+    // a `Module` impl, or an inherent one (the forward code's helpers); any other trait's impl
+    // has a twin of its own or none (the derive writes the working struct's `TensorCollection`)
+    let is_module = match &imp.trait_ {
+        None => true,
+        Some((path, _)) => path
+            .segments
             .last()
-            .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleMut")
-    });
-    if !is_module {
-        cx.error_spanned(
-            imp.impl_token,
-            "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impl",
-        );
+            .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleMut"),
+    };
+    if let (false, Some((path, _))) = (is_module, &imp.trait_) {
+        cx.error_spanned(path, APPLIES_TO);
     }
     let elem = param_bounded_by(&imp.generics, &["Dtype"]);
     let dev = param_bounded_by(&imp.generics, &["Device", "Storage"]);
     if elem.is_none() {
         cx.error_spanned(
             imp.impl_token,
-            "`#[half_forward]` needs the impl written for any element type (`impl<E: Dtype, D: Device<E>, ..> Module<..> for Net<E, D>`): its working copy runs it in f16 and bf16",
+            "`#[half_forward]` needs the impl written for any element type (`impl<E: Dtype, D: Device<E>, ..> Module<..> for Net<E, D>`, or `impl<E: Dtype, D: Device<E>> Net<E, D>` for helpers): its working copy runs it in f16 and bf16",
         );
     }
     let self_path = match &*imp.self_ty {
@@ -95,6 +94,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     }
     finish(cx, item, &twins)
 }
+
+/// Where the attribute goes.
+const APPLIES_TO: &str = "`#[half_forward]` applies to a module's `Module` (or `ModuleMut`) impls, whose forward code it runs on the module's working copy, and to the module's inherent impls that hold the helper methods that code calls (`impl<E: Dtype, D: Device<E>> Net<E, D> { fn encode(..) }`)";
 
 /// The item followed by `extra`, or the errors followed by the item.
 fn finish(cx: Ctxt, item: TokenStream, extra: &TokenStream) -> TokenStream {
@@ -577,6 +579,49 @@ mod tests {
             "{out}"
         );
         assert_eq!(out.matches("ElemRegion").count(), 3 * twins, "{out}");
+    }
+
+    /// `#[half_forward]` on an inherent impl (the helpers the forward code calls): the impl as
+    /// written and its twin per precision on the working struct; on another trait's impl, an
+    /// error at the trait.
+    #[test]
+    fn an_inherent_impl_has_twins_and_another_traits_impl_is_an_error() {
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E: Dtype, D: Device<E>> Net<E, D> {
+                    fn hidden<T: Tape<E, D>>(&self, x: Tensor<Rank1<3>, E, D, T>) -> Result<Tensor<Rank1<3>, E, D, T>, D::Err> {
+                        self.l1.try_forward(x)?.try_relu()
+                    }
+                }
+            },
+        )
+        .to_string()
+        .replace(' ', "");
+        assert!(!out.contains("compile_error"), "{out}");
+        assert!(out.contains("impl<E:Dtype,D:Device<E>>Net<E,D>{"), "{out}");
+        assert_eq!(
+            out.matches("implNetWorking<").count(),
+            super::PRECISIONS.len(),
+            "{out}"
+        );
+        assert_eq!(
+            out.matches(".try_relu_op()").count(),
+            super::PRECISIONS.len(),
+            "{out}"
+        );
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E: Dtype, D: Device<E>> TensorCollection<E, D> for Net<E, D> {}
+            },
+        );
+        let msgs = crate::ctxt::testing::messages(&out);
+        assert_eq!(msgs.len(), 1, "{out}");
+        assert!(
+            msgs[0].contains("inherent impls that hold the helper methods"),
+            "{msgs:?}"
+        );
     }
 
     /// `(a + b).relu()`: the activation's argument loses the parentheses an argument does not

@@ -7,8 +7,8 @@
 //!   every float tensor field in `H`'s element type and every other field as it is; its
 //!   `TensorCollection`; and `HalfLayers<H>` for `Name<.., f32, Cpu>`, which builds it field by
 //!   field from the master.
-//! * The attribute `#[half_forward]` ([`attribute`]) on each of the module's `Module` (or `ModuleMut`) impls
-//!   writes the same impl for `<Name>Working` in f16, `AMP<f16>` and emulated bf16, with the
+//! * The attribute `#[half_forward]` ([`attribute`]) on each of the module's `Module` (or `ModuleMut`) impls,
+//!   and on the inherent impls of the helper methods their code calls, writes the same impl for `<Name>Working` in f16, `AMP<f16>` and emulated bf16, with the
 //!   element type and the device made concrete: the user's forward code, unchanged, runs on
 //!   mpx's layers.
 //!
