@@ -1829,7 +1829,9 @@ fn parts_by_hand_that_share_a_tensor_or_swap_their_states_are_errors() {
 
 /// A variational autoencoder as users write one: a tuple struct whose forward pass calls a
 /// helper method (`encode`, in an inherent impl that also carries `#[half_forward]`) and returns
-/// the reconstruction with the log-variance, the reparameterisation's `exp` in f32.
+/// the reconstruction with the log-variance, the reparameterisation's `exp` in f32. Its noise is
+/// an operand whose element type the code leaves to inference: in the twin of emulated bf16
+/// (f32 storage) the operators' dispatch settled it as f16, a compile error.
 #[derive(Clone, mpx::HalfLayers)]
 struct Vae<E: Dtype, D: Device<E>>(
     dfdx::nn::modules::Linear<4, 8, E, D>,
@@ -1881,8 +1883,8 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> 
         x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
     ) -> Result<Self::Output, D::Err> {
         // a fixed draw of the noise, so that both runs see the same
-        let ones: Tensor<Rank2<6, 2>, E, D> = x.device().ones();
-        let eps = ones * E::from_f32(0.3).unwrap();
+        // (its element type left to inference, from the binding's)
+        let eps: Tensor<Rank2<6, 2>, E, D> = x.device().ones() * E::from_f32(0.3).unwrap();
         let (mu, logvar) = self.encode(x);
         let (lv, tape) = logvar.split_tape();
         let std = (lv.clone().put_tape(tape) * E::from_f32(0.5).unwrap()).exp();

@@ -78,7 +78,8 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     }
     let mut twins = TokenStream::new();
     for (precision, stored) in PRECISIONS {
-        let code = if stored == "f32" { &imp } else { &regioned };
+        let half_storage = stored != "f32";
+        let code = if half_storage { &regioned } else { &imp };
         let precision: syn::Type = syn::parse_str(precision).expect("a type");
         let stored: syn::Type = syn::parse_str(stored).expect("a type");
         let precision = qualify(&precision, &rt);
@@ -88,7 +89,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             &self_path,
             &elem,
             dev.as_ref(),
-            (&precision, &stored),
+            (&precision, &stored, half_storage),
             &rt,
         ));
     }
@@ -134,7 +135,7 @@ fn twin(
     self_path: &syn::Path,
     elem: &syn::Ident,
     dev: Option<&syn::Ident>,
-    (precision, stored): (&syn::Type, &syn::Type),
+    (precision, stored, half_storage): (&syn::Type, &syn::Type, bool),
     rt: &TokenStream,
 ) -> TokenStream {
     let mut imp = imp.clone();
@@ -192,6 +193,7 @@ fn twin(
         stored,
         rt,
         consts: 0,
+        half_storage,
     }
     .visit_item_impl_mut(&mut imp);
     quote!(#imp)
@@ -224,6 +226,12 @@ struct Concrete<'a> {
     /// How many const contexts (types, const generic arguments, array lengths, const items)
     /// the visit is inside: no operator there is rewritten.
     consts: usize,
+    /// Whether the twin stores 16-bit values. Only then are the operators and the products
+    /// dispatched: mpx's ops are for f16 tensors, and in a twin of f32 storage (emulated bf16)
+    /// the dispatch would only ever run them as written, while its f16 candidates could settle
+    /// an operand whose element type the code leaves to inference (`let e: Tensor<S, E, D> =
+    /// dev.ones() * s`) as f16.
+    half_storage: bool,
 }
 
 impl Concrete<'_> {
@@ -394,6 +402,7 @@ impl VisitMut for Concrete<'_> {
         // it out would not compile (and a tensor's `try_add` / `matmul`, which take it by value,
         // cannot have one there).
         let rewritten = match &*e {
+            _ if !self.half_storage => None,
             syn::Expr::Binary(bin) => {
                 let dispatch = match bin.op {
                     syn::BinOp::Add(_) => Some("add_op"),
@@ -534,10 +543,18 @@ mod tests {
         assert!(out.contains("Operands::new({use"), "{out}");
         assert!(out.contains("__mpx_a.try_matmul(__mpx_b)"), "{out}");
         assert!(out.contains("__mpx_a*__mpx_b"), "{out}");
-        // `.len() + foo()` dispatches too (numbers take the operator as written at run time)
+        // `.len() + foo()` dispatches too (numbers take the operator as written at run time),
+        // in the twins of 16-bit storage; the twin of f32 storage has the code as written
+        let half = super::PRECISIONS
+            .iter()
+            .filter(|(_, stored)| *stored != "f32")
+            .count();
+        assert_eq!(half, 2);
+        assert_eq!(out.matches(".add_op()").count(), 2 * half, "{out}");
         assert_eq!(
-            out.matches(".add_op()").count(),
-            2 * super::PRECISIONS.len(),
+            out.matches("(x.clone()+self.b.clone()).try_matmul(self.w.clone())?;")
+                .count(),
+            1 + super::PRECISIONS.len() - half,
             "{out}"
         );
     }
@@ -633,8 +650,10 @@ mod tests {
                 let s = (2.0f32).sqrt();
                 ((x.clone() + x)).try_relu()?.square()
         });
-        // per twin: `relu`'s argument is the add's dispatch, `square`'s the relu's (and `?`)
-        assert_eq!(out.matches("Operands::new({use").count(), 6, "{out}");
+        // per twin: `relu`'s argument is the add's dispatch (the add as written in the twin of
+        // f32 storage), `square`'s the relu's (and `?`)
+        assert_eq!(out.matches("Operands::new({use").count(), 5, "{out}");
+        assert!(out.contains("Operands::new(x.clone()+x,())"), "{out}");
         assert!(!out.contains("Operands::new(("), "{out}");
         for (dispatch, written) in [
             (".try_relu_op()", "__mpx_a.try_relu()"),
