@@ -1831,7 +1831,8 @@ fn parts_by_hand_that_share_a_tensor_or_swap_their_states_are_errors() {
 /// helper method (`encode`, in an inherent impl that also carries `#[half_forward]`) and returns
 /// the reconstruction with the log-variance, the reparameterisation's `exp` in f32. Its noise is
 /// an operand whose element type the code leaves to inference: in the twin of emulated bf16
-/// (f32 storage) the operators' dispatch settled it as f16, a compile error.
+/// (f32 storage) the operators' dispatch settled it as f16, a compile error; `E::ONE`,
+/// `E::from_f64` and `E::to_f32` were compile errors in every twin.
 #[derive(Clone, mpx::HalfLayers)]
 struct Vae<E: Dtype, D: Device<E>>(
     dfdx::nn::modules::Linear<4, 8, E, D>,
@@ -1883,11 +1884,13 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> 
         x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
     ) -> Result<Self::Output, D::Err> {
         // a fixed draw of the noise, so that both runs see the same
-        // (its element type left to inference, from the binding's)
-        let eps: Tensor<Rank2<6, 2>, E, D> = x.device().ones() * E::from_f32(0.3).unwrap();
+        // (its element type left to inference, from the binding's; `E`'s items by their traits)
+        let eps: Tensor<Rank2<6, 2>, E, D> =
+            x.device().ones() * (E::ONE * E::from_f64(0.3).unwrap());
+        let half = E::from_f32(E::to_f32(&E::ONE).unwrap() / 2.0).unwrap() + E::default();
         let (mu, logvar) = self.encode(x);
         let (lv, tape) = logvar.split_tape();
-        let std = (lv.clone().put_tape(tape) * E::from_f32(0.5).unwrap()).exp();
+        let std = (lv.clone().put_tape(tape) * half).exp();
         Ok((self.3.forward(mu + std * eps), lv.retaped()))
     }
 }

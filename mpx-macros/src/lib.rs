@@ -152,8 +152,8 @@ pub fn derive_half_layers(input: TokenStream) -> TokenStream {
 
 /// Runs a module's `Module` (or `ModuleMut`) impl, as written, on the working copy
 /// `#[derive(HalfLayers)]` gives it: the same impl for `<Name>Working` in f16, `AMP<f16>` and
-/// emulated bf16, with the element type and the device made concrete (`E::from_f32(..)` and
-/// `D::Err` keep working). In that code the operations of autocast's float32 list (the table
+/// emulated bf16, with the element type and the device made concrete (what `E: Dtype` brings
+/// keeps working, `E::from_f32(..)`, `E::ONE`, `E::to_f32(&x)`, as does `D::Err`). In that code the operations of autocast's float32 list (the table
 /// `#[autocast]` wraps: `softmax`, `log_softmax`, `exp`, `ln`, `sum`, `mean`, the losses, ..)
 /// run in f32 on their inputs widened, rounded back once, a chain of them in one region, as
 /// `#[autocast]` runs them (in emulated bf16, whose storage is f32, as written). The impl must

@@ -21,6 +21,9 @@ use crate::step::Part;
 use crate::step::owners::Owners;
 pub use crate::step::pending::Masters;
 pub use dfdx;
+/// What a module's generic forward code reaches through `E: Dtype` (`E::from_f32(..)`), named by
+/// `#[half_forward]`'s twins once `E` is a concrete type.
+pub use num_traits;
 
 /// `a + b`, `a - b`, `a * b`, `a / b`, `-a`, their `try_` methods, `matmul` / `try_matmul` and
 /// the element-wise methods in a `#[half_forward]` working copy's code: mpx's op for f16 tensors
@@ -609,34 +612,5 @@ impl ElemRegion {
         F: FnOnce(X::Full) -> dfdx::tensor::Tensor<S, f32, Cpu, dfdx::tensor::OwnedTape<f32, Cpu>>,
     {
         crate::region::FullPrecision::<E>::try_run(x, f)
-    }
-}
-
-/// The functions a module's generic forward code calls on its element type (`E::from_f32(..)`),
-/// by the names dfdx's `Dtype` gives them through `num_traits`: what `#[half_layers]` calls them
-/// through once `E` is a concrete type (whose inherent functions of the same names would differ).
-pub trait ElemFns: Sized {
-    /// `num_traits::FromPrimitive::from_f32`.
-    fn from_f32(v: f32) -> Option<Self>;
-    /// `num_traits::FromPrimitive::from_f64`.
-    fn from_f64(v: f64) -> Option<Self>;
-    /// `num_traits::FromPrimitive::from_usize`.
-    fn from_usize(v: usize) -> Option<Self>;
-    /// `num_traits::FromPrimitive::from_i32`.
-    fn from_i32(v: i32) -> Option<Self>;
-}
-
-impl<T: dfdx::shapes::Dtype> ElemFns for T {
-    fn from_f32(v: f32) -> Option<T> {
-        num_traits::FromPrimitive::from_f32(v)
-    }
-    fn from_f64(v: f64) -> Option<T> {
-        num_traits::FromPrimitive::from_f64(v)
-    }
-    fn from_usize(v: usize) -> Option<T> {
-        num_traits::FromPrimitive::from_usize(v)
-    }
-    fn from_i32(v: i32) -> Option<T> {
-        num_traits::FromPrimitive::from_i32(v)
     }
 }

@@ -199,6 +199,31 @@ fn twin(
     quote!(#imp)
 }
 
+/// `num_traits::FromPrimitive`'s functions, which `E: Dtype` brings.
+const FROM_PRIMITIVE: &[&str] = &[
+    "from_isize",
+    "from_i8",
+    "from_i16",
+    "from_i32",
+    "from_i64",
+    "from_i128",
+    "from_usize",
+    "from_u8",
+    "from_u16",
+    "from_u32",
+    "from_u64",
+    "from_u128",
+    "from_f32",
+    "from_f64",
+];
+
+/// `num_traits::ToPrimitive`'s methods, which `E: Dtype` brings (called by path:
+/// `E::to_f32(&x)`).
+const TO_PRIMITIVE: &[&str] = &[
+    "to_isize", "to_i8", "to_i16", "to_i32", "to_i64", "to_i128", "to_usize", "to_u8", "to_u16",
+    "to_u32", "to_u64", "to_u128", "to_f32", "to_f64",
+];
+
 /// The element-wise tensor methods (each also in its `try_` form) that run as mpx's layers.
 const METHODS: &[&str] = &[
     "relu",
@@ -214,7 +239,7 @@ const METHODS: &[&str] = &[
 ];
 
 /// Makes the element type `stored` and the device `Cpu` everywhere in an impl: in types, and in
-/// paths through them (`E::from_f32(..)` through `ElemFns`, `D::Err` as `Cpu`'s). In its code,
+/// paths through them (`E::from_f32(..)`, `E::ONE`, `D::Err`: [`Concrete::qualified`]). In its code,
 /// the activations written as tensor methods, the element-wise `+`, `-`, `*`, `/` (and
 /// `try_add`, `try_sub`, `try_mul`, `try_div`), negation and `matmul` / `try_matmul` run as mpx's
 /// ops where their operands are half tensors, or a half tensor and a scalar.
@@ -235,40 +260,43 @@ struct Concrete<'a> {
 }
 
 impl Concrete<'_> {
-    /// `E::rest` / `D::rest` as a qualified path, or `None` for any other path.
+    /// `E::rest` / `D::rest` as a qualified path, or `None` for any other path: the items the
+    /// generic code reaches through `E: Dtype` by their traits (`E::from_f32` as
+    /// `num_traits::FromPrimitive`'s, not `half::f16`'s inherent one of another signature;
+    /// `E::ONE` as dfdx's `Unit`'s), `D::Err` as `Cpu`'s, anything else through the concrete
+    /// type as written (`<f16>::default()`, a `num_traits::Float` method the user's own import
+    /// brings).
     fn qualified(&self, path: &syn::Path) -> Option<(syn::QSelf, syn::Path)> {
         if path.leading_colon.is_some() || path.segments.len() < 2 {
             return None;
         }
         let first = &path.segments[0].ident;
+        let item = path.segments[1].ident.to_string();
         let rt = self.rt;
-        let (ty, tr): (syn::Type, syn::Path) = if first == self.elem {
-            (
-                self.stored.clone(),
-                syn::parse_quote!(#rt::__private::ElemFns),
-            )
+        let (ty, tr): (syn::Type, Option<syn::Path>) = if first == self.elem {
+            let tr: Option<syn::Path> = if FROM_PRIMITIVE.contains(&item.as_str()) {
+                Some(syn::parse_quote!(#rt::__private::num_traits::FromPrimitive))
+            } else if TO_PRIMITIVE.contains(&item.as_str()) {
+                Some(syn::parse_quote!(#rt::__private::num_traits::ToPrimitive))
+            } else if item == "ONE" {
+                Some(syn::parse_quote!(#rt::__private::dfdx::dtypes::Unit))
+            } else {
+                None
+            };
+            (self.stored.clone(), tr)
         } else if self.dev.is_some_and(|d| first == d) {
-            (
-                syn::parse_quote!(#rt::__private::dfdx::tensor::Cpu),
-                syn::parse_quote!(#rt::__private::dfdx::tensor::HasErr),
-            )
+            let tr: Option<syn::Path> =
+                (item == "Err").then(|| syn::parse_quote!(#rt::__private::dfdx::tensor::HasErr));
+            (syn::parse_quote!(#rt::__private::dfdx::tensor::Cpu), tr)
         } else {
             return None;
         };
-        let position = tr.segments.len();
-        let mut full = tr;
-        for seg in path.segments.iter().skip(1) {
-            full.segments.push(seg.clone());
-        }
-        full.leading_colon = Some(syn::token::PathSep::default());
-        let qself = syn::QSelf {
-            lt_token: syn::token::Lt::default(),
-            ty: Box::new(ty),
-            position,
-            as_token: Some(syn::token::As::default()),
-            gt_token: syn::token::Gt::default(),
+        let rest = path.segments.iter().skip(1);
+        let qualified: syn::ExprPath = match tr {
+            Some(tr) => syn::parse_quote!(<#ty as #tr>#(::#rest)*),
+            None => syn::parse_quote!(<#ty>#(::#rest)*),
         };
-        Some((qself, full))
+        Some((qualified.qself?, qualified.path))
     }
 }
 
@@ -596,6 +624,31 @@ mod tests {
             "{out}"
         );
         assert_eq!(out.matches("ElemRegion").count(), 3 * twins, "{out}");
+    }
+
+    /// `E`'s items by the traits `E: Dtype` brings them through, anything else through the
+    /// concrete type as written; `D::Err` as `Cpu`'s.
+    #[test]
+    fn the_element_types_items_are_reached_through_their_traits() {
+        let out = twins(&quote! {
+                let a = E::from_f64(0.5).unwrap() * E::ONE + E::default();
+                let b = E::to_f32(&a).unwrap() + E::epsilon();
+                let c: Result<(), D::Err> = Ok(());
+                Ok(x)
+        });
+        let per_twin = |needle: &str| out.matches(needle).count() == super::PRECISIONS.len();
+        for needle in [
+            "__private::num_traits::FromPrimitive>::from_f64(0.5)",
+            "__private::num_traits::ToPrimitive>::to_f32(&a)",
+            "__private::dfdx::dtypes::Unit>::ONE",
+            "letc:Result<(),<::mpx::__private::mpx_runtime::__private::dfdx::tensor::Cpuas::mpx::__private::mpx_runtime::__private::dfdx::tensor::HasErr>::Err>",
+            // as written on the concrete type: `Default`'s, and a method of the user's imports
+            ">::default()",
+            ">::epsilon()",
+        ] {
+            assert!(per_twin(needle), "{needle}: {out}");
+        }
+        assert!(!out.contains("ElemFns"), "{out}");
     }
 
     /// `#[half_forward]` on an inherent impl (the helpers the forward code calls): the impl as
