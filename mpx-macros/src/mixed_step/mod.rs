@@ -282,6 +282,57 @@ mod tests {
         assert!(messages(&before_loop).is_empty());
     }
 
+    /// An update or a backward pass inside a macro's arguments is an error at that macro, which
+    /// says how to write it; without one, the error names the function.
+    #[test]
+    fn a_role_inside_a_macro_is_an_error_at_the_macro() {
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(model: &mut M, opt: &mut O, x: X, s: &mut GradScaler) {
+                    let g = model
+                        .forward(x.trace(model.alloc_grads()))
+                        .mean()
+                        .backward();
+                    println!("{:?}", opt.update(model, &g));
+                }
+            ),
+        );
+        let m = messages(&out);
+        assert_eq!(m.len(), 1, "{m:#?}");
+        assert!(
+            m[0].starts_with("this optimizer update is inside a macro's arguments"),
+            "{m:#?}"
+        );
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn step(model: &mut M, opt: &mut O, x: X, s: &mut GradScaler) {
+                    let out = model.forward(x.trace(model.alloc_grads()));
+                    let g = dbg!(out.mean().backward());
+                    opt.update(model, &g).unwrap();
+                }
+            ),
+        );
+        let m = messages(&out);
+        assert_eq!(m.len(), 1, "{m:#?}");
+        assert!(
+            m[0].starts_with("this backward pass is inside a macro's arguments"),
+            "{m:#?}"
+        );
+        // a macro that merely mentions the names is no role
+        let out = super::expand(
+            quote!(scaling = s),
+            quote!(
+                fn eval(model: &Model, x: X) -> f32 {
+                    println!("update {}", x.update);
+                    model.forward(x).array()
+                }
+            ),
+        );
+        assert!(messages(&out)[0].starts_with("no optimizer update in this step"));
+    }
+
     #[test]
     fn a_step_without_roles() {
         let out = super::expand(
