@@ -3,7 +3,8 @@
 //! housing struct, its generic train loop, a GAN) and the shapes users add: a module of the
 //! user's own with `#[derive(HalfLayers)]` and without, one with weight tensors of its own, one
 //! written as dense layers by hand (biases broadcast), one with scalar ops, attention written by
-//! hand over sequences (batched products), a hand-unrolled RNN (a module of the user's own), a small REINFORCE policy, an MLP with a `PReLU` (a layer of
+//! hand over sequences (batched products), a hand-unrolled RNN (a module of the user's own), a VAE
+//! of the user's own whose forward pass calls its own helper method, a small REINFORCE policy, an MLP with a `PReLU` (a layer of
 //! dfdx's that mpx keeps as dfdx's own), one with GeLU, one of `UnbiasedLinear`, one with
 //! `LeakyReLU`, one with a residual block, a token model (an embedding table) and an MLP with
 //! batch norms in training mode. Each row runs one call of the loop in f32 and in mixed f16 in
@@ -189,6 +190,75 @@ impl<E: Dtype, D: Device<E>, T: Tape<E, D>>
                 .try_tanh()?;
         }
         self.out.try_forward(h)
+    }
+}
+
+/// A variational autoencoder of the user's own (with the two lines, and the attribute on its
+/// helper's impl too): the forward pass calls its own `encode` (mean and log-variance), samples
+/// `z = mu + exp(logvar / 2) * eps` with a fixed noise, and returns the reconstruction with the
+/// log-variance; 32-64-8 and back, batch 64.
+#[derive(Clone, mpx::HalfLayers)]
+pub struct Vae<E: Dtype, D: Device<E>> {
+    enc: DLinear<32, 64, E, D>,
+    mu: DLinear<64, 8, E, D>,
+    logvar: DLinear<64, 8, E, D>,
+    dec1: DLinear<8, 64, E, D>,
+    dec2: DLinear<64, 32, E, D>,
+}
+
+impl<E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform, D: Device<E>>
+    TensorCollection<E, D> for Vae<E, D>
+{
+    type To<E2: Dtype, D2: Device<E2>> = Vae<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("enc", |s| &s.enc, |s| &mut s.enc),
+                Self::module("mu", |s| &s.mu, |s| &mut s.mu),
+                Self::module("logvar", |s| &s.logvar, |s| &mut s.logvar),
+                Self::module("dec1", |s| &s.dec1, |s| &mut s.dec1),
+                Self::module("dec2", |s| &s.dec2, |s| &mut s.dec2),
+            ),
+            |(enc, mu, logvar, dec1, dec2)| Vae {
+                enc,
+                mu,
+                logvar,
+                dec1,
+                dec2,
+            },
+        )
+    }
+}
+
+type Code<E, D> = Tensor<Rank2<64, 8>, E, D, OwnedTape<E, D>>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Vae<E, D> {
+    fn encode(&self, x: Tensor<Rank2<64, 32>, E, D, OwnedTape<E, D>>) -> (Code<E, D>, Code<E, D>) {
+        let (h, tape) = self.enc.forward(x).relu().split_tape();
+        (
+            self.mu.forward(h.clone().put_tape(tape)),
+            self.logvar.forward(h.retaped()),
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<64, 32>, E, D, OwnedTape<E, D>>> for Vae<E, D> {
+    type Output = (Tensor<Rank2<64, 32>, E, D, OwnedTape<E, D>>, Code<E, D>);
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<64, 32>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let eps: Tensor<Rank2<64, 8>, E, D> = x.device().ones() * E::from_f32(0.3).unwrap();
+        let (mu, logvar) = self.encode(x);
+        let (lv, tape) = logvar.split_tape();
+        let std = (lv.clone().put_tape(tape) * E::from_f32(0.5).unwrap()).exp();
+        let h = self.dec1.forward(mu + std * eps).relu();
+        Ok((self.dec2.forward(h), lv.retaped()))
     }
 }
 
@@ -400,6 +470,20 @@ mod rnn {
         let [a, b, c, d] = xs.clone();
         let out = model.forward((a.trace(model.alloc_grads()), b, c, d));
         let loss = mse_loss(out, y.clone());
+        let v = loss.array();
+        let grads = loss.backward();
+        opt.update(model, &grads).unwrap();
+        v
+    });
+}
+
+mod vae {
+    use super::*;
+    pub type M = Vae<f32, Cpu>;
+    steps!(f32_step, mixed_step, (x: &Tensor<Rank2<64, 32>, f32, Cpu>), |model, opt| {
+        // reconstruction plus a penalty on the log-variance
+        let (rec, logvar) = model.forward(x.trace(model.alloc_grads()));
+        let loss = mse_loss(rec, x.clone()) + logvar.square().mean() * 0.1;
         let v = loss.array();
         let grads = loss.backward();
         opt.update(model, &grads).unwrap();
@@ -832,6 +916,11 @@ fn table(rounds: usize) {
             => rnn(rnn::M::build(&dev); &xs, &y);
         "a REINFORCE policy 4-64-2 (log_softmax, select), batch 128"
             => policy(dev.build_module::<policy::Structure, f32>(); &s_, &a_, &r_);
+    );
+    let xv: Tensor<Rank2<64, 32>, f32, Cpu> = dev.sample_normal();
+    adam_rows!(rows, rounds * 20;
+        "a VAE of the user's own, its forward pass calling its own encode (32-64-8-64-32, batch 64)"
+            => vae(vae::M::build(&dev); &xv);
     );
     // dfdx MLPs, each with a layer the mixed step maps its own way, and a token model
     let x: Tensor<Rank2<32, 64>, f32, Cpu> = dev.sample_normal();
