@@ -1865,6 +1865,16 @@ type Z<E, D> = Tensor<Rank2<6, 2>, E, D, OwnedTape<E, D>>;
 
 #[mpx::half_forward]
 impl<E: Dtype, D: Device<E>> Vae<E, D> {
+    /// A constructor in the same impl (no twin: it builds the master's layers).
+    fn new(
+        enc: dfdx::nn::modules::Linear<4, 8, E, D>,
+        mu: dfdx::nn::modules::Linear<8, 2, E, D>,
+        logvar: dfdx::nn::modules::Linear<8, 2, E, D>,
+        dec: dfdx::nn::modules::Linear<2, 4, E, D>,
+    ) -> Self {
+        Self(enc, mu, logvar, dec)
+    }
+
     /// The mean and the log-variance of `x`'s code.
     fn encode(&self, x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>) -> (Z<E, D>, Z<E, D>) {
         let (h, tape) = self.0.forward(x).tanh().split_tape();
@@ -1924,7 +1934,7 @@ fn vae_step(
 #[test]
 fn a_module_whose_forward_calls_its_own_helper_methods_runs_on_mpx_layers() {
     let dev = Cpu::seed_from_u64(5);
-    let init = Vae::<f32, Cpu>(
+    let init = Vae::<f32, Cpu>::new(
         BuildModule::build(&dev),
         BuildModule::build(&dev),
         BuildModule::build(&dev),

@@ -161,7 +161,8 @@ pub fn derive_half_layers(input: TokenStream) -> TokenStream {
 /// inherent impl that holds a helper method the forward code calls (`self.encode(x)` in a
 /// `Module` impl needs `#[half_forward] impl<E: Dtype, D: Device<E>> Net<E, D> { fn encode(..) }`:
 /// the working struct has the method only then, and rustc says "no method named `encode` found
-/// for `&NetWorking<f16>`" without it).
+/// for `&NetWorking<f16>`" without it; the working struct gets the impl's methods and constants,
+/// not its functions without `self`, such as a constructor).
 ///
 /// # Examples
 /// See [`HalfLayers`](derive@HalfLayers).

@@ -145,6 +145,13 @@ fn twin(
             .last()
             .is_none_or(|s| s.ident != "half_forward")
     });
+    // an inherent impl's twin holds what the forward code reaches through `self`: its methods,
+    // constants and types, not its functions without a receiver (a constructor that builds the
+    // master's layers would not compile for the working struct)
+    if imp.trait_.is_none() {
+        imp.items
+            .retain(|item| !matches!(item, syn::ImplItem::Fn(f) if f.sig.receiver().is_none()));
+    }
     // the element type and the device leave the impl's parameters
     let is_ed = |id: &syn::Ident| id == elem || dev.is_some_and(|d| id == d);
     imp.generics.params = imp
@@ -652,14 +659,18 @@ mod tests {
     }
 
     /// `#[half_forward]` on an inherent impl (the helpers the forward code calls): the impl as
-    /// written and its twin per precision on the working struct; on another trait's impl, an
-    /// error at the trait.
+    /// written and its twin per precision on the working struct, with its methods and without
+    /// its functions that take no `self` (a constructor); on another trait's impl, an error at
+    /// the trait.
     #[test]
     fn an_inherent_impl_has_twins_and_another_traits_impl_is_an_error() {
         let out = super::expand(
             quote!(),
             quote! {
                 impl<E: Dtype, D: Device<E>> Net<E, D> {
+                    fn new(dev: &D) -> Self {
+                        Self { l1: BuildModule::build(dev) }
+                    }
                     fn hidden<T: Tape<E, D>>(&self, x: Tensor<Rank1<3>, E, D, T>) -> Result<Tensor<Rank1<3>, E, D, T>, D::Err> {
                         self.l1.try_forward(x)?.try_relu()
                     }
@@ -680,6 +691,8 @@ mod tests {
             super::PRECISIONS.len(),
             "{out}"
         );
+        // the constructor stays with the module alone
+        assert_eq!(out.matches("fnnew(").count(), 1, "{out}");
         let out = super::expand(
             quote!(),
             quote! {
