@@ -1832,7 +1832,8 @@ fn parts_by_hand_that_share_a_tensor_or_swap_their_states_are_errors() {
 /// the reconstruction with the log-variance, the reparameterisation's `exp` in f32. Its noise is
 /// an operand whose element type the code leaves to inference: in the twin of emulated bf16
 /// (f32 storage) the operators' dispatch settled it as f16, a compile error; `E::ONE`,
-/// `E::from_f64` and `E::to_f32` were compile errors in every twin.
+/// `E::from_f64` and `E::to_f32`, and a number's `sqrt` and `recip` through the impl's bound
+/// `E: num_traits::Float`, were compile errors in every twin.
 #[derive(Clone, mpx::HalfLayers)]
 struct Vae<E: Dtype, D: Device<E>>(
     dfdx::nn::modules::Linear<4, 8, E, D>,
@@ -1886,7 +1887,10 @@ impl<E: Dtype, D: Device<E>> Vae<E, D> {
 }
 
 #[mpx::half_forward]
-impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Vae<E, D> {
+impl<E, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Vae<E, D>
+where
+    E: Dtype + num_traits::Float,
+{
     type Output = (Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>, Z<E, D>);
     type Error = D::Err;
     fn try_forward(
@@ -1895,8 +1899,9 @@ impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> 
     ) -> Result<Self::Output, D::Err> {
         // a fixed draw of the noise, so that both runs see the same
         // (its element type left to inference, from the binding's; `E`'s items by their traits)
-        let eps: Tensor<Rank2<6, 2>, E, D> =
-            x.device().ones() * (E::ONE * E::from_f64(0.3).unwrap());
+        // 0.3, through the methods `num_traits::Float` (a bound of the impl) brings to a number
+        let unit = E::from_usize(4).unwrap().sqrt().recip() * E::from_f32(2.0).unwrap();
+        let eps: Tensor<Rank2<6, 2>, E, D> = x.device().ones() * (unit * E::from_f64(0.3).unwrap());
         let half = E::from_f32(E::to_f32(&E::ONE).unwrap() / 2.0).unwrap() + E::default();
         let (mu, logvar) = self.encode(x);
         let (lv, tape) = logvar.split_tape();

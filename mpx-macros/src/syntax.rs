@@ -74,3 +74,24 @@ pub(crate) fn find_half(
 pub(crate) fn is_self(e: &syn::Expr) -> bool {
     matches!(e, syn::Expr::Path(p) if p.qself.is_none() && p.path.is_ident("self"))
 }
+
+/// `tokens` with every span set to `span` (groups included): generated code that the compiler's
+/// errors point at the user's tokens through.
+pub(crate) fn respan(
+    tokens: proc_macro2::TokenStream,
+    span: proc_macro2::Span,
+) -> proc_macro2::TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut t| {
+            if let proc_macro2::TokenTree::Group(g) = &t {
+                let mut ng = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                ng.set_span(span);
+                t = proc_macro2::TokenTree::Group(ng);
+            } else {
+                t.set_span(span);
+            }
+            t
+        })
+        .collect()
+}

@@ -345,6 +345,11 @@ fn cpu_backward<H: Precision>(
 /// One or more half-precision tensors entering a region: a tensor, or a tuple (nested as deep as
 /// you like) of tensors. Each tensor may carry its own tape; the tapes are merged into the first
 /// one's, as dfdx's binary operations do.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot enter a float32 region: only tensors (or tuples of them) of the region's element type do",
+    label = "an operation of the float32 list (`exp`, `sqrt`, `recip`, `softmax`, ..) on this value runs in an f32 region",
+    note = "`#[half_forward]` and `#[autocast]` run the float32 list's methods in f32 regions by name, and cannot tell a number from a tensor by its name: for a number, call the method by path (`num_traits::Float::recip(s)`, `f32::exp(k)`), which they leave as written"
+)]
 pub trait RegionInput<E: Dtype, D: Storage<E> + Storage<f32> = Cpu> {
     /// The same tensors as f32, traced on the region's own tape.
     type Full;

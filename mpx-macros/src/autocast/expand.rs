@@ -78,7 +78,7 @@ impl VisitMut for FreeToMethod {
         let Some(op) = fp32_op(&last.ident.to_string(), Form::Method) else {
             return;
         };
-        if call.args.len() != op.args + 1 || !may_be_tensor(&call.args[0]) {
+        if call.args.len() != op.args + 1 || !may_be_tensor(&call.args[0], &[]) {
             return;
         }
         // the axes are the first generic argument of the axis-generic functions; the others
@@ -135,6 +135,9 @@ pub(crate) struct Rewriter<'a> {
     pub wrapped: usize,
     /// Arguments that cannot move into a closure.
     pub errors: Vec<syn::Error>,
+    /// Type parameters whose values are numbers (`#[half_forward]`'s element type): a receiver
+    /// made from one (`E::from_usize(8).unwrap().sqrt()`, `E::ONE`) is no tensor.
+    scalars: Vec<syn::Ident>,
 }
 
 impl<'a> Rewriter<'a> {
@@ -160,7 +163,14 @@ impl<'a> Rewriter<'a> {
             skip,
             wrapped: 0,
             errors: Vec::new(),
+            scalars: Vec::new(),
         }
+    }
+
+    /// The same, with `scalars` as the type parameters whose values are numbers.
+    pub(crate) fn with_scalars(mut self, scalars: Vec<syn::Ident>) -> Self {
+        self.scalars = scalars;
+        self
     }
 
     /// The table row of `e` when `e` is a call this macro wraps, whether it is a `try_` form,
@@ -179,7 +189,7 @@ impl<'a> Rewriter<'a> {
                 (mc.args.len() == op.args
                     && !self.skipped(op)
                     && !iterator_sum
-                    && may_be_tensor(&mc.receiver))
+                    && may_be_tensor(&mc.receiver, &self.scalars))
                 .then(|| (op, fallible, mc.method.span()))
             }
             syn::Expr::Call(call) => {
@@ -313,7 +323,9 @@ impl VisitMut for Rewriter<'_> {
             quote_spanned!(span=> run)
         };
         let (input, pat) = region.input_and_pattern();
-        let path = &self.region;
+        // the region's path at the operation too, so that an error on the call (an input that
+        // is no tensor) points there
+        let path = crate::syntax::respan(self.region.clone(), span);
         let region = quote_spanned!(span=> #path::#run(#input, |#pat| #body));
         // parsed, so that a later pass (`#[half_forward]`'s concrete types) sees inside it
         *e = syn::parse2(region.clone()).unwrap_or(syn::Expr::Verbatim(region));
@@ -364,8 +376,12 @@ fn is_try_form(e: &syn::Expr) -> bool {
 }
 
 /// `false` for receivers that cannot be a dfdx tensor: literals, ranges, arrays, tuples,
-/// references, casts, macros, `self` and its fields, and iterators (`.iter().sum()`).
-fn may_be_tensor(receiver: &syn::Expr) -> bool {
+/// references, casts, macros, `self` and its fields, iterators (`.iter().sum()`), and values made
+/// from a type parameter of `scalars` through the methods on them (`E::from_usize(8).unwrap()`).
+fn may_be_tensor(receiver: &syn::Expr, scalars: &[syn::Ident]) -> bool {
+    if from_scalar(receiver, scalars) {
+        return false;
+    }
     match receiver {
         syn::Expr::Lit(_)
         | syn::Expr::Range(_)
@@ -376,8 +392,8 @@ fn may_be_tensor(receiver: &syn::Expr) -> bool {
         | syn::Expr::Cast(_)
         | syn::Expr::Macro(_) => false,
         syn::Expr::Unary(u) => !matches!(&*u.expr, syn::Expr::Lit(_)),
-        syn::Expr::Paren(p) => may_be_tensor(&p.expr),
-        syn::Expr::Group(g) => may_be_tensor(&g.expr),
+        syn::Expr::Paren(p) => may_be_tensor(&p.expr, scalars),
+        syn::Expr::Group(g) => may_be_tensor(&g.expr, scalars),
         syn::Expr::Path(p) => !p.path.is_ident("self"),
         // `self.ln.normalize(x)` is a module's method: a tensor field is moved out only through
         // `.clone()` (`self.w.clone().exp()`, which is wrapped).
@@ -387,6 +403,24 @@ fn may_be_tensor(receiver: &syn::Expr) -> bool {
             !ITERATOR_ADAPTERS.contains(&name.as_str())
         }
         _ => true,
+    }
+}
+
+/// Whether `e`'s chain of method calls starts at an item of a type parameter in `scalars`
+/// (`E::ONE`, `E::from_f32(..)`): a number of that type, then methods on it.
+fn from_scalar(e: &syn::Expr, scalars: &[syn::Ident]) -> bool {
+    let through =
+        |p: &syn::Path| p.segments.len() >= 2 && scalars.iter().any(|s| p.segments[0].ident == *s);
+    match e {
+        syn::Expr::MethodCall(mc) => from_scalar(&mc.receiver, scalars),
+        syn::Expr::Try(t) => from_scalar(&t.expr, scalars),
+        syn::Expr::Paren(p) => from_scalar(&p.expr, scalars),
+        syn::Expr::Group(g) => from_scalar(&g.expr, scalars),
+        syn::Expr::Path(p) => p.qself.is_none() && through(&p.path),
+        syn::Expr::Call(c) => {
+            matches!(&*c.func, syn::Expr::Path(p) if p.qself.is_none() && through(&p.path))
+        }
+        _ => false,
     }
 }
 

@@ -4,7 +4,7 @@
 //! concrete.
 
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{ToTokens, quote};
 use syn::visit_mut::VisitMut;
 
 use super::{PRECISIONS, param_bounded_by, working_name};
@@ -71,7 +71,8 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         "#[half_forward]",
         quote!(#rt::__private::ElemRegion),
         &[],
-    );
+    )
+    .with_scalars(vec![elem.clone()]);
     regions.visit_item_impl_mut(&mut regioned);
     for err in regions.errors {
         cx.push(err);
@@ -154,6 +155,7 @@ fn twin(
     }
     // the element type and the device leave the impl's parameters
     let is_ed = |id: &syn::Ident| id == elem || dev.is_some_and(|d| id == d);
+    bring_bounds_into_scope(&mut imp, &is_ed);
     imp.generics.params = imp
         .generics
         .params
@@ -204,6 +206,61 @@ fn twin(
     }
     .visit_item_impl_mut(&mut imp);
     quote!(#imp)
+}
+
+/// The traits the element type and the device are bounded by (`E: Dtype + num_traits::Float`),
+/// imported at the start of each function of the twin: the generic code calls their methods
+/// through the bounds (`scale.sqrt()` on an `E`), which the twin drops with the parameters, so
+/// on the concrete types the methods resolve only with the traits in scope.
+fn bring_bounds_into_scope(imp: &mut syn::ItemImpl, is_ed: &dyn Fn(&syn::Ident) -> bool) {
+    let mut traits: Vec<syn::Path> = Vec::new();
+    let mut add = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
+        for b in bounds {
+            if let syn::TypeParamBound::Trait(t) = b
+                && t.maybe.is_none()
+            {
+                let mut path = t.path.clone();
+                if let Some(last) = path.segments.last_mut() {
+                    last.arguments = syn::PathArguments::None;
+                }
+                let text = path.to_token_stream().to_string();
+                if !traits
+                    .iter()
+                    .any(|p| p.to_token_stream().to_string() == text)
+                {
+                    traits.push(path);
+                }
+            }
+        }
+    };
+    for p in &imp.generics.params {
+        if let syn::GenericParam::Type(t) = p
+            && is_ed(&t.ident)
+        {
+            add(&t.bounds);
+        }
+    }
+    if let Some(w) = &imp.generics.where_clause {
+        for p in &w.predicates {
+            if let syn::WherePredicate::Type(pt) = p
+                && matches!(&pt.bounded_ty, syn::Type::Path(tp) if tp.path.get_ident().is_some_and(is_ed))
+            {
+                add(&pt.bounds);
+            }
+        }
+    }
+    if traits.is_empty() {
+        return;
+    }
+    let uses: Vec<syn::Stmt> = traits
+        .iter()
+        .map(|t| syn::parse_quote!(#[allow(unused_imports)] use #t as _;))
+        .collect();
+    for item in &mut imp.items {
+        if let syn::ImplItem::Fn(f) = item {
+            f.block.stmts.splice(0..0, uses.iter().cloned());
+        }
+    }
 }
 
 /// `num_traits::FromPrimitive`'s functions, which `E: Dtype` brings.
@@ -656,6 +713,52 @@ mod tests {
             assert!(per_twin(needle), "{needle}: {out}");
         }
         assert!(!out.contains("ElemFns"), "{out}");
+    }
+
+    /// The element type's trait bounds are in scope in the twins (a number's `sqrt` through
+    /// `E: num_traits::Float`), and a number made from the element type is no region's input:
+    /// its `recip` stays a method call, a tensor's goes to a region.
+    #[test]
+    fn a_number_of_the_element_type_keeps_its_methods() {
+        let out = super::expand(
+            quote!(),
+            quote! {
+                impl<E, D: Device<E>> Module<Tensor<Rank1<3>, E, D>> for Net<E, D>
+                where
+                    E: Dtype + num_traits::Float,
+                {
+                    type Output = Tensor<Rank1<3>, E, D>;
+                    type Error = D::Err;
+                    fn try_forward(&self, x: Tensor<Rank1<3>, E, D>) -> Result<Self::Output, D::Err> {
+                        let s = E::from_usize(8).unwrap().sqrt().recip();
+                        Ok(x.recip() * s)
+                    }
+                }
+            },
+        )
+        .to_string()
+        .replace(' ', "");
+        assert!(!out.contains("compile_error"), "{out}");
+        let twins = super::PRECISIONS.len();
+        assert_eq!(
+            out.matches("#[allow(unused_imports)]usenum_traits::Floatas_;")
+                .count(),
+            twins,
+            "{out}"
+        );
+        assert_eq!(
+            out.matches("#[allow(unused_imports)]useDtypeas_;").count(),
+            twins,
+            "{out}"
+        );
+        // the tensor's `recip` in a region (the twins of 16-bit storage), the number's not
+        assert_eq!(
+            out.matches("ElemRegion::run(x,|__mpx_x0|__mpx_x0.recip())")
+                .count(),
+            2,
+            "{out}"
+        );
+        assert_eq!(out.matches("ElemRegion").count(), 2, "{out}");
     }
 
     /// `#[half_forward]` on an inherent impl (the helpers the forward code calls): the impl as

@@ -12,6 +12,7 @@ use super::roles::{
 };
 use super::valid::Plan;
 use crate::ctxt::runtime_path;
+use crate::syntax::respan;
 
 /// Rewrites the step according to `plan`.
 pub(crate) fn expand(args: &Args, plan: Plan, mut f: syn::ItemFn) -> TokenStream {
@@ -413,23 +414,6 @@ fn borrowed(place: &syn::Expr, mutable: bool) -> TokenStream {
         quote_spanned!(span=> __mpx_master)
     };
     quote_spanned!(span=> (#place).#method())
-}
-
-/// `tokens` with every span set to `span` (groups included).
-fn respan(tokens: TokenStream, span: proc_macro2::Span) -> TokenStream {
-    tokens
-        .into_iter()
-        .map(|mut t| {
-            if let proc_macro2::TokenTree::Group(g) = &t {
-                let mut ng = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
-                ng.set_span(span);
-                t = proc_macro2::TokenTree::Group(ng);
-            } else {
-                t.set_span(span);
-            }
-            t
-        })
-        .collect()
 }
 
 impl VisitMut for Rewriter {
