@@ -38,5 +38,6 @@ fn ui() {
     t.compile_fail("tests/ui/autocast/*.rs");
     t.compile_fail("tests/ui/boundary/*.rs");
     t.compile_fail("tests/ui/precision/*.rs");
+    t.compile_fail("tests/ui/half_layers/*.rs");
     t.pass("tests/ui/pass/*.rs");
 }

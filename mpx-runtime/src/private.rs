@@ -397,7 +397,7 @@ via_plain! {
     /// precision dfdx's CPU layers are slow in (f16, `AMP<f16>`): the compiler warns at the step.
     trait ViaHalf for Cpu [] where H: DfdxSlow;
     #[deprecated(
-        note = "mpx: this forward pass runs on the model's own layers in half precision, dfdx's f16 layers, which on the CPU are slower than f32: a layer of the model has no mpx counterpart (a module of your own, or one of dfdx's layers mpx does not map, such as its convolutions), or the step is generic over its model. For a module of your own, add `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (and on the impl of any helper method that code calls), and it runs on mpx's layers; a step generic over its model `M` runs them once `M` is bounded `M: mpx::step::HalfLayers<f16>`; or keep dfdx's layers and silence this with `#[allow(deprecated)]` on the step (see docs/dsl.md, \"Modules of your own\")"
+        note = "mpx: this forward pass runs on the model's own layers in half precision, dfdx's f16 layers, which on the CPU are slower than f32: a layer of the model has no mpx counterpart (a module of your own, or one of dfdx's layers mpx does not map, such as its convolutions), or the step is generic over its model. For a module of your own, add `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (and on the impl of any helper method that code calls), on every module of your own the model holds, inner ones included, and it runs on mpx's layers; a step generic over its model `M` runs them once `M` is bounded `M: mpx::step::HalfLayers<f16>`; or keep dfdx's layers and silence this with `#[allow(deprecated)]` on the step (see docs/dsl.md, \"Modules of your own\")"
     )]
 }
 

@@ -2,7 +2,8 @@
 //! its parameters and sort its fields, expand the working struct and the two impls.
 
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::visit_mut::VisitMut;
 
 use super::{param_bounded_by, working_name};
@@ -368,6 +369,17 @@ fn generate(
         "`{name}Working` is the working copy of a mixed step: it is not built or converted by dfdx's visitors"
     );
 
+    // every layer field has a working copy of mpx's layers, checked here, at the field's type:
+    // without it the impls above would not apply, and the step would run the whole model on
+    // dfdx's f16 layers with a warning that names this derive, already written
+    let checks = fields
+        .iter()
+        .filter(|f| matches!(f.role, Role::Layer))
+        .map(|f| {
+            let m = subst(f.ty, &f32_ty);
+            quote_spanned!(f.ty.span()=> __mpx_layer::<#m>();)
+        });
+
     quote! {
         #[doc = #doc]
         #[allow(dead_code)]
@@ -385,6 +397,14 @@ fn generate(
                 visitor.visit_fields(#visited, |_| ::core::unreachable!(#unreachable))
             }
         }
+
+        const _: () = {
+            #[allow(dead_code)]
+            fn __mpx_layers<#(#consts,)*>() {
+                fn __mpx_layer<__L: #rt::step::HalfLayers<#rt::precision::f16>>() {}
+                #(#checks)*
+            }
+        };
 
         impl<#(#consts,)* __H: #rt::precision::Precision> #rt::step::HalfLayers<__H> for #master
         where

@@ -83,6 +83,11 @@ use crate::walk::{Each, each};
 /// assert_eq!(w.2.weight.shape(), &(Const::<2>, Const::<8>));
 /// let _: (nn::Linear<4, 8, f16, Cpu>, nn::ReLU, nn::Linear<8, 2, f16, Cpu>) = w;
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no working copy of mpx's layers",
+    label = "a layer (or a module of your own) without mpx's counterpart",
+    note = "a module of your own gets one with `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (docs/dsl.md, \"Modules of your own\"); dfdx's convolutions and 2D pools have none: a model holding one runs on dfdx's f16 layers, without the derive on the modules around it"
+)]
 pub trait HalfLayers<H: Precision>: MasterModel
 where
     Cpu: Device<H::Elem>,
