@@ -1971,3 +1971,97 @@ fn a_module_whose_forward_calls_its_own_helper_methods_runs_on_mpx_layers() {
         "the model trained"
     );
 }
+
+// ---- tensors of other element types in a module of the user's own --------------------------------
+
+/// A module of the user's own with an index table and a mask among its fields (`usize` and
+/// `bool` tensors): carried into the working copy as they are. The derive took every `Tensor`
+/// field for one of the element type, a compile error.
+#[derive(Clone, mpx::HalfLayers)]
+struct Permuted<E: Dtype, D: Device<E>> {
+    l: dfdx::nn::modules::Linear<4, 3, E, D>,
+    rows: Tensor<Rank1<6>, usize, D>,
+    keep: Tensor<Rank2<6, 3>, bool, D>,
+}
+
+impl<E, D: Device<E>> TensorCollection<E, D> for Permuted<E, D>
+where
+    E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform,
+{
+    type To<E2: Dtype, D2: Device<E2>> = Permuted<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(Self::module("l", |s| &s.l, |s| &mut s.l), |_| {
+            unreachable!("the tests build it by hand")
+        })
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Module<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>> for Permuted<E, D> {
+    type Output = Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(
+        &self,
+        x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let y: Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>> =
+            self.l.try_forward(x)?.try_gather(self.rows.clone())?;
+        let zeros: Tensor<Rank2<6, 3>, E, D> = y.device().zeros();
+        self.keep.clone().try_choose(y, zeros)
+    }
+}
+
+type PermutedF32 = Permuted<f32, Cpu>;
+
+fn permuted_step_f32(m: &mut PermutedF32, opt: &mut Sgd<PermutedF32, f32, Cpu>, x: &X6, y: &Y6) {
+    let loss = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone());
+    opt.update(m, &loss.backward()).unwrap();
+}
+
+#[mixed_step(scaling = scaler)]
+fn permuted_step(
+    m: &mut PermutedF32,
+    opt: &mut Sgd<PermutedF32, f32, Cpu>,
+    x: &X6,
+    y: &Y6,
+    scaler: &mut GradScaler,
+) {
+    let loss = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone());
+    opt.update(m, &loss.backward()).unwrap();
+}
+
+#[test]
+fn index_and_mask_tensors_of_a_users_module_are_carried_as_they_are() {
+    let dev = Cpu::seed_from_u64(6);
+    let init = Permuted::<f32, Cpu> {
+        l: BuildModule::build(&dev),
+        rows: dev.tensor([5, 0, 4, 1, 3, 2]),
+        keep: dev.tensor([[true, false, true]; 6]),
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let cfg = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let (mut oa, mut ob) = (Sgd::new(&a, cfg), Sgd::new(&b, cfg));
+    let mut scaler = GradScaler::default();
+    for k in 0..5 {
+        let (x, y) = batch(k);
+        permuted_step_f32(&mut a, &mut oa, &x, &y);
+        permuted_step(&mut b, &mut ob, &x, &y, &mut scaler);
+        assert!(
+            scaler.last_step().unwrap().mpx_layers,
+            "step {k} ran on dfdx's layers"
+        );
+    }
+    let err = rel(&values(&b), &values(&a));
+    assert!(err < 1e-2, "mixed vs f32 after 5 steps: {err:e}");
+    assert!(
+        rel(&values(&b), &values(&init)) > 10.0 * err,
+        "the model trained"
+    );
+    // the mask's column left out gets no gradient: its weights stay as they were
+    assert_eq!(b.l.weight.as_vec()[4..8], init.l.weight.as_vec()[4..8]);
+}

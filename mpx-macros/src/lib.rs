@@ -78,8 +78,9 @@ pub fn derive_cast(input: TokenStream) -> TokenStream {
 ///
 /// The module is generic over its element type (`E: Dtype`) and usually its device
 /// (`D: Device<E>`), as dfdx's layers are. The derive writes `<Name>Working<consts.., H>`: each
-/// layer field as its mapped working copy, each float tensor field in `H`'s element type, every
-/// other field (a temperature, a counter) cloned as it is, so every setting is carried.
+/// layer field as its mapped working copy, each tensor field of the element type in `H`'s
+/// element type, every other field (a temperature, a counter, a `usize` index tensor or a `bool`
+/// mask, its device as `Cpu`) cloned as it is, so every setting is carried.
 ///
 /// Attributes, all optional:
 /// - `#[half_layers(state)]` on a tensor field its `TensorCollection` does not train (a running

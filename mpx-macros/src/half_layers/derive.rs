@@ -68,9 +68,9 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     };
     let mut cx = Ctxt::default();
     let (krate, dtype, device) = container_args(&input, &mut cx);
-    let fields = fields(&input, &mut cx);
     let elem = dtype.or_else(|| param_bounded_by(&input.generics, &["Dtype"]));
     let dev = device.or_else(|| param_bounded_by(&input.generics, &["Device", "Storage"]));
+    let fields = fields(&input, elem.as_ref(), &mut cx);
     if elem.is_none() {
         cx.error_spanned(
             &input.ident,
@@ -96,10 +96,10 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     }
     if let Some(elem) = &elem {
         for f in &fields {
-            if matches!(f.role, Role::Keep) && mentions(f.ty, elem, dev.as_ref()) {
+            if matches!(f.role, Role::Keep) && mentions(f.ty, elem) {
                 cx.error_spanned(
                     f.ty,
-                    "`#[derive(HalfLayers)]`: this field is carried into the working copy as it is, so it must not mention the element type or the device; if it is a layer, it needs `HalfLayers` (remove `#[half_layers(keep)]`)",
+                    "`#[derive(HalfLayers)]`: this field is carried into the working copy as it is (its device as `Cpu`), so it must not mention the element type; if it is a layer, it needs `HalfLayers` (remove `#[half_layers(keep)]`)",
                 );
             }
         }
@@ -134,8 +134,13 @@ fn container_args(
     (krate, dtype, device)
 }
 
-/// The struct's fields, each with its role.
-fn fields<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Vec<Field<'a>> {
+/// The struct's fields, each with its role: a `Tensor` of the element type `elem` is a float
+/// tensor of the model; one of another element type (`usize` indices, a `bool` mask) is carried.
+fn fields<'a>(
+    input: &'a syn::DeriveInput,
+    elem: Option<&syn::Ident>,
+    cx: &mut Ctxt,
+) -> Vec<Field<'a>> {
     let data = match &input.data {
         syn::Data::Struct(s) => s,
         syn::Data::Enum(e) => {
@@ -167,16 +172,19 @@ fn fields<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Vec<Field<'a>> {
             Ok(true)
         });
         let last = match &f.ty {
-            syn::Type::Path(p) if p.qself.is_none() => {
-                p.path.segments.last().map(|s| s.ident.to_string())
-            }
+            syn::Type::Path(p) if p.qself.is_none() => p.path.segments.last(),
             _ => None,
         };
+        let name = last.map(|s| s.ident.to_string());
         let role = if keep {
             Role::Keep
-        } else if last.as_deref() == Some("Tensor") {
-            Role::Tensor { state }
-        } else if last.as_deref().is_none_or(|l| KEPT.contains(&l)) {
+        } else if name.as_deref() == Some("Tensor") {
+            if last.is_some_and(|s| of_elem(s, elem)) {
+                Role::Tensor { state }
+            } else {
+                Role::Keep
+            }
+        } else if name.as_deref().is_none_or(|l| KEPT.contains(&l)) {
             Role::Keep
         } else {
             Role::Layer
@@ -202,22 +210,38 @@ fn fields<'a>(input: &'a syn::DeriveInput, cx: &mut Ctxt) -> Vec<Field<'a>> {
     out
 }
 
-/// Whether `ty` names `elem` or `dev`.
-fn mentions(ty: &syn::Type, elem: &syn::Ident, dev: Option<&syn::Ident>) -> bool {
-    struct Find<'a>(&'a syn::Ident, Option<&'a syn::Ident>, bool);
+/// Whether `Tensor<S, E, D, ..>`'s element argument is `elem` (no element type known: taken as
+/// one, the derive's error on the missing parameter stands for it).
+fn of_elem(tensor: &syn::PathSegment, elem: Option<&syn::Ident>) -> bool {
+    let Some(elem) = elem else {
+        return true;
+    };
+    match &tensor.arguments {
+        syn::PathArguments::AngleBracketed(a) => matches!(
+            a.args.iter().nth(1),
+            Some(syn::GenericArgument::Type(syn::Type::Path(p))) if p.path.is_ident(elem)
+        ),
+        _ => false,
+    }
+}
+
+/// Whether `ty` names `elem`.
+fn mentions(ty: &syn::Type, elem: &syn::Ident) -> bool {
+    struct Find<'a>(&'a syn::Ident, bool);
     impl<'ast> syn::visit::Visit<'ast> for Find<'_> {
         fn visit_path(&mut self, p: &'ast syn::Path) {
-            if let Some(first) = p.segments.first()
-                && (first.ident == *self.0 || self.1.is_some_and(|d| first.ident == *d))
+            if p.segments
+                .first()
+                .is_some_and(|first| first.ident == *self.0)
             {
-                self.2 = true;
+                self.1 = true;
             }
             syn::visit::visit_path(self, p);
         }
     }
-    let mut f = Find(elem, dev, false);
+    let mut f = Find(elem, false);
     syn::visit::Visit::visit_type(&mut f, ty);
-    f.2
+    f.1
 }
 
 /// Replaces the element type and the device in a type.
@@ -310,7 +334,7 @@ fn generate(
                 quote!(#t)
             }
             Role::Keep => {
-                let t = f.ty;
+                let t = subst(f.ty, &f32_ty);
                 quote!(#t)
             }
         };
