@@ -86,7 +86,7 @@ use crate::walk::{Each, each};
 #[diagnostic::on_unimplemented(
     message = "`{Self}` has no working copy of mpx's layers",
     label = "a layer (or a module of your own) without mpx's counterpart",
-    note = "a module of your own gets one with `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (docs/dsl.md, \"Modules of your own\"); dfdx's convolutions and 2D pools have none: a model holding one runs on dfdx's f16 layers, without the derive on the modules around it"
+    note = "a module of your own gets one with `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (docs/dsl.md, \"Modules of your own\"); dfdx's convolutions and 2D pools have none: a model holding one runs on dfdx's f16 layers, without the derive on the modules around it; the derive takes a field for a tensor by its type's name, so a tensor field written through a type alias is taken for a layer: write it as `Tensor<..>`"
 )]
 pub trait HalfLayers<H: Precision>: MasterModel
 where
