@@ -2065,3 +2065,111 @@ fn index_and_mask_tensors_of_a_users_module_are_carried_as_they_are() {
     // the mask's column left out gets no gradient: its weights stay as they were
     assert_eq!(b.l.weight.as_vec()[4..8], init.l.weight.as_vec()[4..8]);
 }
+
+// ---- a field the forward pass assigns to -----------------------------------------------------------
+
+/// A module of the user's own that keeps a running average of its output in a tensor its walk
+/// does not train (`#[half_layers(state)]`), assigned in `forward_mut`: the step writes it back,
+/// as batch norm's statistics. (An assigned field of another type is a compile error:
+/// `tests/ui/half_layers/assigned_counter.rs`.)
+#[derive(Clone, mpx::HalfLayers)]
+struct Averaged<E: Dtype, D: Device<E>> {
+    l: dfdx::nn::modules::Linear<4, 3, E, D>,
+    #[half_layers(state)]
+    avg: Tensor<Rank1<3>, E, D>,
+}
+
+impl<E, D: Device<E>> TensorCollection<E, D> for Averaged<E, D>
+where
+    E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform,
+{
+    type To<E2: Dtype, D2: Device<E2>> = Averaged<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("l", |s| &s.l, |s| &mut s.l),
+                Self::tensor(
+                    "avg",
+                    |s| &s.avg,
+                    |s| &mut s.avg,
+                    TensorOptions::detached(|t| {
+                        t.try_fill_with_zeros()?;
+                        Ok(())
+                    }),
+                ),
+            ),
+            |(l, avg)| Averaged { l, avg },
+        )
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>>
+    for Averaged<E, D>
+{
+    type Output = Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward_mut(
+        &mut self,
+        x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        let (y, tape) = self.l.try_forward(x)?.split_tape();
+        let (keep, add) = (E::from_f32(0.9).unwrap(), E::from_f32(0.1).unwrap());
+        self.avg = self.avg.clone() * keep + y.clone().mean::<Rank1<3>, _>() * add;
+        Ok(y.put_tape(tape))
+    }
+}
+
+type AveragedF32 = Averaged<f32, Cpu>;
+
+fn averaged_step_f32(m: &mut AveragedF32, opt: &mut Sgd<AveragedF32, f32, Cpu>, x: &X6) {
+    let loss = m.forward_mut(x.trace(m.alloc_grads())).square().mean();
+    opt.update(m, &loss.backward()).unwrap();
+}
+
+#[mixed_step(scaling = scaler)]
+fn averaged_step(
+    m: &mut AveragedF32,
+    opt: &mut Sgd<AveragedF32, f32, Cpu>,
+    x: &X6,
+    scaler: &mut GradScaler,
+) {
+    let loss = m.forward_mut(x.trace(m.alloc_grads())).square().mean();
+    opt.update(m, &loss.backward()).unwrap();
+}
+
+#[test]
+fn a_state_tensor_the_forward_pass_assigns_reaches_the_module() {
+    let dev = Cpu::seed_from_u64(7);
+    let init = Averaged::<f32, Cpu> {
+        l: BuildModule::build(&dev),
+        avg: dev.zeros(),
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (
+        Sgd::new(&a, Default::default()),
+        Sgd::new(&b, Default::default()),
+    );
+    let mut scaler = GradScaler::default();
+    for k in 0..3 {
+        let (x, _) = batch(k);
+        averaged_step_f32(&mut a, &mut oa, &x);
+        averaged_step(&mut b, &mut ob, &x, &mut scaler);
+        assert!(
+            scaler.last_step().unwrap().mpx_layers,
+            "step {k} ran on dfdx's layers"
+        );
+    }
+    let (want, got) = (a.avg.as_vec(), b.avg.as_vec());
+    assert!(
+        want.iter().any(|v| v.abs() > 1e-3),
+        "the average moved: {want:?}"
+    );
+    let err = rel(&got, &want);
+    assert!(
+        err < 1e-2,
+        "running average, mixed {got:?} against f32 {want:?}: {err:e}"
+    );
+}

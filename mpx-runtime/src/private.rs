@@ -21,6 +21,24 @@ use crate::step::Part;
 use crate::step::owners::Owners;
 pub use crate::step::pending::Masters;
 pub use dfdx;
+/// A field that a `#[half_forward]` twin's code assigns to: the working copy's change reaches the
+/// module only for a tensor (the step writes back the tensors the module's walk does not train,
+/// as batch norm's running statistics).
+#[diagnostic::on_unimplemented(
+    message = "this forward pass assigns to a field of type `{Self}`, which the working copy carries as a copy: the change would not reach the module",
+    label = "assigned in the working copy's forward pass, which runs on a copy of the module",
+    note = "the step writes back the tensor fields of a module of your own that its walk does not train (`#[half_layers(state)]`, as batch norm's running statistics), nothing else: hold the value in such a tensor field, or keep it outside the module (the training loop)"
+)]
+pub trait CarriedBack {}
+
+impl<S: dfdx::shapes::Shape, E, D: dfdx::tensor::Storage<E>, T> CarriedBack
+    for dfdx::tensor::Tensor<S, E, D, T>
+{
+}
+
+/// Checks, by type, that an assigned field is [`CarriedBack`] (generated code only).
+pub fn carried_back<T: CarriedBack + ?Sized>(_: &T) {}
+
 /// What a module's generic forward code reaches through `E: Dtype` (`E::from_f32(..)`), named by
 /// `#[half_forward]`'s twins once `E` is a concrete type.
 pub use num_traits;
