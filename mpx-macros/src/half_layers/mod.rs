@@ -3,14 +3,15 @@
 //!
 //! * The derive ([`derive`]: parse the struct -> validate which parameters are the element type
 //!   and the device, what each field is -> expand) writes `<Name>Working<consts.., H>`, the
-//!   struct with every layer field as its mapped working copy (`<L as HalfLayers<H>>::Working`),
-//!   every float tensor field in `H`'s element type and every other field as it is; its
-//!   `TensorCollection`; and `HalfLayers<H>` for `Name<.., f32, Cpu>`, which builds it field by
-//!   field from the master.
-//! * The attribute `#[half_forward]` ([`attribute`]) on each of the module's `Module` (or `ModuleMut`) impls,
-//!   and on the inherent impls of the helper methods their code calls, writes the same impl for `<Name>Working` in f16, `AMP<f16>` and emulated bf16, with the
-//!   element type and the device made concrete: the user's forward code, unchanged, runs on
-//!   mpx's layers.
+//!   struct with every layer field as its mapped working copy (`<L as HalfLayers<H>>::Working`,
+//!   checked to exist), every tensor field of the element type in `H`'s element type and every
+//!   other field as it is; its `TensorCollection`; and `HalfLayers<H>` for `Name<.., f32, Cpu>`,
+//!   which builds it field by field from the master.
+//! * The attribute `#[half_forward]` ([`attribute`]) on each of the module's `Module` (or
+//!   `ModuleMut`) impls, and on the inherent impls of the helper methods their code calls,
+//!   writes the same impl for `<Name>Working` in f16, `AMP<f16>` and emulated bf16, with the
+//!   element type and the device made concrete ([`concrete`]): the user's forward code,
+//!   unchanged, runs on mpx's layers.
 //!
 //! ```text
 //! #[derive(HalfLayers)]
@@ -23,6 +24,7 @@
 //! // + the same impl for MlpWorking<I, f16> (E = f16, D = Cpu), MlpWorking<I, AMP<f16>>, MlpWorking<I, bf16> (E = f32)
 //! ```
 
+mod concrete;
 mod derive;
 mod forward;
 
