@@ -110,6 +110,9 @@ pub(super) struct Concrete<'a> {
     /// an operand whose element type the code leaves to inference (`let e: Tensor<S, E, D> =
     /// dev.ones() * s`) as f16.
     pub(super) half_storage: bool,
+    /// Whether assignments to the module's fields are checked: in a `Module` impl's forward code,
+    /// not in an inherent impl, whose methods the forward code may never call (a setter).
+    pub(super) check_assignments: bool,
 }
 
 impl Concrete<'_> {
@@ -280,7 +283,7 @@ impl VisitMut for Concrete<'_> {
         // an assignment to a field of the module changes the working copy, which the step
         // writes back only where it is a tensor the walk does not train: anything else is a
         // compile error at the field (a counter `self.calls += 1` stayed 0 in the module)
-        if let Some(place) = assigned_field(e) {
+        if let Some(place) = assigned_field(e).filter(|_| self.check_assignments) {
             let rt = self.rt;
             let check = quote_spanned!(place.span()=> #rt::__private::carried_back(&#place));
             let assign = e.clone();
