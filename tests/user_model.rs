@@ -2173,3 +2173,132 @@ fn a_state_tensor_the_forward_pass_assigns_reaches_the_module() {
         "running average, mixed {got:?} against f32 {want:?}: {err:e}"
     );
 }
+
+// ---- a transformer block by hand ------------------------------------------------------------------
+
+/// A transformer block of the user's own: dfdx's attention and layer norms, residuals written
+/// out, the feed-forward part in a helper method, the impl bounded `E: num_traits::Float` as
+/// dfdx's attention needs.
+#[derive(Clone, mpx::HalfLayers)]
+struct Block<E: Dtype, D: Device<E>> {
+    attn: dfdx::nn::modules::MultiHeadAttention<16, 2, 16, 16, E, D>,
+    ln1: LayerNorm1D<16, E, D>,
+    ff1: dfdx::nn::modules::Linear<16, 32, E, D>,
+    ff2: dfdx::nn::modules::Linear<32, 16, E, D>,
+    ln2: LayerNorm1D<16, E, D>,
+}
+
+impl<E, D: Device<E>> TensorCollection<E, D> for Block<E, D>
+where
+    E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform,
+{
+    type To<E2: Dtype, D2: Device<E2>> = Block<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(
+            (
+                Self::module("attn", |s| &s.attn, |s| &mut s.attn),
+                Self::module("ln1", |s| &s.ln1, |s| &mut s.ln1),
+                Self::module("ff1", |s| &s.ff1, |s| &mut s.ff1),
+                Self::module("ff2", |s| &s.ff2, |s| &mut s.ff2),
+                Self::module("ln2", |s| &s.ln2, |s| &mut s.ln2),
+            ),
+            |(attn, ln1, ff1, ff2, ln2)| Block {
+                attn,
+                ln1,
+                ff1,
+                ff2,
+                ln2,
+            },
+        )
+    }
+}
+
+type Tokens<E, D, T> = Tensor<Rank3<4, 8, 16>, E, D, T>;
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Block<E, D> {
+    fn feed_forward(&self, x: Tokens<E, D, OwnedTape<E, D>>) -> Tokens<E, D, OwnedTape<E, D>> {
+        self.ff2.forward(self.ff1.forward(x).relu())
+    }
+}
+
+#[mpx::half_forward]
+impl<E, D: Device<E>> Module<Tokens<E, D, OwnedTape<E, D>>> for Block<E, D>
+where
+    E: Dtype + num_traits::Float,
+{
+    type Output = Tokens<E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward(&self, x: Tokens<E, D, OwnedTape<E, D>>) -> Result<Self::Output, D::Err> {
+        let (x, tape) = x.split_tape();
+        let a = self.attn.try_forward(x.clone().put_tape(tape))?;
+        let x = self.ln1.try_forward(a + x)?;
+        let (x, tape) = x.split_tape();
+        let f = self.feed_forward(x.clone().put_tape(tape));
+        self.ln2.try_forward(f + x)
+    }
+}
+
+type BlockF32 = Block<f32, Cpu>;
+type Tok = Tokens<f32, Cpu, NoneTape>;
+
+fn block_step_f32(m: &mut BlockF32, opt: &mut Adam<BlockF32, f32, Cpu>, x: &Tok, y: &Tok) -> f32 {
+    let loss = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone());
+    let v = loss.array();
+    opt.update(m, &loss.backward()).unwrap();
+    v
+}
+
+#[mixed_step(scaling = scaler)]
+fn block_step(
+    m: &mut BlockF32,
+    opt: &mut Adam<BlockF32, f32, Cpu>,
+    x: &Tok,
+    y: &Tok,
+    scaler: &mut GradScaler,
+) -> f32 {
+    let loss = mse_loss(m.forward(x.trace(m.alloc_grads())), y.clone());
+    let v = loss.array();
+    opt.update(m, &loss.backward()).unwrap();
+    v
+}
+
+#[test]
+fn a_transformer_block_of_the_users_own_trains_like_its_f32_twin() {
+    let dev = Cpu::seed_from_u64(8);
+    let init = Block::<f32, Cpu> {
+        attn: BuildModule::build(&dev),
+        ln1: BuildModule::build(&dev),
+        ff1: BuildModule::build(&dev),
+        ff2: BuildModule::build(&dev),
+        ln2: BuildModule::build(&dev),
+    };
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (
+        Adam::new(&a, Default::default()),
+        Adam::new(&b, Default::default()),
+    );
+    let mut scaler = GradScaler::default();
+    for k in 0..5 {
+        let x: Tok = dev.sample_normal();
+        let y: Tok = dev.sample_normal();
+        let want = block_step_f32(&mut a, &mut oa, &x, &y);
+        let got = block_step(&mut b, &mut ob, &x, &y, &mut scaler);
+        assert!(
+            (got - want).abs() <= 1e-2 * want.abs(),
+            "step {k}: {got} against {want}"
+        );
+        assert!(
+            scaler.last_step().unwrap().mpx_layers,
+            "step {k} ran on dfdx's layers"
+        );
+    }
+    let err = rel(&values(&b), &values(&a));
+    assert!(err < 1e-2, "mixed vs f32 after 5 Adam steps: {err:e}");
+    assert!(
+        rel(&values(&b), &values(&init)) > 10.0 * err,
+        "the model trained"
+    );
+}
