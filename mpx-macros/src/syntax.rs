@@ -6,30 +6,44 @@ use crate::ctxt::Ctxt;
 /// The precision traits a generic parameter may be bounded by to be taken as the half type.
 const PRECISION_TRAITS: [&str; 2] = ["Precision", "HalfPrecision"];
 
+/// Each type parameter's bounds, with the parameter: its own list, then each where-clause
+/// predicate on the parameter alone, in order.
+pub(crate) fn param_bounds(
+    generics: &syn::Generics,
+) -> impl Iterator<
+    Item = (
+        &syn::Ident,
+        &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>,
+    ),
+> {
+    let own = generics.type_params().map(|p| (&p.ident, &p.bounds));
+    let wheres = generics
+        .where_clause
+        .iter()
+        .flat_map(|w| &w.predicates)
+        .filter_map(|pred| match pred {
+            syn::WherePredicate::Type(pt) => match &pt.bounded_ty {
+                syn::Type::Path(tp) if tp.qself.is_none() => {
+                    tp.path.get_ident().map(|id| (id, &pt.bounds))
+                }
+                _ => None,
+            },
+            _ => None,
+        });
+    own.chain(wheres)
+}
+
 /// The type parameters bounded by a trait whose last path segment is one of `traits`, in their
 /// own list or in the where clause, each once, in order.
 pub(crate) fn params_bounded_by(generics: &syn::Generics, traits: &[&str]) -> Vec<syn::Ident> {
-    let bounded = |bounds: &syn::punctuated::Punctuated<syn::TypeParamBound, syn::Token![+]>| {
-        bounds.iter().any(|b| {
+    let mut found: Vec<syn::Ident> = Vec::new();
+    for (id, bounds) in param_bounds(generics) {
+        let bounded = bounds.iter().any(|b| {
             matches!(b, syn::TypeParamBound::Trait(t)
                 if t.path.segments.last().is_some_and(|s| traits.iter().any(|n| s.ident == n)))
-        })
-    };
-    let mut found: Vec<syn::Ident> = generics
-        .type_params()
-        .filter(|p| bounded(&p.bounds))
-        .map(|p| p.ident.clone())
-        .collect();
-    if let Some(wc) = &generics.where_clause {
-        for pred in &wc.predicates {
-            if let syn::WherePredicate::Type(pt) = pred
-                && let syn::Type::Path(tp) = &pt.bounded_ty
-                && let Some(id) = tp.path.get_ident()
-                && bounded(&pt.bounds)
-                && !found.contains(id)
-            {
-                found.push(id.clone());
-            }
+        });
+        if bounded && !found.contains(id) {
+            found.push(id.clone());
         }
     }
     found

@@ -251,27 +251,43 @@ impl Mentions<'_> {
     /// Whether `tokens` call a tracing method (`.traced(`) or name a traced binding (not a
     /// field: `.x`).
     fn in_tokens(&self, tokens: proc_macro2::TokenStream) -> bool {
-        let mut after_dot = false;
-        for tt in tokens {
-            let found = match &tt {
-                proc_macro2::TokenTree::Group(g) => self.in_tokens(g.stream()),
-                proc_macro2::TokenTree::Ident(id) => {
-                    let id = id.to_string();
-                    if after_dot {
-                        TRACING.contains(&id.as_str())
-                    } else {
-                        self.names.contains(&id)
-                    }
-                }
-                _ => false,
-            };
-            if found {
-                return true;
+        any_ident(tokens, &mut |id, after_dot, _| {
+            let id = id.to_string();
+            if after_dot {
+                TRACING.contains(&id.as_str())
+            } else {
+                self.names.contains(&id)
             }
-            after_dot = matches!(&tt, proc_macro2::TokenTree::Punct(p) if p.as_char() == '.');
-        }
-        false
+        })
     }
+}
+
+/// Whether a macro's argument tokens call one of `methods` (`. method (..)`), at any depth.
+pub(crate) fn calls_in_tokens(tokens: proc_macro2::TokenStream, methods: &[&str]) -> bool {
+    any_ident(tokens, &mut |id, after_dot, next| {
+        after_dot
+            && matches!(next, Some(proc_macro2::TokenTree::Group(g))
+                if g.delimiter() == proc_macro2::Delimiter::Parenthesis)
+            && methods.iter().any(|m| id == m)
+    })
+}
+
+/// Whether `hit(ident, after a '.', the next token)` holds for an identifier of `tokens`, at any
+/// depth: macro arguments read as tokens, since they are no expressions.
+fn any_ident(
+    tokens: proc_macro2::TokenStream,
+    hit: &mut dyn FnMut(&proc_macro2::Ident, bool, Option<&proc_macro2::TokenTree>) -> bool,
+) -> bool {
+    let tokens: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
+    tokens.iter().enumerate().any(|(i, tt)| match tt {
+        proc_macro2::TokenTree::Group(g) => any_ident(g.stream(), hit),
+        proc_macro2::TokenTree::Ident(id) => {
+            let after_dot = i > 0
+                && matches!(&tokens[i - 1], proc_macro2::TokenTree::Punct(p) if p.as_char() == '.');
+            hit(id, after_dot, tokens.get(i + 1))
+        }
+        _ => false,
+    })
 }
 
 /// Every `let` and assignment of the body: (names bound, value).
@@ -354,6 +370,8 @@ pub(crate) struct Found<'a> {
     pub others: Vec<&'a syn::ExprMethodCall>,
     /// `let` bindings: (name, loop depth, the value bound, when there is one).
     pub lets: Vec<(String, usize, Option<&'a syn::Expr>)>,
+    /// Every macro call, whose arguments (tokens) may hide a role.
+    pub macros: Vec<&'a syn::Macro>,
     depth: usize,
 }
 
@@ -367,6 +385,9 @@ impl<'a> Found<'a> {
 }
 
 impl<'a> Visit<'a> for Found<'a> {
+    fn visit_macro(&mut self, m: &'a syn::Macro) {
+        self.macros.push(m);
+    }
     fn visit_expr_method_call(&mut self, m: &'a syn::ExprMethodCall) {
         if as_update(m).is_some() {
             self.updates.push((m, self.depth));

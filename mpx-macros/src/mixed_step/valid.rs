@@ -7,7 +7,7 @@ use super::ast::{Args, Half};
 
 use quote::ToTokens;
 
-use super::roles::{Found, Traced, as_update, forward_path, key, parts_of, place};
+use super::roles::{Found, Traced, as_update, calls_in_tokens, forward_path, key, parts_of, place};
 use crate::ctxt::{Ctxt, plain_fn_only};
 
 /// Everything `expand` needs.
@@ -57,7 +57,7 @@ pub(crate) fn check(args: &Args, f: &syn::ItemFn, cx: &mut Ctxt) -> Option<Plan>
     let traced = Traced::of(f);
     check_forwards(f, &found, &masters, &traced, cx);
     if !masters.is_empty() && found.backwards.is_empty() {
-        match in_a_macro(&f.block, &["backward", "try_backward"]) {
+        match in_a_macro(&found, &["backward", "try_backward"]) {
             Some(mac) => cx.error_spanned(mac, in_a_macro_message("backward pass")),
             None => cx.error_spanned(
                 &f.sig.ident,
@@ -93,7 +93,7 @@ fn find_masters<'a>(
         }
     }
     if masters.is_empty() {
-        match in_a_macro(&f.block, &["update", "try_update"]) {
+        match in_a_macro(found, &["update", "try_update"]) {
             Some(mac) => cx.error_spanned(mac, in_a_macro_message("optimizer update")),
             None => cx.error_spanned(
                 &f.sig.ident,
@@ -104,40 +104,14 @@ fn find_masters<'a>(
     masters
 }
 
-/// The first macro call in `block` whose arguments call one of `methods` (`.update(..)` inside
-/// `println!(..)`): a macro's arguments are tokens the step cannot read as code.
-fn in_a_macro<'a>(block: &'a syn::Block, methods: &[&str]) -> Option<&'a syn::Macro> {
-    struct Find<'a, 'm> {
-        methods: &'m [&'m str],
-        found: Option<&'a syn::Macro>,
-    }
-    impl<'a> syn::visit::Visit<'a> for Find<'a, '_> {
-        fn visit_macro(&mut self, m: &'a syn::Macro) {
-            if self.found.is_none() && calls(m.tokens.clone(), self.methods) {
-                self.found = Some(m);
-            }
-        }
-    }
-    /// Whether `tokens` hold `. method (..)`, at any depth.
-    fn calls(tokens: proc_macro2::TokenStream, methods: &[&str]) -> bool {
-        let tokens: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
-        tokens.iter().enumerate().any(|(i, t)| match t {
-            proc_macro2::TokenTree::Group(g) => calls(g.stream(), methods),
-            proc_macro2::TokenTree::Ident(id) => {
-                let dot_before = i > 0
-                    && matches!(&tokens[i - 1], proc_macro2::TokenTree::Punct(p) if p.as_char() == '.');
-                let args_after = matches!(tokens.get(i + 1), Some(proc_macro2::TokenTree::Group(g)) if g.delimiter() == proc_macro2::Delimiter::Parenthesis);
-                dot_before && args_after && methods.iter().any(|m| id == m)
-            }
-            _ => false,
-        })
-    }
-    let mut find = Find {
-        methods,
-        found: None,
-    };
-    syn::visit::Visit::visit_block(&mut find, block);
-    find.found
+/// The first macro call of the body whose arguments call one of `methods` (`.update(..)` inside
+/// `println!(..)`).
+fn in_a_macro<'a>(found: &Found<'a>, methods: &[&str]) -> Option<&'a syn::Macro> {
+    found
+        .macros
+        .iter()
+        .copied()
+        .find(|m| calls_in_tokens(m.tokens.clone(), methods))
 }
 
 /// The error at a macro call that hides the step's `what` in its arguments.
