@@ -2050,8 +2050,7 @@ fn index_and_mask_tensors_of_a_users_module_are_carried_as_they_are() {
 
 /// A module of the user's own that keeps a running average of its output in a tensor its walk
 /// does not train (`#[half_layers(state)]`), assigned in `forward_mut`: the step writes it back,
-/// as batch norm's statistics. (An assigned field of another type is a compile error:
-/// `tests/ui/half_layers/assigned_counter.rs`.)
+/// as batch norm's statistics.
 #[derive(Clone, mpx::HalfLayers)]
 struct Averaged<E: Dtype, D: Device<E>> {
     l: dfdx::nn::modules::Linear<4, 3, E, D>,
@@ -2141,6 +2140,145 @@ fn a_state_tensor_the_forward_pass_assigns_reaches_the_module() {
         err < 1e-2,
         "running average, mixed {got:?} against f32 {want:?}: {err:e}"
     );
+}
+
+// ---- what a forward pass changes outside the tensors ----------------------------------------------
+
+/// A module of the user's own whose `forward_mut` keeps state outside its tensors: a call
+/// counter, a history (`Vec::push`), a temperature annealed in a helper method, which scales the
+/// output, and a phase of a type of the user's own (`#[half_layers(keep)]`: no layer). Each pass
+/// runs on a working copy; what it
+/// changed in those fields comes back to the module, as f32 leaves it there (they stayed as
+/// built: 0, empty, 1.0, the warm-up). Its layers are a tuple, which the derive takes for layers
+/// though it is no named type.
+#[derive(Clone, Debug, mpx::HalfLayers)]
+struct Counted<E: Dtype, D: Device<E>> {
+    l: (dfdx::nn::modules::Linear<4, 3, E, D>, ReLU),
+    calls: usize,
+    history: Vec<f32>,
+    temp: f32,
+    #[half_layers(keep)]
+    phase: Phase,
+}
+
+/// A type of the user's own in a module: carried into the working copy as it is.
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    WarmUp(usize),
+    Train,
+}
+
+impl<E, D: Device<E>> TensorCollection<E, D> for Counted<E, D>
+where
+    E: Dtype + num_traits::Float + rand_distr::uniform::SampleUniform,
+{
+    type To<E2: Dtype, D2: Device<E2>> = Counted<E2, D2>;
+    fn iter_tensors<V: ModuleVisitor<Self, E, D>>(
+        visitor: &mut V,
+    ) -> Result<Option<Self::To<V::E2, V::D2>>, V::Err> {
+        visitor.visit_fields(Self::module("l", |s| &s.l, |s| &mut s.l), |l| Counted {
+            l,
+            calls: 0,
+            history: Vec::new(),
+            temp: 1.0,
+            phase: Phase::WarmUp(2),
+        })
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> Counted<E, D> {
+    fn anneal(&mut self) {
+        self.temp *= 0.5;
+        self.history.push(self.temp);
+    }
+}
+
+#[mpx::half_forward]
+impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>>
+    for Counted<E, D>
+{
+    type Output = Tensor<Rank2<6, 3>, E, D, OwnedTape<E, D>>;
+    type Error = D::Err;
+    fn try_forward_mut(
+        &mut self,
+        x: Tensor<Rank2<6, 4>, E, D, OwnedTape<E, D>>,
+    ) -> Result<Self::Output, D::Err> {
+        self.calls += 1;
+        self.anneal();
+        if let Phase::WarmUp(left) = &mut self.phase {
+            *left -= 1;
+            if *left == 0 {
+                self.phase = Phase::Train;
+            }
+        }
+        Ok(self.l.try_forward(x)? * E::from_f32(1.0 + self.temp).unwrap())
+    }
+}
+
+/// In a tuple, as a model of dfdx's layers holds a module of the user's own.
+type CountedModel = (Counted<f32, Cpu>, Tanh);
+
+twin_steps!(counted_step_f32, counted_step, (m: &mut CountedModel, opt: &mut Sgd<CountedModel, f32, Cpu>, x: &X6) -> f32 {
+    let loss = m.forward_mut(x.trace(m.alloc_grads())).square().mean();
+    let v = loss.array();
+    opt.update(m, &loss.backward()).unwrap();
+    v
+});
+
+#[test]
+fn what_a_forward_pass_changes_outside_the_tensors_reaches_the_module() {
+    let dev = Cpu::seed_from_u64(8);
+    let init: CountedModel = (
+        Counted {
+            l: (BuildModule::build(&dev), ReLU),
+            calls: 0,
+            history: Vec::new(),
+            temp: 1.0,
+            phase: Phase::WarmUp(2),
+        },
+        Tanh,
+    );
+    let (mut a, mut b) = (init.clone(), init.clone());
+    let (mut oa, mut ob) = (
+        Sgd::new(&a, Default::default()),
+        Sgd::new(&b, Default::default()),
+    );
+    let mut scaler = GradScaler::default();
+    for k in 0..3 {
+        let (x, _) = batch(k);
+        let want = counted_step_f32(&mut a, &mut oa, &x);
+        let got = counted_step(&mut b, &mut ob, &x, &mut scaler);
+        assert!(
+            scaler.last_step().unwrap().mpx_layers,
+            "step {k} ran on dfdx's layers"
+        );
+        // the temperature scales the output: a pass that saw it reset would differ
+        assert!(
+            (got - want).abs() <= 1e-2 * want.abs(),
+            "step {k}: {got} against {want}"
+        );
+    }
+    assert_eq!(a.0.calls, 3);
+    assert_eq!(b.0.calls, a.0.calls);
+    assert_eq!(b.0.history, a.0.history);
+    assert_eq!(b.0.temp, a.0.temp);
+    assert_eq!((&a.0.phase, &b.0.phase), (&Phase::Train, &Phase::Train));
+    trained_like_f32(&values(&b), &values(&a), &values(&init));
+
+    // the runtime API's `forward_mut` takes the same back
+    let mut model = Mixed::mapped(init.0.clone());
+    let (x, _) = batch(3);
+    let grads = model.alloc_grads();
+    let y = scaler
+        .forward_mut(&mut model, x.trace(grads), |m, x| m.forward_mut(x))
+        .unwrap();
+    drop(scaler.backward(y.square().mean()).unwrap());
+    assert_eq!(
+        (model.calls, model.temp, &model.phase),
+        (1, 0.5, &Phase::WarmUp(1))
+    );
+    assert_eq!(model.history, [0.5]);
 }
 
 // ---- a transformer block by hand ------------------------------------------------------------------

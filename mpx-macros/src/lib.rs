@@ -80,12 +80,15 @@ pub fn derive_cast(input: TokenStream) -> TokenStream {
 /// (`D: Device<E>`), as dfdx's layers are. The derive writes `<Name>Working<consts.., H>`: each
 /// layer field as its mapped working copy, each tensor field of the element type in `H`'s
 /// element type, every other field (a temperature, a counter, a `usize` index tensor or a `bool`
-/// mask, its device as `Cpu`) cloned as it is, so every setting is carried.
+/// mask, its device as `Cpu`) cloned as it is, so every setting is carried; what a `forward_mut`
+/// pass changes in those comes back to the module. A field of a named type other than those is
+/// taken for a layer (a module of the user's own, `ReLU`), as is a tuple of layers.
 ///
 /// Attributes, all optional:
 /// - `#[half_layers(state)]` on a tensor field its `TensorCollection` does not train (a running
 ///   statistic; a mismatch with the module's own walk is an error when the step runs);
-/// - `#[half_layers(keep)]` on a field to carry as it is (a type that is no layer);
+/// - `#[half_layers(keep)]` on a field to carry as it is (a settings struct or an enum of the
+///   user's own: no layer);
 /// - `#[half_layers(dtype = E, device = D, crate = "path")]` on the struct, when the parameters
 ///   cannot be told from their bounds, or for a renamed dependency.
 ///

@@ -21,23 +21,6 @@ use crate::step::Part;
 use crate::step::owners::Owners;
 pub use crate::step::pending::Masters;
 pub use dfdx;
-/// A field that a `#[half_forward]` twin's code assigns to: the working copy's change reaches the
-/// module only for a tensor (the step writes back the tensors the module's walk does not train,
-/// as batch norm's running statistics).
-#[diagnostic::on_unimplemented(
-    message = "this forward pass assigns to a field of type `{Self}`, which the working copy carries as a copy: the change would not reach the module",
-    label = "assigned in the working copy's forward pass, which runs on a copy of the module",
-    note = "the step writes back the tensor fields of a module of your own that its walk does not train (`#[half_layers(state)]`, as batch norm's running statistics), nothing else: hold the value in such a tensor field, or keep it outside the module (the training loop)"
-)]
-pub trait CarriedBack {}
-
-impl<S: dfdx::shapes::Shape, E, D: dfdx::tensor::Storage<E>, T> CarriedBack
-    for dfdx::tensor::Tensor<S, E, D, T>
-{
-}
-
-/// Checks, by type, that an assigned field is [`CarriedBack`] (generated code only).
-pub fn carried_back<T: CarriedBack + ?Sized>(_: &T) {}
 
 /// What a module's generic forward code reaches through `E: Dtype` (`E::from_f32(..)`), named by
 /// `#[half_forward]`'s twins once `E` is a concrete type.
@@ -163,17 +146,25 @@ pub trait Borrowed {
     type Model;
     /// The model, shared.
     fn shared(&self) -> &Self::Model;
+    /// The model, mutably, when it was borrowed so (a `forward_mut` pass).
+    fn exclusive(&mut self) -> Option<&mut Self::Model>;
 }
 impl<M> Borrowed for &M {
     type Model = M;
     fn shared(&self) -> &M {
         self
     }
+    fn exclusive(&mut self) -> Option<&mut M> {
+        None
+    }
 }
 impl<M> Borrowed for &mut M {
     type Model = M;
     fn shared(&self) -> &M {
         self
+    }
+    fn exclusive(&mut self) -> Option<&mut M> {
+        Some(self)
     }
 }
 
@@ -261,14 +252,20 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>, R, X, C, B> Forward<'_, H, L
         Y: HalfOutput<H, D>,
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
-        let (master, input) = self.take();
+        let (mut master, input) = self.take();
         let m = master.shared();
         let owners = self.owners(m);
         match self
             .scaler
             .run::<R::Model, K, X, Y, F>(m, &owners, input, f)
         {
-            Ok(y) => y,
+            Ok((y, mut copy)) => {
+                // a `forward_mut` pass: what it changed outside the layers and tensors
+                if let Some(m) = master.exclusive() {
+                    K::carry_back(m, &mut copy);
+                }
+                y
+            }
             Err(e) => panic!("mixed-precision forward pass failed: {e}"),
         }
     }

@@ -1,56 +1,9 @@
 //! What `#[half_forward]` rewrites in a twin's code, once the element type and the device are
-//! concrete ([`Concrete`]): the paths through them, the ops of half tensors as mpx's, and each
-//! assignment to a field of the module checked by type.
+//! concrete ([`Concrete`]): the paths through them and the ops of half tensors as mpx's.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
-use syn::spanned::Spanned;
+use quote::quote;
 use syn::visit_mut::VisitMut;
-
-/// The field of `self` that `e` assigns to (`self.calls = ..`, `self.avg += ..`, an element of
-/// one), or `None`.
-fn assigned_field(e: &syn::Expr) -> Option<syn::Expr> {
-    let place = match e {
-        syn::Expr::Assign(a) => &*a.left,
-        syn::Expr::Binary(b)
-            if matches!(
-                b.op,
-                syn::BinOp::AddAssign(_)
-                    | syn::BinOp::SubAssign(_)
-                    | syn::BinOp::MulAssign(_)
-                    | syn::BinOp::DivAssign(_)
-                    | syn::BinOp::RemAssign(_)
-                    | syn::BinOp::BitXorAssign(_)
-                    | syn::BinOp::BitAndAssign(_)
-                    | syn::BinOp::BitOrAssign(_)
-                    | syn::BinOp::ShlAssign(_)
-                    | syn::BinOp::ShrAssign(_)
-            ) =>
-        {
-            &*b.left
-        }
-        _ => return None,
-    };
-    // down to the field of `self` the place is in
-    let mut field = None;
-    let mut at = place;
-    loop {
-        match at {
-            syn::Expr::Field(f) => {
-                if matches!(&*f.base, syn::Expr::Path(p) if p.path.is_ident("self")) {
-                    field = Some(at.clone());
-                    break;
-                }
-                at = &f.base;
-            }
-            syn::Expr::Index(i) => at = &i.expr,
-            syn::Expr::Paren(p) => at = &p.expr,
-            syn::Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => at = &u.expr,
-            _ => break,
-        }
-    }
-    field
-}
 
 /// `num_traits::FromPrimitive`'s functions, which `E: Dtype` brings.
 const FROM_PRIMITIVE: &[&str] = &[
@@ -110,9 +63,6 @@ pub(super) struct Concrete<'a> {
     /// an operand whose element type the code leaves to inference (`let e: Tensor<S, E, D> =
     /// dev.ones() * s`) as f16.
     pub(super) half_storage: bool,
-    /// Whether assignments to the module's fields are checked: in a `Module` impl's forward code,
-    /// not in an inherent impl, whose methods the forward code may never call (a setter).
-    pub(super) check_assignments: bool,
 }
 
 impl Concrete<'_> {
@@ -278,16 +228,6 @@ impl VisitMut for Concrete<'_> {
             _ => syn::visit_mut::visit_expr_mut(self, e),
         }
         if self.consts > 0 {
-            return;
-        }
-        // an assignment to a field of the module changes the working copy, which the step
-        // writes back only where it is a tensor the walk does not train: anything else is a
-        // compile error at the field (a counter `self.calls += 1` stayed 0 in the module)
-        if let Some(place) = assigned_field(e).filter(|_| self.check_assignments) {
-            let rt = self.rt;
-            let check = quote_spanned!(place.span()=> #rt::__private::carried_back(&#place));
-            let assign = e.clone();
-            *e = syn::parse_quote!({ #check; #assign });
             return;
         }
         // the element-wise ops and the matrix product of two half tensors (and the element-wise

@@ -14,7 +14,8 @@ const CONTAINER_KEYS: &str = "`dtype`, `device`, `crate`";
 /// Keys a field's `#[half_layers(..)]` accepts.
 const FIELD_KEYS: &str = "`keep`, `state`";
 
-/// Field types carried into the working copy as they are (cloned).
+/// Field types carried into the working copy as they are (cloned), even where they name the
+/// element type (which is then an error: a `Vec<E>` of numbers, an `Option` of a tensor).
 const KEPT: &[&str] = &[
     "f32",
     "f64",
@@ -39,6 +40,14 @@ const KEPT: &[&str] = &[
     "Box",
     "Rc",
     "Arc",
+    "HashMap",
+    "HashSet",
+    "BTreeMap",
+    "BTreeSet",
+    "VecDeque",
+    "Duration",
+    "StdRng",
+    "SmallRng",
 ];
 
 /// What a field becomes in the working copy.
@@ -70,7 +79,7 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     let (krate, dtype, device) = container_args(&input, &mut cx);
     let elem = dtype.or_else(|| param_bounded_by(&input.generics, &["Dtype"]));
     let dev = device.or_else(|| param_bounded_by(&input.generics, &["Device", "Storage"]));
-    let fields = fields(&input, elem.as_ref(), &mut cx);
+    let fields = fields(&input, (elem.as_ref(), dev.as_ref()), &mut cx);
     if elem.is_none() {
         cx.error_spanned(
             &input.ident,
@@ -96,7 +105,8 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     }
     if let Some(elem) = &elem {
         for f in &fields {
-            if matches!(f.role, Role::Keep) && mentions(f.ty, elem) {
+            let marker = matches!(&f.ty, syn::Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "PhantomData"));
+            if matches!(f.role, Role::Keep) && mentions(f.ty, elem) && !marker {
                 cx.error_spanned(
                     f.ty,
                     "`#[derive(HalfLayers)]`: this field is carried into the working copy as it is (its device as `Cpu`), so it must not mention the element type; if it is a layer, it needs `HalfLayers` (remove `#[half_layers(keep)]`)",
@@ -138,7 +148,7 @@ fn container_args(
 /// tensor of the model; one of another element type (`usize` indices, a `bool` mask) is carried.
 fn fields<'a>(
     input: &'a syn::DeriveInput,
-    elem: Option<&syn::Ident>,
+    (elem, dev): (Option<&syn::Ident>, Option<&syn::Ident>),
     cx: &mut Ctxt,
 ) -> Vec<Field<'a>> {
     let data = match &input.data {
@@ -184,10 +194,18 @@ fn fields<'a>(
             } else {
                 Role::Keep
             }
-        } else if name.as_deref().is_none_or(|l| KEPT.contains(&l)) {
+        } else if name.as_deref().is_some_and(|l| KEPT.contains(&l))
+            || dev.is_some_and(|d| matches!(&f.ty, syn::Type::Path(p) if p.path.is_ident(d)))
+        {
             Role::Keep
-        } else {
+        } else if name.is_some() || elem.is_none_or(|e| mentions(&f.ty, e)) {
+            // a module of the user's own, a layer of dfdx's (`ReLU` names no element type; a
+            // type of the user's own that is no layer is an error at its type, which names
+            // `#[half_layers(keep)]`), a tuple of layers or `<Spec as BuildOnDevice<D, E>>::Built`
             Role::Layer
+        } else {
+            // a tuple or an array of numbers
+            Role::Keep
         };
         if state && !matches!(role, Role::Tensor { .. }) {
             cx.error_spanned(
@@ -385,9 +403,26 @@ fn generate(
                 let trained = !state;
                 quote!(cx.tensor::<Self, _>(&self.#m, #trained, #n)?)
             }
-            Role::Keep => quote!(::core::clone::Clone::clone(&self.#m)),
+            // a field that is not `Clone` is an error at its type (the span on the path alone:
+            // `self` keeps the derive's, as a macro's own tokens must)
+            Role::Keep => {
+                let clone = quote_spanned!(f.ty.span()=> ::core::clone::Clone::clone);
+                quote!(#clone(&self.#m))
+            }
         };
         quote!(#m: #value)
+    });
+    // what a `forward_mut` pass changed outside the layers and tensors, taken back: the carried
+    // fields swapped into the master, the layers' own taken back in turn
+    let backs = fields.iter().filter_map(|f| {
+        let m = &f.member;
+        match f.role {
+            Role::Layer => Some(
+                quote!(#rt::step::HalfLayers::<__H>::carry_back(&mut self.#m, &mut working.#m);),
+            ),
+            Role::Keep => Some(quote!(::core::mem::swap(&mut self.#m, &mut working.#m);)),
+            Role::Tensor { .. } => None,
+        }
     });
     let unreachable = format!(
         "`{name}Working` is the working copy of a mixed step: it is not built or converted by dfdx's visitors"
@@ -441,6 +476,10 @@ fn generate(
             ) -> ::core::result::Result<Self::Working, #rt::step::StepError> {
                 ::core::result::Result::Ok(#working { #(#builds),* })
             }
+            fn carry_back(&mut self, working: &mut Self::Working) {
+                let _ = &working;
+                #(#backs)*
+            }
         }
     }
 }
@@ -452,4 +491,49 @@ fn nest(items: &[TokenStream]) -> TokenStream {
     }
     let groups: Vec<TokenStream> = items.chunks(6).map(|c| quote!((#(#c,)*))).collect();
     nest(&groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    /// A named type is a layer (`ReLU` too), and so is a tuple that names the element type; the
+    /// device, a tuple of numbers, the standard containers and a field marked `keep` are
+    /// carried as they are, and taken back after a `forward_mut` pass.
+    #[test]
+    fn layers_are_named_types_and_tuples_of_the_element_type_and_the_rest_is_carried() {
+        let out = super::expand(quote! {
+            struct Net<E: Dtype, D: Device<E>> {
+                mlp: (Linear<4, 8, E, D>, Tanh),
+                act: ReLU,
+                #[half_layers(keep)]
+                phase: Phase,
+                dev: D,
+                calls: usize,
+                range: (usize, usize),
+                seen: HashMap<usize, f32>,
+            }
+        })
+        .to_string()
+        .replace(' ', "");
+        for layer in ["mlp", "act"] {
+            assert!(
+                out.contains(&format!(
+                    "HalfLayers::<__H>::carry_back(&mutself.{layer},&mutworking.{layer});"
+                )),
+                "{layer}: {out}"
+            );
+        }
+        assert!(out.contains("mlp:<(Linear<4,8,f32,"), "{out}");
+        for kept in ["phase", "dev", "calls", "range", "seen"] {
+            assert!(
+                out.contains(&format!(
+                    "::core::mem::swap(&mutself.{kept},&mutworking.{kept});"
+                )),
+                "{kept}: {out}"
+            );
+        }
+        assert!(out.contains("phase:Phase,"), "{out}");
+        assert!(!out.contains("compile_error"), "{out}");
+    }
 }

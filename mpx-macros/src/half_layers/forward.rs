@@ -204,7 +204,6 @@ fn twin(
         rt,
         consts: 0,
         half_storage,
-        check_assignments: imp.trait_.is_some(),
     }
     .visit_item_impl_mut(&mut imp);
     quote!(#imp)
@@ -430,46 +429,6 @@ mod tests {
             "{out}"
         );
         assert_eq!(out.matches("ElemRegion").count(), 2, "{out}");
-    }
-
-    /// An assignment to a field of the module in the forward code is checked by type in the
-    /// twins; one in an inherent impl (a setter the forward code may never call) is not.
-    #[test]
-    fn assignments_to_fields_are_checked_in_the_forward_code_alone() {
-        let forward = super::expand(
-            quote!(),
-            quote! {
-                impl<E: Dtype, D: Device<E>> ModuleMut<Tensor<Rank1<3>, E, D>> for Net<E, D> {
-                    type Output = Tensor<Rank1<3>, E, D>;
-                    type Error = D::Err;
-                    fn try_forward_mut(&mut self, x: Tensor<Rank1<3>, E, D>) -> Result<Self::Output, D::Err> {
-                        self.calls += 1;
-                        Ok(x)
-                    }
-                }
-            },
-        )
-        .to_string()
-        .replace(' ', "");
-        assert_eq!(
-            forward
-                .matches("__private::carried_back(&self.calls);self.calls+=1")
-                .count(),
-            super::PRECISIONS.len(),
-            "{forward}"
-        );
-        let setter = super::expand(
-            quote!(),
-            quote! {
-                impl<E: Dtype, D: Device<E>> Net<E, D> {
-                    fn set_temperature(&mut self, t: f32) {
-                        self.temperature = t;
-                    }
-                }
-            },
-        )
-        .to_string();
-        assert!(!setter.contains("carried_back"), "{setter}");
     }
 
     /// `#[half_forward]` on an inherent impl (the helpers the forward code calls): the impl as

@@ -86,7 +86,7 @@ use crate::walk::{Each, each};
 #[diagnostic::on_unimplemented(
     message = "`{Self}` has no working copy of mpx's layers",
     label = "a layer (or a module of your own) without mpx's counterpart",
-    note = "a module of your own gets one with `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (docs/dsl.md, \"Modules of your own\"); dfdx's convolutions and 2D pools have none: a model holding one runs on dfdx's f16 layers, without the derive on the modules around it; the derive takes a field for a tensor by its type's name, so a tensor field written through a type alias is taken for a layer: write it as `Tensor<..>`"
+    note = "a module of your own gets one with `#[derive(mpx::HalfLayers)]` on its struct and `#[mpx::half_forward]` on its `Module` impl (docs/dsl.md, \"Modules of your own\"); dfdx's convolutions and 2D pools have none: a model holding one runs on dfdx's f16 layers, without the derive on the modules around it; the derive takes a field for a tensor by its type's name, so a tensor field written through a type alias is taken for a layer: write it as `Tensor<..>`; a field of a type of your own that is no layer (a settings struct, an enum) is carried into the working copy as it is with `#[half_layers(keep)]` on it"
 )]
 pub trait HalfLayers<H: Precision>: MasterModel
 where
@@ -127,6 +127,25 @@ where
     fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
         cx.leaf(self)
     }
+
+    /// Takes back from a working copy whose `forward_mut` pass has run what that pass changed
+    /// outside its layers and tensors: the fields a module of the user's own carries into its
+    /// working copy as they are (a counter, a history, a schedule's state; the field as the pass
+    /// left it, swapped into the master). dfdx's layers and mpx's hold none; containers and
+    /// modules with `#[derive(HalfLayers)]` take back part by part.
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::HalfLayers};
+    /// let mut master = (LeakyReLU(0.2f32), ReLU);
+    /// let mut w = (mpx_runtime::nn::LeakyReLU(0.2), mpx_runtime::nn::ReLU);
+    /// HalfLayers::<f16>::carry_back(&mut master, &mut w); // nothing to take back
+    /// assert_eq!(master.0.0, 0.2);
+    /// ```
+    fn carry_back(&mut self, working: &mut Self::Working) {
+        let _ = working;
+    }
 }
 
 impl<H, M> Kind<H, M, Cpu> for Mapped
@@ -154,6 +173,9 @@ where
         let copy = master.build_working(&mut cx)?;
         let Built { pairs, state, .. } = cx.built;
         Ok(Built { copy, pairs, state })
+    }
+    fn carry_back(master: &mut M, copy: &mut Self::Copy) {
+        master.carry_back(copy);
     }
 }
 

@@ -345,6 +345,11 @@ where
             .collect::<Result<_, _>>()?;
         Ok(Repeated { modules })
     }
+    fn carry_back(&mut self, working: &mut Self::Working) {
+        for (m, w) in self.modules.iter_mut().zip(&mut working.modules) {
+            m.carry_back(w);
+        }
+    }
 }
 
 /// A generalized residual maps both of its branches, and is mpx's
@@ -366,6 +371,10 @@ where
         let r = self.r.build_working(cx)?;
         Ok(crate::nn::GeneralizedResidual { f, r })
     }
+    fn carry_back(&mut self, working: &mut Self::Working) {
+        self.f.carry_back(&mut working.f);
+        self.r.carry_back(&mut working.r);
+    }
 }
 
 /// `Residual`, `AddInto` and `SplitInto` map what they hold; the two that add are mpx's
@@ -384,6 +393,9 @@ macro_rules! branches {
             fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
                 Ok($($w)::+(self.0.build_working(cx)?))
             }
+            fn carry_back(&mut self, working: &mut Self::Working) {
+                self.0.carry_back(&mut working.0);
+            }
         }
     )*};
 }
@@ -401,6 +413,9 @@ macro_rules! tuple {
             type Working = ($($m::Working,)+);
             fn build_working(&self, cx: &mut BuildCx<'_, H>) -> Result<Self::Working, StepError> {
                 Ok(($(self.$i.build_working(cx)?,)+))
+            }
+            fn carry_back(&mut self, working: &mut Self::Working) {
+                $(self.$i.carry_back(&mut working.$i);)+
             }
         }
     };

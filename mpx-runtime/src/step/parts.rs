@@ -112,7 +112,9 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
         let _ = kind;
-        self.run::<M, K, X, Y, F>(model, &Owners::Parts(parts), input, f)
+        Ok(self
+            .run::<M, K, X, Y, F>(model, &Owners::Parts(parts), input, f)?
+            .0)
     }
 
     /// Updates `part` (the part of the model whose state is `state`) with `optimizer`, as

@@ -313,7 +313,49 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         F: FnOnce(&mut K::Copy, X::Half) -> Y,
     {
         let owners = Owners::Whole(master.cell.clone());
-        self.run::<M, K, X, Y, F>(master, &owners, input, f)
+        Ok(self.run::<M, K, X, Y, F>(master, &owners, input, f)?.0)
+    }
+
+    /// [`forward`](Self::forward) for a pass that may change the model (`forward_mut`, as
+    /// dropout's and batch norm's training mode do): once `f` has run, what it changed in the
+    /// working copy outside the layers and tensors comes back to the master
+    /// ([`HalfLayers::carry_back`](super::HalfLayers::carry_back): a counter or a history in a
+    /// module of the user's own), as the same pass in f32 leaves it in the model.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward).
+    ///
+    /// # Examples
+    /// ```
+    /// use dfdx::prelude::*;
+    /// use mpx_runtime::{precision::f16, step::{GradScaler, Mixed}};
+    /// let dev: Cpu = Default::default();
+    /// let mut model = Mixed::mapped(dev.build_module::<(Linear<4, 8>, Dropout, Linear<8, 2>), f32>());
+    /// let mut scaler = GradScaler::<f16>::default();
+    /// let x: Tensor<Rank2<3, 4>, f32, _> = dev.sample_normal();
+    /// let grads = model.alloc_grads();
+    /// let y = scaler.forward_mut(&mut model, x.trace(grads), |m, x| m.forward_mut(x))?;
+    /// let grads = scaler.backward(y.square().mean())?;
+    /// assert!(grads.get(&model.0.weight).as_vec().iter().any(|g| *g != 0.0));
+    /// # Ok::<(), mpx_runtime::step::StepError>(())
+    /// ```
+    pub fn forward_mut<M, K, X, Y, F>(
+        &mut self,
+        master: &mut Mixed<M, K>,
+        input: X,
+        f: F,
+    ) -> Result<Y::Full, StepError>
+    where
+        M: MasterModel<D>,
+        K: Kind<H, M, D>,
+        X: HalfInput<H, D>,
+        Y: HalfOutput<H, D>,
+        F: FnOnce(&mut K::Copy, X::Half) -> Y,
+    {
+        let owners = Owners::Whole(master.cell.clone());
+        let (y, mut copy) = self.run::<M, K, X, Y, F>(master, &owners, input, f)?;
+        K::carry_back(&mut **master, &mut copy);
+        Ok(y)
     }
 
     /// A forward pass of `master` on its working copy of kind `K`, whose gradients are `owners'`
@@ -324,7 +366,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         owners: &Owners,
         input: X,
         f: F,
-    ) -> Result<Y::Full, StepError>
+    ) -> Result<(Y::Full, K::Copy), StepError>
     where
         M: MasterModel<D>,
         K: Kind<H, M, D>,
@@ -371,7 +413,7 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         if let Some(changed) = state.changed(&copy).map_err(D::step_error)? {
             owners.share_state::<D, M>(master, (changed, &base), D::step_error)?;
         }
-        Ok(out)
+        Ok((out, copy))
     }
 
     /// A forward pass of `master` run in f32 on the master itself (a model the step cannot run

@@ -235,6 +235,13 @@ pub trait Kind<H: Precision, M, D: MixedDevice<H>>: sealed::Sealed + 'static {
         links: &D::Links,
         store: &mut D::Store,
     ) -> Result<Built<H, D, Self::Copy>, StepError>;
+    /// Takes back into `master` what a `forward_mut` pass changed in `copy` outside its layers
+    /// and tensors ([`HalfLayers::carry_back`](super::HalfLayers::carry_back)); nothing for
+    /// [`Plain`], whose copy dfdx's visitors rebuild from the master's tensors and scalars.
+    #[doc(hidden)]
+    fn carry_back(master: &mut M, copy: &mut Self::Copy) {
+        let _ = (master, copy);
+    }
 }
 
 mod sealed {
