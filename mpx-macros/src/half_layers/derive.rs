@@ -105,7 +105,21 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
     }
     if let Some(elem) = &elem {
         for f in &fields {
-            let marker = matches!(&f.ty, syn::Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "PhantomData"));
+            let last = match f.ty {
+                syn::Type::Path(p) => p.path.segments.last().map(|s| s.ident.to_string()),
+                _ => None,
+            };
+            let marker = last.as_deref() == Some("PhantomData");
+            if matches!(f.role, Role::Keep)
+                && last
+                    .as_deref()
+                    .is_some_and(|l| ["Cell", "RefCell", "OnceCell"].contains(&l))
+            {
+                cx.error_spanned(
+                    f.ty,
+                    "`#[derive(HalfLayers)]`: this field is cloned into each forward pass's working copy, so what a `forward(&self)` pass sets in it would not reach the module; hold it shared, in an `Rc<Cell<..>>` or an `Arc<Mutex<..>>`, which the copy shares; a plain field (a `usize`) that `forward_mut` changes comes back to the module",
+                );
+            }
             if matches!(f.role, Role::Keep) && mentions(f.ty, elem) && !marker {
                 cx.error_spanned(
                     f.ty,
