@@ -117,7 +117,7 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
             {
                 cx.error_spanned(
                     f.ty,
-                    "`#[derive(HalfLayers)]`: this field is cloned into each forward pass's working copy, so what a `forward(&self)` pass sets in it would not reach the module; hold it shared, in an `Rc<Cell<..>>` or an `Arc<Mutex<..>>`, which the copy shares; a plain field (a `usize`) that `forward_mut` changes comes back to the module",
+                    "`#[derive(HalfLayers)]`: this field is cloned into each forward pass's working copy, so what a `forward(&self)` pass sets in it would not reach the module; hold it shared, in an `Arc<Mutex<..>>` or an `Arc<AtomicUsize>`, which the copy shares; a plain field (a `usize`) that `forward_mut` changes comes back to the module",
                 );
             }
             if matches!(f.role, Role::Keep) && mentions(f.ty, elem) && !marker {
