@@ -1929,6 +1929,39 @@ fn trained_like_f32(mixed: &[f32], f32: &[f32], init: &[f32]) {
     assert!(rel(mixed, init) > 10.0 * err, "the model trained");
 }
 
+/// What a step of a twin returns: its loss (compared), or nothing.
+trait Compared: std::fmt::Debug {
+    /// Whether the mixed step's `self` is the f32 twin's `want` within 1%.
+    fn close_to(&self, want: &Self) -> bool;
+}
+impl Compared for f32 {
+    fn close_to(&self, want: &f32) -> bool {
+        (self - want).abs() <= 1e-2 * want.abs()
+    }
+}
+impl Compared for () {
+    fn close_to(&self, _: &()) -> bool {
+        true
+    }
+}
+
+/// Runs `steps` steps of a twin, `step(k, scaler)` returning the f32 step's result and the mixed
+/// step's: every mixed step ran on mpx's layers in f16, its loss (where the steps return one)
+/// within 1% of the f32 twin's.
+fn in_lock_step<T: Compared>(
+    steps: u64,
+    scaler: &mut GradScaler,
+    mut step: impl FnMut(u64, &mut GradScaler) -> (T, T),
+) {
+    for k in 0..steps {
+        let (want, got) = step(k, scaler);
+        assert!(got.close_to(&want), "step {k}: {got:?} against {want:?}");
+        let last = scaler.last_step().unwrap();
+        assert!(last.mpx_layers, "step {k} ran on dfdx's layers");
+        assert_eq!(last.precision, DType::Float16);
+    }
+}
+
 twin_steps!(vae_step_f32, vae_step, (m: &mut VaeF32, opt: &mut Adam<VaeF32, f32, Cpu>, x: &X6) -> f32 {
     let (rec, logvar) = m.forward(x.trace(m.alloc_grads()));
     let loss = mse_loss(rec, x.clone()) + logvar.square().mean() * 0.1;
@@ -1953,18 +1986,13 @@ fn a_module_whose_forward_calls_its_own_helper_methods_runs_on_mpx_layers() {
         Adam::new(&b, Default::default()),
     );
     let mut scaler = GradScaler::default();
-    for k in 0..5 {
+    in_lock_step(5, &mut scaler, |k, s| {
         let (x, _) = batch(k);
-        let want = vae_step_f32(&mut a, &mut oa, &x);
-        let got = vae_step(&mut b, &mut ob, &x, &mut scaler);
-        assert!(
-            (got - want).abs() <= 1e-2 * want.abs(),
-            "step {k}: {got} against {want}"
-        );
-        let last = scaler.last_step().unwrap();
-        assert!(last.mpx_layers, "step {k} ran on dfdx's layers");
-        assert_eq!(last.precision, DType::Float16);
-    }
+        (
+            vae_step_f32(&mut a, &mut oa, &x),
+            vae_step(&mut b, &mut ob, &x, s),
+        )
+    });
     assert_eq!(scaler.applied_steps(), 5);
     trained_like_f32(&values(&b), &values(&a), &values(&init));
 }
@@ -2032,15 +2060,13 @@ fn index_and_mask_tensors_of_a_users_module_are_carried_as_they_are() {
     };
     let (mut oa, mut ob) = (Sgd::new(&a, cfg), Sgd::new(&b, cfg));
     let mut scaler = GradScaler::default();
-    for k in 0..5 {
+    in_lock_step(5, &mut scaler, |k, s| {
         let (x, y) = batch(k);
-        permuted_step_f32(&mut a, &mut oa, &x, &y);
-        permuted_step(&mut b, &mut ob, &x, &y, &mut scaler);
-        assert!(
-            scaler.last_step().unwrap().mpx_layers,
-            "step {k} ran on dfdx's layers"
-        );
-    }
+        (
+            permuted_step_f32(&mut a, &mut oa, &x, &y),
+            permuted_step(&mut b, &mut ob, &x, &y, s),
+        )
+    });
     trained_like_f32(&values(&b), &values(&a), &values(&init));
     // the mask's column left out gets no gradient: its weights stay as they were
     assert_eq!(b.l.weight.as_vec()[4..8], init.l.weight.as_vec()[4..8]);
@@ -2121,15 +2147,13 @@ fn a_state_tensor_the_forward_pass_assigns_reaches_the_module() {
         Sgd::new(&b, Default::default()),
     );
     let mut scaler = GradScaler::default();
-    for k in 0..3 {
+    in_lock_step(3, &mut scaler, |k, s| {
         let (x, _) = batch(k);
-        averaged_step_f32(&mut a, &mut oa, &x);
-        averaged_step(&mut b, &mut ob, &x, &mut scaler);
-        assert!(
-            scaler.last_step().unwrap().mpx_layers,
-            "step {k} ran on dfdx's layers"
-        );
-    }
+        (
+            averaged_step_f32(&mut a, &mut oa, &x),
+            averaged_step(&mut b, &mut ob, &x, s),
+        )
+    });
     let (want, got) = (a.avg.as_vec(), b.avg.as_vec());
     assert!(
         want.iter().any(|v| v.abs() > 1e-3),
@@ -2245,20 +2269,14 @@ fn what_a_forward_pass_changes_outside_the_tensors_reaches_the_module() {
         Sgd::new(&b, Default::default()),
     );
     let mut scaler = GradScaler::default();
-    for k in 0..3 {
+    // the temperature scales the output: a pass that saw it reset would differ
+    in_lock_step(3, &mut scaler, |k, s| {
         let (x, _) = batch(k);
-        let want = counted_step_f32(&mut a, &mut oa, &x);
-        let got = counted_step(&mut b, &mut ob, &x, &mut scaler);
-        assert!(
-            scaler.last_step().unwrap().mpx_layers,
-            "step {k} ran on dfdx's layers"
-        );
-        // the temperature scales the output: a pass that saw it reset would differ
-        assert!(
-            (got - want).abs() <= 1e-2 * want.abs(),
-            "step {k}: {got} against {want}"
-        );
-    }
+        (
+            counted_step_f32(&mut a, &mut oa, &x),
+            counted_step(&mut b, &mut ob, &x, s),
+        )
+    });
     assert_eq!(a.0.calls, 3);
     assert_eq!(b.0.calls, a.0.calls);
     assert_eq!(b.0.history, a.0.history);
@@ -2374,19 +2392,13 @@ fn a_transformer_block_of_the_users_own_trains_like_its_f32_twin() {
         Adam::new(&b, Default::default()),
     );
     let mut scaler = GradScaler::default();
-    for k in 0..5 {
+    in_lock_step(5, &mut scaler, |_, s| {
         let x: Tok = dev.sample_normal();
         let y: Tok = dev.sample_normal();
-        let want = block_step_f32(&mut a, &mut oa, &x, &y);
-        let got = block_step(&mut b, &mut ob, &x, &y, &mut scaler);
-        assert!(
-            (got - want).abs() <= 1e-2 * want.abs(),
-            "step {k}: {got} against {want}"
-        );
-        assert!(
-            scaler.last_step().unwrap().mpx_layers,
-            "step {k} ran on dfdx's layers"
-        );
-    }
+        (
+            block_step_f32(&mut a, &mut oa, &x, &y),
+            block_step(&mut b, &mut ob, &x, &y, s),
+        )
+    });
     trained_like_f32(&values(&b), &values(&a), &values(&init));
 }
