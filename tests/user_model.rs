@@ -2173,8 +2173,8 @@ fn a_state_tensor_the_forward_pass_assigns_reaches_the_module() {
 /// output, and a phase of a type of the user's own (`#[half_layers(keep)]`: no layer). Each pass
 /// runs on a working copy; what it
 /// changed in those fields comes back to the module, as f32 leaves it there (they stayed as
-/// built: 0, empty, 1.0, the warm-up). Its layers are a tuple, which the derive takes for layers
-/// though it is no named type.
+/// built: 0, empty, 1.0, the warm-up), whether the step calls the model or the module as a field
+/// of it. Its layers are a tuple, which the derive takes for layers though it is no named type.
 #[derive(Clone, Debug, mpx::HalfLayers)]
 struct Counted<E: Dtype, D: Device<E>> {
     l: (dfdx::nn::modules::Linear<4, 3, E, D>, ReLU),
@@ -2250,6 +2250,14 @@ twin_steps!(counted_step_f32, counted_step, (m: &mut CountedModel, opt: &mut Sgd
     v
 });
 
+// the module called as a field of the model (`m.0.forward_mut(..)`), the rest of the model after
+twin_steps!(counted_field_step_f32, counted_field_step, (m: &mut CountedModel, opt: &mut Sgd<CountedModel, f32, Cpu>, x: &X6) -> f32 {
+    let loss = m.0.forward_mut(x.trace(m.alloc_grads())).tanh().square().mean();
+    let v = loss.array();
+    opt.update(m, &loss.backward()).unwrap();
+    v
+});
+
 #[test]
 fn what_a_forward_pass_changes_outside_the_tensors_reaches_the_module() {
     let dev = Cpu::seed_from_u64(8);
@@ -2270,14 +2278,21 @@ fn what_a_forward_pass_changes_outside_the_tensors_reaches_the_module() {
     );
     let mut scaler = GradScaler::default();
     // the temperature scales the output: a pass that saw it reset would differ
-    in_lock_step(3, &mut scaler, |k, s| {
+    in_lock_step(4, &mut scaler, |k, s| {
         let (x, _) = batch(k);
-        (
-            counted_step_f32(&mut a, &mut oa, &x),
-            counted_step(&mut b, &mut ob, &x, s),
-        )
+        if k < 3 {
+            (
+                counted_step_f32(&mut a, &mut oa, &x),
+                counted_step(&mut b, &mut ob, &x, s),
+            )
+        } else {
+            (
+                counted_field_step_f32(&mut a, &mut oa, &x),
+                counted_field_step(&mut b, &mut ob, &x, s),
+            )
+        }
     });
-    assert_eq!(a.0.calls, 3);
+    assert_eq!(a.0.calls, 4);
     assert_eq!(b.0.calls, a.0.calls);
     assert_eq!(b.0.history, a.0.history);
     assert_eq!(b.0.temp, a.0.temp);
