@@ -1,7 +1,10 @@
-//! The working copy of one forward pass, built from the master when the pass starts and dropped
-//! when its backward pass has run: the master's tensors rounded to the half type, and every
-//! setting that is not a tensor (a norm's `epsilon` and `momentum`, dropout's `p`, a user's own
-//! scalar fields) copied as the master has it now.
+//! The working copy of one forward pass, built from the master when the pass starts: the
+//! master's tensors rounded to the half type, and every setting that is not a tensor (a norm's
+//! `epsilon` and `momentum`, dropout's `p`, a user's own scalar fields) copied as the master has
+//! it now. When a `forward_mut` pass returns, what it changed in the copy outside its layers and
+//! tensors (a module of the user's own's counter or history) goes back to the master
+//! ([`Kind::carry_back`]) and the copy is dropped; its tensors live on in the tape until the
+//! backward pass has run.
 //!
 //! A fresh copy per pass is what makes the working copy the user's model: a change to the
 //! master between two passes (an evaluation pass, a schedule, a restored checkpoint) is seen by
