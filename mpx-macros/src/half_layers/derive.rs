@@ -67,6 +67,8 @@ struct Field<'a> {
     vis: &'a syn::Visibility,
     ty: &'a syn::Type,
     role: Role,
+    /// Marked `#[half_layers(keep)]`.
+    keep: bool,
 }
 
 /// Entry point: the generated items, or the collected errors.
@@ -121,10 +123,12 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
                 );
             }
             if matches!(f.role, Role::Keep) && mentions(f.ty, elem) && !marker {
-                cx.error_spanned(
-                    f.ty,
-                    "`#[derive(HalfLayers)]`: this field is carried into the working copy as it is (its device as `Cpu`), so it must not mention the element type; if it is a layer, it needs `HalfLayers` (remove `#[half_layers(keep)]`)",
-                );
+                let msg = if f.keep {
+                    "`#[derive(HalfLayers)]`: this field is carried into the working copy as it is (its device as `Cpu`), so it must not mention the element type; if it is a layer, it needs `HalfLayers` (remove `#[half_layers(keep)]`)"
+                } else {
+                    "`#[derive(HalfLayers)]`: a field of this type (a `Vec`, an `Option`, a `Box`, ..) is carried into the working copy as it is, in f32, so it must not hold the element type: a layer or a tensor in it would neither run in half precision nor train there; hold layers in a tuple or dfdx's `Repeated<L, N>`, and a tensor in a `Tensor` field of its own (`#[half_layers(state)]` when its walk does not train it)"
+                };
+                cx.error_spanned(f.ty, msg);
             }
         }
     }
@@ -237,6 +241,7 @@ fn fields<'a>(
             vis: &f.vis,
             ty: &f.ty,
             role,
+            keep,
         });
     }
     out
