@@ -291,7 +291,7 @@ mod step {
     ) -> f32 {
         let grads = model.alloc_grads();
         let logits = scaler
-            .forward(model, Batch(x.traced(grads)), |m, x| m.forward_mut(x))
+            .forward_mut(model, Batch(x.traced(grads)), |m, x| m.forward_mut(x))
             .expect("forward");
         let loss = cross_entropy_with_logits_loss(logits, y);
         let loss_value = loss.array();

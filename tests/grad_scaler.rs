@@ -624,7 +624,7 @@ fn accumulated_micro_batches_each_move_the_running_statistics_on() {
             m32.1.running_mean.copy_from(&restored);
         }
         let y = scaler
-            .forward(&mixed, x.trace(grads), |m, x| m.forward_mut(x))
+            .forward_mut(&mut mixed, x.trace(grads), |m, x| m.forward_mut(x))
             .unwrap();
         grads = scaler.backward(y.square().mean()).unwrap();
         g32 = m32.forward_mut(x.trace(g32)).square().mean().backward();

@@ -157,10 +157,9 @@ where
 
     let mut scaler = GradScaler::<H, _>::new(StaticLossScale::new(1024.0).unwrap());
     let mut model = Mixed::mapped(model);
+    let grads = model.alloc_grads();
     let out16 = scaler
-        .forward(&model, x.trace(model.alloc_grads()), |m, x| {
-            m.forward_mut(x)
-        })
+        .forward_mut(&mut model, x.trace(grads), |m, x| m.forward_mut(x))
         .unwrap();
     assert_close_to(
         &format!("{what}: output"),

@@ -512,7 +512,7 @@ fn a_linked_layer_used_twice_or_beside_its_clone_loses_no_gradient() {
         (vals(&g.get(&l.weight)), vals(&g.get(&l.bias)))
     };
     type Fwd = fn(
-        &mut nn::Linear<8, 8, f16>,
+        &nn::Linear<8, 8, f16>,
         Tensor<Rank2<5, 8>, f16, Cpu, OwnedTape<f16, Cpu>>,
     ) -> Tensor<Rank2<5, 8>, f16, Cpu, OwnedTape<f16, Cpu>>;
     let twice: Fwd = |m, x| m.forward(m.forward(x));

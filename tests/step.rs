@@ -22,10 +22,18 @@ fn grad_bits(m: &MlpF32, g: &Gradients<f32, Cpu>) -> Vec<u32> {
 /// calls: the batch `$x` (f32) through `$master`'s forward pass, `$loss` on its f32 output;
 /// returns `(loss, gradients, grads_finite, applied scale)`.
 macro_rules! value_and_grad {
-    ($scaler:expr, $master:expr, $x:expr, |$m:ident, $xx:ident| $fwd:expr, |$o:ident| $loss:expr) => {{
+    // `mut`: a pass that may change the model (`forward_mut`)
+    (mut $scaler:expr, $master:expr, $($rest:tt)*) => {
+        value_and_grad!(@forward_mut &mut $master; $scaler, $master, $($rest)*)
+    };
+    ($scaler:expr, $master:expr, $($rest:tt)*) => {
+        value_and_grad!(@forward &$master; $scaler, $master, $($rest)*)
+    };
+    (@$method:ident $borrow:expr; $scaler:expr, $master:expr, $x:expr, |$m:ident, $xx:ident| $fwd:expr, |$o:ident| $loss:expr) => {{
         let applied = $scaler.loss_scale();
+        let grads = $master.alloc_grads();
         let $o = $scaler
-            .forward(&$master, $x.trace($master.alloc_grads()), |$m, $xx| $fwd)
+            .$method($borrow, $x.trace(grads), |$m, $xx| $fwd)
             .unwrap();
         let loss = $loss;
         let value = loss.array();
@@ -381,10 +389,13 @@ fn batch_norm_running_statistics_reach_the_master() {
     let mut opt = Sgd::new(&*master, Default::default());
     let mut scaler = GradScaler::<f16, _>::new(StaticLossScale::new(256.0).unwrap());
     let x: Tensor<Rank2<8, 4>, f32, Cpu> = dev.sample_normal::<Rank2<8, 4>>() * 2.0 + 1.0;
-    let (_, g, finite, _) =
-        value_and_grad!(scaler, master, x.clone(), |m, x| m.forward_mut(x), |o| o
-            .square()
-            .mean());
+    let (_, g, finite, _) = value_and_grad!(
+        mut scaler,
+        master,
+        x.clone(),
+        |m, x| m.forward_mut(x),
+        |o| o.square().mean()
+    );
     assert!(finite);
     scaler.update(&mut master, &mut opt, &g).unwrap();
     let _ = reference.forward_mut(x.leaky_trace());
@@ -408,9 +419,13 @@ fn batch_norm_running_statistics_reach_the_master() {
     let mut bad = x.as_vec();
     bad[0] = f32::NAN;
     let bad = dev.tensor_from_vec(bad, (Const::<8>, Const::<4>));
-    let (_, g, _, _) = value_and_grad!(scaler, master, bad.clone(), |m, x| m.forward_mut(x), |o| o
-        .square()
-        .mean());
+    let (_, g, _, _) = value_and_grad!(
+        mut scaler,
+        master,
+        bad.clone(),
+        |m, x| m.forward_mut(x),
+        |o| o.square().mean()
+    );
     assert!(
         !scaler
             .update(&mut master, &mut opt, &g)

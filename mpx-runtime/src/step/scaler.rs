@@ -44,13 +44,17 @@ const STUCK_SKIPS: u64 = 20;
 ///
 /// | f32 dfdx step | mixed step, by hand |
 /// |---|---|
-/// | `let y = model.forward_mut(x.traced(grads));` | `let y = scaler.forward(&model, x.traced(grads), \|m, x\| m.forward_mut(x))?;` |
+/// | `let y = model.forward(x.traced(grads));` | `let y = scaler.forward(&model, x.traced(grads), \|m, x\| m.forward(x))?;` |
+/// | `let y = model.forward_mut(x.traced(grads));` | `let y = scaler.forward_mut(&mut model, x.traced(grads), \|m, x\| m.forward_mut(x))?;` |
 /// | `grads = loss.backward();` | `grads = scaler.backward(loss)?;` |
 /// | `opt.update(&mut model, &grads)?;` | `scaler.update(&mut model, &mut opt, &grads)?;` |
 ///
 /// * [`forward`](Self::forward) runs the model's forward pass on a working copy in `H`, built
 ///   from the master as it is now, with the traced f32 input rounded to `H` and the output
-///   widened back to f32: the loss and everything else stays f32 code.
+///   widened back to f32: the loss and everything else stays f32 code. Its closure gets the
+///   copy shared, as dfdx's `forward` gets `&self`; a pass that may change the model (dropout,
+///   batch norm, a module of the user's own that keeps state) is
+///   [`forward_mut`](Self::forward_mut), which takes back what it changed.
 /// * [`backward`](Self::backward) runs the f32 backward; where the gradient enters the half
 ///   graph it is multiplied by the loss scale, and the working copy's gradients come back
 ///   unscaled and added to the master's f32 gradients, which are then checked for finiteness.
@@ -310,14 +314,16 @@ impl<H: Precision, L: LossScale, D: MixedDevice<H>> GradScaler<H, L, D> {
         K: Kind<H, M, D>,
         X: HalfInput<H, D>,
         Y: HalfOutput<H, D>,
-        F: FnOnce(&mut K::Copy, X::Half) -> Y,
+        F: FnOnce(&K::Copy, X::Half) -> Y,
     {
         let owners = Owners::Whole(master.cell.clone());
-        Ok(self.run::<M, K, X, Y, F>(master, &owners, input, f)?.0)
+        let shared = |copy: &mut K::Copy, x: X::Half| f(copy, x);
+        Ok(self.run::<M, K, X, Y, _>(master, &owners, input, shared)?.0)
     }
 
     /// [`forward`](Self::forward) for a pass that may change the model (`forward_mut`, as
-    /// dropout's and batch norm's training mode do): once `f` has run, what it changed in the
+    /// dropout's and batch norm's training mode do): `f` gets the working copy mutably, and once
+    /// it has run, what it changed in the
     /// working copy outside the layers and tensors comes back to the master
     /// ([`HalfLayers::carry_back`](super::HalfLayers::carry_back): a counter or a history in a
     /// module of the user's own), as the same pass in f32 leaves it in the model.
